@@ -1,0 +1,2 @@
+//! Types shared by the kproxy BPF programs and the agent. Placeholder.
+#![no_std]

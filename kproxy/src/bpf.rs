@@ -1,0 +1,1 @@
+//! BPF object loading. Placeholder: filled by the BPF build work.

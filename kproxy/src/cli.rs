@@ -1,0 +1,1 @@
+//! Command line. Placeholder: filled by the CLI/config work.

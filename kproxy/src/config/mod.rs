@@ -1,0 +1,1 @@
+//! Configuration. Placeholder: filled by the CLI/config work.

@@ -1,0 +1,13 @@
+//! kproxy: a drop-in replacement for Kubernetes' kube-proxy.
+//!
+//! Data flow (see README.md): [`source`] → [`model::Tracker`] → [`sync::Runner`] →
+//! [`dataplane::Dataplane::sync`].
+
+pub mod agent;
+pub mod bpf;
+pub mod cli;
+pub mod config;
+pub mod dataplane;
+pub mod model;
+pub mod source;
+pub mod sync;

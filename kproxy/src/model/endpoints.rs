@@ -1,0 +1,1 @@
+//! EndpointSlice → Endpoints, merged per service port. Placeholder: filled by the model work.

@@ -1,0 +1,21 @@
+//! The pure service model: Kubernetes objects in, an immutable [`Snapshot`] out. No I/O here.
+//!
+//! - [`types`]: `ServicePort`, `Endpoint`, names and enums.
+//! - [`service`]: Service → `ServicePort`s (which services are proxied, validation, defaults).
+//! - [`endpoints`]: EndpointSlice → `Endpoint`s, merged per service port like upstream's
+//!   EndpointSliceCache.
+//! - [`topology`]: upstream's `CategorizeEndpoints`.
+//! - [`tracker`]: folds source events into state and builds snapshots + change sets.
+
+pub mod endpoints;
+pub mod service;
+pub mod snapshot;
+pub mod topology;
+pub mod tracker;
+pub mod types;
+pub mod warning;
+
+pub use snapshot::{ChangedSet, Snapshot};
+pub use tracker::Tracker;
+pub use types::*;
+pub use warning::ModelWarning;

@@ -1,0 +1,1 @@
+//! Service → ServicePorts. Placeholder: filled by the model work.

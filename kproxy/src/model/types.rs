@@ -1,0 +1,241 @@
+//! The proxy's view of a service port and its endpoints (upstream `ServicePort` / `Endpoint`).
+//!
+//! These are plain data: everything is already validated and defaulted by the builders in
+//! [`super::service`] and [`super::endpoints`]. Both IP families live in one value; a
+//! per-family datapath selects its family with the `*_for` helpers (upstream runs one proxier
+//! per family and filters the same way).
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+/// IP family of an address or of a per-family datapath instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: &IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+    pub fn matches(self, ip: &IpAddr) -> bool {
+        IpFamily::of(ip) == self
+    }
+}
+
+/// L4 protocol of a service port (the three Kubernetes supports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Parses the Kubernetes spelling (`TCP`, `UDP`, `SCTP`); an unset protocol means TCP.
+    pub fn parse(s: Option<&str>) -> Option<Self> {
+        match s {
+            None | Some("TCP") => Some(Protocol::Tcp),
+            Some("UDP") => Some(Protocol::Udp),
+            Some("SCTP") => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+    /// Lower-case name as used in iptables rules and chain-name hashes.
+    pub fn lower(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+    /// IANA protocol number.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        })
+    }
+}
+
+/// Upstream's `ServicePortName`: namespace/name, the port's name (may be empty) and protocol.
+/// Displays as `ns/name:port` (or `ns/name` when the port is unnamed), like upstream, and
+/// serializes as that string (so it can key JSON maps; port names are unique per service).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl ServicePortName {
+    /// `namespace/name`, the service this port belongs to.
+    pub fn service(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+impl Serialize for ServicePortName {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}/{}", self.namespace, self.name)
+        } else {
+            write!(f, "{}/{}:{}", self.namespace, self.name, self.port)
+        }
+    }
+}
+
+/// `status.loadBalancer.ingress[].ipMode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum IpMode {
+    /// Traffic to the IP is delivered to the node with the IP as destination (default).
+    Vip,
+    /// The load balancer rewrites the destination; the proxy must not capture the IP.
+    Proxy,
+}
+
+/// One load-balancer ingress IP.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct LoadBalancerIngress {
+    pub ip: IpAddr,
+    pub ip_mode: IpMode,
+}
+
+/// `spec.type` of the proxied service (ExternalName services are never proxied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum ServiceType {
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+}
+
+/// One port of one proxied service: upstream's `ServicePort` interface as data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub service_type: ServiceType,
+    /// The service's cluster IPs, primary family first, at most one per family.
+    pub cluster_ips: Vec<IpAddr>,
+    pub port: u16,
+    pub protocol: Protocol,
+    /// 0 when the port has no node port.
+    pub node_port: u16,
+    pub external_ips: Vec<IpAddr>,
+    /// All LB ingress IPs with their ipMode (see [`ServicePort::load_balancer_vips`]).
+    pub load_balancer_ingress: Vec<LoadBalancerIngress>,
+    pub load_balancer_source_ranges: Vec<IpNet>,
+    /// externalTrafficPolicy=Local on an externally accessible service.
+    pub external_policy_local: bool,
+    /// internalTrafficPolicy=Local.
+    pub internal_policy_local: bool,
+    /// 0 when unset.
+    pub health_check_node_port: u16,
+    /// `Some(timeout seconds)` for sessionAffinity=ClientIP (default 10800).
+    pub session_affinity_timeout: Option<u32>,
+}
+
+impl ServicePort {
+    /// The cluster IP of `family`, if the service has one.
+    pub fn cluster_ip(&self, family: IpFamily) -> Option<IpAddr> {
+        self.cluster_ips.iter().copied().find(|ip| family.matches(ip))
+    }
+    /// External IPs of `family`.
+    pub fn external_ips_for(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
+        self.external_ips.iter().copied().filter(move |ip| family.matches(ip))
+    }
+    /// LB ingress IPs the proxy captures (ipMode VIP, upstream's `IsVIPMode`) of `family`.
+    pub fn load_balancer_vips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
+        self.load_balancer_ingress
+            .iter()
+            .filter(move |i| i.ip_mode == IpMode::Vip && family.matches(&i.ip))
+            .map(|i| i.ip)
+    }
+    /// Source ranges of `family`.
+    pub fn source_ranges_for(&self, family: IpFamily) -> impl Iterator<Item = IpNet> + '_ {
+        self.load_balancer_source_ranges.iter().copied().filter(move |n| match family {
+            IpFamily::V4 => matches!(n, IpNet::V4(_)),
+            IpFamily::V6 => matches!(n, IpNet::V6(_)),
+        })
+    }
+    /// Upstream `ExternallyAccessible`: nodePort, LB VIPs or external IPs.
+    pub fn externally_accessible(&self) -> bool {
+        self.node_port != 0
+            || self.load_balancer_ingress.iter().any(|i| i.ip_mode == IpMode::Vip)
+            || !self.external_ips.is_empty()
+    }
+    /// Upstream `UsesClusterEndpoints`.
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_policy_local || self.externally_accessible()
+    }
+    /// Upstream `UsesLocalEndpoints`.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_policy_local || (self.external_policy_local && self.externally_accessible())
+    }
+}
+
+/// One endpoint of one service port (upstream `BaseEndpointInfo`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// `nodeName == this node` (upstream `IsLocal`).
+    pub is_local: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    pub zone_hints: BTreeSet<String>,
+    pub node_hints: BTreeSet<String>,
+}
+
+impl Endpoint {
+    /// `IP:port` (IPv6 bracketed), upstream's `Endpoint.String()`, the identity of an endpoint.
+    pub fn addr(&self) -> String {
+        std::net::SocketAddr::new(self.ip, self.port).to_string()
+    }
+}
+
+/// What the proxy knows of its own node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct NodeInfo {
+    pub name: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// `status.addresses` of type InternalIP/ExternalIP, as parsed.
+    pub addresses: Vec<IpAddr>,
+    /// `spec.podCIDRs`.
+    pub pod_cidrs: Vec<IpNet>,
+}
+
+impl NodeInfo {
+    /// The zone label (`topology.kubernetes.io/zone`), if any.
+    pub fn zone(&self) -> Option<&str> {
+        self.labels.get("topology.kubernetes.io/zone").map(String::as_str)
+    }
+}

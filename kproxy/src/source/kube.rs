@@ -1,0 +1,1 @@
+//! Kubernetes API source. Placeholder: filled by the sources work.

@@ -1,0 +1,38 @@
+//! Sources turn the outside world into [`Event`]s for the model tracker.
+//!
+//! - [`kube`]: Services, EndpointSlices and the node's own Node from the API server (kube-rs).
+//! - [`manifests`]: the same kinds from a file or directory of YAML (standalone mode).
+//!
+//! Each kind first arrives as a [`Delta::Replace`] with the complete initial list; that is also
+//! how a source reports "initial sync done" for the kind, and how a re-list (after 410 Gone or a
+//! file re-read) swaps the whole state.
+
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+pub mod kube;
+pub mod manifests;
+
+/// A change to one kind of object.
+#[derive(Debug, Clone)]
+pub enum Delta<T> {
+    /// Added or updated.
+    Apply(T),
+    /// Deleted (the last known state).
+    Delete(T),
+    /// The complete current set of this kind; replaces everything known before.
+    Replace(Vec<T>),
+}
+
+/// One event from a source.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Service(Delta<Service>),
+    EndpointSlice(Delta<EndpointSlice>),
+    /// The node's own Node object (`Replace(vec![])` when the source has none).
+    Node(Delta<Node>),
+}
+
+/// Label selector upstream kube-proxy uses for Services and EndpointSlices.
+pub const PROXYABLE_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
