@@ -8,6 +8,7 @@ pub mod bpf;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod logging;
 pub mod model;
 pub mod source;
 pub mod sync;

@@ -220,7 +220,8 @@ impl Runner {
                 _ = tokio::time::sleep_until(wake.into()) => {}
             }
             // Sources gone (tests, or a fatal source error): finish the pending sync, then stop.
-            if !events_open && !(self.tracker.is_synced() && schedule.is_requested()) {
+            let pending_sync = self.tracker.is_synced() && schedule.is_requested();
+            if !events_open && !pending_sync {
                 break;
             }
         }

@@ -1,1 +1,77 @@
-fn main() {}
+//! `cargo xtask <command>`: kproxy's developer and CI driver (plain std + anyhow).
+//!
+//! | command | module |
+//! |---|---|
+//! | `setup` | [`setup`]: install what a fresh Debian 12 machine lacks (idempotent) |
+//! | `build-ebpf` | [`build_ebpf`]: build the BPF object alone and print its path |
+//! | `test [ARGS…]` | [`test`]: setup, then `cargo test --workspace` (kernel tests included) |
+//! | `demo` | [`demo`] |
+//! | `bench` | [`bench`] |
+//!
+//! [`bpf_toolchain`] is shared with `kproxy/build.rs` (one definition of the BPF build).
+
+mod bench;
+mod bpf_toolchain;
+mod build_ebpf;
+mod demo;
+mod process;
+mod setup;
+mod test;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [args…]
+
+commands:
+  setup        install what this machine lacks for building and testing kproxy (apt + bpf-linker)
+  build-ebpf   build the BPF object alone and print its path
+  test [ARGS]  setup, then run every test (kernel tests included; needs root); ARGS go to cargo test
+  demo         run the demo topology
+  bench        run the benchmarks";
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask/ is inside the workspace")
+        .to_path_buf()
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((command, rest)) = args.split_first() else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    };
+    let result = match command.as_str() {
+        "setup" => no_args(command, rest)
+            .and_then(|()| setup::run())
+            .map(|_| ExitCode::SUCCESS),
+        "build-ebpf" => no_args(command, rest).and_then(|()| build_ebpf::run()),
+        "test" => test::run(rest),
+        "demo" => demo::run(rest),
+        "bench" => bench::run(rest),
+        "help" | "-h" | "--help" => {
+            println!("{USAGE}");
+            Ok(ExitCode::SUCCESS)
+        }
+        other => {
+            eprintln!("xtask: unknown command {other:?}\n{USAGE}");
+            Ok(ExitCode::from(2))
+        }
+    };
+    result.unwrap_or_else(|err| {
+        eprintln!("xtask {command}: error: {err:#}");
+        ExitCode::FAILURE
+    })
+}
+
+fn no_args(command: &str, rest: &[String]) -> anyhow::Result<()> {
+    if rest.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!("`{command}` takes no arguments, got {rest:?}")
+    }
+}

@@ -26,6 +26,10 @@ pub enum Delta<T> {
 
 /// One event from a source.
 #[derive(Debug, Clone)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "events are moved once through a channel; boxing would only add an allocation"
+)]
 pub enum Event {
     Service(Delta<Service>),
     EndpointSlice(Delta<EndpointSlice>),

@@ -1,0 +1,37 @@
+//! kproxy's BPF programs (one ELF object, embedded into the agent by `kproxy/build.rs`).
+//!
+//! Built with Debian's rustc-web for `bpfel-unknown-none` (see `TOOLCHAIN.md` / README); the
+//! target's panic strategy is `abort`, so no profile setting is needed for it. Names, map
+//! value types and constants come from `kproxy-common`, never from here.
+//!
+//! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
+//!
+//! Keep logging (aya-log) off the per-packet path: it costs ~10x a map lookup.
+#![cfg_attr(target_arch = "bpf", no_std, no_main)]
+
+mod counter;
+
+#[cfg(target_arch = "bpf")]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    // The verifier rejects any path that could reach here (there is no way to abort a BPF
+    // program), so this is never executed; loop instead of UB to keep it obviously safe.
+    #[allow(clippy::empty_loop)]
+    loop {}
+}
+
+/// The license the kernel sees; GPL-compatible so GPL-only helpers and kfuncs are allowed.
+#[cfg(target_arch = "bpf")]
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+/// Host stub: this crate is only meaningful as a BPF object.
+#[cfg(not(target_arch = "bpf"))]
+fn main() {
+    eprintln!(
+        "kproxy-ebpf is a BPF object, not a host program: `cargo xtask build-ebpf` builds it \
+         (and `cargo build -p kproxy` embeds it)"
+    );
+    std::process::exit(2);
+}

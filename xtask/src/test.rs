@@ -1,0 +1,44 @@
+//! `cargo xtask test [ARGS…]`: `setup`, then the whole test suite, kernel tests included:
+//! `cargo test --workspace --exclude kproxy-ebpf --no-fail-fast ARGS…` with
+//! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
+//! "skipped", and one failing test binary does not hide the others' results. Needs root. The
+//! exit code is cargo's.
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context as _, bail};
+
+use crate::bpf_toolchain::EBPF_PACKAGE;
+use crate::process::{display, is_root};
+
+/// Read by `kproxy_tests::netns::require_root` (tests/src/netns.rs, `REQUIRE_KERNEL_ENV`).
+const REQUIRE_KERNEL_ENV: &str = "KPROXY_TESTS_REQUIRE_KERNEL";
+
+pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    if !is_root() {
+        bail!(
+            "`cargo xtask test` runs the kernel tests (namespaces, BPF, netfilter) and needs root; \
+             unprivileged, run `cargo test --workspace` (kernel tests then print \"skipped\")"
+        );
+    }
+    crate::setup::run()?;
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "test",
+        "--workspace",
+        "--exclude",
+        EBPF_PACKAGE,
+        "--no-fail-fast",
+    ])
+    .args(args)
+    .env(REQUIRE_KERNEL_ENV, "1")
+    .current_dir(crate::workspace_root());
+    println!("test: $ {}", display(&cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("spawning {}", display(&cmd)))?;
+    // A signal-killed cargo has no code: report failure.
+    let code = status.code().map_or(1, |c| u8::try_from(c).unwrap_or(1));
+    Ok(ExitCode::from(code))
+}
