@@ -46,9 +46,8 @@ pub async fn start_source(
             source::manifests::spawn(path.clone(), node_name.to_owned(), tx)
         }
         SourceSpec::Kube { kubeconfig, master } => {
-            // WIRE-KUBE: enabled when source::kube lands
-            let _ = (kubeconfig, master, tx);
-            anyhow::bail!("kube source not wired yet")
+            let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
+            source::kube::spawn(client, node_name.to_owned(), tx)
         }
     })
 }

@@ -1,1 +1,298 @@
-//! Kubernetes API source. Placeholder: filled by the sources work.
+//! Kubernetes API source: Services and EndpointSlices (all namespaces, filtered by
+//! [`PROXYABLE_LABEL_SELECTOR`]) and the node's own Node (field selector `metadata.name`),
+//! watched with kube-runtime's [`watcher`] and turned into [`Event`]s.
+//!
+//! Each kind runs its own list+watch loop. kube-runtime reports a (re-)list as
+//! `Init, InitApply…, InitDone`; [`Relist`] buffers that sequence and emits it as ONE
+//! [`Delta::Replace`], so the tracker swaps the whole state at once — after the initial list
+//! and after every re-list (410 Gone, a watch that cannot be resumed). Watch events become
+//! [`Delta::Apply`] / [`Delta::Delete`]. Errors are logged and retried with kube-runtime's
+//! default backoff (800 ms doubling to 30 s, like client-go's reflector); none is fatal.
+//! The loops stop when the event channel is closed.
+
+use std::fmt::Debug;
+use std::path::{Path, PathBuf};
+
+use ::kube::api::Api;
+use ::kube::config::{Config, KubeConfigOptions, Kubeconfig, KubeconfigError};
+use ::kube::runtime::WatchStreamExt;
+use ::kube::runtime::watcher::{self, watcher};
+use ::kube::{Client, Resource};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use super::{Delta, Event, PROXYABLE_LABEL_SELECTOR};
+
+/// Why no API client could be built.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSourceError {
+    #[error("invalid --master URL {url:?}: {reason}")]
+    MasterUrl { url: String, reason: String },
+    #[error("cannot load kubeconfig {}: {source}", path.display())]
+    Kubeconfig {
+        path: PathBuf,
+        #[source]
+        source: KubeconfigError,
+    },
+    #[error(
+        "no API server configured (no --kubeconfig or --master given): in-cluster config: {in_cluster}; \
+         default kubeconfig ($KUBECONFIG or ~/.kube/config): {kubeconfig}"
+    )]
+    NoConfig {
+        in_cluster: String,
+        kubeconfig: String,
+    },
+    #[error("cannot create a client for API server {url}: {source}")]
+    Client {
+        url: String,
+        #[source]
+        source: ::kube::Error,
+    },
+}
+
+/// Client from (in order): `master` overriding the server URL, a kubeconfig file, in-cluster
+/// config, the default kubeconfig. Errors name what was tried.
+///
+/// As upstream's `BuildConfigFromFlags`: with `master` and no kubeconfig the client talks to
+/// `master` without credentials; with both, the kubeconfig's credentials are used against
+/// `master`; with neither, in-cluster config is tried first, then `$KUBECONFIG` /
+/// `~/.kube/config`.
+pub async fn client(
+    kubeconfig: Option<&Path>,
+    master: Option<&str>,
+) -> Result<Client, KubeSourceError> {
+    let master = master
+        .filter(|m| !m.is_empty())
+        .map(master_config)
+        .transpose()?;
+    let config = match (kubeconfig, master) {
+        (Some(path), master) => {
+            let err = |source| KubeSourceError::Kubeconfig {
+                path: path.to_owned(),
+                source,
+            };
+            let kc = Kubeconfig::read_from(path).map_err(err)?;
+            let mut config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(err)?;
+            if let Some(m) = master {
+                config.cluster_url = m.cluster_url;
+            }
+            config
+        }
+        (None, Some(m)) => m,
+        (None, None) => match Config::incluster() {
+            Ok(c) => c,
+            Err(in_cluster) => Config::from_kubeconfig(&KubeConfigOptions::default())
+                .await
+                .map_err(|kubeconfig| KubeSourceError::NoConfig {
+                    in_cluster: in_cluster.to_string(),
+                    kubeconfig: kubeconfig.to_string(),
+                })?,
+        },
+    };
+    let url = config.cluster_url.to_string();
+    info!(server = %url, "connecting to the API server");
+    Client::try_from(config).map_err(|source| KubeSourceError::Client { url, source })
+}
+
+/// A credential-less config for the server at `master`.
+fn master_config(master: &str) -> Result<Config, KubeSourceError> {
+    match master.parse() {
+        Ok(uri) => Ok(Config::new(uri)),
+        Err(e) => Err(KubeSourceError::MasterUrl {
+            url: master.to_owned(),
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Watches Services and EndpointSlices (all namespaces, label selector
+/// [`PROXYABLE_LABEL_SELECTOR`]) and the Node named `node_name` (field selector
+/// `metadata.name=<node>`), sending Events into `tx` until tx is closed.
+pub fn spawn(
+    client: Client,
+    node_name: String,
+    tx: mpsc::Sender<Event>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let proxyable = watcher::Config::default().labels(PROXYABLE_LABEL_SELECTOR);
+        let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        let services = run::<Service>(
+            Api::all(client.clone()),
+            proxyable.clone(),
+            Event::Service,
+            &tx,
+        );
+        let slices = run::<EndpointSlice>(
+            Api::all(client.clone()),
+            proxyable,
+            Event::EndpointSlice,
+            &tx,
+        );
+        let node = run::<Node>(Api::all(client), this_node, Event::Node, &tx);
+        tokio::select! {
+            _ = futures::future::join3(services, slices, node) => {}
+            _ = tx.closed() => {}
+        }
+        debug!("kube source stopped: event channel closed");
+    })
+}
+
+/// One kind's list+watch loop; returns when `tx` is closed.
+async fn run<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    wrap: fn(Delta<K>) -> Event,
+    tx: &mpsc::Sender<Event>,
+) where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + 'static,
+{
+    let kind = K::kind(&());
+    let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
+    let mut relist = Relist::default();
+    while let Some(item) = stream.next().await {
+        let delta = match item {
+            Ok(ev) => match relist.push(ev) {
+                Some(delta) => delta,
+                None => continue,
+            },
+            Err(e) => {
+                log_watch_error(&kind, &e);
+                continue;
+            }
+        };
+        match &delta {
+            Delta::Replace(all) => info!(%kind, objects = all.len(), "listed"),
+            Delta::Apply(o) => debug!(%kind, name = %display_name(o), "applied"),
+            Delta::Delete(o) => debug!(%kind, name = %display_name(o), "deleted"),
+        }
+        if tx.send(wrap(delta)).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn display_name<K: Resource>(o: &K) -> String {
+    let m = o.meta();
+    match &m.namespace {
+        Some(ns) => format!("{ns}/{}", m.name.as_deref().unwrap_or("")),
+        None => m.name.clone().unwrap_or_default(),
+    }
+}
+
+fn log_watch_error(kind: &str, e: &watcher::Error) {
+    match e {
+        watcher::Error::WatchError(status) if status.code == 410 => {
+            info!(%kind, reason = %status.reason, "watch expired (410), re-listing");
+        }
+        _ => warn!(%kind, error = %e, "list/watch failed; retrying with backoff"),
+    }
+}
+
+/// Folds kube-runtime's watcher events into [`Delta`]s: a re-list (`Init`, `InitApply…`,
+/// `InitDone`) becomes one [`Delta::Replace`]; `Apply`/`Delete` pass through.
+#[derive(Debug)]
+pub struct Relist<K> {
+    /// Objects of a re-list in progress; `None` outside one.
+    buffer: Option<Vec<K>>,
+}
+
+impl<K> Default for Relist<K> {
+    fn default() -> Self {
+        Relist { buffer: None }
+    }
+}
+
+impl<K> Relist<K> {
+    /// The delta to emit for `ev`, if any.
+    pub fn push(&mut self, ev: watcher::Event<K>) -> Option<Delta<K>> {
+        match ev {
+            // A new Init drops a re-list that failed half-way.
+            watcher::Event::Init => {
+                self.buffer = Some(Vec::new());
+                None
+            }
+            watcher::Event::InitApply(obj) => {
+                self.buffer.get_or_insert_with(Vec::new).push(obj);
+                None
+            }
+            watcher::Event::InitDone => {
+                Some(Delta::Replace(self.buffer.take().unwrap_or_default()))
+            }
+            watcher::Event::Apply(obj) => Some(Delta::Apply(obj)),
+            watcher::Event::Delete(obj) => Some(Delta::Delete(obj)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn svc(name: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn names(d: &Delta<Service>) -> (String, Vec<String>) {
+        let n = |s: &Service| s.metadata.name.clone().unwrap();
+        match d {
+            Delta::Apply(s) => ("apply".into(), vec![n(s)]),
+            Delta::Delete(s) => ("delete".into(), vec![n(s)]),
+            Delta::Replace(v) => ("replace".into(), v.iter().map(n).collect()),
+        }
+    }
+
+    #[test]
+    fn relist_sequence_becomes_one_replace() {
+        let mut r = Relist::default();
+        assert!(r.push(watcher::Event::Init).is_none());
+        assert!(r.push(watcher::Event::InitApply(svc("a"))).is_none());
+        assert!(r.push(watcher::Event::InitApply(svc("b"))).is_none());
+        let d = r.push(watcher::Event::InitDone).expect("replace");
+        assert_eq!(names(&d), ("replace".into(), vec!["a".into(), "b".into()]));
+    }
+
+    #[test]
+    fn empty_relist_is_an_empty_replace() {
+        let mut r = Relist::<Service>::default();
+        assert!(r.push(watcher::Event::Init).is_none());
+        let d = r.push(watcher::Event::InitDone).expect("replace");
+        assert_eq!(names(&d), ("replace".into(), vec![]));
+    }
+
+    #[test]
+    fn interrupted_relist_is_dropped_on_the_next_init() {
+        let mut r = Relist::default();
+        r.push(watcher::Event::Init);
+        r.push(watcher::Event::InitApply(svc("stale")));
+        r.push(watcher::Event::Init);
+        r.push(watcher::Event::InitApply(svc("fresh")));
+        let d = r.push(watcher::Event::InitDone).expect("replace");
+        assert_eq!(names(&d), ("replace".into(), vec!["fresh".into()]));
+    }
+
+    #[test]
+    fn watch_events_pass_through() {
+        let mut r = Relist::default();
+        assert_eq!(
+            names(&r.push(watcher::Event::Apply(svc("a"))).unwrap()),
+            ("apply".into(), vec!["a".into()])
+        );
+        assert_eq!(
+            names(&r.push(watcher::Event::Delete(svc("a"))).unwrap()),
+            ("delete".into(), vec!["a".into()])
+        );
+    }
+}
