@@ -20,7 +20,10 @@ pub enum SourceSpec {
     /// `--manifests PATH`: a file or directory of YAML.
     Manifests(PathBuf),
     /// The API server: `--kubeconfig`, `--master`, else in-cluster / default kubeconfig.
-    Kube { kubeconfig: Option<PathBuf>, master: Option<String> },
+    Kube {
+        kubeconfig: Option<PathBuf>,
+        master: Option<String>,
+    },
 }
 
 /// Everything an agent needs besides its datapath.
@@ -71,7 +74,11 @@ impl Agent {
         let runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
         let status = runner.status();
         let task = tokio::spawn(runner.run(rx, shutdown));
-        Ok(Agent { status, task, source })
+        Ok(Agent {
+            status,
+            task,
+            source,
+        })
     }
 
     /// Waits for the sync loop to stop; stops the source; returns the (still programmed) datapath.

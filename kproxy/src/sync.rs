@@ -42,7 +42,12 @@ pub struct RunnerConfig {
 impl RunnerConfig {
     /// Upstream's shape for a (minSyncPeriod, syncPeriod) pair.
     pub fn new(min_interval: Duration, max_interval: Duration) -> Self {
-        RunnerConfig { min_interval, max_interval, burst: 2, retry_base: Duration::from_secs(1) }
+        RunnerConfig {
+            min_interval,
+            max_interval,
+            burst: 2,
+            retry_base: Duration::from_secs(1),
+        }
     }
 }
 
@@ -87,7 +92,9 @@ impl Schedule {
         if self.cfg.min_interval.is_zero() {
             return burst;
         }
-        let elapsed = now.saturating_duration_since(self.refilled_at).as_secs_f64();
+        let elapsed = now
+            .saturating_duration_since(self.refilled_at)
+            .as_secs_f64();
         (self.tokens + elapsed / self.cfg.min_interval.as_secs_f64()).min(burst)
     }
 
@@ -134,7 +141,11 @@ impl Schedule {
         } else {
             self.failures += 1;
             let factor = 2u32.saturating_pow(self.failures - 1);
-            let delay = self.cfg.retry_base.saturating_mul(factor).min(self.cfg.max_interval);
+            let delay = self
+                .cfg
+                .retry_base
+                .saturating_mul(factor)
+                .min(self.cfg.max_interval);
             self.retry_at = Some(now + delay);
         }
     }
@@ -179,7 +190,13 @@ pub struct Runner {
 impl Runner {
     pub fn new(cfg: RunnerConfig, tracker: Tracker, dataplane: Box<dyn Dataplane>) -> Self {
         let (status, _) = watch::channel(RunnerStatus::default());
-        Runner { cfg, tracker, dataplane: Some(dataplane), status, carried: ChangedSet::default() }
+        Runner {
+            cfg,
+            tracker,
+            dataplane: Some(dataplane),
+            status,
+            carried: ChangedSet::default(),
+        }
     }
 
     /// A receiver of the status published after every sync.
@@ -201,7 +218,11 @@ impl Runner {
         loop {
             let now = Instant::now();
             let synced = self.tracker.is_synced();
-            let wake = if synced { schedule.next_run(now) } else { now + Duration::from_secs(3600) };
+            let wake = if synced {
+                schedule.next_run(now)
+            } else {
+                now + Duration::from_secs(3600)
+            };
             if synced && wake <= now {
                 let ok = self.sync_once().await;
                 schedule.ran(now, ok);
@@ -225,7 +246,9 @@ impl Runner {
                 break;
             }
         }
-        self.dataplane.take().expect("dataplane is present between syncs")
+        self.dataplane
+            .take()
+            .expect("dataplane is present between syncs")
     }
 
     fn apply(&mut self, ev: Event, schedule: &mut Schedule) {
@@ -235,7 +258,8 @@ impl Runner {
         let pending = self.tracker.pending();
         if pending.services + pending.endpoints > 0 || !self.tracker.is_synced() {
             if !schedule.is_requested() {
-                self.status.send_modify(|s| s.queued_since = Some(SystemTime::now()));
+                self.status
+                    .send_modify(|s| s.queued_since = Some(SystemTime::now()));
             }
             schedule.request();
         }
@@ -252,7 +276,10 @@ impl Runner {
         let mut changed_all = std::mem::take(&mut self.carried);
         changed_all.services.extend(changed.services);
         changed_all.node |= changed.node;
-        let mut dp = self.dataplane.take().expect("dataplane is present between syncs");
+        let mut dp = self
+            .dataplane
+            .take()
+            .expect("dataplane is present between syncs");
         let started = Instant::now();
         let snap2 = snap.clone();
         let changed2 = changed_all.clone();
@@ -349,7 +376,13 @@ mod tests {
     #[test]
     fn changes_while_rate_limited_are_batched_into_one_run() {
         let t0 = Instant::now();
-        let mut s = Schedule::new(RunnerConfig { burst: 1, ..cfg(2, 30) }, t0);
+        let mut s = Schedule::new(
+            RunnerConfig {
+                burst: 1,
+                ..cfg(2, 30)
+            },
+            t0,
+        );
         s.ran(t0, true);
         for _ in 0..10 {
             s.request();
@@ -364,7 +397,13 @@ mod tests {
     #[test]
     fn zero_min_sync_period_never_delays() {
         let t0 = Instant::now();
-        let mut s = Schedule::new(RunnerConfig { burst: 1, ..cfg(0, 30) }, t0);
+        let mut s = Schedule::new(
+            RunnerConfig {
+                burst: 1,
+                ..cfg(0, 30)
+            },
+            t0,
+        );
         for i in 0..5 {
             s.request();
             assert!(s.is_due(t0), "run {i} delayed");
@@ -394,7 +433,14 @@ mod tests {
     #[test]
     fn a_retry_still_respects_the_rate_limit() {
         let t0 = Instant::now();
-        let mut s = Schedule::new(RunnerConfig { burst: 1, retry_base: Duration::from_millis(100), ..cfg(2, 30) }, t0);
+        let mut s = Schedule::new(
+            RunnerConfig {
+                burst: 1,
+                retry_base: Duration::from_millis(100),
+                ..cfg(2, 30)
+            },
+            t0,
+        );
         s.ran(t0, false);
         // retry wanted at +0.1 s but no token before +2 s
         assert_eq!(s.next_run(t0), t0 + 2 * S);

@@ -23,7 +23,10 @@ fn service(name: &str, ip: &str) -> Service {
 }
 
 fn slice(svc: &str, ips: &[&str]) -> EndpointSlice {
-    let eps: Vec<String> = ips.iter().map(|ip| format!("{{addresses: [{ip}], nodeName: node-a}}")).collect();
+    let eps: Vec<String> = ips
+        .iter()
+        .map(|ip| format!("{{addresses: [{ip}], nodeName: node-a}}"))
+        .collect();
     serde_yaml::from_str(&format!(
         "metadata: {{name: {svc}-1, namespace: default, labels: {{kubernetes.io/service-name: {svc}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints: [{}]",
         eps.join(", ")
@@ -53,7 +56,14 @@ fn start(cfg: RunnerConfig) -> (Harness, kproxy_tests::recording::Recorder) {
     let task = tokio::spawn(runner.run(rx, async move {
         let _ = stopped.await;
     }));
-    (Harness { tx, stop: Some(stop), task }, rec)
+    (
+        Harness {
+            tx,
+            stop: Some(stop),
+            task,
+        },
+        rec,
+    )
 }
 
 impl Harness {
@@ -62,7 +72,8 @@ impl Harness {
     }
     async fn initial(&self, services: Vec<Service>, slices: Vec<EndpointSlice>) {
         self.send(Event::Service(Delta::Replace(services))).await;
-        self.send(Event::EndpointSlice(Delta::Replace(slices))).await;
+        self.send(Event::EndpointSlice(Delta::Replace(slices)))
+            .await;
         self.send(Event::Node(Delta::Replace(vec![node()]))).await;
     }
     async fn stop(mut self) {
@@ -78,14 +89,28 @@ fn names(r: &Recorded) -> Vec<String> {
 #[tokio::test]
 async fn never_syncs_before_every_source_reported_its_initial_sync() {
     let (h, rec) = start(fast());
-    h.send(Event::Service(Delta::Replace(vec![service("web", "10.96.0.10")]))).await;
-    h.send(Event::EndpointSlice(Delta::Replace(vec![slice("web", &["10.0.0.1"])]))).await;
-    h.send(Event::Service(Delta::Apply(service("api", "10.96.0.11")))).await;
+    h.send(Event::Service(Delta::Replace(vec![service(
+        "web",
+        "10.96.0.10",
+    )])))
+    .await;
+    h.send(Event::EndpointSlice(Delta::Replace(vec![slice(
+        "web",
+        &["10.0.0.1"],
+    )])))
+    .await;
+    h.send(Event::Service(Delta::Apply(service("api", "10.96.0.11"))))
+        .await;
     // Node has not reported: give the runner ample opportunity to (wrongly) sync.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(rec.calls().is_empty(), "synced before the node source reported");
+    assert!(
+        rec.calls().is_empty(),
+        "synced before the node source reported"
+    );
     h.send(Event::Node(Delta::Replace(vec![node()]))).await;
-    let calls = rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty()).await;
+    let calls = rec
+        .wait_for(LIVENESS, "first sync", |c| !c.is_empty())
+        .await;
     assert_eq!(names(&calls[0]), ["default/api:http", "default/web:http"]);
     let eps = calls[0].snapshot.endpoints.values().next().unwrap();
     assert_eq!(eps.len(), 1);
@@ -96,42 +121,87 @@ async fn never_syncs_before_every_source_reported_its_initial_sync() {
 #[tokio::test]
 async fn a_change_syncs_with_exactly_the_changed_service_port() {
     let (h, rec) = start(fast());
-    h.initial(vec![service("web", "10.96.0.10"), service("api", "10.96.0.11")], vec![slice("web", &["10.0.0.1"])])
+    h.initial(
+        vec![service("web", "10.96.0.10"), service("api", "10.96.0.11")],
+        vec![slice("web", &["10.0.0.1"])],
+    )
+    .await;
+    rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty())
         .await;
-    rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty()).await;
-    h.send(Event::EndpointSlice(Delta::Apply(slice("web", &["10.0.0.1", "10.0.0.2"])))).await;
-    let calls = rec.wait_for(LIVENESS, "second sync", |c| c.len() >= 2).await;
-    let changed: Vec<String> = calls[1].changed.services.iter().map(|s| s.to_string()).collect();
+    h.send(Event::EndpointSlice(Delta::Apply(slice(
+        "web",
+        &["10.0.0.1", "10.0.0.2"],
+    ))))
+    .await;
+    let calls = rec
+        .wait_for(LIVENESS, "second sync", |c| c.len() >= 2)
+        .await;
+    let changed: Vec<String> = calls[1]
+        .changed
+        .services
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     assert_eq!(changed, ["default/web:http"]);
-    let web = calls[1].snapshot.endpoints.iter().find(|(k, _)| k.name == "web").unwrap().1;
+    let web = calls[1]
+        .snapshot
+        .endpoints
+        .iter()
+        .find(|(k, _)| k.name == "web")
+        .unwrap()
+        .1;
     assert_eq!(web.len(), 2);
     h.stop().await;
 }
 
 #[tokio::test]
 async fn a_failed_sync_is_retried_with_its_changes() {
-    let cfg = RunnerConfig { retry_base: Duration::from_millis(50), ..fast() };
+    let cfg = RunnerConfig {
+        retry_base: Duration::from_millis(50),
+        ..fast()
+    };
     let (h, rec) = start(cfg);
     h.initial(vec![service("web", "10.96.0.10")], vec![]).await;
-    rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty()).await;
+    rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty())
+        .await;
     rec.fail_next(2);
-    h.send(Event::Service(Delta::Apply(service("api", "10.96.0.11")))).await;
-    let calls = rec.wait_for(LIVENESS, "two failures then a success", |c| c.len() >= 4).await;
-    assert!(!calls[1].ok && !calls[2].ok && calls[3].ok, "{:?}", calls.iter().map(|c| c.ok).collect::<Vec<_>>());
+    h.send(Event::Service(Delta::Apply(service("api", "10.96.0.11"))))
+        .await;
+    let calls = rec
+        .wait_for(LIVENESS, "two failures then a success", |c| c.len() >= 4)
+        .await;
+    assert!(
+        !calls[1].ok && !calls[2].ok && calls[3].ok,
+        "{:?}",
+        calls.iter().map(|c| c.ok).collect::<Vec<_>>()
+    );
     for c in &calls[1..4] {
         let changed: Vec<String> = c.changed.services.iter().map(|s| s.to_string()).collect();
-        assert_eq!(changed, ["default/api:http"], "changes of a failed sync are handed to the retry");
+        assert_eq!(
+            changed,
+            ["default/api:http"],
+            "changes of a failed sync are handed to the retry"
+        );
     }
     h.stop().await;
 }
 
 #[tokio::test]
 async fn syncs_periodically_without_changes() {
-    let (h, rec) = start(RunnerConfig::new(Duration::ZERO, Duration::from_millis(100)));
+    let (h, rec) = start(RunnerConfig::new(
+        Duration::ZERO,
+        Duration::from_millis(100),
+    ));
     h.initial(vec![service("web", "10.96.0.10")], vec![]).await;
-    let calls = rec.wait_for(LIVENESS, "three syncs", |c| c.len() >= 3).await;
+    let calls = rec
+        .wait_for(LIVENESS, "three syncs", |c| c.len() >= 3)
+        .await;
     assert!(calls[1].changed.is_empty() && calls[2].changed.is_empty());
-    assert_eq!(calls[2].snapshot.services.len(), 1, "a periodic sync still carries the full state");
+    assert_eq!(
+        calls[2].snapshot.services.len(),
+        1,
+        "a periodic sync still carries the full state"
+    );
     h.stop().await;
 }
 
@@ -139,10 +209,14 @@ async fn syncs_periodically_without_changes() {
 async fn changes_after_sources_close_are_synced_before_the_runner_returns() {
     let (h, rec) = start(fast());
     h.initial(vec![service("web", "10.96.0.10")], vec![]).await;
-    h.send(Event::Service(Delta::Delete(service("web", "10.96.0.10")))).await;
+    h.send(Event::Service(Delta::Delete(service("web", "10.96.0.10"))))
+        .await;
     let Harness { tx, stop, task } = h;
     drop(tx);
-    let _dp = tokio::time::timeout(LIVENESS, task).await.expect("runner stopped").unwrap();
+    let _dp = tokio::time::timeout(LIVENESS, task)
+        .await
+        .expect("runner stopped")
+        .unwrap();
     drop(stop);
     let last = rec.calls().pop().expect("synced");
     assert!(last.snapshot.services.is_empty(), "the delete was synced");
@@ -169,17 +243,27 @@ async fn manifests_source_drives_syncs_and_rereads_changes() {
     write(&dir, "web.yaml", WEB);
     let (dp, rec) = RecordingDataplane::new();
     let (stop, stopped) = oneshot::channel::<()>();
-    let opts = AgentOptions { node_name: "node-a".into(), source: SourceSpec::Manifests(dir.clone()), runner: fast() };
+    let opts = AgentOptions {
+        node_name: "node-a".into(),
+        source: SourceSpec::Manifests(dir.clone()),
+        runner: fast(),
+    };
     let agent = Agent::start(opts, Box::new(dp), async move {
         let _ = stopped.await;
     })
     .await
     .unwrap();
-    let calls = rec.wait_for(LIVENESS, "initial sync", |c| !c.is_empty()).await;
+    let calls = rec
+        .wait_for(LIVENESS, "initial sync", |c| !c.is_empty())
+        .await;
     assert_eq!(names(&calls[0]), ["default/web:http"]);
 
     // Add an endpoint and a second, partly bad file: the good parts apply.
-    write(&dir, "web.yaml", &WEB.replace("[10.0.0.1]}]", "[10.0.0.1]}, {addresses: [10.0.0.2]}]"));
+    write(
+        &dir,
+        "web.yaml",
+        &WEB.replace("[10.0.0.1]}]", "[10.0.0.1]}, {addresses: [10.0.0.2]}]"),
+    );
     write(
         &dir,
         "more.yaml",
@@ -189,15 +273,24 @@ async fn manifests_source_drives_syncs_and_rereads_changes() {
         .wait_for(LIVENESS, "re-read after change", |c| {
             c.last().is_some_and(|l| {
                 l.snapshot.services.len() == 2
-                    && l.snapshot.endpoints.iter().any(|(k, e)| k.name == "web" && e.len() == 2)
+                    && l.snapshot
+                        .endpoints
+                        .iter()
+                        .any(|(k, e)| k.name == "web" && e.len() == 2)
             })
         })
         .await;
-    assert_eq!(names(calls.last().unwrap()), ["default/api:http", "default/web:http"]);
+    assert_eq!(
+        names(calls.last().unwrap()),
+        ["default/api:http", "default/web:http"]
+    );
 
     // Removing the file removes its service.
     std::fs::remove_file(dir.join("more.yaml")).unwrap();
-    rec.wait_for(LIVENESS, "service removed", |c| c.last().is_some_and(|l| l.snapshot.services.len() == 1)).await;
+    rec.wait_for(LIVENESS, "service removed", |c| {
+        c.last().is_some_and(|l| l.snapshot.services.len() == 1)
+    })
+    .await;
 
     stop.send(()).unwrap();
     agent.wait().await.unwrap();

@@ -1,1 +1,188 @@
-//! EndpointSlice → Endpoints, merged per service port. Placeholder: filled by the model work.
+//! EndpointSlice → [`Endpoint`]s, merged per service port like upstream's EndpointSliceCache
+//! (pkg/proxy/endpointslicecache.go).
+//!
+//! - a slice belongs to the service named by its `kubernetes.io/service-name` label (missing:
+//!   the slice is skipped with a warning); `addressType: FQDN` slices are ignored;
+//! - ports are matched to service ports by name and protocol (unset name = unnamed port,
+//!   unset protocol = TCP); the DNAT target is the slice's port;
+//! - per endpoint only `addresses[0]` is used (parsed like Go's ParseIPSloppy); conditions
+//!   default as upstream's code does: ready unset ⇒ true, serving unset ⇒ true, terminating
+//!   unset ⇒ false (the API documents "serving unset ⇒ ready"; the two differ only for
+//!   not-ready endpoints without a serving condition, where kproxy follows upstream's code);
+//! - the same `IP:port` in several slices is kept once: the first in slice-name order, unless
+//!   a later copy is local (upstream prefers a local copy).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::service::parse_ip_sloppy;
+use super::types::{Endpoint, Protocol, ServicePortName};
+use super::warning::ModelWarning;
+
+/// Label naming a slice's service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// One slice, parsed: its service and endpoints per service port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceData {
+    /// (namespace, service name)
+    pub service: (String, String),
+    pub ports: BTreeMap<ServicePortName, Vec<Endpoint>>,
+}
+
+/// Parses one slice; `None` when it cannot be attributed to a service (with a warning) or is
+/// ignored by design (FQDN).
+pub fn parse_slice(
+    slice: &EndpointSlice,
+    node_name: &str,
+) -> (Option<SliceData>, Vec<ModelWarning>) {
+    let ns = slice
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let name = slice.metadata.name.clone().unwrap_or_default();
+    let object = format!("EndpointSlice {ns}/{name}");
+    let mut warnings = vec![];
+    let mut warn =
+        |field: String, reason: String| warnings.push(ModelWarning::new(&object, field, reason));
+    let Some(service) = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        .filter(|s| !s.is_empty())
+    else {
+        warn(
+            format!("metadata.labels[\"{SERVICE_NAME_LABEL}\"]"),
+            "missing: the slice belongs to no service; skipped".into(),
+        );
+        return (None, warnings);
+    };
+    match slice.address_type.as_str() {
+        "IPv4" | "IPv6" => {}
+        "FQDN" => return (None, warnings),
+        other => {
+            warn(
+                "addressType".into(),
+                format!("unknown address type {other:?}; slice skipped"),
+            );
+            return (None, warnings);
+        }
+    }
+
+    let mut endpoints = vec![];
+    for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
+        let Some(raw) = ep.addresses.first() else {
+            continue; // upstream ignores endpoints without addresses
+        };
+        let Some(ip) = parse_ip_sloppy(raw.trim()) else {
+            warn(
+                format!("endpoints[{i}].addresses[0]"),
+                format!("invalid IP {raw:?}; endpoint skipped"),
+            );
+            continue;
+        };
+        let c = ep.conditions.as_ref();
+        let ready = c.and_then(|c| c.ready).unwrap_or(true);
+        let serving = c.and_then(|c| c.serving).unwrap_or(true);
+        let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+        let hints = ep.hints.as_ref();
+        let zone_hints: BTreeSet<String> = hints
+            .and_then(|h| h.for_zones.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|z| z.name.clone())
+            .collect();
+        let node_hints: BTreeSet<String> = hints
+            .and_then(|h| h.for_nodes.as_ref())
+            .into_iter()
+            .flatten()
+            .map(|n| n.name.clone())
+            .collect();
+        endpoints.push(Endpoint {
+            ip,
+            port: 0,
+            ready,
+            serving,
+            terminating,
+            is_local: ep.node_name.as_deref() == Some(node_name),
+            node_name: ep.node_name.clone(),
+            zone: ep.zone.clone(),
+            zone_hints,
+            node_hints,
+        });
+    }
+
+    let mut ports = BTreeMap::new();
+    for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
+            warn(
+                format!("ports[{i}].protocol"),
+                format!(
+                    "unknown protocol {:?}; port skipped",
+                    p.protocol.as_deref().unwrap_or("")
+                ),
+            );
+            continue;
+        };
+        let port = match p.port.map(u16::try_from) {
+            Some(Ok(port)) if port != 0 => port,
+            other => {
+                let shown = p.port.map_or("unset".to_string(), |v| v.to_string());
+                let _ = other;
+                warn(
+                    format!("ports[{i}].port"),
+                    format!("{shown} is not a port in 1-65535; port skipped"),
+                );
+                continue;
+            }
+        };
+        let spn = ServicePortName {
+            namespace: ns.clone(),
+            name: service.clone(),
+            port: p.name.clone().unwrap_or_default(),
+            protocol,
+        };
+        let eps = endpoints
+            .iter()
+            .map(|e| Endpoint { port, ..e.clone() })
+            .collect();
+        ports.insert(spn, eps);
+    }
+    (
+        Some(SliceData {
+            service: (ns, service.clone()),
+            ports,
+        }),
+        warnings,
+    )
+}
+
+/// Merges the slices of one service (given in slice-name order) into endpoints per port,
+/// deduplicated by `IP:port` and sorted.
+pub fn merge<'a>(
+    slices: impl IntoIterator<Item = &'a SliceData>,
+) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
+    let mut by_port: BTreeMap<ServicePortName, BTreeMap<(std::net::IpAddr, u16), Endpoint>> =
+        BTreeMap::new();
+    for s in slices {
+        for (spn, eps) in &s.ports {
+            let set = by_port.entry(spn.clone()).or_default();
+            for e in eps {
+                let key = (e.ip, e.port);
+                match set.get(&key) {
+                    Some(_) if !e.is_local => {}
+                    _ => {
+                        set.insert(key, e.clone());
+                    }
+                }
+            }
+        }
+    }
+    by_port
+        .into_iter()
+        .map(|(k, v)| (k, v.into_values().collect()))
+        .collect()
+}

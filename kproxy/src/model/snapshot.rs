@@ -24,7 +24,10 @@ pub struct Snapshot {
 impl Snapshot {
     /// The endpoints of `name` (empty if none).
     pub fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
-        self.endpoints.get(name).map(|v| v.as_slice()).unwrap_or(&[])
+        self.endpoints
+            .get(name)
+            .map(|v| v.as_slice())
+            .unwrap_or(&[])
     }
 
     /// Upstream `CategorizeEndpoints` for one service port of this snapshot.

@@ -1,8 +1,23 @@
-//! Change tracking. Placeholder: filled by the model work.
+//! Change tracking: folds source events into state and builds snapshots incrementally
+//! (upstream's ServiceChangeTracker + EndpointsChangeTracker + EndpointSliceCache).
+//!
+//! State is kept per service (`namespace/name`): its built ports and its parsed slices. An
+//! event marks its service dirty; [`Tracker::snapshot`] rebuilds only dirty services on top of
+//! a clone of the previous snapshot (a clone of maps of `Arc`s), and reports exactly the
+//! service ports whose `ServicePort` or endpoints differ.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound;
 use std::sync::Arc;
 
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::endpoints::{SliceData, merge, parse_slice};
+use super::service::{parse_cidr_sloppy, parse_ip_sloppy, service_ports};
+use super::types::{NodeInfo, Protocol, ServicePort, ServicePortName};
 use super::{ChangedSet, ModelWarning, Snapshot};
-use crate::source::Event;
+use crate::source::{Delta, Event};
 
 /// Counts of changes not yet in a snapshot (upstream's `*_changes_pending` metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -11,22 +26,340 @@ pub struct Pending {
     pub endpoints: usize,
 }
 
-pub struct Tracker {}
+type SvcKey = (String, String);
+
+/// Folds events into state; builds snapshots.
+pub struct Tracker {
+    node_name: String,
+    /// Built ports per service.
+    services: HashMap<SvcKey, Vec<ServicePort>>,
+    /// Parsed slices per (namespace, slice name).
+    slices: HashMap<SvcKey, SliceData>,
+    /// Slice names per service, in name order.
+    slices_by_service: HashMap<SvcKey, BTreeSet<String>>,
+    node: NodeInfo,
+    dirty_services: BTreeSet<SvcKey>,
+    dirty_endpoints: BTreeSet<SvcKey>,
+    node_dirty: bool,
+    synced: [bool; 3],
+    last: Arc<Snapshot>,
+}
+
+fn key(ns: &Option<String>, name: &Option<String>) -> SvcKey {
+    (
+        ns.clone().unwrap_or_else(|| "default".into()),
+        name.clone().unwrap_or_default(),
+    )
+}
+
+/// The range of snapshot keys belonging to one service.
+fn service_range(k: &SvcKey) -> (Bound<ServicePortName>, Bound<ServicePortName>) {
+    let lo = ServicePortName {
+        namespace: k.0.clone(),
+        name: k.1.clone(),
+        port: String::new(),
+        protocol: Protocol::Tcp,
+    };
+    // The next possible service name: the same name followed by '\0'.
+    let hi = ServicePortName {
+        namespace: k.0.clone(),
+        name: format!("{}\0", k.1),
+        port: String::new(),
+        protocol: Protocol::Tcp,
+    };
+    (Bound::Included(lo), Bound::Excluded(hi))
+}
+
+/// The proxy's view of a Node object.
+pub fn node_info(node: &Node, name: &str) -> NodeInfo {
+    let labels = node
+        .metadata
+        .labels
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let status = node.status.as_ref();
+    let addresses = status
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| parse_ip_sloppy(&a.address))
+        .collect();
+    let spec = node.spec.as_ref();
+    let mut pod_cidrs: Vec<_> = spec
+        .and_then(|s| s.pod_cidrs.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| parse_cidr_sloppy(c))
+        .collect();
+    if pod_cidrs.is_empty()
+        && let Some(c) = spec
+            .and_then(|s| s.pod_cidr.as_deref())
+            .and_then(parse_cidr_sloppy)
+    {
+        pod_cidrs.push(c);
+    }
+    NodeInfo {
+        name: name.to_owned(),
+        labels,
+        addresses,
+        pod_cidrs,
+    }
+}
 
 impl Tracker {
-    pub fn new(_node_name: impl Into<String>) -> Self {
-        unimplemented!()
+    pub fn new(node_name: impl Into<String>) -> Self {
+        let node_name = node_name.into();
+        let node = NodeInfo {
+            name: node_name.clone(),
+            ..Default::default()
+        };
+        Tracker {
+            last: Arc::new(Snapshot {
+                node: node.clone(),
+                ..Default::default()
+            }),
+            node_name,
+            services: HashMap::new(),
+            slices: HashMap::new(),
+            slices_by_service: HashMap::new(),
+            node,
+            dirty_services: BTreeSet::new(),
+            dirty_endpoints: BTreeSet::new(),
+            node_dirty: false,
+            synced: [false; 3],
+        }
     }
-    pub fn apply(&mut self, _event: Event) -> Vec<ModelWarning> {
-        unimplemented!()
+
+    /// Folds one source event into state; returns warnings for skipped parts.
+    pub fn apply(&mut self, event: Event) -> Vec<ModelWarning> {
+        let mut warnings = vec![];
+        match event {
+            Event::Service(d) => match d {
+                Delta::Apply(s) => self.upsert_service(&s, &mut warnings),
+                Delta::Delete(s) => {
+                    self.remove_service(key(&s.metadata.namespace, &s.metadata.name))
+                }
+                Delta::Replace(all) => {
+                    let keep: BTreeSet<SvcKey> = all
+                        .iter()
+                        .map(|s| key(&s.metadata.namespace, &s.metadata.name))
+                        .collect();
+                    let gone: Vec<SvcKey> = self
+                        .services
+                        .keys()
+                        .filter(|k| !keep.contains(*k))
+                        .cloned()
+                        .collect();
+                    for k in gone {
+                        self.remove_service(k);
+                    }
+                    for s in &all {
+                        self.upsert_service(s, &mut warnings);
+                    }
+                    self.synced[0] = true;
+                }
+            },
+            Event::EndpointSlice(d) => match d {
+                Delta::Apply(s) => self.upsert_slice(&s, &mut warnings),
+                Delta::Delete(s) => {
+                    self.remove_slice(&key(&s.metadata.namespace, &s.metadata.name))
+                }
+                Delta::Replace(all) => {
+                    let keep: BTreeSet<SvcKey> = all
+                        .iter()
+                        .map(|s| key(&s.metadata.namespace, &s.metadata.name))
+                        .collect();
+                    let gone: Vec<SvcKey> = self
+                        .slices
+                        .keys()
+                        .filter(|k| !keep.contains(*k))
+                        .cloned()
+                        .collect();
+                    for k in gone {
+                        self.remove_slice(&k);
+                    }
+                    for s in &all {
+                        self.upsert_slice(s, &mut warnings);
+                    }
+                    self.synced[1] = true;
+                }
+            },
+            Event::Node(d) => {
+                let node = match d {
+                    Delta::Apply(n) => Some(n),
+                    Delta::Delete(_) => None,
+                    Delta::Replace(all) => {
+                        self.synced[2] = true;
+                        all.into_iter()
+                            .find(|n| n.metadata.name.as_deref() == Some(self.node_name.as_str()))
+                    }
+                };
+                if let Some(n) = &node
+                    && n.metadata.name.as_deref() != Some(self.node_name.as_str())
+                {
+                    return warnings; // not this node
+                }
+                let info = match node {
+                    Some(n) => node_info(&n, &self.node_name),
+                    None => NodeInfo {
+                        name: self.node_name.clone(),
+                        ..Default::default()
+                    },
+                };
+                if info != self.node {
+                    self.node = info;
+                    self.node_dirty = true;
+                }
+            }
+        }
+        warnings
     }
+
+    fn upsert_service(&mut self, s: &Service, warnings: &mut Vec<ModelWarning>) {
+        let k = key(&s.metadata.namespace, &s.metadata.name);
+        let (ports, w) = service_ports(s);
+        warnings.extend(w);
+        let old = self.services.get(&k);
+        if old.map(Vec::as_slice).unwrap_or(&[]) != ports.as_slice() {
+            self.dirty_services.insert(k.clone());
+        }
+        if ports.is_empty() {
+            self.services.remove(&k);
+        } else {
+            self.services.insert(k, ports);
+        }
+    }
+
+    fn remove_service(&mut self, k: SvcKey) {
+        if self.services.remove(&k).is_some() {
+            self.dirty_services.insert(k);
+        }
+    }
+
+    fn upsert_slice(&mut self, s: &EndpointSlice, warnings: &mut Vec<ModelWarning>) {
+        let sk = key(&s.metadata.namespace, &s.metadata.name);
+        let (data, w) = parse_slice(s, &self.node_name);
+        warnings.extend(w);
+        match data {
+            None => self.remove_slice(&sk),
+            Some(data) => {
+                if self.slices.get(&sk) == Some(&data) {
+                    return;
+                }
+                // A slice whose service label changed moves between services.
+                if let Some(old) = self.slices.get(&sk)
+                    && old.service != data.service
+                {
+                    self.remove_slice(&sk);
+                }
+                self.dirty_endpoints.insert(data.service.clone());
+                self.slices_by_service
+                    .entry(data.service.clone())
+                    .or_default()
+                    .insert(sk.1.clone());
+                self.slices.insert(sk, data);
+            }
+        }
+    }
+
+    fn remove_slice(&mut self, sk: &SvcKey) {
+        if let Some(old) = self.slices.remove(sk) {
+            if let Some(names) = self.slices_by_service.get_mut(&old.service) {
+                names.remove(&sk.1);
+                if names.is_empty() {
+                    self.slices_by_service.remove(&old.service);
+                }
+            }
+            self.dirty_endpoints.insert(old.service);
+        }
+    }
+
+    /// True once Services, EndpointSlices and Node each received their first `Delta::Replace`.
     pub fn is_synced(&self) -> bool {
-        unimplemented!()
+        self.synced.iter().all(|s| *s)
     }
+
+    /// Service/endpoint changes not yet in a snapshot.
     pub fn pending(&self) -> Pending {
-        unimplemented!()
+        Pending {
+            services: self.dirty_services.len(),
+            endpoints: self.dirty_endpoints.len(),
+        }
     }
+
+    /// Builds the next snapshot and the set of service ports that differ from the previous one.
     pub fn snapshot(&mut self) -> (Arc<Snapshot>, ChangedSet) {
-        unimplemented!()
+        let mut next: Snapshot = (*self.last).clone();
+        next.generation += 1;
+        let mut changed = ChangedSet::default();
+        if self.node_dirty {
+            next.node = self.node.clone();
+            changed.node = true;
+        }
+        let dirty: BTreeSet<SvcKey> = std::mem::take(&mut self.dirty_services)
+            .into_iter()
+            .chain(std::mem::take(&mut self.dirty_endpoints))
+            .collect();
+        for k in &dirty {
+            let range = service_range(k);
+            let old_svcs: BTreeMap<ServicePortName, Arc<ServicePort>> = next
+                .services
+                .range(range.clone())
+                .map(|(a, b)| (a.clone(), b.clone()))
+                .collect();
+            let old_eps: BTreeMap<ServicePortName, Arc<Vec<super::Endpoint>>> = next
+                .endpoints
+                .range(range)
+                .map(|(a, b)| (a.clone(), b.clone()))
+                .collect();
+            for n in old_svcs.keys() {
+                next.services.remove(n);
+            }
+            for n in old_eps.keys() {
+                next.endpoints.remove(n);
+            }
+            for p in self.services.get(k).into_iter().flatten() {
+                let arc = match old_svcs.get(&p.name) {
+                    Some(old) if **old == *p => old.clone(),
+                    _ => {
+                        changed.services.insert(p.name.clone());
+                        Arc::new(p.clone())
+                    }
+                };
+                next.services.insert(p.name.clone(), arc);
+            }
+            let slices = self
+                .slices_by_service
+                .get(k)
+                .into_iter()
+                .flatten()
+                .filter_map(|n| self.slices.get(&(k.0.clone(), n.clone())));
+            for (n, eps) in merge(slices) {
+                let arc = match old_eps.get(&n) {
+                    Some(old) if **old == eps => old.clone(),
+                    _ => {
+                        changed.services.insert(n.clone());
+                        Arc::new(eps)
+                    }
+                };
+                next.endpoints.insert(n, arc);
+            }
+            for n in old_svcs.keys() {
+                if !next.services.contains_key(n) {
+                    changed.services.insert(n.clone());
+                }
+            }
+            for n in old_eps.keys() {
+                if !next.endpoints.contains_key(n) {
+                    changed.services.insert(n.clone());
+                }
+            }
+        }
+        self.node_dirty = false;
+        self.last = Arc::new(next);
+        (self.last.clone(), changed)
     }
 }

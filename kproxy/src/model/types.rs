@@ -163,11 +163,17 @@ pub struct ServicePort {
 impl ServicePort {
     /// The cluster IP of `family`, if the service has one.
     pub fn cluster_ip(&self, family: IpFamily) -> Option<IpAddr> {
-        self.cluster_ips.iter().copied().find(|ip| family.matches(ip))
+        self.cluster_ips
+            .iter()
+            .copied()
+            .find(|ip| family.matches(ip))
     }
     /// External IPs of `family`.
     pub fn external_ips_for(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
-        self.external_ips.iter().copied().filter(move |ip| family.matches(ip))
+        self.external_ips
+            .iter()
+            .copied()
+            .filter(move |ip| family.matches(ip))
     }
     /// LB ingress IPs the proxy captures (ipMode VIP, upstream's `IsVIPMode`) of `family`.
     pub fn load_balancer_vips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
@@ -178,15 +184,21 @@ impl ServicePort {
     }
     /// Source ranges of `family`.
     pub fn source_ranges_for(&self, family: IpFamily) -> impl Iterator<Item = IpNet> + '_ {
-        self.load_balancer_source_ranges.iter().copied().filter(move |n| match family {
-            IpFamily::V4 => matches!(n, IpNet::V4(_)),
-            IpFamily::V6 => matches!(n, IpNet::V6(_)),
-        })
+        self.load_balancer_source_ranges
+            .iter()
+            .copied()
+            .filter(move |n| match family {
+                IpFamily::V4 => matches!(n, IpNet::V4(_)),
+                IpFamily::V6 => matches!(n, IpNet::V6(_)),
+            })
     }
     /// Upstream `ExternallyAccessible`: nodePort, LB VIPs or external IPs.
     pub fn externally_accessible(&self) -> bool {
         self.node_port != 0
-            || self.load_balancer_ingress.iter().any(|i| i.ip_mode == IpMode::Vip)
+            || self
+                .load_balancer_ingress
+                .iter()
+                .any(|i| i.ip_mode == IpMode::Vip)
             || !self.external_ips.is_empty()
     }
     /// Upstream `UsesClusterEndpoints`.
@@ -236,6 +248,8 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// The zone label (`topology.kubernetes.io/zone`), if any.
     pub fn zone(&self) -> Option<&str> {
-        self.labels.get("topology.kubernetes.io/zone").map(String::as_str)
+        self.labels
+            .get("topology.kubernetes.io/zone")
+            .map(String::as_str)
     }
 }

@@ -14,8 +14,16 @@ pub struct ModelWarning {
 }
 
 impl ModelWarning {
-    pub fn new(object: impl Into<String>, field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ModelWarning { object: object.into(), field: field.into(), reason: reason.into() }
+    pub fn new(
+        object: impl Into<String>,
+        field: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        ModelWarning {
+            object: object.into(),
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 

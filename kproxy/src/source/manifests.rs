@@ -67,7 +67,10 @@ pub fn files(path: &Path) -> std::io::Result<Vec<PathBuf>> {
         let p = e.path();
         if p.is_dir() {
             out.extend(files(&p)?);
-        } else if matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml" | "json")) {
+        } else if matches!(
+            p.extension().and_then(|x| x.to_str()),
+            Some("yaml" | "yml" | "json")
+        ) {
             out.push(p);
         }
     }
@@ -82,7 +85,11 @@ pub fn read(path: &Path) -> std::io::Result<(Manifests, Vec<ManifestError>)> {
     for file in files(path)? {
         match std::fs::read_to_string(&file) {
             Ok(text) => parse_into(&file, &text, &mut m, &mut errors),
-            Err(e) => errors.push(ManifestError { file, index: 0, reason: format!("cannot read: {e}") }),
+            Err(e) => errors.push(ManifestError {
+                file,
+                index: 0,
+                reason: format!("cannot read: {e}"),
+            }),
         }
     }
     Ok((m, errors))
@@ -91,7 +98,11 @@ pub fn read(path: &Path) -> std::io::Result<(Manifests, Vec<ManifestError>)> {
 /// Parses one file's text (multi-document YAML or JSON) into `m`.
 pub fn parse_into(file: &Path, text: &str, m: &mut Manifests, errors: &mut Vec<ManifestError>) {
     for (index, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let err = |reason: String| ManifestError { file: file.to_path_buf(), index, reason };
+        let err = |reason: String| ManifestError {
+            file: file.to_path_buf(),
+            index,
+            reason,
+        };
         let value = match serde_yaml::Value::deserialize(doc) {
             Ok(v) => v,
             Err(e) => {
@@ -115,10 +126,16 @@ fn add_object(value: serde_yaml::Value, m: &mut Manifests) -> Result<(), String>
     let api_version = field("apiVersion").ok_or("missing field `apiVersion`")?;
     match (api_version.as_str(), kind.as_str()) {
         ("v1", "Service") => m.services.push(decode(value, "Service")?),
-        ("discovery.k8s.io/v1", "EndpointSlice") => m.endpoint_slices.push(decode(value, "EndpointSlice")?),
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            m.endpoint_slices.push(decode(value, "EndpointSlice")?)
+        }
         ("v1", "Node") => m.nodes.push(decode(value, "Node")?),
         ("v1", "List") => {
-            let items = value.get("items").and_then(|i| i.as_sequence()).cloned().unwrap_or_default();
+            let items = value
+                .get("items")
+                .and_then(|i| i.as_sequence())
+                .cloned()
+                .unwrap_or_default();
             for (i, item) in items.into_iter().enumerate() {
                 add_object(item, m).map_err(|e| format!("items[{i}]: {e}"))?;
             }
@@ -132,7 +149,10 @@ fn add_object(value: serde_yaml::Value, m: &mut Manifests) -> Result<(), String>
     Ok(())
 }
 
-fn decode<T: serde::de::DeserializeOwned>(value: serde_yaml::Value, kind: &str) -> Result<T, String> {
+fn decode<T: serde::de::DeserializeOwned>(
+    value: serde_yaml::Value,
+    kind: &str,
+) -> Result<T, String> {
     serde_yaml::from_value(value).map_err(|e| format!("invalid {kind}: {e}"))
 }
 
@@ -140,15 +160,29 @@ fn decode<T: serde::de::DeserializeOwned>(value: serde_yaml::Value, kind: &str) 
 /// `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`.
 pub fn selected(meta: &ObjectMeta) -> bool {
     meta.labels.as_ref().is_none_or(|l| {
-        !l.contains_key("service.kubernetes.io/service-proxy-name") && !l.contains_key("service.kubernetes.io/headless")
+        !l.contains_key("service.kubernetes.io/service-proxy-name")
+            && !l.contains_key("service.kubernetes.io/headless")
     })
 }
 
 /// The events one read turns into: a Replace per kind (Node: only the one named `node_name`).
 pub fn events(m: Manifests, node_name: &str) -> Vec<Event> {
-    let services = m.services.into_iter().filter(|s| selected(&s.metadata)).collect();
-    let slices = m.endpoint_slices.into_iter().filter(|s| selected(&s.metadata)).collect();
-    let nodes = m.nodes.into_iter().filter(|n| n.metadata.name.as_deref() == Some(node_name)).take(1).collect();
+    let services = m
+        .services
+        .into_iter()
+        .filter(|s| selected(&s.metadata))
+        .collect();
+    let slices = m
+        .endpoint_slices
+        .into_iter()
+        .filter(|s| selected(&s.metadata))
+        .collect();
+    let nodes = m
+        .nodes
+        .into_iter()
+        .filter(|n| n.metadata.name.as_deref() == Some(node_name))
+        .take(1)
+        .collect();
     vec![
         Event::Service(Delta::Replace(services)),
         Event::EndpointSlice(Delta::Replace(slices)),
@@ -169,7 +203,11 @@ fn fingerprint(path: &Path) -> u64 {
 }
 
 /// Reads `path` now and again after every change, sending the events into `tx` until it closes.
-pub fn spawn(path: PathBuf, node_name: String, tx: mpsc::Sender<Event>) -> tokio::task::JoinHandle<()> {
+pub fn spawn(
+    path: PathBuf,
+    node_name: String,
+    tx: mpsc::Sender<Event>,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
         let watcher = {
@@ -181,7 +219,11 @@ pub fn spawn(path: PathBuf, node_name: String, tx: mpsc::Sender<Event>) -> tokio
             })
         };
         // Watch the parent of a file too: editors and ConfigMap updates replace files by rename.
-        let watch_root = if path.is_file() { path.parent().map(Path::to_path_buf) } else { Some(path.clone()) };
+        let watch_root = if path.is_file() {
+            path.parent().map(Path::to_path_buf)
+        } else {
+            Some(path.clone())
+        };
         let _watcher = match (watcher, watch_root) {
             (Ok(mut w), Some(root)) => match w.watch(&root, notify::RecursiveMode::Recursive) {
                 Ok(()) => Some(w),
@@ -202,7 +244,9 @@ pub fn spawn(path: PathBuf, node_name: String, tx: mpsc::Sender<Event>) -> tokio
             if last != Some(fp) {
                 last = Some(fp);
                 let p = path.clone();
-                let read = tokio::task::spawn_blocking(move || read(&p)).await.expect("manifest read panicked");
+                let read = tokio::task::spawn_blocking(move || read(&p))
+                    .await
+                    .expect("manifest read panicked");
                 match read {
                     Ok((m, errors)) => {
                         for e in &errors {
@@ -264,7 +308,10 @@ mod tests {
         );
         let (m, e) = parse(&text);
         assert!(e.is_empty(), "{e:?}");
-        assert_eq!((m.services.len(), m.endpoint_slices.len(), m.nodes.len()), (1, 1, 1));
+        assert_eq!(
+            (m.services.len(), m.endpoint_slices.len(), m.nodes.len()),
+            (1, 1, 1)
+        );
         assert_eq!(m.services[0].metadata.name.as_deref(), Some("web"));
     }
 
@@ -275,7 +322,11 @@ mod tests {
             SVC.replace("web", "api")
         );
         let (m, e) = parse(&text);
-        let names: Vec<_> = m.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect();
+        let names: Vec<_> = m
+            .services
+            .iter()
+            .map(|s| s.metadata.name.clone().unwrap())
+            .collect();
         assert_eq!(names, ["web", "api"]);
         let idx: Vec<_> = e.iter().map(|e| e.index).collect();
         assert_eq!(idx, [1, 2, 3], "{e:?}");
@@ -299,7 +350,9 @@ mod tests {
         let text = format!("apiVersion: v1\nkind: List\nitems:\n{}", {
             let mut s = String::new();
             for n in ["a", "b"] {
-                s.push_str(&format!("- apiVersion: v1\n  kind: Service\n  metadata: {{name: {n}, namespace: ns}}\n"));
+                s.push_str(&format!(
+                    "- apiVersion: v1\n  kind: Service\n  metadata: {{name: {n}, namespace: ns}}\n"
+                ));
             }
             s
         });
@@ -339,13 +392,21 @@ mod tests {
         std::fs::create_dir_all(dir.join("..data")).unwrap();
         std::fs::write(dir.join("b.yaml"), SVC.replace("web", "b")).unwrap();
         std::fs::write(dir.join("a.yml"), SVC.replace("web", "a")).unwrap();
-        std::fs::write(dir.join("sub/c.json"), r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"c"}}"#).unwrap();
+        std::fs::write(
+            dir.join("sub/c.json"),
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"c"}}"#,
+        )
+        .unwrap();
         std::fs::write(dir.join("notes.txt"), "kind: Service").unwrap();
         std::fs::write(dir.join("..data/d.yaml"), SVC.replace("web", "d")).unwrap();
         let (m, e) = read(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(e.is_empty(), "{e:?}");
-        let names: Vec<_> = m.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect();
+        let names: Vec<_> = m
+            .services
+            .iter()
+            .map(|s| s.metadata.name.clone().unwrap())
+            .collect();
         assert_eq!(names, ["a", "b", "c"]);
     }
 }

@@ -1,0 +1,1 @@
+//! iptables proxier. Placeholder: filled by the iptables work.
