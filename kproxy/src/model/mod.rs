@@ -19,3 +19,6 @@ pub use snapshot::{ChangedSet, Snapshot};
 pub use tracker::Tracker;
 pub use types::*;
 pub use warning::ModelWarning;
+
+#[cfg(test)]
+mod tests;
