@@ -50,7 +50,10 @@ impl Recorder {
                 return calls;
             }
             if Instant::now() > deadline {
-                panic!("timed out after {timeout:?} waiting for {what}; {} syncs recorded", calls.len());
+                panic!(
+                    "timed out after {timeout:?} waiting for {what}; {} syncs recorded",
+                    calls.len()
+                );
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
