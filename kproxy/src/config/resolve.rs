@@ -93,22 +93,34 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// The flag that set `path` or the field it is part of (`nodePortAddresses[1]` ⇒
+    /// `nodePortAddresses`).
+    fn flag_for(&self, path: &str) -> Option<String> {
+        let mut p = path;
+        loop {
+            if let Some(f) = self.flag_of.get(p) {
+                return Some(f.clone());
+            }
+            p = &p[..p.rfind(['.', '['])?];
+        }
+    }
+
     fn err(&mut self, path: &str, reason: impl Into<String>) {
         self.errors.push(FieldError {
             path: path.to_owned(),
-            flag: self.flag_of.get(path).cloned(),
+            flag: self.flag_for(path),
             reason: reason.into(),
         });
     }
 
+    /// A field kproxy does not act on differs from its default. Set by a flag, the flag's own
+    /// warning already said so.
     fn ignored(&mut self, path: &str, what: impl fmt::Display) {
-        let by = self
-            .flag_of
-            .get(path)
-            .map(|f| format!(" (set by {f})"))
-            .unwrap_or_default();
+        if self.flag_for(path).is_some() {
+            return;
+        }
         self.warnings.push(format!(
-            "config field {path}{by} = {what} is accepted but not implemented by kproxy; ignored"
+            "config field {path} = {what} is accepted but not implemented by kproxy; ignored"
         ));
     }
 
@@ -544,7 +556,8 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     }
 
     let feature_gates = cfg.feature_gates.clone().unwrap_or_default();
-    for (gate, on) in &feature_gates {
+    let gates_by_flag = cx.flag_for("featureGates").is_some();
+    for (gate, on) in feature_gates.iter().filter(|_| !gates_by_flag) {
         cx.warnings.push(format!(
             "feature gate {gate}={on} is accepted but kproxy has no feature gates; ignored"
         ));
