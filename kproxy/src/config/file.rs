@@ -372,7 +372,15 @@ impl KubeProxyConfiguration {
             Err(e) => {
                 let path = e.path().to_string();
                 let path = if path == "." { String::new() } else { path };
-                return Err(decode(path, e.into_inner().to_string()));
+                // serde_yaml prefixes part of the path itself ("iptables: invalid …").
+                let msg = e.into_inner().to_string();
+                let msg = match msg.split_once(": ") {
+                    Some((pre, rest)) if !pre.contains(' ') && path.starts_with(pre) => {
+                        rest.to_owned()
+                    }
+                    _ => msg,
+                };
+                return Err(decode(path, msg));
             }
         };
         match cfg.api_version.as_deref() {
