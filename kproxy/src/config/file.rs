@@ -8,7 +8,9 @@
 //! `SetDefaults_KubeProxyConfiguration` does — including its quirk that a zero sync period or
 //! zero `configSyncPeriod` in a file means "default" (a zero set by a flag stays zero, since
 //! flags are applied after defaulting, as upstream does). The defaulted struct is what
-//! `--write-config-to` writes.
+//! `--write-config-to` writes. Because of that quirk, a written config whose zero period or
+//! empty `healthzBindAddress`/`metricsBindAddress` came from a flag reads back with the
+//! defaults — upstream's files behave the same.
 //!
 //! kproxy extensions (not in upstream's v1alpha1; documented in README "Configuration"):
 //! - top-level `syncPeriod` / `minSyncPeriod` (as upstream's v1alpha2 has them): the ebpf mode's
