@@ -4,8 +4,10 @@
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
+//! - [`http`]: a minimal HTTP client for kproxy's servers.
 
 pub mod fakeapi;
 pub mod fixtures;
+pub mod http;
 pub mod netns;
 pub mod recording;
