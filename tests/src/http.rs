@@ -100,7 +100,7 @@ pub async fn wait_for(
     pred: impl Fn(&Response) -> bool,
 ) -> Response {
     let deadline = Instant::now() + timeout;
-    let mut last = String::from("no response yet");
+    let mut last;
     loop {
         match get(addr, path).await {
             Ok(r) if pred(&r) => return r,
