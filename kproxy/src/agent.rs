@@ -186,11 +186,14 @@ impl Agent {
         let tap = tokio::spawn(node_tap(
             source_rx,
             tx,
-            opts.node_name.clone(),
-            opts.bind_address,
-            health.clone(),
-            ips_tx,
-            node_tx,
+            NodeTap {
+                node_name: opts.node_name.clone(),
+                bind_address: opts.bind_address,
+                health: health.clone(),
+                metrics: metrics.clone(),
+                ips_tx,
+                node_tx,
+            },
         ));
 
         let health_checks =
@@ -247,18 +250,38 @@ impl Agent {
     }
 }
 
-/// Passes events from the source to the sync loop, watching the node's own Node on the way:
-/// its eligibility (for `/healthz`), its IPs, and the object itself.
-async fn node_tap(
-    mut rx: mpsc::Receiver<Event>,
-    tx: mpsc::Sender<Event>,
+/// Passes events from the source to the sync loop, watching on the way the node's own Node
+/// (its eligibility for `/healthz`, its IPs, the object itself) and EndpointSlices' change
+/// trigger times (network programming latency).
+struct NodeTap {
     node_name: String,
     bind_address: Option<IpAddr>,
     health: HealthHandle,
+    metrics: Metrics,
     ips_tx: watch::Sender<NodeIps>,
     node_tx: watch::Sender<Option<Arc<Node>>>,
-) {
+}
+
+async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
+    let NodeTap {
+        node_name,
+        bind_address,
+        health,
+        metrics,
+        ips_tx,
+        node_tx,
+    } = tap;
+    let mut announced = false;
     while let Some(ev) = rx.recv().await {
+        match &ev {
+            Event::EndpointSlice(Delta::Apply(s)) => metrics.endpoint_slice_seen(s),
+            Event::EndpointSlice(Delta::Replace(all)) => {
+                for s in all {
+                    metrics.endpoint_slice_seen(s);
+                }
+            }
+            _ => {}
+        }
         if let Event::Node(d) = &ev {
             let node = match d {
                 Delta::Apply(n) => Some(n),
@@ -270,25 +293,26 @@ async fn node_tap(
             if node.is_none_or(|n| n.metadata.name.as_deref() == Some(node_name.as_str())) {
                 health.node_seen(node);
                 let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
-                if ips.primary_is_fallback() {
-                    warn!(
-                        "can't determine this node's IP, assuming loopback; if this is incorrect, \
-                         please set the --bind-address flag"
-                    );
-                }
-                ips_tx.send_if_modified(|old| {
+                let changed = ips_tx.send_if_modified(|old| {
                     let changed = *old != ips;
-                    if changed {
-                        info!(
-                            primary_family = ?ips.primary_family,
-                            ipv4 = %ips.ip(IpFamily::V4),
-                            ipv6 = %ips.ip(IpFamily::V6),
-                            "node IPs"
-                        );
-                    }
                     *old = ips;
                     changed
                 });
+                if changed || !announced {
+                    announced = true;
+                    info!(
+                        primary_family = ?ips.primary_family,
+                        ipv4 = %ips.ip(IpFamily::V4),
+                        ipv6 = %ips.ip(IpFamily::V6),
+                        "node IPs"
+                    );
+                    if ips.primary_is_fallback() {
+                        warn!(
+                            "can't determine this node's IP, assuming loopback; if this is \
+                             incorrect, please set the --bind-address flag"
+                        );
+                    }
+                }
                 node_tx.send_replace(node.cloned().map(Arc::new));
             }
         }

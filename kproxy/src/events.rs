@@ -145,3 +145,48 @@ pub fn apply_oom_score_adj(value: i32) -> std::io::Result<()> {
     info!(oom_score_adj = value, "set /proc/self/oom_score_adj");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_score_adj_is_written_and_range_checked() {
+        // Writing the current value back exercises the write without changing the process.
+        let current: i32 = std::fs::read_to_string("/proc/self/oom_score_adj")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        apply_oom_score_adj(current).unwrap();
+        let after: i32 = std::fs::read_to_string("/proc/self/oom_score_adj")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(after, current);
+        for bad in [-1001, 1001] {
+            let e = apply_oom_score_adj(bad).unwrap_err();
+            assert!(e.to_string().contains(&bad.to_string()), "{e}");
+        }
+    }
+
+    #[test]
+    fn references_match_upstream() {
+        let n = node_ref("node-1");
+        assert_eq!(
+            (
+                n.kind.as_deref(),
+                n.name.as_deref(),
+                n.uid.as_deref(),
+                n.namespace
+            ),
+            (Some("Node"), Some("node-1"), Some("node-1"), None)
+        );
+        let s = service_ref("ns", "web");
+        assert_eq!(
+            (s.kind.as_deref(), s.namespace.as_deref(), s.uid.as_deref()),
+            (Some("Service"), Some("ns"), Some("ns/web"))
+        );
+    }
+}

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, NodeSpec, Taint};
+use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus, Taint};
 use k8s_openapi::api::events::v1::Event;
 use kproxy::agent::{Agent, AgentOptions, SourceSpec};
 use kproxy::sync::RunnerConfig;
@@ -158,6 +158,19 @@ fn node(taint: Option<&str>) -> Node {
         }),
         ..Default::default()
     });
+    n.status = Some(NodeStatus {
+        addresses: Some(vec![
+            NodeAddress {
+                type_: "ExternalIP".into(),
+                address: "203.0.113.7".into(),
+            },
+            NodeAddress {
+                type_: "InternalIP".into(),
+                address: "192.0.2.10".into(),
+            },
+        ]),
+        ..Default::default()
+    });
     n
 }
 
@@ -190,6 +203,12 @@ async fn healthz_follows_node_eligibility_livez_does_not() {
         |r| r.status == 200,
     )
     .await;
+
+    // The node's IP comes from its status (InternalIP before ExternalIP).
+    assert_eq!(
+        agent.node_ips.borrow().primary(),
+        "192.0.2.10".parse::<std::net::IpAddr>().unwrap()
+    );
 
     // Tainted by some other controller: still eligible.
     api.update(&node(Some("other"))).unwrap();

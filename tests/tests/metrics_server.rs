@@ -20,7 +20,8 @@ use tokio::sync::oneshot;
 const LIVENESS: Duration = Duration::from_secs(20);
 
 const WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [10.0.0.1]}]\n";
-const API: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: default}\nspec: {clusterIP: 10.96.0.11, ports: [{name: http, port: 81}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: api-1, namespace: default, labels: {kubernetes.io/service-name: api}}\naddressType: IPv4\nports: [{name: http, port: 8081}]\nendpoints: [{addresses: [10.0.0.2]}, {addresses: [10.0.0.3]}]\n";
+/// A second service whose slice carries a change trigger time (`TRIGGER`).
+const API: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: api, namespace: default}\nspec: {clusterIP: 10.96.0.11, ports: [{name: http, port: 81}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: api-1, namespace: default, labels: {kubernetes.io/service-name: api}, annotations: {endpoints.kubernetes.io/last-change-trigger-time: \"TRIGGER\"}}\naddressType: IPv4\nports: [{name: http, port: 8081}]\nendpoints: [{addresses: [10.0.0.2]}, {addresses: [10.0.0.3]}]\n";
 
 fn temp_dir(test: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kproxy-{test}-{}", std::process::id()));
@@ -175,8 +176,18 @@ async fn metrics_server_exposes_upstream_metrics_and_follows_syncs() {
     );
     let changes_before = v(body, "kubeproxy_sync_proxy_rules_service_changes_total");
 
-    // A second service: counters and gauges move.
-    write(&dir, "api.yaml", API);
+    assert_eq!(
+        v(
+            body,
+            "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}"
+        ),
+        0.0,
+        "no trigger times yet"
+    );
+
+    // A second service: counters and gauges move, and its slice's trigger time is observed.
+    let trigger = k8s_openapi::jiff::Timestamp::now().to_string();
+    write(&dir, "api.yaml", &API.replace("TRIGGER", &trigger));
     let m = http::wait_for(
         addr,
         "/metrics",

@@ -21,14 +21,21 @@
 //! - One kproxy sync programs both IP families, so per-family sync metrics
 //!   (`ip_family="IPv4"|"IPv6"`) are recorded for every family the agent handles
 //!   ([`Metrics::families`]) with the same value.
-//! - `kubeproxy_network_programming_duration_seconds` is registered but not observed yet:
-//!   the model does not carry EndpointSlices' `endpoints.kubernetes.io/last-change-trigger-time`.
+//! - `kubeproxy_network_programming_duration_seconds` is observed once per (service, family)
+//!   whose EndpointSlices carried an `endpoints.kubernetes.io/last-change-trigger-time`, after
+//!   the first successful sync that programmed the change (the earliest pending trigger time
+//!   counts; upstream forgets them when a sync fails, kproxy keeps them until one succeeds).
+//!   Trigger times from before the agent started are ignored, as upstream does.
 //! - `kubeproxy_conntrack_reconciler_sync_duration_seconds` uses the sync-duration buckets
 //!   (`0.001 × 2^n`, 15 buckets); the upstream source read did not state its buckets.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -253,9 +260,25 @@ pub(crate) struct Generic {
     pub bpf_map_capacity: Family<MapLabels, Gauge>,
 }
 
+type TriggerKey = (String, String, IpFamily);
+
+/// EndpointSlice trigger times per (namespace, service, family): the pending ones (earliest,
+/// latest) and the latest already observed (a re-list delivers old slices again; their trigger
+/// times must not count twice).
+#[derive(Default)]
+struct TriggerTimes {
+    pending: HashMap<TriggerKey, (SystemTime, SystemTime)>,
+    observed: HashMap<TriggerKey, SystemTime>,
+}
+
+/// The annotation the EndpointSlice controller sets to the time of the change it mirrors.
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
 struct Inner {
     mode: ProxyMode,
     families: Vec<IpFamily>,
+    created: SystemTime,
+    triggers: Mutex<TriggerTimes>,
     registry: Registry,
     generic: Generic,
     conntrack: ConntrackMetrics,
@@ -500,6 +523,8 @@ impl Metrics {
             inner: Arc::new(Inner {
                 mode,
                 families: families.to_vec(),
+                created: SystemTime::now(),
+                triggers: Mutex::default(),
                 registry,
                 generic,
                 conntrack,
@@ -555,6 +580,75 @@ impl Metrics {
             code: code.to_string(),
         })
         .inc();
+    }
+
+    /// Notes an EndpointSlice's change trigger time (network programming latency); the
+    /// agent calls this for every slice it receives.
+    pub fn endpoint_slice_seen(&self, slice: &EndpointSlice) {
+        let Some(t) = slice
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
+            .and_then(|v| v.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(SystemTime::from)
+        else {
+            return;
+        };
+        let family = match slice.address_type.as_str() {
+            "IPv4" => IpFamily::V4,
+            "IPv6" => IpFamily::V6,
+            _ => return,
+        };
+        let Some(service) = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("kubernetes.io/service-name"))
+        else {
+            return;
+        };
+        if t < self.inner.created {
+            return;
+        }
+        let ns = slice
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let key = (ns, service.clone(), family);
+        let mut triggers = self
+            .inner
+            .triggers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if triggers.observed.get(&key).is_some_and(|seen| t <= *seen) {
+            return;
+        }
+        let e = triggers.pending.entry(key).or_insert((t, t));
+        *e = (e.0.min(t), e.1.max(t));
+    }
+
+    /// Takes the pending trigger times of the service `namespace/name`.
+    pub(crate) fn take_trigger_times(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Vec<(IpFamily, SystemTime)> {
+        let mut triggers = self
+            .inner
+            .triggers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut out = vec![];
+        for f in [IpFamily::V4, IpFamily::V6] {
+            let key = (namespace.to_owned(), name.to_owned(), f);
+            if let Some((earliest, latest)) = triggers.pending.remove(&key) {
+                triggers.observed.insert(key, latest);
+                out.push((f, earliest));
+            }
+        }
+        out
     }
 
     pub(crate) fn generic(&self) -> &Generic {

@@ -110,7 +110,22 @@ impl SyncObserver for SyncMetrics {
         }
         match o.result {
             Ok(report) => {
-                self.set_timestamps(Which::Synced, SystemTime::now());
+                let now = SystemTime::now();
+                self.set_timestamps(Which::Synced, now);
+                let services: std::collections::BTreeSet<(&str, &str)> = o
+                    .changed
+                    .services
+                    .iter()
+                    .map(|n| (n.namespace.as_str(), n.name.as_str()))
+                    .collect();
+                for (ns, name) in services {
+                    for (family, t) in self.metrics.take_trigger_times(ns, name) {
+                        let latency = now.duration_since(t).unwrap_or_default();
+                        g.network_programming
+                            .get_or_create(&fam(family))
+                            .observe(latency.as_secs_f64());
+                    }
+                }
                 g.programmed_services.set(report.services as i64);
                 g.programmed_endpoints.set(report.endpoints as i64);
                 for f in self.metrics.families() {
