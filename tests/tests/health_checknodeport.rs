@@ -161,3 +161,115 @@ async fn health_check_node_port_moves_when_the_port_changes() {
     agent.wait().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Runs an agent in `ns` (its own thread and runtime, so every socket it opens lives there)
+/// until `stop` fires.
+fn agent_in_netns(
+    ns: &kproxy_tests::netns::Netns,
+    opts: AgentOptions,
+    dp: RecordingDataplane,
+    stop: oneshot::Receiver<()>,
+) -> std::thread::JoinHandle<anyhow::Result<()>> {
+    ns.spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let agent = Agent::start(opts, Box::new(dp), async {
+                let _ = stop.await;
+            })
+            .await
+            .unwrap();
+            agent.wait().await.unwrap();
+        });
+    })
+    .unwrap()
+}
+
+/// `GET /` of `addr` from inside `ns`: the status, or `None` when the connection fails.
+fn status_from(ns: &kproxy_tests::netns::Netns, addr: SocketAddr) -> Option<u16> {
+    ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async { http::get(addr, "/").await.ok().map(|r| r.status) })
+    })
+    .unwrap()
+}
+
+fn wait_status(ns: &kproxy_tests::netns::Netns, addr: SocketAddr, want: Option<u16>, what: &str) {
+    let deadline = std::time::Instant::now() + LIVENESS;
+    loop {
+        let got = status_from(ns, addr);
+        if got == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: {addr} from {} answered {got:?}, want {want:?}",
+            ns.name()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// In a node namespace with a veth to a client namespace: with `--nodeport-addresses` unset
+/// the health check listens on every address (the node's IP and loopback); restricted to the
+/// node's subnet it listens on the node's IP only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_check_node_port_listens_where_nodeport_addresses_say() {
+    if !kproxy_tests::netns::require_root() {
+        return;
+    }
+    use kproxy_tests::netns::{Netns, Veth, VethEnd};
+    const PORT: u16 = 31000; // inside a fresh namespace: nothing else listens there
+    let node = Netns::new("hcnp-node").unwrap();
+    let client = Netns::new("hcnp-client").unwrap();
+    let _veth = Veth::create(
+        VethEnd::new(&node, "eth0").addr("10.77.0.1/24"),
+        VethEnd::new(&client, "eth0").addr("10.77.0.2/24"),
+    )
+    .unwrap();
+    let node_ip = SocketAddr::from(([10, 77, 0, 1], PORT));
+    let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, PORT));
+
+    for (case, cidrs, loopback_open) in [
+        ("all addresses", vec![], true),
+        (
+            "node subnet only",
+            vec!["10.77.0.0/24".parse().unwrap()],
+            false,
+        ),
+    ] {
+        let dir = temp_dir(&format!("hcnp-netns-{}", loopback_open));
+        write(&dir, "lb.yaml", &manifests(PORT, &["node-a"]));
+        let (dp, rec) = RecordingDataplane::new();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let opts = AgentOptions {
+            node_port_addresses: cidrs,
+            ..AgentOptions::new(
+                "node-a",
+                SourceSpec::Manifests(dir.clone()),
+                RunnerConfig::new(Duration::from_millis(10), Duration::from_secs(3600)),
+            )
+        };
+        let thread = agent_in_netns(&node, opts, dp, stopped);
+        rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty())
+            .await;
+        let (c, n) = (&client, &node);
+        tokio::task::block_in_place(|| {
+            wait_status(c, node_ip, Some(200), &format!("{case}: from the client"));
+            let want = loopback_open.then_some(200);
+            wait_status(n, loopback, want, &format!("{case}: node loopback"));
+        });
+        let _ = stop.send(());
+        tokio::task::block_in_place(|| thread.join().unwrap().unwrap());
+        // The agent is gone: so is its listener.
+        tokio::task::block_in_place(|| {
+            wait_status(c, node_ip, None, &format!("{case}: closed after stop"));
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
