@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use kproxy::agent::{Agent, AgentOptions};
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
-use kproxy::config::{LoggingConfig, ProxyConfig, SourceConfig};
+use kproxy::config::{LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
 use kproxy::dataplane::factory;
 use kproxy::logging;
 use tracing::{info, warn};
@@ -116,14 +116,7 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn apply_oom_score_adj(value: i32) {
-    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", value.to_string()) {
-        warn!(value, error = %e, "cannot set oom_score_adj");
-    }
-}
-
 fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
-    apply_oom_score_adj(cfg.oom_score_adj);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -142,11 +135,22 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
 
         let dataplane = factory::select(cfg.mode, cfg)?;
         let mode = dataplane.mode();
-        let opts = AgentOptions {
-            node_name: cfg.node_name.clone(),
-            source: cfg.source.spec(),
-            runner: cfg.runner_config(mode),
+        let mut opts = AgentOptions::new(
+            cfg.node_name.clone(),
+            cfg.source.spec(),
+            cfg.runner_config(mode),
+        );
+        opts.healthz_bind = cfg.healthz_bind_address;
+        opts.metrics_bind = cfg.metrics_bind_address;
+        opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+        opts.node_port_addresses = match &cfg.node_port_addresses {
+            NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
+            // `primary` resolves per sync from the Node's IPs; health-check servers listen on
+            // every address meanwhile (the datapaths restrict NodePorts themselves).
+            NodePortAddresses::All | NodePortAddresses::Primary => vec![],
         };
+        opts.oom_score_adj = Some(cfg.oom_score_adj);
+        opts.metrics = Some(kproxy::metrics::Metrics::new(mode));
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;

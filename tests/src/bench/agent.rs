@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context as _;
 
 use crate::netns::{Bpffs, Netns, TestCgroup};
-use crate::topology::{NODE_CLIENT_IF, Probe, kproxy_bin};
+use crate::topology::{NODE_CLIENT_IF, Probe, kproxy_bin, target_bin};
 
 use super::services::NODE_NAME;
 
@@ -136,8 +136,9 @@ impl RunningAgent {
         Ok(ticks / hz)
     }
 
-    /// Waits until `probe_addr` answers from `client` (inside `cgroup` when given); returns
-    /// the wall clock of the first answer. Fails with the agent's log if it exits first.
+    /// Waits until `addr` answers from `client` (inside `cgroup` when given), by `name` when
+    /// given; returns the wall clock of the first answer. Fails with the agent's log as soon as
+    /// the agent exits, or at `timeout`.
     pub fn wait_answer(
         &mut self,
         client: &Netns,
@@ -146,31 +147,34 @@ impl RunningAgent {
         name: Option<&str>,
         timeout: Duration,
     ) -> Result<SystemTime, String> {
-        let mut cmd =
-            client.command(crate::topology::target_bin("kp-probe").map_err(|e| e.to_string())?);
-        cmd.args([
-            "wait",
-            addr,
-            "--timeout-ms",
-            &timeout.as_millis().to_string(),
-        ]);
-        if let Some(n) = name {
-            cmd.args(["--name", n]);
-        }
-        if let Some(cg) = cgroup {
-            cg.enter_on_spawn(&mut cmd).map_err(|e| e.to_string())?;
-        }
-        let out = cmd.output().map_err(|e| e.to_string())?;
-        self.check_alive()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: serde_json::Value = serde_json::from_str(text.trim())
-            .map_err(|e| format!("kp-probe wait said {text:?}: {e}"))?;
-        match v.get("at_unix_ns").and_then(|t| t.as_u64()) {
-            Some(ns) => Ok(SystemTime::UNIX_EPOCH + Duration::from_nanos(ns)),
-            None => Err(format!(
-                "{addr} did not answer within {timeout:?}; agent log: {}",
-                self.log_tail()
-            )),
+        let deadline = std::time::Instant::now() + timeout;
+        // Short rounds of `kp-probe wait`, checking in between that the agent still runs.
+        const ROUND: Duration = Duration::from_secs(2);
+        loop {
+            self.check_alive()?;
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "{addr} did not answer within {timeout:?}; agent log: {}",
+                    self.log_tail()
+                ));
+            }
+            let round = left.min(ROUND);
+            let mut cmd = client.command(target_bin("kp-probe").map_err(|e| e.to_string())?);
+            cmd.args(["wait", addr, "--timeout-ms", &round.as_millis().to_string()]);
+            if let Some(n) = name {
+                cmd.args(["--name", n]);
+            }
+            if let Some(cg) = cgroup {
+                cg.enter_on_spawn(&mut cmd).map_err(|e| e.to_string())?;
+            }
+            let out = cmd.output().map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let v: serde_json::Value = serde_json::from_str(text.trim())
+                .map_err(|e| format!("kp-probe wait said {text:?}: {e}"))?;
+            if let Some(ns) = v.get("at_unix_ns").and_then(|t| t.as_u64()) {
+                return Ok(SystemTime::UNIX_EPOCH + Duration::from_nanos(ns));
+            }
         }
     }
 }
