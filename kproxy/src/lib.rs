@@ -7,6 +7,7 @@ pub mod agent;
 pub mod bpf;
 pub mod cli;
 pub mod config;
+pub mod conntrack;
 pub mod dataplane;
 pub mod logging;
 pub mod model;
