@@ -114,7 +114,10 @@ fn run(case: &str) -> (usize, usize) {
         .unwrap();
     assert_eq!(deleted, metric, "{case}");
     // IPv6 cleaner: the case is IPv4-only, so nothing can be stale for it.
-    assert!(StaleFilters::build(&snap, IpFamily::V6).is_empty(), "{case}");
+    assert!(
+        StaleFilters::build(&snap, IpFamily::V6).is_empty(),
+        "{case}"
+    );
     (data.entries.len(), deleted)
 }
 
