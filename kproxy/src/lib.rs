@@ -13,3 +13,4 @@ pub mod logging;
 pub mod model;
 pub mod source;
 pub mod sync;
+pub mod sysctl;
