@@ -40,37 +40,40 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-/// `KubeProxyConntrackConfiguration`.
+/// `KubeProxyConntrackConfiguration` (upstream semantics: zero means "leave the kernel's
+/// value"). Same fields and types as `config::ConntrackConfig` of the CLI work, so the agent
+/// can copy it field by field (or this type can become a re-export of that one).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ConntrackConfig {
-    /// Connections to track per CPU; 0 (or `None`) leaves `nf_conntrack_max` alone.
-    pub max_per_core: Option<i32>,
+    /// Connections to track per CPU; 0 leaves `nf_conntrack_max` alone.
+    pub max_per_core: u32,
     /// Lower bound of `nf_conntrack_max` when scaling by CPUs.
-    pub min: Option<i32>,
-    pub tcp_established_timeout: Option<Duration>,
-    pub tcp_close_wait_timeout: Option<Duration>,
+    pub min: u32,
+    pub tcp_established_timeout: Duration,
+    pub tcp_close_wait_timeout: Duration,
     pub tcp_be_liberal: bool,
-    pub udp_timeout: Option<Duration>,
-    pub udp_stream_timeout: Option<Duration>,
+    pub udp_timeout: Duration,
+    pub udp_stream_timeout: Duration,
 }
 
-impl Default for ConntrackConfig {
-    /// Upstream's defaults (v1alpha1 defaults.go).
-    fn default() -> Self {
+impl ConntrackConfig {
+    /// Upstream's defaults (v1alpha1 defaults.go): 32768 per core, min 131072, established
+    /// 24 h, close-wait 1 h, not liberal, UDP timeouts left alone.
+    pub fn upstream_defaults() -> Self {
         ConntrackConfig {
-            max_per_core: Some(32 * 1024),
-            min: Some(128 * 1024),
-            tcp_established_timeout: Some(Duration::from_secs(24 * 3600)),
-            tcp_close_wait_timeout: Some(Duration::from_secs(3600)),
+            max_per_core: 32 * 1024,
+            min: 128 * 1024,
+            tcp_established_timeout: Duration::from_secs(24 * 3600),
+            tcp_close_wait_timeout: Duration::from_secs(3600),
             tcp_be_liberal: false,
-            udp_timeout: None,
-            udp_stream_timeout: None,
+            udp_timeout: Duration::ZERO,
+            udp_stream_timeout: Duration::ZERO,
         }
     }
 }
 
 /// Everything that decides which node sysctls kproxy sets.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SysctlConfig {
     pub conntrack: ConntrackConfig,
     /// The IPv4 datapath accepts NodePort traffic to 127.0.0.1 (needs `route_localnet`).
@@ -124,15 +127,18 @@ pub struct Desired {
     pub rule: Rule,
 }
 
-/// Upstream's `getConntrackMax`: `None` when `maxPerCore` is unset or 0.
+/// Upstream's `getConntrackMax`: `None` when `maxPerCore` is 0.
 pub fn conntrack_max(cfg: &ConntrackConfig, cpus: usize) -> Option<i64> {
-    let per_core = i64::from(cfg.max_per_core.filter(|m| *m > 0)?);
-    let floor = i64::from(cfg.min.unwrap_or(0));
-    Some((per_core * cpus as i64).max(floor))
+    if cfg.max_per_core == 0 {
+        return None;
+    }
+    let scaled = i64::from(cfg.max_per_core) * cpus as i64;
+    Some(scaled.max(i64::from(cfg.min)))
 }
 
-fn secs(d: Option<Duration>) -> Option<i64> {
-    d.map(|d| d.as_secs() as i64).filter(|s| *s > 0)
+/// Whole seconds (as Go's `int(d / time.Second)`), `None` when that is 0.
+fn secs(d: Duration) -> Option<i64> {
+    Some(d.as_secs() as i64).filter(|s| *s > 0)
 }
 
 /// The values upstream sets for `cfg` on a machine with `cpus` CPUs, in the order it sets
@@ -425,13 +431,20 @@ pub fn apply(cfg: &SysctlConfig, host: &Host) -> SysctlReport {
 mod tests {
     use super::*;
 
+    fn defaults() -> SysctlConfig {
+        SysctlConfig {
+            conntrack: ConntrackConfig::upstream_defaults(),
+            localhost_node_ports: false,
+        }
+    }
+
     #[test]
     fn conntrack_max_scales_by_cpus_with_a_floor() {
-        let cfg = ConntrackConfig::default();
+        let cfg = ConntrackConfig::upstream_defaults();
         assert_eq!(conntrack_max(&cfg, 2), Some(131072), "floor wins");
         assert_eq!(conntrack_max(&cfg, 8), Some(262144), "scaled wins");
         let zero = ConntrackConfig {
-            max_per_core: Some(0),
+            max_per_core: 0,
             ..cfg.clone()
         };
         assert_eq!(
@@ -440,8 +453,8 @@ mod tests {
             "maxPerCore 0 leaves it alone"
         );
         let no_min = ConntrackConfig {
-            max_per_core: Some(10),
-            min: None,
+            max_per_core: 10,
+            min: 0,
             ..cfg
         };
         assert_eq!(conntrack_max(&no_min, 3), Some(30));
@@ -449,7 +462,7 @@ mod tests {
 
     #[test]
     fn desired_values_follow_the_config() {
-        let d = desired(&SysctlConfig::default(), 8);
+        let d = desired(&defaults(), 8);
         let got: Vec<(Target, i64, Rule)> = d.iter().map(|d| (d.target, d.value, d.rule)).collect();
         assert_eq!(
             got,
@@ -462,13 +475,13 @@ mod tests {
         );
         let all = SysctlConfig {
             conntrack: ConntrackConfig {
-                max_per_core: None,
-                min: None,
-                tcp_established_timeout: Some(Duration::from_millis(999)), // < 1 s: unset
-                tcp_close_wait_timeout: None,
+                max_per_core: 0,
+                min: 0,
+                tcp_established_timeout: Duration::from_millis(999), // < 1 s: unset
+                tcp_close_wait_timeout: Duration::ZERO,
                 tcp_be_liberal: true,
-                udp_timeout: Some(Duration::from_secs(30)),
-                udp_stream_timeout: Some(Duration::from_millis(120_500)),
+                udp_timeout: Duration::from_secs(30),
+                udp_stream_timeout: Duration::from_millis(120_500),
             },
             localhost_node_ports: true,
         };
@@ -489,7 +502,7 @@ mod tests {
 
     #[test]
     fn plan_writes_differences_raises_hashsize_only_and_respects_read_only_sysfs() {
-        let d = desired(&SysctlConfig::default(), 8);
+        let d = desired(&defaults(), 8);
         let current = |max: i64, hash: i64| {
             move |t: Target| match t {
                 CONNTRACK_MAX => Some(max),

@@ -460,3 +460,57 @@ fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
     );
     assert_eq!(ask(&client), "ep-a");
 }
+
+#[test]
+fn large_tables_span_many_dump_datagrams_and_delete_batches() {
+    if !require_root() {
+        return;
+    }
+    let ns = Netns::new("ct-many").unwrap();
+    let mut tracker = Tracker::new(NODE);
+    let (snap, _) = step(&mut tracker, &manifests(&["10.240.0.4"], &[]));
+    // More stale entries than one delete batch holds (twice over), and more entries in all
+    // than one dump datagram carries.
+    let stale = 2 * kproxy::conntrack::netlink::DELETE_BATCH + 44;
+    let kept = 20;
+    // One `conntrack -I` per entry, batched through one shell per 100 entries.
+    let lines: Vec<String> = (0..stale + kept)
+        .map(|i| {
+            let reply_src = if i < stale {
+                "10.240.0.5"
+            } else {
+                "10.240.0.4"
+            };
+            let sport = 20000 + i;
+            format!(
+                "conntrack -I -p udp -s 10.0.1.2 -d 172.30.1.1 --sport {sport} --dport 8000 \
+                 --reply-src {reply_src} --reply-dst 10.0.1.2 --reply-port-src 9090 \
+                 --reply-port-dst {sport} -t 600 2>/dev/null || exit 1"
+            )
+        })
+        .collect();
+    for chunk in lines.chunks(100) {
+        ns.exec("sh", &["-c", &chunk.join("\n")]).unwrap();
+    }
+    let listed = ns
+        .run(|| kproxy::conntrack::list(IpFamily::V4))
+        .unwrap()
+        .unwrap()
+        .entries
+        .len();
+    assert_eq!(listed, stale + kept);
+
+    let stats = ns
+        .run(move || Cleaner::new(IpFamily::V4).reconcile(&snap))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (stats.listed, stats.stale, stats.deleted, stats.already_gone),
+        (stale + kept, stale, stale, 0),
+        "{stats:?}"
+    );
+    let left = netlink_keys(&ns);
+    assert_eq!(left, [k(17, "172.30.1.1", 8000, "10.240.0.4", 9090)].into());
+    let tool = ns.exec("conntrack", &["-L", "-f", "ipv4"]).unwrap();
+    assert_eq!(tool.lines().count(), kept, "{tool}");
+}

@@ -77,9 +77,9 @@ fn full_config() -> SysctlConfig {
     SysctlConfig {
         conntrack: ConntrackConfig {
             tcp_be_liberal: true,
-            udp_timeout: Some(Duration::from_secs(30)),
-            udp_stream_timeout: Some(Duration::from_secs(180)),
-            ..ConntrackConfig::default()
+            udp_timeout: Duration::from_secs(30),
+            udp_stream_timeout: Duration::from_secs(180),
+            ..ConntrackConfig::upstream_defaults()
         },
         localhost_node_ports: true,
     }
@@ -186,13 +186,13 @@ fn per_namespace_sysctls_are_set_in_a_test_netns_only() {
     );
     let cfg = SysctlConfig {
         conntrack: ConntrackConfig {
-            max_per_core: Some(0),
-            min: None,
-            tcp_established_timeout: Some(Duration::from_secs(12345)),
-            tcp_close_wait_timeout: Some(Duration::from_secs(678)),
+            max_per_core: 0,
+            min: 0,
+            tcp_established_timeout: Duration::from_secs(12345),
+            tcp_close_wait_timeout: Duration::from_secs(678),
             tcp_be_liberal: true,
-            udp_timeout: Some(Duration::from_secs(45)),
-            udp_stream_timeout: Some(Duration::from_secs(150)),
+            udp_timeout: Duration::from_secs(45),
+            udp_stream_timeout: Duration::from_secs(150),
         },
         localhost_node_ports: true,
     };
