@@ -126,8 +126,12 @@ impl Cleaner {
 
     /// Upstream's end-of-sync step: if a UDP service's endpoints changed between `prev` and
     /// `next` ([`cleanup_required`]), deletes the entries [`StaleFilters`] built from `next`
-    /// finds stale. `prev` is the snapshot of the previous successful sync (an empty one at
-    /// startup, so the first sync cleans whatever a previous proxy left).
+    /// finds stale.
+    ///
+    /// `prev` is the snapshot of the previous *successful* sync (an empty one at startup, so
+    /// the first sync cleans whatever a previous proxy left); `changed` must name every
+    /// service port changed since then (the sync runner carries the changes of failed syncs
+    /// over, so its `changed` is right as is).
     pub fn after_sync(
         &mut self,
         prev: &Snapshot,
