@@ -504,6 +504,7 @@ fn large_tables_span_many_dump_datagrams_and_delete_batches() {
         .run(move || Cleaner::new(IpFamily::V4).reconcile(&snap))
         .unwrap()
         .unwrap();
+    eprintln!("cleanup of {} entries: {stats:?}", stale + kept);
     assert_eq!(
         (stats.listed, stats.stale, stats.deleted, stats.already_gone),
         (stale + kept, stale, stale, 0),

@@ -158,26 +158,27 @@ impl Cleaner {
             return Ok(stats);
         }
         let family = self.family;
-        let dump = self
-            .socket()?
-            .dump(family)
-            .map_err(|source| ConntrackError::Dump { family, source });
-        let dump = match dump {
+        let mut stale: Vec<Entry> = vec![];
+        let dump = self.socket()?.dump_each(family, |e| {
+            if filters.is_stale(&e) {
+                stale.push(e);
+            }
+        });
+        let (listed, interrupted) = match dump {
             Ok(d) => d,
-            Err(e) => {
+            Err(source) => {
                 self.socket = None;
-                return Err(e);
+                return Err(ConntrackError::Dump { family, source });
             }
         };
-        stats.listed = dump.entries.len();
-        stats.dump_interrupted = dump.interrupted;
-        if dump.interrupted {
+        stats.listed = listed;
+        stats.dump_interrupted = interrupted;
+        if interrupted {
             tracing::info!(
                 ?family,
                 "conntrack dump interrupted by table changes; using the partial list"
             );
         }
-        let stale: Vec<Entry> = filters.select(&dump.entries).into_iter().cloned().collect();
         stats.stale = stale.len();
         for e in &stale {
             tracing::debug!(entry = %e, "deleting stale conntrack entry");

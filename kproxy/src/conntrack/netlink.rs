@@ -527,33 +527,46 @@ impl Socket {
 
     /// Dumps every conntrack entry of `family`.
     pub fn dump(&mut self, family: IpFamily) -> io::Result<Dump> {
+        let mut entries = vec![];
+        let (_, interrupted) = self.dump_each(family, |e| entries.push(e))?;
+        Ok(Dump {
+            entries,
+            interrupted,
+        })
+    }
+
+    /// Dumps every conntrack entry of `family`, handing each to `f` as it is decoded (so a
+    /// caller that keeps few of them never holds the whole table). Returns the number of
+    /// entries seen and whether the dump was interrupted.
+    pub fn dump_each(
+        &mut self,
+        family: IpFamily,
+        mut f: impl FnMut(Entry),
+    ) -> io::Result<(usize, bool)> {
         let seq = self.next_seq();
         self.send(&encode_dump_request(family, seq))?;
-        let mut dump = Dump::default();
+        let (mut seen, mut interrupted) = (0, false);
         loop {
             for m in self.recv()? {
                 match m {
                     Message::Entry {
                         seq: s,
                         entry,
-                        interrupted,
+                        interrupted: i,
                     } if s == seq => {
-                        dump.interrupted |= interrupted;
+                        interrupted |= i;
                         if IpFamily::of(&entry.orig.src) == family {
-                            dump.entries.push(entry);
+                            seen += 1;
+                            f(entry);
                         }
                     }
                     Message::Done {
                         seq: s,
-                        interrupted,
-                    } if s == seq => {
-                        dump.interrupted |= interrupted;
-                        return Ok(dump);
-                    }
+                        interrupted: i,
+                    } if s == seq => return Ok((seen, interrupted | i)),
                     Message::Ack { seq: s, errno } if s == seq && errno != 0 => {
                         if errno == libc::EINTR {
-                            dump.interrupted = true;
-                            return Ok(dump);
+                            return Ok((seen, true));
                         }
                         return Err(io::Error::from_raw_os_error(errno));
                     }
