@@ -146,7 +146,19 @@ fn first_sync_of_the_upstream_service_requires_cleanup() {
         services: snap.endpoints.keys().cloned().collect(),
         node: true,
     };
-    assert!(cleanup_required(&Snapshot::default(), &snap, &changed));
+    assert!(cleanup_required(
+        &Snapshot::default(),
+        &snap,
+        &changed,
+        IpFamily::V4
+    ));
     // Nothing changed since: no cleanup.
-    assert!(!cleanup_required(&snap, &snap, &changed));
+    assert!(!cleanup_required(&snap, &snap, &changed, IpFamily::V4));
+    // The case has no IPv6 endpoints: nothing for the IPv6 cleaner.
+    assert!(!cleanup_required(
+        &Snapshot::default(),
+        &snap,
+        &changed,
+        IpFamily::V6
+    ));
 }

@@ -138,7 +138,7 @@ impl Cleaner {
         next: &Snapshot,
         changed: &ChangedSet,
     ) -> Result<CleanupStats, ConntrackError> {
-        if !cleanup_required(prev, next, changed) {
+        if !cleanup_required(prev, next, changed, self.family) {
             return Ok(CleanupStats::default());
         }
         self.reconcile(next)

@@ -27,25 +27,31 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
-use crate::model::{ChangedSet, IpFamily, Protocol, ServicePortName, Snapshot};
+use crate::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePortName, Snapshot};
 
 use super::entry::Entry;
 
-/// Upstream's `ConntrackCleanupRequired`: true when a service whose endpoints differ between
-/// `prev` and `next` has a UDP port (by the endpoints' port protocol) in either of them.
+/// Upstream's `ConntrackCleanupRequired` for the proxier of `family`: true when a service
+/// whose `family` endpoints differ between `prev` and `next` has a UDP port with `family`
+/// endpoints in either of them (upstream's per-family proxier only sees EndpointSlices of its
+/// address type).
 ///
 /// `changed` narrows the search to the services it names; endpoints are compared by value
-/// (so a changed set that over-approximates is fine). Both IP families are considered: the
-/// per-family cleaners then each look at their own family only.
-pub fn cleanup_required(prev: &Snapshot, next: &Snapshot, changed: &ChangedSet) -> bool {
+/// (so a changed set that over-approximates is fine).
+pub fn cleanup_required(
+    prev: &Snapshot,
+    next: &Snapshot,
+    changed: &ChangedSet,
+    family: IpFamily,
+) -> bool {
     let services: BTreeSet<(&str, &str)> = changed
         .services
         .iter()
         .map(|n| (n.namespace.as_str(), n.name.as_str()))
         .collect();
     services.into_iter().any(|(ns, name)| {
-        let before = endpoints_of_service(prev, ns, name);
-        let after = endpoints_of_service(next, ns, name);
+        let before = endpoints_of_service(prev, ns, name, family);
+        let after = endpoints_of_service(next, ns, name, family);
         before != after
             && before
                 .keys()
@@ -54,16 +60,18 @@ pub fn cleanup_required(prev: &Snapshot, next: &Snapshot, changed: &ChangedSet) 
     })
 }
 
-/// The endpoints of every port of service `ns/name`.
+/// The `family` endpoints of every port of service `ns/name` (ports without any left out).
 fn endpoints_of_service<'a>(
     snap: &'a Snapshot,
     ns: &str,
     name: &str,
-) -> BTreeMap<&'a ServicePortName, &'a [crate::model::Endpoint]> {
+    family: IpFamily,
+) -> BTreeMap<&'a ServicePortName, Vec<&'a Endpoint>> {
     snap.endpoints
         .iter()
         .filter(|(n, _)| n.namespace == ns && n.name == name)
-        .map(|(n, eps)| (n, eps.as_slice()))
+        .map(|(n, eps)| (n, eps.iter().filter(|e| family.matches(&e.ip)).collect()))
+        .filter(|(_, eps): &(_, Vec<_>)| !eps.is_empty())
         .collect()
 }
 
@@ -169,7 +177,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::model::{Endpoint, ServicePort, ServiceType};
+    use crate::model::{ServicePort, ServiceType};
 
     fn name(svc: &str, port: &str, protocol: Protocol) -> ServicePortName {
         ServicePortName {
@@ -245,13 +253,23 @@ mod tests {
             (&su, vec![ep("10.1.0.1:53", true)]),
             (&st, vec![ep("10.1.0.8:80", true)]),
         ]);
-        assert!(!cleanup_required(&before, &tcp_changed, &changed(&[&tcp])));
+        assert!(!cleanup_required(
+            &before,
+            &tcp_changed,
+            &changed(&[&tcp]),
+            IpFamily::V4
+        ));
         // UDP endpoints changed: cleanup.
         let udp_changed = snap(&[
             (&su, vec![ep("10.1.0.2:53", true)]),
             (&st, vec![ep("10.1.0.9:80", true)]),
         ]);
-        assert!(cleanup_required(&before, &udp_changed, &changed(&[&udp])));
+        assert!(cleanup_required(
+            &before,
+            &udp_changed,
+            &changed(&[&udp]),
+            IpFamily::V4
+        ));
         // Only the service changed (new port number), endpoints equal: no cleanup.
         let svc_only = snap(&[
             (
@@ -260,10 +278,20 @@ mod tests {
             ),
             (&st, vec![ep("10.1.0.9:80", true)]),
         ]);
-        assert!(!cleanup_required(&before, &svc_only, &changed(&[&udp])));
+        assert!(!cleanup_required(
+            &before,
+            &svc_only,
+            &changed(&[&udp]),
+            IpFamily::V4
+        ));
         // UDP endpoints removed entirely (service deleted): the previous map had UDP.
         let gone = snap(&[(&st, vec![ep("10.1.0.9:80", true)])]);
-        assert!(cleanup_required(&before, &gone, &changed(&[&udp])));
+        assert!(cleanup_required(
+            &before,
+            &gone,
+            &changed(&[&udp]),
+            IpFamily::V4
+        ));
         // A service with TCP and UDP ports whose TCP endpoints changed: upstream checks the
         // whole service's endpoints map, so this triggers too.
         let mixed_tcp = name("dns", "tcp", Protocol::Tcp);
@@ -276,12 +304,39 @@ mod tests {
             (&su, vec![ep("10.1.0.1:53", true)]),
             (&smt, vec![ep("10.1.0.1:54", true)]),
         ]);
-        assert!(cleanup_required(&a, &b, &changed(&[&mixed_tcp])));
+        assert!(cleanup_required(
+            &a,
+            &b,
+            &changed(&[&mixed_tcp]),
+            IpFamily::V4
+        ));
         // Nothing in the changed set: nothing to check.
         assert!(!cleanup_required(
             &before,
             &udp_changed,
-            &ChangedSet::default()
+            &ChangedSet::default(),
+            IpFamily::V4
+        ));
+        // A change of the IPv4 endpoints concerns the IPv4 cleaner only.
+        assert!(!cleanup_required(
+            &before,
+            &udp_changed,
+            &changed(&[&udp]),
+            IpFamily::V6
+        ));
+        let v6_before = snap(&[(&su, vec![ep("10.1.0.1:53", true), ep("[fd01::1]:53", true)])]);
+        let v6_after = snap(&[(&su, vec![ep("10.1.0.1:53", true), ep("[fd01::2]:53", true)])]);
+        assert!(cleanup_required(
+            &v6_before,
+            &v6_after,
+            &changed(&[&udp]),
+            IpFamily::V6
+        ));
+        assert!(!cleanup_required(
+            &v6_before,
+            &v6_after,
+            &changed(&[&udp]),
+            IpFamily::V4
         ));
     }
 
