@@ -7,5 +7,7 @@
 
 pub mod fakeapi;
 pub mod fixtures;
+pub mod iptables_corpus;
+pub mod iptables_tracer;
 pub mod netns;
 pub mod recording;
