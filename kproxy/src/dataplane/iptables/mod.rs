@@ -6,11 +6,17 @@
 //! - [`render`]: iptables-restore text and upstream's canonical sort.
 //! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
 //! - [`backend`]: the kernel interface and an in-memory fake with restore semantics.
+//! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock).
+//! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
+//! - [`cleanup`]: removal of our and upstream kube-proxy's leftovers.
 //!
 //! One proxier runs per IP family (like upstream's dual-stack meta-proxier).
 
 pub mod backend;
+pub mod cleanup;
 pub mod config;
+pub mod dataplane;
+pub mod exec;
 pub mod names;
 pub mod plan;
 pub mod proxier;
@@ -19,6 +25,7 @@ pub mod render;
 pub use config::{
     IptablesBackend as BackendChoice, IptablesConfig, LocalTrafficDetector, NfacctCounters,
 };
+pub use dataplane::IptablesDataplane;
 pub use plan::{Plan, plan};
 pub use proxier::Proxier;
 
