@@ -4,6 +4,8 @@
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
+//! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
+//!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
 
 pub mod fakeapi;
 pub mod fixtures;
@@ -11,3 +13,4 @@ pub mod iptables_corpus;
 pub mod iptables_tracer;
 pub mod netns;
 pub mod recording;
+pub mod topology;
