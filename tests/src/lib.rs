@@ -13,6 +13,8 @@ pub mod bench;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;
+pub mod iptables_corpus;
+pub mod iptables_tracer;
 pub mod netns;
 pub mod recording;
 pub mod topology;
