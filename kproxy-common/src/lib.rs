@@ -19,3 +19,4 @@
 
 pub mod counter;
 pub mod service;
+pub mod sock;

@@ -3,9 +3,6 @@
 //! pinned by name (`<bpffs>/kproxy/<NAME>`) so a restarted agent and every program share them.
 //! Sizes here are defaults; the agent sets the real `max_entries` at load time.
 
-// Used by the programs that include this module; until both halves exist some are unread.
-#![allow(dead_code)]
-
 use aya_ebpf::{
     macros::map,
     maps::{HashMap, LpmTrie, LruHashMap},
@@ -38,6 +35,7 @@ pub(crate) static KP_AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::pinned(DEFAULT_AFFINITY_MAX, 0);
 
 /// `kproxy_common::service::MAP_SOURCE_RANGES`.
+#[allow(dead_code)] // read by the TC programs only
 #[map]
 pub(crate) static KP_SRC_RANGES: LpmTrie<SourceRangeKey, u8> =
     LpmTrie::pinned(DEFAULT_SOURCE_RANGES_MAX, 0);
