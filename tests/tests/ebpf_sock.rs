@@ -21,8 +21,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
+    ChangedSet, Endpoint, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType, Snapshot,
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
@@ -363,4 +362,302 @@ fn pod_to_cluster_ip_udp_v6_reaches_every_endpoint() {
         return;
     }
     check_family(Protocol::Udp, "udp", VIP_V6, &BACKENDS_V6);
+}
+
+/// Dumps `MAP_AFFINITY` as (svc_id, backend id, last used).
+fn affinity_entries(rig: &Rig) -> Vec<(AffinityKey, AffinityValue)> {
+    let data = MapData::from_pin(rig.bpffs.path().join("kproxy").join(MAP_AFFINITY)).unwrap();
+    let map: BpfHashMap<MapData, AffinityKey, AffinityValue> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    map.iter().filter_map(Result::ok).collect()
+}
+
+/// Backend id → address, from `MAP_BACKENDS`.
+fn backend_ids(rig: &Rig) -> BTreeMap<u32, IpAddr> {
+    let data = MapData::from_pin(rig.bpffs.path().join("kproxy").join(MAP_BACKENDS)).unwrap();
+    let map: BpfHashMap<MapData, u32, BackendValue> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    map.iter()
+        .map(|kv| {
+            let (id, b) = kv.unwrap();
+            (id, kproxy::dataplane::ebpf::planner::decode_addr(b.addr))
+        })
+        .collect()
+}
+
+#[test]
+fn no_endpoints_refuses_connections_at_once() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-noep");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![
+        (
+            service("empty", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
+            vec![],
+        ),
+        (
+            service("empty", Protocol::Udp, &[VIP_V4, VIP_V6], None),
+            vec![],
+        ),
+    ]);
+    sync(&mut dp, &snap);
+    for (mode, vip) in [
+        ("tcp", VIP_V4),
+        ("tcp", VIP_V6),
+        ("udp", VIP_V4),
+        ("udp", VIP_V6),
+    ] {
+        let summary = rig.run_client(mode, vip, 3);
+        assert!(summary.counts.is_empty(), "{mode} {vip}: {summary:?}");
+        assert_eq!(
+            summary.errors,
+            BTreeMap::from([("ECONNREFUSED".to_string(), 3)]),
+            "{mode} {vip}"
+        );
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn affinity_holds_a_client_until_the_timeout() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-aff");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![(
+        service("sticky", Protocol::Tcp, &[VIP_V4], Some(1)),
+        all_backends(),
+    )]);
+    sync(&mut dp, &snap);
+
+    // Within the timeout every connection of the client lands on one backend.
+    let summary = rig.run_client("tcp", VIP_V4, 50);
+    assert!(summary.errors.is_empty(), "{summary:?}");
+    assert_eq!(
+        summary.counts.len(),
+        1,
+        "affinity broken: {:?}",
+        summary.counts
+    );
+    let first = summary.order[0].clone();
+    let entries = affinity_entries(&rig);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let ids = backend_ids(&rig);
+    assert_eq!(ids[&entries[0].1.backend_id].to_string(), first);
+
+    // After the timeout the entry is expired: a sync removes it, and new connections are
+    // balanced again (each round waits out the timeout, so each is a fresh choice).
+    std::thread::sleep(Duration::from_millis(1500));
+    sync(&mut dp, &snap);
+    assert!(
+        affinity_entries(&rig).is_empty(),
+        "expired entry left in the map"
+    );
+    let mut seen = BTreeSet::new();
+    for _ in 0..15 {
+        let s = rig.run_client("tcp", VIP_V4, 1);
+        assert!(s.errors.is_empty(), "{s:?}");
+        seen.extend(s.counts.into_keys());
+        if seen.len() >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1100));
+    }
+    assert!(seen.len() >= 2, "only {seen:?} after expiries");
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn removed_endpoint_gets_no_new_flows_and_loses_its_affinity_entries() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-rm");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let svc = service("shrink", Protocol::Tcp, &[VIP_V4], Some(600));
+    sync(&mut dp, &snapshot(vec![(svc.clone(), all_backends())]));
+    let summary = rig.run_client("tcp", VIP_V4, 5);
+    assert_eq!(summary.counts.len(), 1, "{summary:?}");
+    let victim = summary.order[0].clone();
+    let entries = affinity_entries(&rig);
+    assert_eq!(entries.len(), 1);
+    let victim_id = entries[0].1.backend_id;
+
+    // Remove the backend the client is held on.
+    let remaining: Vec<Endpoint> = all_backends()
+        .into_iter()
+        .filter(|e| e.ip.to_string() != victim)
+        .collect();
+    sync(&mut dp, &snapshot(vec![(svc.clone(), remaining)]));
+    assert!(
+        affinity_entries(&rig)
+            .iter()
+            .all(|(_, v)| v.backend_id != victim_id),
+        "affinity entry of the removed backend survived"
+    );
+    assert!(!backend_ids(&rig).contains_key(&victim_id));
+
+    // Without affinity to compare fairly: new flows spread over the rest, never the victim.
+    let plain = service("shrink", Protocol::Tcp, &[VIP_V4], None);
+    let rest: Vec<&str> = BACKENDS_V4
+        .iter()
+        .copied()
+        .filter(|b| *b != victim)
+        .collect();
+    let remaining: Vec<Endpoint> = all_backends()
+        .into_iter()
+        .filter(|e| e.ip.to_string() != victim)
+        .collect();
+    sync(&mut dp, &snapshot(vec![(plain, remaining)]));
+    let summary = rig.run_client("tcp", VIP_V4, CONNECTIONS);
+    assert!(!summary.counts.contains_key(&victim), "{summary:?}");
+    assert_spread(&summary, &rest, CONNECTIONS);
+    dp.cleanup().unwrap();
+}
+
+type Dump = (
+    BTreeMap<Vec<u8>, ServiceValue>,
+    BTreeMap<Vec<u8>, u32>,
+    BTreeMap<Vec<u8>, BackendValue>,
+);
+
+fn dump(rig: &Rig) -> Dump {
+    (
+        rig.map::<ServiceKey, ServiceValue>(MAP_SERVICES),
+        rig.map::<BackendSlotKey, u32>(MAP_BACKEND_SLOTS),
+        rig.map::<u32, BackendValue>(MAP_BACKENDS),
+    )
+}
+
+fn changed_keys<V: PartialEq>(a: &BTreeMap<Vec<u8>, V>, b: &BTreeMap<Vec<u8>, V>) -> Vec<Vec<u8>> {
+    a.keys()
+        .chain(b.keys())
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn changing_one_of_1000_services_touches_only_its_entries() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-1000");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let make = |changed: bool| {
+        let services = (0..1000u32)
+            .map(|i| {
+                let vip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
+                let svc = service(&format!("s{i}"), Protocol::Tcp, &[vip.as_str()], None);
+                let mut eps = vec![
+                    endpoint(&format!("10.211.{}.{}", i / 250, i % 250 + 1)),
+                    endpoint(&format!("10.212.{}.{}", i / 250, i % 250 + 1)),
+                ];
+                if changed && i == 500 {
+                    eps.push(endpoint("10.213.0.1"));
+                    eps.remove(0);
+                }
+                (svc, eps)
+            })
+            .collect();
+        snapshot(services)
+    };
+    sync(&mut dp, &make(false));
+    let before = dump(&rig);
+    assert_eq!(before.0.len(), 1000);
+    assert_eq!(before.1.len(), 2000);
+    assert_eq!(before.2.len(), 2000);
+    sync(&mut dp, &make(true));
+    let after = dump(&rig);
+
+    // The service's frontend (same key, same value: still 2 slots), two slots (new backend
+    // ids), and the backends (one gone, one new) changed; nothing else.
+    let svc_id = {
+        let key = ServiceKey {
+            addr: kproxy::dataplane::ebpf::planner::encode_addr("10.97.2.1".parse().unwrap()),
+            port: PORT.to_be(),
+            proto: 6,
+            scope: 0,
+        };
+        after.0[&pod_bytes(&key)].svc_id
+    };
+    assert!(
+        changed_keys(&before.0, &after.0).is_empty(),
+        "frontends changed"
+    );
+    let slots = changed_keys(&before.1, &after.1);
+    assert!(!slots.is_empty());
+    for k in &slots {
+        let id = u32::from_ne_bytes(k[0..4].try_into().unwrap());
+        assert_eq!(id, svc_id, "slot of another set changed: {k:?}");
+    }
+    let backends = changed_keys(&before.2, &after.2);
+    let gone: BTreeSet<IpAddr> =
+        ["10.211.2.1".parse().unwrap(), "10.213.0.1".parse().unwrap()].into();
+    assert_eq!(backends.len(), 2, "{backends:?}");
+    for k in &backends {
+        let v = before.2.get(k).or(after.2.get(k)).unwrap();
+        let ip = kproxy::dataplane::ebpf::planner::decode_addr(v.addr);
+        assert!(gone.contains(&ip), "backend {ip} changed");
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn restarted_agent_reuses_pinned_links_and_keeps_connections() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-restart");
+    let snap = snapshot(vec![(
+        service("web", Protocol::Tcp, &[VIP_V4], None),
+        all_backends(),
+    )]);
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    sync(&mut dp, &snap);
+    let links: Vec<(&str, u32)> = dp.link_ids().to_vec();
+    assert_eq!(links.len(), kproxy_common::sock::PROGRAMS.len());
+
+    let mut hold = rig
+        .client("hold", VIP_V4, PORT, 0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = hold.stdin.take().unwrap();
+    let mut lines = BufReader::new(hold.stdout.take().unwrap()).lines();
+    let backend = lines.next().unwrap().unwrap();
+    assert!(BACKENDS_V4.contains(&backend.as_str()), "{backend}");
+    let before = dump(&rig);
+
+    // kill -9 of the agent: the object is dropped without cleanup.
+    drop(dp);
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    assert_eq!(dp.link_ids(), links.as_slice(), "links were not reused");
+    sync(&mut dp, &snap);
+    assert_eq!(dump(&rig), before, "the restart changed the maps");
+
+    // The long-lived connection still talks to the same backend; new ones work.
+    writeln!(stdin, "again").unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), backend);
+    let summary = rig.run_client("tcp", VIP_V4, 30);
+    assert!(summary.errors.is_empty(), "{summary:?}");
+    assert_eq!(summary.counts.values().sum::<usize>(), 30);
+    drop(stdin);
+    finish(hold);
+    dp.cleanup().unwrap();
+    assert!(
+        !Path::new(&rig.bpffs.path().join("kproxy")).exists(),
+        "cleanup left pins"
+    );
+}
+
+fn finish(mut child: Child) {
+    let status = child.wait().unwrap();
+    assert!(status.success(), "client exited with {status}");
 }
