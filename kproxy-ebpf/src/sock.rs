@@ -73,7 +73,7 @@ fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Ver
         proto,
         scope: SCOPE_CLUSTER,
     };
-    let Some(svc) = KP_SERVICES.get_ptr(&key) else {
+    let Some(svc) = KP_SERVICES.get_ptr(key) else {
         return Verdict::Untouched;
     };
     // SAFETY: a pointer from a successful lookup; the value is plain data copied out at once.
@@ -94,7 +94,7 @@ fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Ver
         // SAFETY: the context pointer is valid for this helper in sock_addr programs.
         let cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
         aff_key = AffinityKey::netns(svc.svc_id, cookie);
-        if let Some(entry) = KP_AFFINITY.get_ptr_mut(&aff_key) {
+        if let Some(entry) = KP_AFFINITY.get_ptr_mut(aff_key) {
             // SAFETY: a pointer from a successful lookup; only this client's connects write it,
             // a racing update at worst loses one refresh.
             let entry = unsafe { &mut *entry };
@@ -132,7 +132,7 @@ fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Ver
             last_used_ns: now,
         };
         // A full LRU map evicts; nothing to do on failure.
-        let _ = KP_AFFINITY.insert(&aff_key, &value, 0);
+        let _ = KP_AFFINITY.insert(aff_key, value, 0);
     }
     Verdict::Backend(be.addr, be.port)
 }
@@ -154,7 +154,7 @@ fn remember(ctx: &SockAddrContext, backend: [u32; 4], backend_port: u16, vip: [u
         _pad: 0,
         svc_id: 0,
     };
-    let _ = KP_SOCK_RNAT.insert(&key, &value, 0);
+    let _ = KP_SOCK_RNAT.insert(key, value, 0);
 }
 
 /// The frontend a socket reached through `backend`, if it did.
@@ -169,7 +169,7 @@ fn recall(ctx: &SockAddrContext, backend: [u32; 4], port: u16) -> Option<SockRev
         _pad: [0; 6],
     };
     // SAFETY: pointer from a successful lookup, copied out at once.
-    KP_SOCK_RNAT.get_ptr(&key).map(|v| unsafe { *v })
+    KP_SOCK_RNAT.get_ptr(key).map(|v| unsafe { *v })
 }
 
 #[inline(always)]
