@@ -619,3 +619,61 @@ fn restarted_agent_reuses_pinned_links_and_keeps_connections() {
         "cleanup left pins"
     );
 }
+
+#[test]
+fn node_port_from_a_pod_uses_the_cluster_set_even_with_etp_local() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-np");
+    let mut dp = EbpfDataplane::new(EbpfConfig {
+        node_addresses: rig.topo.node_ips(),
+        ..rig.config()
+    })
+    .unwrap();
+    let mut port = service("np", Protocol::Tcp, &[VIP_V4, VIP_V6], None);
+    port.service_type = ServiceType::NodePort;
+    port.node_port = 30080;
+    port.external_policy_local = true;
+    port.external_ips = vec!["203.0.113.10".parse().unwrap()];
+    sync(&mut dp, &snapshot(vec![(port, rig.endpoints())]));
+    // Traffic from the node's pods to an external destination short-circuits to every
+    // endpoint (local and remote), like upstream.
+    for target in [
+        format!("{}:30080", kproxy_tests::topology::NODE_IP),
+        format!("[{}]:30080", kproxy_tests::topology::NODE_IP6),
+        format!("203.0.113.10:{PORT}"),
+    ] {
+        let result = rig.probe(Probe::tcp(target.clone(), CONNECTIONS));
+        assert_eq!(
+            result.total_answers(),
+            u64::from(CONNECTIONS),
+            "{target}: {result:?}"
+        );
+        assert_spread(&result, &rig.backend_names());
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn internal_traffic_policy_local_reaches_only_local_endpoints() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-itp");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut port = service("itp", Protocol::Tcp, &[VIP_V4], None);
+    port.internal_policy_local = true;
+    sync(&mut dp, &snapshot(vec![(port, rig.endpoints())]));
+    let local: Vec<&str> = rig
+        .backends()
+        .iter()
+        .filter(|p| p.on == PodNode::Local)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(local.len(), 2);
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), CONNECTIONS));
+    assert_eq!(result.total_answers(), u64::from(CONNECTIONS), "{result:?}");
+    assert_spread(&result, &local);
+    dp.cleanup().unwrap();
+}

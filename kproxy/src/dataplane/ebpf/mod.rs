@@ -111,6 +111,17 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Removes everything the eBPF datapath pinned under `<bpffs>/kproxy/` (socket-LB links first,
+/// which detaches them, then the maps) without loading anything: `kproxy cleanup`. A missing
+/// directory is not an error.
+pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
+    let dir = bpffs.join("kproxy");
+    loader::remove_pins(&dir).map_err(|e| CleanupError {
+        mode: ProxyMode::Ebpf,
+        reason: format!("removing {}: {e}", dir.display()),
+    })
+}
+
 /// The eBPF [`Dataplane`].
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
