@@ -12,7 +12,8 @@
 //! | [`MAP_BACKENDS`] | hash | agent | socket LB, TC (and CT users: a CT entry holds a backend id) |
 //! | [`MAP_AFFINITY`] | LRU hash | socket LB, TC (on selection); agent deletes entries of removed backends and expired ones | socket LB, TC |
 //! | [`MAP_SOURCE_RANGES`] | LPM trie | agent | TC (frontends with [`SVC_F_SOURCE_RANGES`]) |
-//! | [`MAP_SOCK_REV_NAT`] | LRU hash | socket LB (sendmsg/connect of UDP) | socket LB (recvmsg, getpeername) |
+//! | [`MAP_SOCK_REV_NAT`] | LRU hash | socket LB (connect, sendmsg) | socket LB (recvmsg, getpeername) |
+//! | [`MAP_SOCK_FWD`] | LRU hash | socket LB (sendmsg) | socket LB (sendmsg) |
 //!
 //! Every map is pinned by name under `<bpffs>/kproxy/` (`PinningType::ByName`), so all programs
 //! of the object and a restarted agent share them.
@@ -62,14 +63,20 @@ pub const MAP_SOURCE_RANGES: &str = "KP_SRC_RANGES";
 /// through a backend (restored on `recvmsg`, reported by `getpeername`).
 pub const MAP_SOCK_REV_NAT: &str = "KP_SOCK_RNAT";
 
+/// `LruHashMap<SockFwdKey, SockFwdValue>`: unconnected UDP socket LB, the backend a socket's
+/// datagrams to one frontend go to (so one socket's datagrams stay on one backend, like a
+/// conntrack entry would keep them).
+pub const MAP_SOCK_FWD: &str = "KP_SOCK_FWD";
+
 /// Every service-map name, for checks that the object holds them all.
-pub const MAPS: [&str; 6] = [
+pub const MAPS: [&str; 7] = [
     MAP_SERVICES,
     MAP_BACKEND_SLOTS,
     MAP_BACKENDS,
     MAP_AFFINITY,
     MAP_SOURCE_RANGES,
     MAP_SOCK_REV_NAT,
+    MAP_SOCK_FWD,
 ];
 
 /// Default `max_entries` of each map (the agent overrides them from `--bpf-map-sizes`).
@@ -79,6 +86,7 @@ pub const DEFAULT_BACKENDS_MAX: u32 = 65_536;
 pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 16_384;
 pub const DEFAULT_SOCK_REV_NAT_MAX: u32 = 65_536;
+pub const DEFAULT_SOCK_FWD_MAX: u32 = 65_536;
 
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
@@ -258,6 +266,32 @@ pub struct SockRevNatValue {
     pub svc_id: u32,
 }
 
+/// Key of [`MAP_SOCK_FWD`]: a socket and the frontend it sends to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFwdKey {
+    /// `bpf_get_socket_cookie`.
+    pub cookie: u64,
+    /// Frontend address (v4-mapped for IPv4).
+    pub addr: [u32; 4],
+    /// Frontend port, network byte order.
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// Value of [`MAP_SOCK_FWD`]: the backend chosen for that socket and frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFwdValue {
+    /// Backend id (re-checked in [`MAP_BACKENDS`] and the set's slots before use).
+    pub backend_id: u32,
+    /// The set it was chosen from and its slot there: reused only while that slot of that set
+    /// still names this backend.
+    pub svc_id: u32,
+    pub slot: u32,
+    pub _pad: u32,
+}
+
 // SAFETY: each type is `#[repr(C)]`, `Copy`, made of integers only, with explicit padding
 // fields (no implicit padding), so every bit pattern is valid.
 #[cfg(feature = "user")]
@@ -272,6 +306,8 @@ mod pod {
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
+    unsafe impl aya::Pod for SockFwdKey {}
+    unsafe impl aya::Pod for SockFwdValue {}
 }
 
 #[cfg(test)]
@@ -290,6 +326,8 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 20);
         assert_eq!(size_of::<SockRevNatKey>(), 32);
         assert_eq!(size_of::<SockRevNatValue>(), 24);
+        assert_eq!(size_of::<SockFwdKey>(), 32);
+        assert_eq!(size_of::<SockFwdValue>(), 16);
     }
 
     #[test]

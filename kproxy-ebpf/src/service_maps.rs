@@ -9,9 +9,9 @@ use aya_ebpf::{
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, DEFAULT_AFFINITY_MAX,
-    DEFAULT_BACKEND_SLOTS_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX,
-    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey, ServiceValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    DEFAULT_BACKEND_SLOTS_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_FWD_MAX,
+    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey, ServiceValue, SockFwdKey,
+    SockFwdValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// `kproxy_common::service::MAP_SERVICES`.
@@ -44,3 +44,8 @@ pub(crate) static KP_SRC_RANGES: LpmTrie<SourceRangeKey, u8> =
 #[map]
 pub(crate) static KP_SOCK_RNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
     LruHashMap::pinned(DEFAULT_SOCK_REV_NAT_MAX, 0);
+
+/// `kproxy_common::service::MAP_SOCK_FWD`.
+#[map]
+pub(crate) static KP_SOCK_FWD: LruHashMap<SockFwdKey, SockFwdValue> =
+    LruHashMap::pinned(DEFAULT_SOCK_FWD_MAX, 0);

@@ -5,8 +5,10 @@
 //! - `connect4/6` (TCP, connected UDP): look up `{dst, port, proto, SCOPE_CLUSTER}` in
 //!   `KP_SERVICES`; pick a backend (affinity by netns cookie, else a random slot); rewrite the
 //!   destination; remember `{socket cookie, backend} → frontend` in `KP_SOCK_RNAT`.
-//! - `sendmsg4/6` (unconnected UDP): the same per datagram (each `sendto()` picks again unless
-//!   affinity holds the client; upstream's conntrack would keep one backend per 5-tuple).
+//! - `sendmsg4/6` (unconnected UDP): the same per datagram, except that a socket keeps the
+//!   backend it got for a frontend (`KP_SOCK_FWD`) while that backend still holds the same slot
+//!   of the frontend's set: one socket's datagrams stay on one backend, as upstream's conntrack
+//!   entry for the 5-tuple would keep them.
 //! - `recvmsg4/6`, `getpeername4/6`: a source/peer that is a backend this socket was sent to
 //!   is reported as the frontend.
 //! - No endpoint at all (`count == 0` with `SVC_F_REJECT`): the syscall fails with
@@ -31,11 +33,14 @@ use aya_ebpf::{
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER,
-    SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SockRevNatKey, SockRevNatValue, v4_mapped,
+    SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SockFwdKey, SockFwdValue, SockRevNatKey,
+    SockRevNatValue, v4_mapped,
 };
 use kproxy_common::sock::ERRNO_NO_ENDPOINTS;
 
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_RNAT};
+use crate::service_maps::{
+    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_FWD, KP_SOCK_RNAT,
+};
 
 /// Allow the syscall (for connect/sendmsg with the possibly rewritten address).
 const ALLOW: i32 = 1;
@@ -66,7 +71,13 @@ fn proto_of(ctx: &SockAddrContext) -> Option<u8> {
 
 /// The frontend lookup and backend choice shared by connect and sendmsg.
 #[inline(always)]
-fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Verdict {
+fn translate(
+    ctx: &SockAddrContext,
+    addr: [u32; 4],
+    port: u16,
+    proto: u8,
+    sendmsg: bool,
+) -> Verdict {
     let key = ServiceKey {
         addr,
         port,
@@ -110,6 +121,36 @@ fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Ver
         }
     }
 
+    // Unconnected UDP: this socket's earlier choice for this frontend, while still valid.
+    let mut fwd_key = SockFwdKey::default();
+    if sendmsg {
+        fwd_key = SockFwdKey {
+            // SAFETY: the context pointer is valid for this helper in sock_addr programs.
+            cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+            addr,
+            port,
+            _pad: [0; 6],
+        };
+        if let Some(prev) = KP_SOCK_FWD.get_ptr(fwd_key) {
+            // SAFETY: pointer from a successful lookup, copied out at once.
+            let prev = unsafe { *prev };
+            if prev.svc_id == svc.svc_id
+                && prev.slot < svc.count
+                && let Some(id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
+                    svc_id: svc.svc_id,
+                    slot: prev.slot,
+                })
+                // SAFETY: pointer from a successful lookup.
+                && unsafe { *id } == prev.backend_id
+                && let Some(be) = KP_BACKENDS.get_ptr(prev.backend_id)
+            {
+                // SAFETY: pointer from a successful lookup.
+                let be = unsafe { *be };
+                return Verdict::Backend(be.addr, be.port);
+            }
+        }
+    }
+
     // SAFETY: no arguments.
     let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
     let Some(backend_id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
@@ -133,6 +174,16 @@ fn translate(ctx: &SockAddrContext, addr: [u32; 4], port: u16, proto: u8) -> Ver
         };
         // A full LRU map evicts; nothing to do on failure.
         let _ = KP_AFFINITY.insert(aff_key, value, 0);
+    }
+    if sendmsg {
+        let value = SockFwdValue {
+            backend_id,
+            svc_id: svc.svc_id,
+            slot,
+            _pad: 0,
+        };
+        // A full LRU map evicts; at worst the socket's next datagram picks again.
+        let _ = KP_SOCK_FWD.insert(fwd_key, value, 0);
     }
     Verdict::Backend(be.addr, be.port)
 }
@@ -180,7 +231,7 @@ fn reject() -> i32 {
 }
 
 #[inline(always)]
-fn forward4(ctx: &SockAddrContext) -> i32 {
+fn forward4(ctx: &SockAddrContext, sendmsg: bool) -> i32 {
     let Some(proto) = proto_of(ctx) else {
         return ALLOW;
     };
@@ -189,7 +240,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
     // connect4/sendmsg4 (4-byte loads).
     let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     let vip = v4_mapped(ip);
-    match translate(ctx, vip, port, proto) {
+    match translate(ctx, vip, port, proto, sendmsg) {
         Verdict::Untouched => ALLOW,
         Verdict::Reject => reject(),
         Verdict::Backend(addr, be_port) => {
@@ -205,7 +256,7 @@ fn forward4(ctx: &SockAddrContext) -> i32 {
 }
 
 #[inline(always)]
-fn forward6(ctx: &SockAddrContext) -> i32 {
+fn forward6(ctx: &SockAddrContext, sendmsg: bool) -> i32 {
     let Some(proto) = proto_of(ctx) else {
         return ALLOW;
     };
@@ -222,7 +273,7 @@ fn forward6(ctx: &SockAddrContext) -> i32 {
             (*sa).user_port as u16,
         )
     };
-    match translate(ctx, vip, port, proto) {
+    match translate(ctx, vip, port, proto, sendmsg) {
         Verdict::Untouched => ALLOW,
         Verdict::Reject => reject(),
         Verdict::Backend(addr, be_port) => {
@@ -288,25 +339,25 @@ fn reverse6(ctx: &SockAddrContext) -> i32 {
 /// `kproxy_common::sock::PROG_SOCK_CONNECT4`.
 #[cgroup_sock_addr(connect4)]
 pub fn kp_sk_conn4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx)
+    forward4(&ctx, false)
 }
 
 /// `kproxy_common::sock::PROG_SOCK_CONNECT6`.
 #[cgroup_sock_addr(connect6)]
 pub fn kp_sk_conn6(ctx: SockAddrContext) -> i32 {
-    forward6(&ctx)
+    forward6(&ctx, false)
 }
 
 /// `kproxy_common::sock::PROG_SOCK_SENDMSG4`.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn kp_sk_send4(ctx: SockAddrContext) -> i32 {
-    forward4(&ctx)
+    forward4(&ctx, true)
 }
 
 /// `kproxy_common::sock::PROG_SOCK_SENDMSG6`.
 #[cgroup_sock_addr(sendmsg6)]
 pub fn kp_sk_send6(ctx: SockAddrContext) -> i32 {
-    forward6(&ctx)
+    forward6(&ctx, true)
 }
 
 /// `kproxy_common::sock::PROG_SOCK_RECVMSG4`.

@@ -40,8 +40,9 @@ const CONNECTIONS: u32 = 300;
 const CLIENT_POD: &str = "pod-l0";
 
 /// `python3 -c PEERS FAMILY VIP PORT N`: N TCP connections and N UDP exchanges, each from a
-/// new socket; prints the distinct addresses `getpeername()` (TCP) and `recvfrom()` (UDP)
-/// reported, one JSON object.
+/// new socket, then N datagrams from one unconnected UDP socket; prints the distinct addresses
+/// `getpeername()` (TCP) and `recvfrom()` (UDP) reported and the backends that answered the
+/// one socket, one JSON object.
 const PEERS: &str = r#"
 import socket, sys, json
 fam, vip, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -52,7 +53,10 @@ for i in range(n):
     s.connect((vip, port)); tcp.add('%s:%d' % s.getpeername()[:2]); s.recv(64); s.close()
     s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5)
     s.sendto(b'x\n', (vip, port)); _, src = s.recvfrom(256); udp.add('%s:%d' % src[:2]); s.close()
-print(json.dumps({'tcp': sorted(tcp), 'udp': sorted(udp)}))
+s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5); same = set()
+for i in range(n):
+    s.sendto(b'x\n', (vip, port)); data, _ = s.recvfrom(256); same.add(data.decode().split(' ')[0])
+print(json.dumps({'tcp': sorted(tcp), 'udp': sorted(udp), 'same_socket': sorted(same)}))
 "#;
 
 /// The sandbox of one test: topology with servers, bpffs, cgroup.
@@ -287,7 +291,7 @@ fn pod_to_cluster_ip_udp_v6_reaches_every_endpoint() {
 }
 
 #[test]
-fn getpeername_and_recvfrom_report_the_vip() {
+fn getpeername_and_recvfrom_report_the_vip_and_a_udp_socket_stays_on_one_backend() {
     if !require_root() {
         return;
     }
@@ -318,6 +322,12 @@ fn getpeername_and_recvfrom_report_the_vip() {
         let want = vec![format!("{vip}:{PORT}")];
         assert_eq!(seen["tcp"], want, "getpeername over IPv{family}");
         assert_eq!(seen["udp"], want, "recvfrom over IPv{family}");
+        assert_eq!(
+            seen["same_socket"].len(),
+            1,
+            "one unconnected UDP socket's datagrams went to several backends: {:?}",
+            seen["same_socket"]
+        );
     }
     dp.cleanup().unwrap();
 }

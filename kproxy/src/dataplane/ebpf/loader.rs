@@ -21,7 +21,7 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use kproxy_common::service::{
-    MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_REV_NAT,
+    MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
     MAP_SOURCE_RANGES,
 };
 use kproxy_common::sock;
@@ -119,6 +119,7 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         .map_max_entries(MAP_AFFINITY, sizes.affinity)
         .map_max_entries(MAP_SOURCE_RANGES, sizes.source_ranges)
         .map_max_entries(MAP_SOCK_REV_NAT, sizes.sock_rev_nat)
+        .map_max_entries(MAP_SOCK_FWD, sizes.sock_rev_nat)
         .load(OBJECT)
         .map_err(BpfError::from)?;
 

@@ -43,6 +43,7 @@ pub struct MapSizes {
     pub backends: u32,
     pub affinity: u32,
     pub source_ranges: u32,
+    /// Socket-LB per-socket maps (`KP_SOCK_RNAT` and `KP_SOCK_FWD`, LRU).
     pub sock_rev_nat: u32,
 }
 
