@@ -12,3 +12,4 @@
 #![no_std]
 
 pub mod counter;
+pub mod ct;
