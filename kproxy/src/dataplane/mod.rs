@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::model::{ChangedSet, Snapshot};
 
+pub mod ebpf;
 pub mod ebpf_tc;
 pub mod iptables;
 
