@@ -360,8 +360,9 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     let local = be.flags & BE_F_LOCAL != 0;
     // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
     // through this node anyway, so its flows keep the client address (like Cilium; upstream
-    // iptables would SNAT them too).
-    let snat = svc.flags & SVC_F_LOCAL_ONLY == 0 && !local;
+    // iptables would SNAT them too). A pod reaching itself through a NodePort (hairpin) is
+    // always SNATed: it would drop a packet with its own address as source.
+    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be_addr;
     let mut flags = 0u16;
     if snat {
         flags |= CT_F_SNAT;

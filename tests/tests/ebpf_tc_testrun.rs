@@ -50,7 +50,8 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) 
         &bpffs,
         TcConfig {
             snat_ports: SNAT_PORTS,
-            pin_dir: None,
+            ct_entries: 4096,
+            ..TcConfig::default()
         },
     );
     for (id, addr, bflags) in backends {

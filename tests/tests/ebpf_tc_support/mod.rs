@@ -5,9 +5,10 @@
 
 use std::net::Ipv4Addr;
 
+use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::{Ebpf, EbpfLoader};
+use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
@@ -23,10 +24,7 @@ pub const ICMP: u8 = 1;
 pub fn load(bpffs: &Bpffs, config: TcConfig) -> (Ebpf, TcPath) {
     let dir = bpffs.path().join("kproxy");
     std::fs::create_dir_all(&dir).unwrap();
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(&dir)
-        .load(kproxy::bpf::OBJECT)
-        .expect("loading the BPF object");
+    let mut ebpf = load_object(&dir, &config).expect("loading the BPF object");
     let tc = TcPath::load(&mut ebpf, config).expect("loading the TC programs");
     (ebpf, tc)
 }

@@ -13,14 +13,14 @@ use std::net::Ipv4Addr;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
-use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap, MapError, PerCpuArray};
 use aya::programs::links::{FdLink, LinkError, PinnedLink};
 use aya::programs::tc::{SchedClassifierLinkId, TcAttachOptions};
 use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
+use aya::{Ebpf, EbpfLoader};
 use kproxy_common::ct::{
-    DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS,
-    NatConfig, NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, TcStat,
+    DEFAULT_CT_ENTRIES, DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, MAP_CT, MAP_NAT_CONFIG,
+    MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, TcStat,
 };
 
 /// Errors of the TC path.
@@ -58,8 +58,11 @@ impl TcError {
 pub struct TcConfig {
     /// Source ports BPF SNAT allocates from (host order, inclusive).
     pub snat_ports: RangeInclusive<u16>,
-    /// Where links are pinned (`<bpffs>/kproxy`); `None`: links live as long as the [`Ebpf`].
+    /// Where links are pinned (`<bpffs>/kproxy/links`); `None`: links live as long as the
+    /// [`Ebpf`].
     pub pin_dir: Option<PathBuf>,
+    /// `max_entries` of `KP_CT` when this instance creates it ([`load_object`]).
+    pub ct_entries: u32,
 }
 
 impl Default for TcConfig {
@@ -67,6 +70,7 @@ impl Default for TcConfig {
         TcConfig {
             snat_ports: DEFAULT_SNAT_PORT_MIN..=DEFAULT_SNAT_PORT_MAX,
             pin_dir: None,
+            ct_entries: DEFAULT_CT_ENTRIES,
         }
     }
 }
@@ -86,6 +90,27 @@ impl TcConfig {
             flags: 0,
         })
     }
+}
+
+/// Loads the embedded object with its pinned maps in `map_pin_dir` (`<bpffs>/kproxy`): an
+/// instance of its own that shares every pinned map (service maps, `KP_CT`) with the eBPF
+/// dataplane's instance, so the TC path can be loaded, attached and maintained independently.
+/// `KP_CT` gets `config.ct_entries` if this is the first load that creates it.
+pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcError> {
+    if !crate::bpf::is_built() {
+        return Err(TcError::Config {
+            field: "BPF object",
+            reason: crate::bpf::BpfError::NotBuilt.to_string(),
+        });
+    }
+    EbpfLoader::new()
+        .default_map_pin_directory(map_pin_dir)
+        .map_max_entries(MAP_CT, config.ct_entries)
+        .load(crate::bpf::OBJECT)
+        .map_err(|e| TcError::Config {
+            field: "BPF object",
+            reason: format!("loading with maps pinned in {}: {e}", map_pin_dir.display()),
+        })
 }
 
 /// The direction of one attachment.
@@ -285,13 +310,13 @@ mod tests {
     fn snat_port_range_is_validated() {
         let ok = TcConfig {
             snat_ports: 40000..=40009,
-            pin_dir: None,
+            ..TcConfig::default()
         };
         assert_eq!(ok.nat_config().unwrap().snat_port_min, 40000);
         for bad in [0..=10, 500..=499] {
             let err = TcConfig {
                 snat_ports: bad,
-                pin_dir: None,
+                ..TcConfig::default()
             }
             .nat_config()
             .unwrap_err();
