@@ -313,7 +313,7 @@ mod tests {
             ..TcConfig::default()
         };
         assert_eq!(ok.nat_config().unwrap().snat_port_min, 40000);
-        for bad in [0..=10, 500..=499] {
+        for bad in [0..=10, RangeInclusive::new(500, 499)] {
             let err = TcConfig {
                 snat_ports: bad,
                 ..TcConfig::default()
