@@ -203,6 +203,20 @@ mod tests {
                 obj.programs.keys()
             );
         }
+        for name in kproxy_common::service::MAPS {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name}: {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in kproxy_common::sock::PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
         let map = &obj.maps[MAP_PACKET_COUNT];
         assert_eq!(map.max_entries(), COUNTER_SLOTS);
         assert_eq!(map.value_size() as usize, size_of::<PacketCount>());

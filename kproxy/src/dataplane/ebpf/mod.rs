@@ -18,6 +18,8 @@ pub mod ids;
 pub mod loader;
 pub mod planner;
 pub mod tables;
+#[cfg(test)]
+mod tests;
 
 use std::net::IpAddr;
 use std::path::PathBuf;
