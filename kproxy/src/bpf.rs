@@ -217,6 +217,29 @@ mod tests {
                 obj.programs.keys()
             );
         }
+        for name in kproxy_common::ct::MAPS {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name}: {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in kproxy_common::ct::PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
+        let ct = &obj.maps[kproxy_common::ct::MAP_CT];
+        assert_eq!(
+            ct.key_size() as usize,
+            size_of::<kproxy_common::ct::CtKey>()
+        );
+        assert_eq!(
+            ct.value_size() as usize,
+            size_of::<kproxy_common::ct::CtEntry>()
+        );
         let map = &obj.maps[MAP_PACKET_COUNT];
         assert_eq!(map.max_entries(), COUNTER_SLOTS);
         assert_eq!(map.value_size() as usize, size_of::<PacketCount>());
