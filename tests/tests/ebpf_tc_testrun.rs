@@ -15,7 +15,7 @@ use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
 use kproxy_common::ct::{CT_F_SNAT, NodeAddr4};
 use kproxy_common::service::{
-    BE_F_LOCAL, SCOPE_EXTERNAL, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT,
+    BE_F_LOCAL, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT,
     SVC_F_SOURCE_RANGES, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, require_root};
@@ -450,4 +450,62 @@ fn node_address_map_is_replaced_by_set_node_addresses() {
         BpfHashMap::try_from(f.ebpf.map(kproxy_common::ct::MAP_NODE_ADDR4).unwrap()).unwrap();
     let all: Vec<(u32, NodeAddr4)> = m.iter().map(Result::unwrap).collect();
     assert_eq!(all, vec![(6, NodeAddr4 { addr: ip4(NODE) })]);
+}
+
+#[test]
+fn session_affinity_pins_a_client_to_one_backend() {
+    if !require_root() {
+        return;
+    }
+    let b2 = Ipv4Addr::new(10, 1, 0, 6);
+    let mut f = fixture(
+        "tctr-aff",
+        TCP,
+        0,
+        &[(1, BACKEND, BE_F_LOCAL), (2, b2, BE_F_LOCAL)],
+    );
+    frontend(
+        &mut f.ebpf,
+        NODE,
+        NODE_PORT,
+        TCP,
+        SCOPE_EXTERNAL,
+        ServiceValue {
+            svc_id: 1,
+            count: 2,
+            flags: SVC_F_NODE_PORT | SVC_F_AFFINITY,
+            affinity_timeout: 3600,
+        },
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..24u16 {
+        let out = run_in(&mut f, &syn((CLIENT, 43_000 + i)));
+        seen.insert(parse_checked(&out.frame).dst);
+    }
+    assert_eq!(seen.len(), 1, "24 connections of one client: {seen:?}");
+}
+
+#[test]
+fn expiry_removes_idle_flows_whole() {
+    if !require_root() {
+        return;
+    }
+    let mut f = fixture("tctr-expire", UDP, 0, &[(1, BACKEND, 0)]);
+    let out = run_in(&mut f, &udp_frame((CLIENT, CPORT), (NODE, NODE_PORT), b"x"));
+    let _ = run_eg(&mut f, &out.frame);
+    assert_eq!(ct_entries(&f.ebpf).len(), 4);
+    // Generous timeouts: nothing is idle yet.
+    assert_eq!(
+        ct::expire(&mut f.ebpf, &ct::Timeouts::default()).unwrap(),
+        0
+    );
+    assert_eq!(ct_entries(&f.ebpf).len(), 4);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let zero = ct::Timeouts {
+        tcp: std::time::Duration::ZERO,
+        tcp_closing: std::time::Duration::ZERO,
+        udp: std::time::Duration::ZERO,
+    };
+    assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 4);
+    assert!(ct_entries(&f.ebpf).is_empty());
 }
