@@ -27,7 +27,9 @@
 //! `u16::to_be`. Every entry of a flow carries the flow's backend id, so
 //! `purge_backends` removes all entries of flows to a removed backend.
 
-/// LRU hash [`CtKey`] → [`CtEntry`]: the connection table (pinned as `KP_CT`).
+/// LRU hash [`CtKey`] → [`CtEntry`]: the connection table. Every map of this module is pinned
+/// by name (`<bpffs>/kproxy/<NAME>`), so a restarted agent keeps flows, SNAT sources and
+/// counters.
 pub const MAP_CT: &str = "KP_CT";
 /// Array with one [`NatConfig`] (index 0): SNAT port range and timeouts.
 pub const MAP_NAT_CONFIG: &str = "KP_NAT_CFG";

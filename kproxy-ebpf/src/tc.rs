@@ -36,15 +36,15 @@ static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES
 
 /// `kproxy_common::ct::MAP_NAT_CONFIG`.
 #[map]
-static KP_NAT_CFG: Array<NatConfig> = Array::with_max_entries(1, 0);
+static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
 
 /// `kproxy_common::ct::MAP_NODE_ADDR4`.
 #[map]
-static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::with_max_entries(NODE_ADDR_ENTRIES, 0);
+static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIES, 0);
 
 /// `kproxy_common::ct::MAP_TC_STATS`.
 #[map]
-static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(TC_STATS, 0);
+static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::pinned(TC_STATS, 0);
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;

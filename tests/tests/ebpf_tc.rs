@@ -12,12 +12,15 @@
 mod ebpf_tc_support;
 
 use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
+use aya::programs::links::{FdLink, PinnedLink};
 use ebpf_tc_support::ct_entries;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
@@ -165,6 +168,51 @@ impl Rig {
             topo,
             bpffs,
         }
+    }
+
+    /// An agent restart as the TC path sees it: a fresh object instance (reusing every pinned
+    /// map), programs loaded and attached again through the pinned links, then the old
+    /// instance dropped.
+    fn restart_tc(&mut self) {
+        let pins = self.bpffs.path().join("kproxy");
+        let config = TcConfig {
+            pin_dir: Some(pins.join("links")),
+            ct_entries: 8192,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &config).unwrap();
+        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+        let devices = self.tc.attached();
+        self.topo
+            .node
+            .run(|| {
+                for dev in &devices {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        self.tc = tc;
+        *self.tc_ebpf.lock().unwrap() = ebpf;
+    }
+
+    /// Ids of the pinned TC links.
+    fn link_ids(&self) -> Vec<u32> {
+        let dir = self.bpffs.path().join("kproxy/links");
+        let mut ids = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("tc-")
+            {
+                let link = PinnedLink::from_pin(&path).unwrap();
+                ids.push(FdLink::from(link).info().unwrap().id());
+            }
+        }
+        ids.sort();
+        ids
     }
 
     fn sync(&self, snap: &Snapshot) {
@@ -478,4 +526,56 @@ fn endpoint_removal_deletes_its_ct_entries() {
     // New flows go to the remaining backend only.
     let r = rig.probe(Probe::udp(format!("{NODE_IP}:{NODE_PORT}"), 10));
     assert_eq!(r.answers.get("pod-l0"), Some(&10), "{r:?}");
+}
+
+#[test]
+fn restart_reuses_pinned_links_and_keeps_established_flows() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("tc-restart");
+    // Remote backend only: the long-lived flow is DNATed, SNATed and reverse-translated.
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(
+            service("web", Protocol::Tcp),
+            vec![endpoint(Ipv4Addr::new(10, 244, 2, 2), false)],
+        )],
+    ));
+    let mut cmd = rig
+        .topo
+        .client
+        .command(kproxy_tests::topology::target_bin("kp-probe").unwrap());
+    cmd.args([
+        "hold",
+        &format!("{NODE_IP}:{NODE_PORT}"),
+        "--seconds",
+        "3",
+        "--interval-ms",
+        "100",
+    ]);
+    let mut hold = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(hold.stdout.take().unwrap()).lines();
+    let connected = lines.next().unwrap().unwrap();
+    assert!(connected.contains("pod-r0"), "{connected}");
+    let links = rig.link_ids();
+    assert_eq!(
+        links.len(),
+        2 * rig.tc.attached().len(),
+        "one ingress and one egress link per device"
+    );
+
+    rig.restart_tc();
+    assert_eq!(rig.link_ids(), links, "the restart replaced the links");
+
+    let r = rig.probe(Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 10));
+    assert_eq!(
+        r.total_answers(),
+        10,
+        "new connections after the restart: {r:?}"
+    );
+    let status = hold.wait().unwrap();
+    let last = lines.next().unwrap().unwrap();
+    assert!(status.success(), "long-lived connection broke: {last}");
+    assert!(last.contains("\"exchanges\""), "{last}");
 }
