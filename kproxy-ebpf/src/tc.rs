@@ -64,7 +64,7 @@ const NS_PER_SEC: u64 = 1_000_000_000;
 
 type Verdict = i32;
 const NEXT: Verdict = TC_ACT_UNSPEC;
-const DROP: Verdict = TC_ACT_SHOT as i32;
+const DROP: Verdict = TC_ACT_SHOT;
 
 /// An IPv4 packet's 5-tuple and where its headers are. Addresses and ports in network order.
 struct Packet {
@@ -265,12 +265,12 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         scope: SCOPE_EXTERNAL,
     };
     // SAFETY: read by value right away.
-    let svc = match unsafe { KP_SERVICES.get(&key) } {
+    let svc = match unsafe { KP_SERVICES.get(key) } {
         Some(s) => *s,
         None => {
             // A ClusterIP reached from outside the node: the cluster set.
             key.scope = SCOPE_CLUSTER;
-            match unsafe { KP_SERVICES.get(&key) } {
+            match unsafe { KP_SERVICES.get(key) } {
                 Some(s) if s.flags & SVC_F_CLUSTER_IP != 0 => *s,
                 _ => return Ok(NEXT),
             }
@@ -312,20 +312,19 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         kind: AFFINITY_CLIENT_IP,
     };
     let mut backend_id = 0u32;
-    if svc.flags & SVC_F_AFFINITY != 0 {
-        if let Some(a) = KP_AFFINITY.get_ptr_mut(&aff_key) {
-            // SAFETY: lookup result.
-            unsafe {
-                if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC
-                {
-                    backend_id = (*a).backend_id;
-                }
+    if svc.flags & SVC_F_AFFINITY != 0
+        && let Some(a) = KP_AFFINITY.get_ptr_mut(aff_key)
+    {
+        // SAFETY: lookup result.
+        unsafe {
+            if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC {
+                backend_id = (*a).backend_id;
             }
         }
     }
     // SAFETY: read by value right away.
     let mut backend = if backend_id != 0 {
-        unsafe { KP_BACKENDS.get(&backend_id) }.copied()
+        unsafe { KP_BACKENDS.get(backend_id) }.copied()
     } else {
         None
     };
@@ -336,11 +335,11 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             svc_id: svc.svc_id,
             slot,
         };
-        backend_id = match unsafe { KP_BE_SLOTS.get(&slot_key) } {
+        backend_id = match unsafe { KP_BE_SLOTS.get(slot_key) } {
             Some(id) => *id,
             None => return Ok(DROP),
         };
-        backend = unsafe { KP_BACKENDS.get(&backend_id) }.copied();
+        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
     }
     let Some(be) = backend else {
         return Ok(DROP);
@@ -354,7 +353,7 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             _pad: 0,
             last_used_ns: ts,
         };
-        let _ = KP_AFFINITY.insert(&aff_key, &v, 0);
+        let _ = KP_AFFINITY.insert(aff_key, v, 0);
     }
     let be_addr = be.addr[3];
     let local = be.flags & BE_F_LOCAL != 0;
@@ -389,10 +388,10 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         kind: CtKind::RevDnat as u8,
         _pad: [0; 2],
     };
-    let mut ok = KP_CT.insert(&fwd, &entry, 0).is_ok();
+    let mut ok = KP_CT.insert(fwd, entry, 0).is_ok();
     entry.nat_addr = p.daddr;
     entry.nat_port = p.dport;
-    ok &= KP_CT.insert(&rev, &entry, 0).is_ok();
+    ok &= KP_CT.insert(rev, entry, 0).is_ok();
     if snat {
         let out = CtKey {
             saddr: p.saddr,
@@ -406,7 +405,7 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         // The SNAT address/port is allocated by the egress program once the route is known.
         entry.nat_addr = 0;
         entry.nat_port = 0;
-        ok &= KP_CT.insert(&out, &entry, 0).is_ok();
+        ok &= KP_CT.insert(out, entry, 0).is_ok();
     }
     if !ok {
         stat(TcStat::CtInsertFailed);
@@ -437,7 +436,7 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     if addr == 0 {
         // SAFETY: reads the context's ifindex field.
         let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-        let Some(node) = (unsafe { KP_NODE_ADDR4.get(&ifindex) }) else {
+        let Some(node) = (unsafe { KP_NODE_ADDR4.get(ifindex) }) else {
             stat(TcStat::SnatExhausted);
             return Ok(DROP);
         };
@@ -498,7 +497,7 @@ fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
             kind: CtKind::SnatIn as u8,
             _pad: [0; 2],
         };
-        if KP_CT.insert(&key, &entry, BPF_NOEXIST as u64).is_ok() {
+        if KP_CT.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
             return Some(port);
         }
         i += 1;
@@ -517,7 +516,7 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     let tot_len = u16::from_be(ctx.load::<u16>(IP_OFF + 2).map_err(|_| ())?);
     let doff_word: u16 = ctx.load(p.l4 + 12).map_err(|_| ())?;
     let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
-    if doff < 20 || doff > 60 {
+    if !(20..=60).contains(&doff) {
         return Ok(DROP);
     }
     let tcp_len = (tot_len as usize).wrapping_sub(20);
@@ -702,7 +701,7 @@ fn icmp_error_in(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         _pad: [0; 2],
     };
     // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(&key) }).copied() else {
+    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
         return Ok(NEXT);
     };
     if p.daddr != q.saddr {
@@ -730,7 +729,7 @@ fn icmp_error_out(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         _pad: [0; 2],
     };
     // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(&key) }).copied() else {
+    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
         return Ok(NEXT);
     };
     rewrite_quoted(ctx, &q, true, e.nat_addr, e.nat_port)?;
