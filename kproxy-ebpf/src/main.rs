@@ -5,6 +5,8 @@
 //! value types and constants come from `kproxy-common`, never from here.
 //!
 //! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
+//! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
+//!   SNAT, conntrack, reverse NAT, ICMP errors).
 //! - [`service_maps`]: the service maps shared by socket LB and the TC programs.
 //! - [`sock`]: socket-level load balancing (cgroup connect/sendmsg/recvmsg/getpeername).
 //!
@@ -14,6 +16,7 @@
 mod counter;
 mod service_maps;
 mod sock;
+mod tc;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::model::{ChangedSet, Snapshot};
 
 pub mod ebpf;
+pub mod ebpf_tc;
 pub mod factory;
 pub mod iptables;
 
