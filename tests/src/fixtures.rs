@@ -4,5 +4,7 @@ use std::path::PathBuf;
 
 /// `tests/fixtures/upstream/<rel>`.
 pub fn upstream(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/upstream").join(rel)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/upstream")
+        .join(rel)
 }

@@ -76,7 +76,10 @@ impl Drop for Topology {
 }
 
 fn sh(args: &[&str]) -> Result<()> {
-    let st = Command::new(args[0]).args(&args[1..]).status().with_context(|| format!("running {args:?}"))?;
+    let st = Command::new(args[0])
+        .args(&args[1..])
+        .status()
+        .with_context(|| format!("running {args:?}"))?;
     if !st.success() {
         bail!("{args:?} failed: {st}");
     }
@@ -90,7 +93,10 @@ fn in_ns(ns: &str, args: &[&str]) -> Result<()> {
 }
 
 fn output_in_ns(ns: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new("ip").args(["netns", "exec", ns]).args(args).output()?;
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns])
+        .args(args)
+        .output()?;
     if !out.status.success() {
         bail!("{args:?} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -100,7 +106,10 @@ fn output_in_ns(ns: &str, args: &[&str]) -> Result<String> {
 impl Topology {
     fn build(tag: &str) -> Result<Topology> {
         let name = |n: &str| format!("kpd{tag}-{n}");
-        let mut t = Topology { ns: vec![], children: vec![] };
+        let mut t = Topology {
+            ns: vec![],
+            children: vec![],
+        };
         for n in ["node", "pod1", "pod2", "client"] {
             sh(&["ip", "netns", "add", &name(n)])?;
             t.ns.push(name(n));
@@ -111,24 +120,91 @@ impl Topology {
         // pods: a /32 address, a route to the node-side gateway, default via it (a ptp CNI)
         for (pod, ip) in [("pod1", "10.244.1.2"), ("pod2", "10.244.1.3")] {
             let host_if = format!("v{pod}");
-            sh(&["ip", "link", "add", &host_if, "netns", &node, "type", "veth", "peer", "name", "eth0", "netns", &name(pod)])?;
-            in_ns(&node, &["ip", "addr", "add", "10.244.1.1/32", "dev", &host_if])?;
+            sh(&[
+                "ip",
+                "link",
+                "add",
+                &host_if,
+                "netns",
+                &node,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &name(pod),
+            ])?;
+            in_ns(
+                &node,
+                &["ip", "addr", "add", "10.244.1.1/32", "dev", &host_if],
+            )?;
             in_ns(&node, &["ip", "link", "set", &host_if, "up"])?;
-            in_ns(&node, &["ip", "route", "add", &format!("{ip}/32"), "dev", &host_if])?;
-            in_ns(&name(pod), &["ip", "addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+            in_ns(
+                &node,
+                &["ip", "route", "add", &format!("{ip}/32"), "dev", &host_if],
+            )?;
+            in_ns(
+                &name(pod),
+                &["ip", "addr", "add", &format!("{ip}/32"), "dev", "eth0"],
+            )?;
             in_ns(&name(pod), &["ip", "link", "set", "eth0", "up"])?;
-            in_ns(&name(pod), &["ip", "route", "add", "10.244.1.1", "dev", "eth0"])?;
-            in_ns(&name(pod), &["ip", "route", "add", "default", "via", "10.244.1.1"])?;
+            in_ns(
+                &name(pod),
+                &["ip", "route", "add", "10.244.1.1", "dev", "eth0"],
+            )?;
+            in_ns(
+                &name(pod),
+                &["ip", "route", "add", "default", "via", "10.244.1.1"],
+            )?;
         }
-        sh(&["ip", "link", "add", "eth0", "netns", &node, "type", "veth", "peer", "name", "eth0", "netns", &name("client")])?;
-        in_ns(&node, &["ip", "addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"])?;
+        sh(&[
+            "ip",
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            &node,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &name("client"),
+        ])?;
+        in_ns(
+            &node,
+            &["ip", "addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"],
+        )?;
         in_ns(&node, &["ip", "link", "set", "eth0", "up"])?;
-        in_ns(&name("client"), &["ip", "addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"])?;
+        in_ns(
+            &name("client"),
+            &[
+                "ip",
+                "addr",
+                "add",
+                &format!("{CLIENT_IP}/24"),
+                "dev",
+                "eth0",
+            ],
+        )?;
         in_ns(&name("client"), &["ip", "link", "set", "eth0", "up"])?;
-        in_ns(&name("client"), &["ip", "route", "add", "default", "via", NODE_IP])?;
+        in_ns(
+            &name("client"),
+            &["ip", "route", "add", "default", "via", NODE_IP],
+        )?;
         for pod in ["pod1", "pod2"] {
             let child = Command::new("ip")
-                .args(["netns", "exec", &name(pod), "python3", "-c", POD_SERVER, pod])
+                .args([
+                    "netns",
+                    "exec",
+                    &name(pod),
+                    "python3",
+                    "-c",
+                    POD_SERVER,
+                    pod,
+                ])
                 .spawn()
                 .context("starting a pod's HTTP server")?;
             t.children.push(child);
@@ -149,7 +225,11 @@ fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Resul
 }
 
 fn requests(ns: &str, url: &str) -> Result<String> {
-    Ok(output_in_ns(ns, &["python3", "-c", CLIENT, url, &REQUESTS.to_string()])?.trim().to_owned())
+    Ok(
+        output_in_ns(ns, &["python3", "-c", CLIENT, url, &REQUESTS.to_string()])?
+            .trim()
+            .to_owned(),
+    )
 }
 
 /// `cargo xtask demo`: setup, build, run the demo.
@@ -168,7 +248,9 @@ pub fn run(args: &[String]) -> Result<ExitCode> {
 fn demo(root: &Path) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = Command::new(cargo);
-    build.args(["build", "--quiet", "-p", "kproxy"]).current_dir(root);
+    build
+        .args(["build", "--quiet", "-p", "kproxy"])
+        .current_dir(root);
     crate::process::run_step("demo", &mut build)?;
     let kproxy: PathBuf = root.join("target/debug/kproxy");
     let manifests = root.join("deploy/examples");
@@ -192,8 +274,18 @@ fn demo(root: &Path) -> Result<()> {
     let agent = Command::new("ip")
         .args(["netns", "exec", &node])
         .arg(&kproxy)
-        .args(["--manifests", manifests.to_str().unwrap(), "--hostname-override", "demo-node"])
-        .args(["--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", "127.0.0.1:10249"])
+        .args([
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--hostname-override",
+            "demo-node",
+        ])
+        .args([
+            "--healthz-bind-address",
+            "127.0.0.1:10256",
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+        ])
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
         .spawn()
@@ -202,13 +294,20 @@ fn demo(root: &Path) -> Result<()> {
     let pod1 = format!("kpd{tag}-pod1");
     let client = format!("kpd{tag}-client");
     let cluster_url = format!("http://{CLUSTER_IP}/");
-    wait_for("kproxy to program the ClusterIP", Duration::from_secs(20), || {
-        requests(&pod1, &cluster_url).is_ok_and(|r| r.contains("pod"))
-    })?;
+    wait_for(
+        "kproxy to program the ClusterIP",
+        Duration::from_secs(20),
+        || requests(&pod1, &cluster_url).is_ok_and(|r| r.contains("pod")),
+    )?;
     println!("\n== {REQUESTS} requests from pod1 to ClusterIP {CLUSTER_IP}:80 ==");
     println!("{}", requests(&pod1, &cluster_url)?);
-    println!("\n== {REQUESTS} requests from the external client to NodePort {NODE_IP}:{NODE_PORT} ==");
-    println!("{}", requests(&client, &format!("http://{NODE_IP}:{NODE_PORT}/"))?);
+    println!(
+        "\n== {REQUESTS} requests from the external client to NodePort {NODE_IP}:{NODE_PORT} =="
+    );
+    println!(
+        "{}",
+        requests(&client, &format!("http://{NODE_IP}:{NODE_PORT}/"))?
+    );
     drop(topo);
     Ok(())
 }

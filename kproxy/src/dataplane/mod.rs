@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::model::{ChangedSet, Snapshot};
 
 pub mod iptables;
+pub mod ipvs;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
