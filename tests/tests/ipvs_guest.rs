@@ -516,3 +516,63 @@ fn cleanup_removes_everything() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn timeouts_and_sysctls_are_applied_at_creation() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-sysctl")?;
+    let mut cfg = t.config();
+    cfg.strict_arp = true;
+    cfg.timeouts = kproxy::dataplane::ipvs::genl::Timeouts {
+        tcp: 900,
+        tcp_fin: 30,
+        udp: 60,
+    };
+    let _dp = t.node.run(move || IpvsDataplane::new(cfg))??;
+    assert_eq!(
+        t.ipvs()?.timeouts()?,
+        kproxy::dataplane::ipvs::genl::Timeouts {
+            tcp: 900,
+            tcp_fin: 30,
+            udp: 60
+        }
+    );
+    let read = |key: &'static str| -> anyhow::Result<String> {
+        let path = format!("/proc/sys/{key}");
+        Ok(t.node
+            .run(move || std::fs::read_to_string(path))??
+            .trim()
+            .to_string())
+    };
+    for (key, want) in [
+        ("net/ipv4/vs/conntrack", "1"),
+        ("net/ipv4/vs/expire_nodest_conn", "1"),
+        ("net/ipv4/vs/expire_quiescent_template", "1"),
+        ("net/ipv4/ip_forward", "1"),
+        ("net/ipv4/conf/all/arp_ignore", "1"),
+        ("net/ipv4/conf/all/arp_announce", "2"),
+    ] {
+        assert_eq!(read(key)?, want, "{key}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_config_is_refused_before_touching_the_kernel() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-badcfg")?;
+    let mut cfg = t.config();
+    cfg.scheduler = "fastest".into();
+    let err = t
+        .node
+        .run(move || IpvsDataplane::new(cfg).map(drop))?
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ipvs.scheduler \"fastest\""), "{err}");
+    assert!(t.ipvs()?.services()?.is_empty());
+    Ok(())
+}

@@ -13,9 +13,12 @@
 //! - [`IpvsDataplane`]: the applier. Each sync diffs the plan against what the kernel holds
 //!   (upstream's syncService / syncEndpoint / cleanLegacyService): only differences are
 //!   written, so a restarted kproxy (a new instance) reconciles without disturbing live
-//!   virtual services. Removed endpoints drain gracefully: their weight drops to 0, and they
-//!   are deleted on a later sync once IPVS counts no connections for them (UDP/SCTP ones at
-//!   once, like upstream; `expire_nodest_conn` ends their flows).
+//!   virtual services. Removed TCP endpoints drain gracefully: their weight drops to 0, and
+//!   they are deleted on a later sync once IPVS counts no connections for them (upstream does
+//!   this from a one-minute timer; here the runner's periodic syncs do it). UDP/SCTP ones go
+//!   at once, like upstream (`expire_nodest_conn` ends their flows). Each sync lists the
+//!   services and the destinations of every planned service (like upstream's
+//!   GetRealServers per service).
 //!
 //! Kernel objects live in the network namespace of the thread that called
 //! [`IpvsDataplane::new`] (the netlink sockets and a namespace handle for the tools are opened
@@ -142,14 +145,18 @@ impl IpvsDataplane {
             .iter()
             .filter(|d| !planned.contains_key(&(d.addr, d.port)))
         {
-            if d.weight != 0 {
+            if key.protocol != Protocol::Tcp {
+                // Like upstream: no draining for UDP/SCTP; expire_nodest_conn ends their flows.
+                tracing::debug!(service = %key, dest = %d.addr, "removing real server");
+                self.ipvs.dest(key, d, DestCmd::Del)?;
+            } else if d.weight != 0 {
                 tracing::debug!(service = %key, dest = %d.addr, "draining removed real server");
                 let zero = Destination {
                     weight: 0,
                     ..d.clone()
                 };
                 self.ipvs.dest(key, &zero, DestCmd::Set)?;
-            } else if key.protocol != Protocol::Tcp || d.active_conns + d.inactive_conns == 0 {
+            } else if d.active_conns + d.inactive_conns == 0 {
                 tracing::debug!(service = %key, dest = %d.addr, "removing drained real server");
                 self.ipvs.dest(key, d, DestCmd::Del)?;
             }

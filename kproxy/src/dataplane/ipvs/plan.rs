@@ -848,3 +848,7 @@ pub fn render(snap: &Snapshot, cfg: &IpvsConfig) -> String {
     out.push_str(&iptables_restore_input(&p.rules));
     out
 }
+
+#[cfg(test)]
+#[path = "plan_tests.rs"]
+mod tests;
