@@ -356,6 +356,14 @@ fn base_initramfs(work: &Path, kernel: &Kernel) -> anyhow::Result<PathBuf> {
             .arg(&kernel.version),
     )?;
     println!("guest: initramfs holds {} module files", files.len());
+    // Archives of older kernels or init scripts.
+    for entry in fs::read_dir(work)? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with("base-") && name.ends_with(".cpio") {
+            fs::remove_file(&path)?;
+        }
+    }
     let tmp = out.with_extension("tmp");
     write_cpio(&stage, &tmp)?;
     fs::rename(&tmp, &out)?;
@@ -368,8 +376,18 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
     let stage = work.join("payload-stage");
     let _ = fs::remove_dir_all(&stage);
     fs::create_dir_all(stage.join("payload"))?;
-    fs::copy(test_bin, stage.join("payload").join(GUEST_TEST))
-        .with_context(|| format!("copying {}", test_bin.display()))?;
+    let bin = stage.join("payload").join(GUEST_TEST);
+    fs::copy(test_bin, &bin).with_context(|| format!("copying {}", test_bin.display()))?;
+    // Debug info is ≈ 90 % of the binary and the guest loads the initrd slowly under TCG;
+    // panic locations survive (they are not debug info), only backtraces lose line numbers.
+    match Command::new("strip")
+        .arg("--strip-debug")
+        .arg(&bin)
+        .status()
+    {
+        Ok(s) if s.success() => {}
+        other => println!("guest: strip --strip-debug failed ({other:?}); using the full binary"),
+    }
 
     let mut libs = BTreeSet::new();
     for tool in PAYLOAD_TOOLS {
