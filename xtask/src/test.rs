@@ -1,4 +1,5 @@
 //! `cargo xtask test [ARGS…]`: `setup`, then the whole test suite, kernel tests included:
+//! `cargo build -p kproxy --bins` (the agent binary the traffic tests run), then
 //! `cargo test --workspace --exclude kproxy-ebpf --no-fail-fast ARGS…` with
 //! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
 //! "skipped", and one failing test binary does not hide the others' results. Then the IPVS
@@ -24,6 +25,20 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     }
     crate::setup::run()?;
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    // The traffic tests run the real agent binary (`kproxy_tests::topology::kproxy_bin`);
+    // `cargo test` builds only the test harness of the `kproxy` package, not its binary.
+    let mut build = Command::new(&cargo);
+    build
+        .args(["build", "--package", "kproxy", "--bins"])
+        .current_dir(crate::workspace_root());
+    println!("test: $ {}", display(&build));
+    if !build
+        .status()
+        .with_context(|| format!("spawning {}", display(&build)))?
+        .success()
+    {
+        bail!("building the kproxy binary failed");
+    }
     let mut cmd = Command::new(cargo);
     cmd.args([
         "test",
