@@ -34,6 +34,8 @@ use kproxy_tests::netns::{Netns, Veth, VethEnd, require_root};
 const NODE_IP: &str = "192.168.77.1";
 const CLIENT_IP: &str = "192.168.77.2";
 const CLUSTER_IP: &str = "10.96.0.10";
+const NODE_IP6: &str = "fd00:77::1";
+const CLUSTER_IP6: &str = "fd00:96::10";
 const NODE_PORT: u16 = 30080;
 
 /// True when the tests can run here (in the guest, or on a host with IPVS); else "skipped".
@@ -83,6 +85,31 @@ impl Topo {
                 VethEnd::new(&pod, "eth0").addr(&pod_side),
             )?);
             pod.ip(&["route", "add", "default", "via", &format!("10.244.{i}.1")])?;
+            // IPv6 too (nodad: usable at once).
+            node.ip(&[
+                "addr",
+                "add",
+                &format!("fd00:244:{i}::1/64"),
+                "dev",
+                &ifname,
+                "nodad",
+            ])?;
+            pod.ip(&[
+                "addr",
+                "add",
+                &format!("fd00:244:{i}::2/64"),
+                "dev",
+                "eth0",
+                "nodad",
+            ])?;
+            pod.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("fd00:244:{i}::1"),
+            ])?;
             let name = format!("pod{i}");
             pod.spawn(move || serve(&name))?;
             pods.push(pod);
@@ -94,6 +121,16 @@ impl Topo {
             VethEnd::new(&client, "eth0").addr(&client_cidr),
         )?);
         client.ip(&["route", "add", "default", "via", NODE_IP])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_IP6}/64"),
+            "dev",
+            "cl0",
+            "nodad",
+        ])?;
+        client.ip(&["addr", "add", "fd00:77::2/64", "dev", "eth0", "nodad"])?;
+        client.ip(&["-6", "route", "add", "default", "via", NODE_IP6])?;
         Ok(Topo {
             node,
             _pods: pods,
@@ -179,7 +216,8 @@ fn set_linger_zero(s: &TcpStream) -> anyhow::Result<()> {
 
 /// A TCP server on :8080 that greets with `name` and echoes lines (runs for the test's life).
 fn serve(name: &str) -> anyhow::Result<()> {
-    let listener = TcpListener::bind("0.0.0.0:8080")?;
+    // [::] takes IPv4 too (bindv6only is 0).
+    let listener = TcpListener::bind("[::]:8080")?;
     let name: Arc<str> = name.into();
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
@@ -573,6 +611,51 @@ fn bad_config_is_refused_before_touching_the_kernel() -> anyhow::Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("ipvs.scheduler \"fastest\""), "{err}");
+    assert!(t.ipvs()?.services()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn ipv6_cluster_ip_and_node_port_balance_across_two_backends() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-v6")?;
+    let mut cfg = IpvsConfig::new(IpFamily::V6, vec![NODE_IP6.parse().unwrap()]);
+    cfg.cluster_cidr = Some("fd00:244::/32".parse().unwrap());
+    let mut dp = t.node.run(move || IpvsDataplane::new(cfg))??;
+    let mut svc = service("web6", NODE_PORT, None);
+    svc.cluster_ips = vec![CLUSTER_IP6.parse().unwrap()];
+    let eps = (1..=2)
+        .map(|i| Endpoint {
+            ip: format!("fd00:244:{i}::2").parse().unwrap(),
+            ..endpoint(i)
+        })
+        .collect();
+    let report = dp.sync(&snapshot(svc, eps), &ChangedSet::default())?;
+    assert_eq!(
+        (report.services, report.endpoints, report.failed_services),
+        (1, 2, 0)
+    );
+    for addr in [
+        SocketAddr::new(CLUSTER_IP6.parse().unwrap(), 80),
+        SocketAddr::new(NODE_IP6.parse().unwrap(), NODE_PORT),
+    ] {
+        let counts = t.tally(addr, 6)?;
+        assert_eq!(
+            counts,
+            BTreeMap::from([("pod1".to_string(), 3), ("pod2".to_string(), 3)]),
+            "{addr}"
+        );
+    }
+    let set = t.node.exec("ipset", &["list", "KUBE-6-CLUSTER-IP"])?;
+    assert!(set.contains("fd00:96::10,tcp:80"), "{set}");
+    let nat = t.node.exec("ip6tables-save", &["-t", "nat"])?;
+    assert!(
+        nat.contains("-A KUBE-SERVICES -s ::1/128 -j RETURN"),
+        "{nat}"
+    );
+    dp.cleanup()?;
     assert!(t.ipvs()?.services()?.is_empty());
     Ok(())
 }

@@ -51,6 +51,10 @@ pub const GUEST_MODULES: &[&str] = &[
     "dummy",
     "veth",
     "ip_tables",
+    "ip6_tables",
+    "ip6table_nat",
+    "ip6table_filter",
+    "ip6t_REJECT",
     "iptable_nat",
     "iptable_filter",
     "ipt_REJECT",
@@ -406,8 +410,15 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
     copy_into(&stage, Path::new("/etc/protocols"))?;
     // The names the tests call.
     let sbin = stage.join("usr/sbin");
-    for link in ["iptables", "iptables-save", "iptables-restore"] {
-        let legacy = link.replace("iptables", "iptables-legacy");
+    for link in [
+        "iptables",
+        "iptables-save",
+        "iptables-restore",
+        "ip6tables",
+        "ip6tables-save",
+        "ip6tables-restore",
+    ] {
+        let legacy = link.replacen("tables", "tables-legacy", 1);
         for name in [link.to_string(), legacy] {
             let _ = fs::remove_file(sbin.join(&name));
             std::os::unix::fs::symlink("xtables-legacy-multi", sbin.join(name))?;

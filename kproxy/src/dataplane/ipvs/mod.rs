@@ -264,7 +264,7 @@ impl Dataplane for IpvsDataplane {
         let kernel_failed = self.apply(&plan)?;
         Ok(SyncReport {
             services: plan.service_ports,
-            endpoints: plan.active_real_servers(),
+            endpoints: plan.active_endpoints(),
             failed_services: plan.errors.len() + kernel_failed,
         })
     }

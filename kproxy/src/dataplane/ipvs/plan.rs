@@ -300,6 +300,19 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Distinct endpoints (`ip:port`) taking new connections in some virtual service.
+    pub fn active_endpoints(&self) -> usize {
+        self.services
+            .values()
+            .flat_map(|s| {
+                s.real_servers
+                    .iter()
+                    .filter(|(_, w)| **w > 0)
+                    .map(|(k, _)| *k)
+            })
+            .collect::<BTreeSet<_>>()
+            .len()
+    }
     /// Real servers with a non-zero weight, over all virtual services.
     pub fn active_real_servers(&self) -> usize {
         self.services

@@ -127,6 +127,7 @@ fn cluster_ip_becomes_a_bound_virtual_service_with_its_set_entry() {
     );
     assert_eq!(entries(&p, IPVS_IPS), vec!["10.96.0.10"]);
     assert_eq!(p.active_real_servers(), 2);
+    assert_eq!(p.active_endpoints(), 2);
 }
 
 #[test]
@@ -455,6 +456,8 @@ fn ipv6_plan_uses_kube_6_sets_and_skips_ipv4_services() {
     assert_eq!(p.service_ports, 1);
     let k = key("fd00:96::10", Protocol::Tcp, 80);
     assert_eq!(rs(&p, &k), BTreeMap::from([((ip("fd00:244::2"), 8080), 1)]));
+    // The endpoint serves the ClusterIP and the NodePort: two real servers, one endpoint.
+    assert_eq!((p.active_real_servers(), p.active_endpoints()), (2, 1));
     assert!(
         p.services
             .contains_key(&key("fd00::10", Protocol::Tcp, 30080))
