@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Write as _};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -112,6 +112,8 @@ impl Topo {
             ])?;
             let name = format!("pod{i}");
             pod.spawn(move || serve(&name))?;
+            let name = format!("pod{i}");
+            pod.spawn(move || serve_udp(&name))?;
             pods.push(pod);
         }
         let node_cidr = format!("{NODE_IP}/24");
@@ -181,6 +183,35 @@ impl Topo {
                 .with_context(|| format!("reading the greeting of {addr}"))?;
             Ok((r, name.trim().to_string()))
         })?
+    }
+}
+
+/// One datagram from a fresh client socket (a new IPVS "connection"); who answered.
+fn ask_udp(client: &Netns, addr: SocketAddr) -> anyhow::Result<String> {
+    client.run(move || -> anyhow::Result<String> {
+        let bind = if addr.is_ipv6() {
+            "[::]:0"
+        } else {
+            "0.0.0.0:0"
+        };
+        let s = UdpSocket::bind(bind)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.send_to(b"who", addr)?;
+        let mut buf = [0u8; 64];
+        let (n, _) = s
+            .recv_from(&mut buf)
+            .with_context(|| format!("no UDP answer from {addr}"))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    })?
+}
+
+/// A UDP server on :5353 answering every datagram with `name`.
+fn serve_udp(name: &str) -> anyhow::Result<()> {
+    let s = UdpSocket::bind("[::]:5353")?;
+    let mut buf = [0u8; 64];
+    loop {
+        let (_, from) = s.recv_from(&mut buf)?;
+        s.send_to(name.as_bytes(), from)?;
     }
 }
 
@@ -657,5 +688,53 @@ fn ipv6_cluster_ip_and_node_port_balance_across_two_backends() -> anyhow::Result
     );
     dp.cleanup()?;
     assert!(t.ipvs()?.services()?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-udp")?;
+    let mut dp = t.dataplane()?;
+    let mut svc = service("dns", 0, None);
+    svc.protocol = Protocol::Udp;
+    svc.name.protocol = Protocol::Udp;
+    svc.port = 53;
+    let ep = |i| Endpoint {
+        port: 5353,
+        ..endpoint(i)
+    };
+    dp.sync(
+        &snapshot(svc.clone(), vec![ep(1), ep(2)]),
+        &ChangedSet::default(),
+    )?;
+    let vip = SocketAddr::new(CLUSTER_IP.parse().unwrap(), 53);
+    let mut counts = BTreeMap::new();
+    for _ in 0..6 {
+        *counts.entry(ask_udp(&t.client, vip)?).or_insert(0) += 1;
+    }
+    assert_eq!(
+        counts,
+        BTreeMap::from([("pod1".to_string(), 3), ("pod2".to_string(), 3)])
+    );
+
+    // UDP real servers are removed at once (no draining), like upstream.
+    dp.sync(&snapshot(svc.clone(), vec![ep(2)]), &ChangedSet::default())?;
+    let key = ServiceKey {
+        addr: CLUSTER_IP.parse().unwrap(),
+        protocol: Protocol::Udp,
+        port: 53,
+    };
+    let dests = t.ipvs()?.destinations(&key)?;
+    assert_eq!(
+        dests.iter().map(|d| (d.addr, d.weight)).collect::<Vec<_>>(),
+        vec![(pod_ip(2), 1)]
+    );
+    for _ in 0..4 {
+        assert_eq!(ask_udp(&t.client, vip)?, "pod2");
+    }
+    dp.cleanup()?;
     Ok(())
 }
