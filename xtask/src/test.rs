@@ -2,8 +2,9 @@
 //! `cargo build -p kproxy --bins` (the agent binary the traffic tests run), then
 //! `cargo test --workspace --exclude kproxy-ebpf --no-fail-fast ARGS…` with
 //! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
-//! "skipped", and one failing test binary does not hide the others' results. Needs root. The
-//! exit code is cargo's.
+//! "skipped", and one failing test binary does not hide the others' results. Then the IPVS
+//! suite in the QEMU guest ([`crate::guest`]; the host kernel has no IPVS), always, also when
+//! the host suite failed. Needs root. Fails when either fails.
 
 use std::process::{Command, ExitCode};
 
@@ -55,5 +56,22 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("spawning {}", display(&cmd)))?;
     // A signal-killed cargo has no code: report failure.
     let code = status.code().map_or(1, |c| u8::try_from(c).unwrap_or(1));
-    Ok(ExitCode::from(code))
+    // The guest's ARGS are a test-name filter only when the caller passed one plain word.
+    let guest_args: Vec<String> = match args {
+        [filter] if !filter.starts_with('-') => vec![filter.clone()],
+        _ => vec![],
+    };
+    println!("test: IPVS suite in the QEMU guest");
+    let guest_passed = match crate::guest::run_suite(&guest_args) {
+        Ok(outcome) => outcome.passed,
+        Err(err) => {
+            eprintln!("test: the IPVS guest suite could not run: {err:#}");
+            false
+        }
+    };
+    Ok(match (code, guest_passed) {
+        (0, true) => ExitCode::SUCCESS,
+        (0, false) => ExitCode::FAILURE,
+        (c, _) => ExitCode::from(c),
+    })
 }

@@ -16,6 +16,7 @@ pub mod ebpf;
 pub mod ebpf_tc;
 pub mod factory;
 pub mod iptables;
+pub mod ipvs;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
