@@ -133,7 +133,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
 
-        let dataplane = factory::select(cfg.mode, cfg)?;
+        let (dataplane, metrics) = factory::select(cfg.mode, cfg)?;
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
@@ -150,7 +150,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             NodePortAddresses::All | NodePortAddresses::Primary => vec![],
         };
         opts.oom_score_adj = Some(cfg.oom_score_adj);
-        opts.metrics = Some(kproxy::metrics::Metrics::new(mode));
+        opts.metrics = Some(metrics);
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;

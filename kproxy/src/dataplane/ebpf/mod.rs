@@ -174,6 +174,12 @@ impl EbpfDataplane {
     pub fn config(&self) -> &EbpfConfig {
         &self.cfg
     }
+
+    /// Replaces the addresses NodePorts are programmed on (the node's addresses changed);
+    /// takes effect at the next sync.
+    pub fn set_node_addresses(&mut self, addrs: Vec<IpAddr>) {
+        self.cfg.node_addresses = addrs;
+    }
 }
 
 impl Dataplane for EbpfDataplane {
