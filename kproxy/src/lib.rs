@@ -13,6 +13,7 @@ pub mod events;
 pub mod health;
 pub mod healthcheck;
 pub mod httpserve;
+pub mod inspect;
 pub mod localdetect;
 pub mod logging;
 pub mod metrics;

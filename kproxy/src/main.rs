@@ -85,6 +85,10 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
     }
     match l.command {
         Command::Render => render(l),
+        Command::Inspect => {
+            print!("{}", kproxy::inspect::run(&l.config, l.output)?);
+            Ok(())
+        }
         Command::Cleanup => {
             factory::cleanup_all(&l.config)?;
             info!("cleanup done");
@@ -111,6 +115,12 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
         match l.output {
             RenderOutput::Json => cli::render::json(&snap) + "\n",
             RenderOutput::Table => cli::render::table(&snap),
+            RenderOutput::Plan => {
+                let kproxy::config::ModeChoice::Forced(mode) = l.config.mode else {
+                    unreachable!("the plan output is chosen only with --proxy-mode")
+                };
+                factory::render_plan(mode, &l.config, &snap)?
+            }
         }
     );
     Ok(())

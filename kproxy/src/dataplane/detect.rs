@@ -72,8 +72,7 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         path: bpffs.join(&tag),
         recursive: true,
     };
-    fs::create_dir_all(&pins.path)
-        .map_err(|e| format!("creating {}: {e}", pins.path.display()))?;
+    fs::create_dir_all(&pins.path).map_err(|e| format!("creating {}: {e}", pins.path.display()))?;
     let mut loader = EbpfLoader::new();
     loader.default_map_pin_directory(&pins.path);
     for map in [
@@ -127,7 +126,10 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
 fn probe_iptables() -> Result<(), String> {
     let mut reasons = vec![];
     for bin in ["iptables-nft", "iptables-legacy", "iptables"] {
-        match Command::new(bin).args(["-w", "5", "-t", "nat", "-S"]).output() {
+        match Command::new(bin)
+            .args(["-w", "5", "-t", "nat", "-S"])
+            .output()
+        {
             Ok(o) if o.status.success() => return Ok(()),
             Ok(o) => reasons.push(format!(
                 "{bin}: {}",

@@ -107,7 +107,9 @@ impl EbpfMode {
             let ebpf = Arc::new(Mutex::new(ebpf));
             let (ebpf2, addrs2) = (ebpf.clone(), addresses.clone());
             let watcher = AddressWatcher::spawn(Some(selected), ADDRESS_POLL, move |a| {
-                if let Err(e) = TcPath::set_node_addresses(&mut ebpf2.lock().expect("poisoned"), &a.snat_v4()) {
+                if let Err(e) =
+                    TcPath::set_node_addresses(&mut ebpf2.lock().expect("poisoned"), &a.snat_v4())
+                {
                     tracing::warn!(error = %e, "cannot update the TC path's SNAT addresses");
                 }
                 *addrs2.lock().expect("poisoned") = Some(a.clone());
@@ -138,7 +140,10 @@ impl EbpfMode {
 
     /// Devices the TC path is attached to.
     pub fn tc_devices(&self) -> Vec<String> {
-        self.tc.as_ref().map(|t| t.path.attached()).unwrap_or_default()
+        self.tc
+            .as_ref()
+            .map(|t| t.path.attached())
+            .unwrap_or_default()
     }
 
     fn node_port_addresses(&self) -> Option<Vec<IpAddr>> {

@@ -85,9 +85,8 @@ pub fn iptables_configs(cfg: &ProxyConfig, families: &[IpFamily]) -> Vec<ipt::Ip
         .iter()
         .map(|&family| {
             let mut c = ipt::IptablesConfig::new(family, local_detector(cfg, family));
-            c.node_ip = (!cfg.bind_address.is_unspecified()
-                && family.matches(&cfg.bind_address))
-            .then_some(cfg.bind_address);
+            c.node_ip = (!cfg.bind_address.is_unspecified() && family.matches(&cfg.bind_address))
+                .then_some(cfg.bind_address);
             c.masquerade_bit = cfg.masquerade_bit;
             c.masquerade_all = cfg.masquerade_all;
             c.localhost_node_ports = cfg.iptables.localhost_node_ports;
@@ -165,7 +164,9 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         bail!("bpf.lbAlgorithm maglev is not implemented (use random)");
     }
     if cfg.bpf.xdp == XdpMode::Native {
-        bail!("bpf.xdp native is not implemented: the eBPF datapath attaches at TC (use off or best-effort)");
+        bail!(
+            "bpf.xdp native is not implemented: the eBPF datapath attaches at TC (use off or best-effort)"
+        );
     }
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
@@ -289,10 +290,9 @@ pub fn build(
             let mut parts: Vec<Box<dyn Dataplane>> = vec![];
             for c in ipvs_configs(cfg, &families, |f| ipvs_node_ips(cfg, f), flavor) {
                 let family = c.family;
-                parts.push(Box::new(
-                    IpvsDataplane::new(c)
-                        .with_context(|| format!("setting up the {family:?} IPVS proxier"))?,
-                ));
+                parts.push(Box::new(IpvsDataplane::new(c).with_context(|| {
+                    format!("setting up the {family:?} IPVS proxier")
+                })?));
             }
             Ok(Box::new(WithConntrackCleanup::new(
                 PerFamily {
@@ -309,6 +309,37 @@ pub fn build(
             Ok(Box::new(dp))
         }
     }
+}
+
+/// `kproxy render --proxy-mode MODE`: the kernel state `mode`'s planner gives for `snap`
+/// under `cfg` (both IP families; NodePorts of ipvs on the Node object's addresses).
+pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyhow::Result<String> {
+    let families = [IpFamily::V4, IpFamily::V6];
+    let header = |f: IpFamily| match f {
+        IpFamily::V4 => "# IPv4\n",
+        IpFamily::V6 => "# IPv6\n",
+    };
+    Ok(match mode {
+        ProxyMode::Iptables => iptables_configs(cfg, &families)
+            .iter()
+            .map(|c| format!("{}{}", header(c.family), ipt::render(snap, c)))
+            .collect(),
+        ProxyMode::Ipvs => {
+            let node_ips = |f: IpFamily| -> Vec<IpAddr> {
+                snap.node
+                    .addresses
+                    .iter()
+                    .copied()
+                    .filter(|ip| f.matches(ip))
+                    .collect()
+            };
+            ipvs_configs(cfg, &families, node_ips, Flavor::Nft)
+                .iter()
+                .map(|c| format!("{}{}", header(c.family), ipvs_mod::render(snap, c)))
+                .collect()
+        }
+        ProxyMode::Ebpf => super::ebpf::render(snap, &ebpf_config(cfg, &families)?.ebpf),
+    })
 }
 
 /// The order `mode: ""` tries the modes in (upstream's empty mode means iptables; kproxy
@@ -389,8 +420,16 @@ fn cleanup_iptables(errors: &mut Vec<String>) {
         for flavor in [Flavor::Nft, Flavor::Legacy] {
             let bin = format!(
                 "{}-{}",
-                if family == IpFamily::V4 { "iptables" } else { "ip6tables" },
-                if flavor == Flavor::Nft { "nft" } else { "legacy" }
+                if family == IpFamily::V4 {
+                    "iptables"
+                } else {
+                    "ip6tables"
+                },
+                if flavor == Flavor::Nft {
+                    "nft"
+                } else {
+                    "legacy"
+                }
             );
             if !have(&bin) {
                 continue;
@@ -403,7 +442,11 @@ fn cleanup_iptables(errors: &mut Vec<String>) {
             );
         }
     }
-    // Upstream kube-proxy's nftables mode.
+    cleanup_nft(errors);
+}
+
+/// Upstream kube-proxy's nftables mode: the `ip kube-proxy` / `ip6 kube-proxy` tables.
+fn cleanup_nft(errors: &mut Vec<String>) {
     if have("nft") {
         for fam in ["ip", "ip6"] {
             let listed = std::process::Command::new("nft")
@@ -435,7 +478,12 @@ fn cleanup_ipvs(cfg: &ProxyConfig, errors: &mut Vec<String>) {
     {
         let r = h.services().map_err(|e| e.to_string()).and_then(|svcs| {
             for s in svcs {
-                if cfg.ipvs.exclude_cidrs.iter().any(|n| n.contains(&s.key.addr)) {
+                if cfg
+                    .ipvs
+                    .exclude_cidrs
+                    .iter()
+                    .any(|n| n.contains(&s.key.addr))
+                {
                     continue;
                 }
                 h.delete_service(&s.key).map_err(|e| e.to_string())?;
@@ -477,17 +525,59 @@ fn cleanup_ipvs(cfg: &ProxyConfig, errors: &mut Vec<String>) {
     }
 }
 
+fn output_of(bin: &str, args: &[&str]) -> String {
+    std::process::Command::new(bin)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// The iptables proxier's (or upstream's iptables mode's) per-service chains exist.
+fn iptables_mode_evidence() -> bool {
+    [
+        "iptables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-nft-save",
+        "ip6tables-legacy-save",
+    ]
+    .iter()
+    .any(|bin| {
+        output_of(bin, &["-t", "nat"])
+            .lines()
+            .any(|l| l.starts_with(":KUBE-SVC-") || l.starts_with(":KUBE-SEP-"))
+    })
+}
+
+/// The IPVS mode's dummy device or ipsets exist.
+fn ipvs_mode_evidence() -> bool {
+    let dummy = ipvs_mod::rtnl::Rtnl::open()
+        .and_then(|mut r| r.link_index(ipvs_mod::config::DEFAULT_DUMMY_DEVICE))
+        .is_ok_and(|i| i.is_some());
+    dummy
+        || output_of("ipset", &["list", "-n"])
+            .lines()
+            .any(|l| l.starts_with("KUBE-CLUSTER-IP"))
+}
+
 /// Removes what the modes other than `mode` (and upstream kube-proxy) left, as upstream's
-/// `CleanupLeftovers` at start-up. Failures are logged; they never stop the start.
+/// `CleanupLeftovers` at start-up. iptables and ipvs modes share chain names
+/// (`KUBE-SERVICES`, …), so one of them removes the other's rules only when that mode's own
+/// objects show it ran (per-service chains; `kube-ipvs0` or its ipsets): a restart in the same
+/// mode never flushes live rules. Failures are logged; they never stop the start.
 pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     let mut errors = vec![];
     if mode != ProxyMode::Ebpf {
         cleanup_ebpf(cfg, &mut errors);
     }
-    if mode != ProxyMode::Iptables {
+    if mode != ProxyMode::Iptables && (mode == ProxyMode::Ebpf || iptables_mode_evidence()) {
+        info!(%mode, "removing the iptables mode's leftovers");
         cleanup_iptables(&mut errors);
+    } else {
+        cleanup_nft(&mut errors);
     }
-    if mode != ProxyMode::Ipvs {
+    if mode != ProxyMode::Ipvs && (mode == ProxyMode::Ebpf || ipvs_mode_evidence()) {
+        info!(%mode, "removing the ipvs mode's leftovers");
         cleanup_ipvs(cfg, &mut errors);
     }
 }
@@ -540,7 +630,10 @@ mod tests {
             LocalTrafficDetector::Cidr("fd00:10::/64".parse().unwrap())
         );
         assert!(v.iter().all(|c| c.masquerade_all && c.masquerade_bit == 12));
-        assert_eq!(v[0].node_port_addresses, vec!["192.0.2.0/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            v[0].node_port_addresses,
+            vec!["192.0.2.0/24".parse::<IpNet>().unwrap()]
+        );
     }
 
     #[test]
