@@ -36,7 +36,7 @@ fn objects(change: bool) -> (Vec<Service>, Vec<EndpointSlice>) {
         let eps: Vec<_> = (0..ENDPOINTS)
             .map(|e| {
                 let last = if change && i == 0 && e == 0 { 250 } else { e + 1 };
-                json!({"addresses": [format!("10.{}.{}.{}", 128 + i / 256 / 256, (i / 256) % 256 + 0, (i % 256) / 51 * 50 + last)]})
+                json!({"addresses": [format!("10.{}.{}.{}", 128 + i / 256 / 256, (i / 256) % 256, (i % 256) / 51 * 50 + last)]})
             })
             .collect();
         slices.push(
@@ -80,8 +80,10 @@ fn run(choice: Choice) {
     let t = Instant::now();
     // A forced full resync (what the monitor or a failure triggers).
     let (snap3, _) = feed(&mut tracker, &services2, &slices2);
-    let mut changed3 = kproxy::model::ChangedSet::default();
-    changed3.node = true;
+    let changed3 = kproxy::model::ChangedSet {
+        node: true,
+        ..Default::default()
+    };
     dp.sync(&snap3, &changed3).expect("full");
     let full = t.elapsed();
     let rules = ns
