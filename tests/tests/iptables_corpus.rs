@@ -469,3 +469,169 @@ fn settings_documents_parse() {
     let (s, e) = objects(vec![]);
     assert!(s.is_empty() && e.is_empty());
 }
+
+fn svc_obj(
+    ns: &str,
+    name: &str,
+    ip: &str,
+    port_name: &str,
+    port: u16,
+) -> k8s_openapi::api::core::v1::Service {
+    k8s_openapi::api::core::v1::Service::deserialize(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"clusterIP": ip, "ports": [{"name": port_name, "port": port, "protocol": "TCP"}]},
+    }))
+    .expect("service")
+}
+
+fn slice_obj(
+    ns: &str,
+    svc: &str,
+    port_name: &str,
+    port: u16,
+    ips: &[String],
+) -> k8s_openapi::api::discovery::v1::EndpointSlice {
+    let eps: Vec<serde_json::Value> = ips
+        .iter()
+        .map(|ip| serde_json::json!({"addresses": [ip]}))
+        .collect();
+    k8s_openapi::api::discovery::v1::EndpointSlice::deserialize(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{svc}-1"), "namespace": ns,
+                     "labels": {"kubernetes.io/service-name": svc}},
+        "addressType": "IPv4", "endpoints": eps,
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+    }))
+    .expect("slice")
+}
+
+fn dnat_lines(input: &str) -> Vec<&str> {
+    input.lines().filter(|l| l.contains("-j DNAT")).collect()
+}
+
+/// `large-cluster-mode/facts.yaml` (upstream TestSyncProxyRulesLargeClusterMode), step by step.
+#[test]
+fn large_cluster_mode_facts() {
+    let facts = yaml(&cases().join("large-cluster-mode/facts.yaml"));
+    let steps = facts["assertions"].as_sequence().expect("assertions");
+    assert_eq!(steps.len(), 6);
+    let settings: Value = serde_yaml::from_str(
+        "kind: ProxierTestSettings\nipFamily: IPv4\nnodeName: test-node\nnodeIP: 192.168.0.2\nlocalDetector: {mode: ClusterCIDR, clusterCIDR: 10.0.0.0/8}\nmasqueradeAll: true\nlargeClusterEndpointsThreshold: 1000\nnfacctCounters: {ct_state_invalid_dropped_pkts: true, localhost_nps_accepted_pkts: true}\n",
+    )
+    .expect("yaml");
+    let (mut cfg, _, node) = settings_to_config(&settings);
+    cfg.sync_period = std::time::Duration::from_secs(30);
+    let mut p = Proxier::new(cfg, FakeIptables::new());
+    let mut tracker = Tracker::new(&node);
+    let half = 1000 / 2 - 1;
+    let ips = |a: u32| -> Vec<String> {
+        (0..half as u32)
+            .map(|i| format!("10.{a}.{}.{}", i % 256, i / 256))
+            .collect()
+    };
+    let mut services = vec![
+        svc_obj("ns1", "svc1", "172.30.0.41", "p80", 80),
+        svc_obj("ns2", "svc2", "172.30.0.42", "p8080", 8080),
+        svc_obj("ns3", "svc3", "172.30.0.43", "p8081", 8081),
+    ];
+    let mut slices = vec![
+        slice_obj("ns1", "svc1", "p80", 80, &ips(0)),
+        slice_obj("ns2", "svc2", "p8080", 8080, &ips(1)),
+    ];
+    let line = |s: &Value| s["expectedLine"].as_str().map(String::from);
+    let written = |s: &Value| s["endpointsWritten"].as_u64().map(|v| v as usize);
+
+    // 1: below the threshold, comments on.
+    let (snap, ch) = feed(&mut tracker, &services, &slices);
+    p.sync(&snap, &ch).expect("sync 1");
+    let input = p.last_input().to_string();
+    assert!(
+        input
+            .lines()
+            .any(|l| Some(l.to_string()) == line(&steps[0])),
+        "step 1"
+    );
+    assert_eq!(Some(dnat_lines(&input).len()), written(&steps[0]));
+
+    // 2: svc3 gets 3 endpoints: 1001 in total, large-cluster mode; partial sync of svc3 only.
+    slices.push(slice_obj(
+        "ns3",
+        "svc3",
+        "p8081",
+        8081,
+        &[
+            "203.0.113.4".into(),
+            "203.0.113.8".into(),
+            "203.0.113.12".into(),
+        ],
+    ));
+    let (snap, ch) = feed(&mut tracker, &services, &slices);
+    p.sync(&snap, &ch).expect("sync 2");
+    let input = p.last_input().to_string();
+    assert!(
+        input
+            .lines()
+            .any(|l| Some(l.to_string()) == line(&steps[1])),
+        "step 2:\n{input}"
+    );
+    assert_eq!(Some(dnat_lines(&input).len()), written(&steps[1]));
+    assert!(dnat_lines(&input).iter().all(|l| !l.contains("--comment")));
+
+    // 3: a forced full resync writes every endpoint, without comments.
+    p.force_full_sync();
+    p.sync(&snap, &ChangedSet::default()).expect("sync 3");
+    let input = p.last_input().to_string();
+    assert!(
+        input
+            .lines()
+            .any(|l| Some(l.to_string()) == line(&steps[2])),
+        "step 3"
+    );
+    assert_eq!(Some(dnat_lines(&input).len()), written(&steps[2]));
+    assert!(dnat_lines(&input).iter().all(|l| !l.contains("--comment")));
+
+    // 4: svc4 with one endpoint.
+    services.push(svc_obj("ns4", "svc4", "172.30.0.44", "p8082", 8082));
+    slices.push(slice_obj(
+        "ns4",
+        "svc4",
+        "p8082",
+        8082,
+        &["10.4.0.1".into()],
+    ));
+    let (snap, ch) = feed(&mut tracker, &services, &slices);
+    p.sync(&snap, &ch).expect("sync 4");
+    let input = p.last_input().to_string();
+    assert!(
+        input
+            .lines()
+            .any(|l| Some(l.to_string()) == line(&steps[3])),
+        "step 4"
+    );
+    assert_eq!(Some(dnat_lines(&input).len()), written(&steps[3]));
+
+    // 5: svc4 deleted right after a cleanup: its stale chains are not deleted yet.
+    services.pop();
+    p.set_last_cleanup(std::time::Duration::ZERO);
+    let (snap, ch) = feed(&mut tracker, &services, &slices);
+    p.sync(&snap, &ch).expect("sync 5");
+    let input = p.last_input().to_string();
+    assert_eq!(Some(dnat_lines(&input).len()), written(&steps[4]));
+    assert!(!input.contains("-X "), "step 5:\n{input}");
+
+    // 6: once a sync period passed since the last cleanup, they are.
+    p.set_last_cleanup(std::time::Duration::from_secs(31));
+    p.sync(&snap, &ChangedSet::default()).expect("sync 6");
+    let input = p.last_input().to_string();
+    for want in steps[5]["restoreInputContains"]
+        .as_sequence()
+        .expect("lines")
+    {
+        let want = want.as_str().expect("line");
+        assert!(
+            input.lines().any(|l| l == want),
+            "step 6: {want:?} missing:\n{input}"
+        );
+    }
+}

@@ -59,7 +59,7 @@ fn assert_same(what: &str, got: Vec<String>, want: Vec<String>) {
     );
 }
 
-fn run_backend(choice: Choice, save_tool: &str, foreign_rule: bool) {
+fn run_backend(choice: Choice, save_tool: &str, foreign_rule: bool, whole_partial: bool) {
     let ns = Netns::new(&format!("ipt-kernel-{save_tool}")).expect("netns");
     let case = upstream("iptables/cases/overall-iptables-rules/input.yaml");
     let input = load_input(&case);
@@ -67,6 +67,9 @@ fn run_backend(choice: Choice, save_tool: &str, foreign_rule: bool) {
     cfg.backend = choice;
     cfg.netns = Some(ns.path());
     cfg.sync_period = std::time::Duration::from_secs(3600);
+    if whole_partial {
+        cfg.nft_whole_table_above_chains = 0;
+    }
     if foreign_rule {
         let tool = save_tool.replace("-save", "");
         ns.exec(&tool, &["-t", "nat", "-N", "OTHER-PROGRAM"])
@@ -128,6 +131,11 @@ fn run_backend(choice: Choice, save_tool: &str, foreign_rule: bool) {
     assert!(!changed2.services.is_empty());
     dp.sync(&snap2, &changed2).expect("partial sync");
     assert_eq!(dp.proxiers()[0].stats.partial_syncs, 1);
+    assert_eq!(
+        dp.proxiers()[0].stats.whole_table_restores,
+        u64::from(!foreign_rule) * (1 + u64::from(whole_partial)),
+        "partial syncs restore nat as a whole only when asked to (nft, big table)"
+    );
     let planned2 = kproxy::dataplane::iptables::render(&snap2, &expected_cfg);
     let nat2 = save(&ns, save_tool, "nat");
     let want2 = reference_lines(save_tool, &planned2, "nat");
@@ -163,7 +171,7 @@ fn nft_backend_full_partial_cleanup() {
     if !require_root() {
         return;
     }
-    run_backend(Choice::Nft, "iptables-nft-save", false);
+    run_backend(Choice::Nft, "iptables-nft-save", false, false);
 }
 
 #[test]
@@ -171,7 +179,7 @@ fn nft_backend_keeps_foreign_nat_rules() {
     if !require_root() {
         return;
     }
-    run_backend(Choice::Nft, "iptables-nft-save", true);
+    run_backend(Choice::Nft, "iptables-nft-save", true, true);
 }
 
 #[test]
@@ -179,7 +187,7 @@ fn legacy_backend_full_partial_cleanup() {
     if !require_root() {
         return;
     }
-    run_backend(Choice::Legacy, "iptables-legacy-save", false);
+    run_backend(Choice::Legacy, "iptables-legacy-save", false, false);
 }
 
 #[test]
@@ -187,5 +195,13 @@ fn legacy_backend_keeps_foreign_nat_rules() {
     if !require_root() {
         return;
     }
-    run_backend(Choice::Legacy, "iptables-legacy-save", true);
+    run_backend(Choice::Legacy, "iptables-legacy-save", true, false);
+}
+
+#[test]
+fn nft_backend_whole_table_partial_syncs() {
+    if !require_root() {
+        return;
+    }
+    run_backend(Choice::Nft, "iptables-nft-save", false, true);
 }

@@ -321,7 +321,7 @@ fn external_nat_flush_is_repaired_after_the_monitor_fires() {
         json!({}),
     );
     let sl = slice("mon", &r.pods(&["pod-l0"]));
-    r.sync(&[svc.clone()], &[sl.clone()]);
+    r.sync(std::slice::from_ref(&svc), std::slice::from_ref(&sl));
     let ok = Probe::tcp("10.96.0.17:80", 5)
         .run(&r.topo.client, None)
         .expect("probe");

@@ -134,7 +134,12 @@ impl IptablesDataplane {
             }
             tracing::info!(family = ?cfg.family, ?flavor, random_fully = cfg.random_fully, "iptables proxier ready");
             let backend = ExecIptables::new(cfg.family, flavor, runner);
-            proxiers.push(Proxier::new(cfg, backend));
+            let above = cfg.nft_whole_table_above_chains;
+            let mut p = Proxier::new(cfg, backend);
+            if flavor == Flavor::Nft {
+                p.whole_table_partial_above = Some(above);
+            }
+            proxiers.push(p);
         }
         if proxiers.is_empty() {
             return Err(SetupError::NoFamily);
@@ -171,6 +176,13 @@ impl IptablesDataplane {
                 .into_iter()
                 .find(|j| j.table == "nat" && j.from == "PREROUTING" && j.to == KUBE_SERVICES)
                 .expect("nat PREROUTING jump");
+            // The canaries exist before the first sync reads the tables (so a whole-table
+            // restore keeps them).
+            for t in TABLES {
+                if let Err(e) = backend.ensure_chain(t, KUBE_PROXY_CANARY) {
+                    tracing::warn!(table = t, error = %e, "cannot create canary chain");
+                }
+            }
             let handle = std::thread::Builder::new()
                 .name(format!("iptables-canary-{family:?}"))
                 .spawn(move || {
@@ -181,7 +193,6 @@ impl IptablesDataplane {
                             }
                         }
                     };
-                    ensure(&mut backend);
                     let mut fired = false;
                     let mut waited = Duration::ZERO;
                     while !stop2.load(Ordering::Relaxed) {
@@ -191,20 +202,18 @@ impl IptablesDataplane {
                             continue;
                         }
                         waited = Duration::ZERO;
+                        // Cheap checks only: the canaries are empty chains, and `-C` of the
+                        // jump fails as well when KUBE-SERVICES itself is gone.
                         let healthy = (|| -> Result<bool, IptablesError> {
                             for t in TABLES {
                                 if !backend.chain_exists(t, KUBE_PROXY_CANARY)? {
                                     return Ok(false);
                                 }
                             }
-                            // Before the first sync the jump does not exist yet; the canary
-                            // alone decides then.
-                            if !force.load(Ordering::Relaxed)
-                                && backend.chain_exists("nat", KUBE_SERVICES)?
-                            {
-                                return backend.rule_exists("nat", nat_jump.from, &nat_jump.args);
+                            if force.load(Ordering::Relaxed) {
+                                return Ok(true); // a full sync is already due
                             }
-                            Ok(true)
+                            backend.rule_exists("nat", nat_jump.from, &nat_jump.args)
                         })();
                         match healthy {
                             Ok(true) => fired = false,

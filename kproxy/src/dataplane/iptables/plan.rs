@@ -724,3 +724,49 @@ fn write_service_port(
     let entry = p.services.entry(service_key(&svc.name)).or_default();
     entry.chains.extend(t.chains);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probabilities_are_formatted_like_upstream() {
+        // Upstream TestComputeProbability.
+        for (n, want) in [
+            (1, "1.0000000000"),
+            (2, "0.5000000000"),
+            (10, "0.1000000000"),
+            (100000, "0.0000100000"),
+            (100001, "0.0000099999"),
+        ] {
+            assert_eq!(probability(n), want, "n={n}");
+        }
+    }
+
+    #[test]
+    fn empty_snapshot_has_only_the_fixed_rules() {
+        let cfg = IptablesConfig::new(IpFamily::V4, super::super::LocalTrafficDetector::NoOp);
+        let p = plan(&Snapshot::default(), &cfg);
+        assert!(p.services.is_empty());
+        assert_eq!(
+            p.nat.rule_count(),
+            5,
+            "POSTROUTING 3, MARK-MASQ 1, NODEPORTS tail call 1"
+        );
+        let fw = p
+            .filter
+            .get(KUBE_FIREWALL)
+            .expect("KUBE-FIREWALL with localhost NodePorts");
+        assert_eq!(fw.rules.len(), 1);
+        let v6 = plan(
+            &Snapshot::default(),
+            &IptablesConfig::new(IpFamily::V6, super::super::LocalTrafficDetector::NoOp),
+        );
+        assert!(v6.filter.get(KUBE_FIREWALL).is_none(), "IPv4 only");
+        let tail = &v6.nat.get(KUBE_SERVICES).expect("chain").rules[0];
+        assert!(
+            tail.ends_with("--dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS"),
+            "{tail}"
+        );
+    }
+}

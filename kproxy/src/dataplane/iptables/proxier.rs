@@ -18,6 +18,12 @@
 //! else lives in the nat table, the upstream `--noflush` input is used unchanged, so other
 //! programs' rules are never touched. The filter table is always restored with `--noflush`
 //! (it holds few of our chains and usually other programs' rules).
+//!
+//! With nf_tables, even a *partial* `--noflush` restore into a big nat table is pathological
+//! (a one-endpoint change at 10k services did not finish in 15 minutes here), so when
+//! [`Proxier::whole_table_partial_above`] is set (the dataplane sets it for nft) and nat holds
+//! more chains than that, partial syncs restore the (ours-only) nat table as a whole too; the
+//! logged/compared input stays upstream's partial one.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
@@ -64,6 +70,9 @@ pub struct Proxier<B: IptablesBackend> {
     last_cleanup: Option<Instant>,
     last_input: String,
     pub stats: ProxierStats,
+    /// Partial syncs may restore nat as a whole above this many existing nat chains (set for
+    /// the nf_tables backend; `None` = only full syncs do).
+    pub whole_table_partial_above: Option<usize>,
 }
 
 /// Parsed `iptables-save` of one table.
@@ -108,6 +117,7 @@ impl<B: IptablesBackend> Proxier<B> {
             last_cleanup: None,
             last_input: String::new(),
             stats: ProxierStats::default(),
+            whole_table_partial_above: None,
         }
     }
 
@@ -208,7 +218,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 .last_cleanup
                 .is_none_or(|t| t.elapsed() > self.cfg.sync_period);
         let mut saved_nat = None;
-        if cleanup_due || full {
+        if cleanup_due || full || self.whole_table_partial_above.is_some() {
             match self.backend.save("nat") {
                 Ok(text) => saved_nat = Some(parse_save(&text)),
                 Err(e) => {
@@ -232,12 +242,22 @@ impl<B: IptablesBackend> Proxier<B> {
         self.last_input = render_tables(&[filter.clone(), nat.clone()]);
         self.stats.nat_rules_last = nat_rules;
 
-        let whole = if full {
-            saved_nat
-                .as_ref()
-                .and_then(|s| self.whole_table_nat(s, &nat))
-        } else {
-            None
+        let big_table = |s: &Saved| {
+            self.whole_table_partial_above
+                .is_some_and(|limit| s.chains.len() > limit)
+        };
+        let whole = match saved_nat.as_ref() {
+            Some(s) if full => self.whole_table_nat(s, &nat),
+            Some(s) if big_table(s) => {
+                // The whole table: every chain of the plan, not only the changed ones.
+                let mut all = TableInput::new("nat");
+                all.add(&plan.nat);
+                for t in plan.services.values() {
+                    all.add(t);
+                }
+                self.whole_table_nat(s, &all)
+            }
+            _ => None,
         };
         let result = match whole {
             Some(whole) => self
@@ -272,7 +292,8 @@ impl<B: IptablesBackend> Proxier<B> {
             saved.chains.iter().filter(|(_, p)| p != "-").collect();
         let builtin_names: HashSet<&str> = builtin.iter().map(|(c, _)| c.as_str()).collect();
         for (c, policy) in &saved.chains {
-            if policy == "-" && !(ours.contains(c.as_str()) || c == KUBE_PROXY_CANARY) {
+            let ours_or_stale = ours.contains(c.as_str()) || is_service_chain(c);
+            if policy == "-" && !(ours_or_stale || c == KUBE_PROXY_CANARY) {
                 return None;
             }
         }
@@ -282,7 +303,10 @@ impl<B: IptablesBackend> Proxier<B> {
                 if !jumps.contains(&normalize(r)) {
                     return None;
                 }
-            } else if !ours.contains(chain) && chain != KUBE_PROXY_CANARY {
+            } else if !ours.contains(chain)
+                && !is_service_chain(chain)
+                && chain != KUBE_PROXY_CANARY
+            {
                 return None;
             }
         }
