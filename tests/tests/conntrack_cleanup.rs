@@ -5,9 +5,9 @@
 //!    and NodePort frontends, each family by its own cleaner); entries of other services, TCP,
 //!    other ports and the still-serving endpoint stay. Checked by a netlink dump and by
 //!    `conntrack -L`.
-//! 2. real packets (IPv4 and IPv6): a UDP client that keeps its source port sticks to a removed endpoint
-//!    through conntrack even after the DNAT rule changed, and moves to the remaining endpoint
-//!    once the cleaner ran.
+//! 2. real packets (IPv4 and IPv6): a UDP client that keeps its source port sticks to a
+//!    removed endpoint through conntrack even after the DNAT rule changed, and moves to the
+//!    remaining endpoint once the cleaner ran.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
