@@ -5,9 +5,9 @@
 //!    and NodePort frontends, each family by its own cleaner); entries of other services, TCP,
 //!    other ports and the still-serving endpoint stay. Checked by a netlink dump and by
 //!    `conntrack -L`.
-//! 2. real packets: a UDP client that keeps its source port sticks to a removed endpoint
-//!    through conntrack even after the DNAT rule changed, and moves to the remaining endpoint
-//!    once the cleaner ran.
+//! 2. real packets (IPv4 and IPv6): a UDP client that keeps its source port sticks to a
+//!    removed endpoint through conntrack even after the DNAT rule changed, and moves to the
+//!    remaining endpoint once the cleaner ran.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
@@ -317,15 +317,21 @@ fn no_cleanup_without_a_udp_endpoint_change_and_gone_entries_are_tolerated() {
     assert!(outcome.failed.is_empty() && outcome.aborted.is_none());
 }
 
-/// A UDP server answering every datagram with its name, until `stop`.
+/// A UDP server answering every datagram with its name, until `stop`. Returns once it is
+/// bound (or fails with the bind error).
 fn serve(ns: &Netns, addr: SocketAddr, name: &'static str, stop: Arc<AtomicBool>) {
-    let ready = Arc::new(AtomicBool::new(false));
-    let ready2 = ready.clone();
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
     ns.spawn(move || {
-        let sock = UdpSocket::bind(addr).unwrap();
+        let sock = match UdpSocket::bind(addr) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = bound_tx.send(Err(e.to_string()));
+                return;
+            }
+        };
         sock.set_read_timeout(Some(Duration::from_millis(100)))
             .unwrap();
-        ready2.store(true, Ordering::SeqCst);
+        let _ = bound_tx.send(Ok(()));
         let mut buf = [0u8; 64];
         while !stop.load(Ordering::SeqCst) {
             if let Ok((_, peer)) = sock.recv_from(&mut buf) {
@@ -334,73 +340,116 @@ fn serve(ns: &Netns, addr: SocketAddr, name: &'static str, stop: Arc<AtomicBool>
         }
     })
     .unwrap();
-    while !ready.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    bound_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("server thread started")
+        .unwrap_or_else(|e| panic!("binding {addr}: {e}"));
+}
+
+/// Addresses of the flow test, per family.
+struct Net {
+    family: IpFamily,
+    client: &'static str,
+    node_client_side: &'static str,
+    node_pod_side: &'static str,
+    ep_a: &'static str,
+    ep_b: &'static str,
+    prefix: &'static str,
+    vip: &'static str,
+    iptables: &'static str,
+}
+
+const NET_V4: Net = Net {
+    family: IpFamily::V4,
+    client: "10.0.1.2",
+    node_client_side: "10.0.1.1",
+    node_pod_side: "10.240.0.1",
+    ep_a: "10.240.0.4",
+    ep_b: "10.240.0.5",
+    prefix: "24",
+    vip: "172.30.1.1",
+    iptables: "iptables",
+};
+
+const NET_V6: Net = Net {
+    family: IpFamily::V6,
+    client: "fd00:1::2",
+    node_client_side: "fd00:1::1",
+    node_pod_side: "fd01::1",
+    ep_a: "fd01::4",
+    ep_b: "fd01::5",
+    prefix: "64",
+    vip: "fd00:30::1",
+    iptables: "ip6tables",
+};
+
+fn sa(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
 }
 
 /// Sends from the client's fixed source port to the ClusterIP; returns who answered.
-fn ask(client: &Netns) -> String {
+fn ask(client: &Netns, net: &Net) -> String {
+    let (from, vip) = (sa(net.client, 41000), sa(net.vip, 8000));
     client
-        .run(|| {
-            let sock = UdpSocket::bind("10.0.1.2:41000").unwrap();
+        .run(move || {
+            let sock = UdpSocket::bind(from).unwrap();
             sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
             let mut buf = [0u8; 64];
             for _ in 0..5 {
-                sock.send_to(b"who", "172.30.1.1:8000").unwrap();
-                if let Ok((n, from)) = sock.recv_from(&mut buf) {
-                    assert_eq!(from, "172.30.1.1:8000".parse().unwrap(), "un-DNATed reply");
+                sock.send_to(b"who", vip).unwrap();
+                if let Ok((n, answered)) = sock.recv_from(&mut buf) {
+                    assert_eq!(answered, vip, "un-DNATed reply");
                     return String::from_utf8_lossy(&buf[..n]).into_owned();
                 }
             }
-            panic!("no answer from 172.30.1.1:8000 in 5 tries");
+            panic!("no answer from {vip} in 5 tries");
         })
         .unwrap()
 }
 
-#[test]
-fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
-    if !require_root() {
-        return;
-    }
+/// client ─ node (DNAT of the ClusterIP, the cleaner) ─ pods (ep-a and ep-b, both alive).
+fn udp_flow_moves(net: &Net) {
     let client = Netns::new("ct-move-client").unwrap();
     let node = Netns::new("ct-move-node").unwrap();
     let pods = Netns::new("ct-move-pods").unwrap();
-    for ns in [&client, &node, &pods] {
-        ns.disable_ipv6().unwrap();
-    }
     let _v1 = Veth::create(
-        VethEnd::new(&client, "eth0").addr("10.0.1.2/24"),
-        VethEnd::new(&node, "n-client").addr("10.0.1.1/24"),
+        VethEnd::new(&client, "eth0"),
+        VethEnd::new(&node, "n-client"),
     )
     .unwrap();
-    let _v2 = Veth::create(
-        VethEnd::new(&node, "n-pods").addr("10.240.0.1/24"),
-        VethEnd::new(&pods, "eth0").addr("10.240.0.4/24"),
-    )
-    .unwrap();
-    pods.ip(&["addr", "add", "10.240.0.5/24", "dev", "eth0"])
-        .unwrap();
+    let _v2 = Veth::create(VethEnd::new(&node, "n-pods"), VethEnd::new(&pods, "eth0")).unwrap();
+    if net.family == IpFamily::V4 {
+        for ns in [&client, &node, &pods] {
+            ns.disable_ipv6().unwrap();
+        }
+        node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+    } else {
+        node.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
+    }
+    for (ns, dev, ip) in [
+        (&client, "eth0", net.client),
+        (&node, "n-client", net.node_client_side),
+        (&node, "n-pods", net.node_pod_side),
+        (&pods, "eth0", net.ep_a),
+        (&pods, "eth0", net.ep_b),
+    ] {
+        let cidr = format!("{ip}/{}", net.prefix);
+        let mut args = vec!["addr", "add", &cidr, "dev", dev];
+        if net.family == IpFamily::V6 {
+            // Usable at once: no duplicate address detection.
+            args.push("nodad");
+        }
+        ns.ip(&args).unwrap();
+    }
     client
-        .ip(&["route", "add", "default", "via", "10.0.1.1"])
+        .ip(&["route", "add", "default", "via", net.node_client_side])
         .unwrap();
-    pods.ip(&["route", "add", "default", "via", "10.240.0.1"])
+    pods.ip(&["route", "add", "default", "via", net.node_pod_side])
         .unwrap();
-    node.sysctl("net.ipv4.ip_forward", "1").unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
-    serve(
-        &pods,
-        "10.240.0.4:9090".parse().unwrap(),
-        "ep-a",
-        stop.clone(),
-    );
-    serve(
-        &pods,
-        "10.240.0.5:9090".parse().unwrap(),
-        "ep-b",
-        stop.clone(),
-    );
+    serve(&pods, sa(net.ep_a, 9090), "ep-a", stop.clone());
+    serve(&pods, sa(net.ep_b, 9090), "ep-b", stop.clone());
     struct StopOnDrop(Arc<AtomicBool>);
     impl Drop for StopOnDrop {
         fn drop(&mut self) {
@@ -410,10 +459,16 @@ fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
     let _stop = StopOnDrop(stop);
 
     // `iptables -t nat <-A PREROUTING | -R PREROUTING 1> <DNAT of the ClusterIP to `to`>`.
-    let dnat = |op: &[&str], to: &str| {
+    let vip = format!(
+        "{}/{}",
+        net.vip,
+        if net.family == IpFamily::V4 { 32 } else { 128 }
+    );
+    let dnat = |op: &[&str], to: SocketAddr| {
+        let to = to.to_string();
         let rule = [
             "-d",
-            "172.30.1.1/32",
+            &vip,
             "-p",
             "udp",
             "--dport",
@@ -421,7 +476,7 @@ fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
             "-j",
             "DNAT",
             "--to-destination",
-            to,
+            &to,
         ];
         let args: Vec<&str> = ["-t", "nat"]
             .iter()
@@ -429,36 +484,57 @@ fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
             .chain(&rule)
             .copied()
             .collect();
-        node.exec("iptables", &args).unwrap();
+        node.exec(net.iptables, &args).unwrap();
+    };
+    let endpoints = |eps: &[&str]| match net.family {
+        IpFamily::V4 => manifests(eps, &[]),
+        IpFamily::V6 => manifests(&[], eps),
     };
 
     // The datapath's rules while svc has both endpoints (it picked ep-b for this client).
     let mut tracker = Tracker::new(NODE);
-    let (prev, _) = step(&mut tracker, &manifests(&["10.240.0.4", "10.240.0.5"], &[]));
-    dnat(&["-A", "PREROUTING"], "10.240.0.5:9090");
-    assert_eq!(ask(&client), "ep-b");
+    let (prev, _) = step(&mut tracker, &endpoints(&[net.ep_a, net.ep_b]));
+    dnat(&["-A", "PREROUTING"], sa(net.ep_b, 9090));
+    assert_eq!(ask(&client, net), "ep-b");
 
-    // ep-b (10.240.0.5) is removed: the rules now DNAT to ep-a only …
-    let (next, changed) = step(&mut tracker, &manifests(&["10.240.0.4"], &[]));
-    dnat(&["-R", "PREROUTING", "1"], "10.240.0.4:9090");
+    // ep-b is removed: the rules now DNAT to ep-a only …
+    let (next, changed) = step(&mut tracker, &endpoints(&[net.ep_a]));
+    dnat(&["-R", "PREROUTING", "1"], sa(net.ep_a, 9090));
     // … but the client's flow still sticks to ep-b through its conntrack entry.
     assert_eq!(
-        ask(&client),
+        ask(&client, net),
         "ep-b",
         "without cleanup the flow stays on the removed endpoint"
     );
 
+    let family = net.family;
     let stats = node
-        .run(move || Cleaner::new(IpFamily::V4).after_sync(&prev, &next, &changed))
+        .run(move || Cleaner::new(family).after_sync(&prev, &next, &changed))
         .unwrap()
         .unwrap();
     assert_eq!((stats.stale, stats.deleted), (1, 1), "{stats:?}");
     assert_eq!(
-        ask(&client),
+        ask(&client, net),
         "ep-a",
         "after cleanup the flow moved to the remaining endpoint"
     );
-    assert_eq!(ask(&client), "ep-a");
+    assert_eq!(ask(&client, net), "ep-a");
+}
+
+#[test]
+fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup() {
+    if !require_root() {
+        return;
+    }
+    udp_flow_moves(&NET_V4);
+}
+
+#[test]
+fn udp_flow_moves_to_the_remaining_endpoint_after_cleanup_ipv6() {
+    if !require_root() {
+        return;
+    }
+    udp_flow_moves(&NET_V6);
 }
 
 #[test]
