@@ -687,3 +687,45 @@ fn internal_traffic_policy_local_reaches_only_local_endpoints() {
     assert_spread(&result, &local);
     dp.cleanup().unwrap();
 }
+
+#[test]
+fn a_pinned_map_with_another_layout_is_refused_with_a_clear_error() {
+    if !require_root() {
+        return;
+    }
+    let bpffs = Bpffs::new("sock-layout-fs").unwrap();
+    let cgroup = TestCgroup::new("sock-layout-cg").unwrap();
+    let dir = bpffs.path().join("kproxy");
+    std::fs::create_dir_all(&dir).unwrap();
+    // What an older kproxy with a 4-byte service key would have left.
+    kproxy_tests::netns::run_checked(std::process::Command::new("bpftool").args([
+        "map",
+        "create",
+        dir.join(MAP_SERVICES).to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        "16",
+        "entries",
+        "16",
+        "name",
+        MAP_SERVICES,
+    ]))
+    .unwrap();
+    let err = EbpfDataplane::new(config(&bpffs, &cgroup))
+        .err()
+        .expect("an incompatible pinned map must be refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(MAP_SERVICES) && msg.contains("kproxy cleanup"),
+        "{msg}"
+    );
+    // Nothing was attached to the cgroup.
+    assert!(
+        !dir.join("links")
+            .join(kproxy_common::sock::PROGRAMS[0])
+            .exists()
+    );
+}

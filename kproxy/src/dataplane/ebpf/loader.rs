@@ -9,7 +9,9 @@
 //!   after kill -9) neither interrupts nor re-attaches; the programs behind those links read
 //!   the same pinned maps, which the new agent reconciles.
 //!
-//! A pinned link keeps the program of the agent that created it; upgrading the programs means
+//! Pinned maps are reused as they are: a map whose key/value sizes differ from this build's is
+//! an error (naming `kproxy cleanup`), one whose `max_entries` differs from `--bpf-map-sizes`
+//! keeps its old size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
 //! `kproxy cleanup` (which removes the pins) and a start. The link's cgroup is not compared
 //! with `--bpf-cgroup` on reuse.
 
@@ -149,6 +151,32 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         )?),
         affinity: Box::new(KernelTable::new(MAP_AFFINITY, take(MAP_AFFINITY)?)?),
     };
+
+    for (name, have, want) in [
+        (MAP_SERVICES, tables.services.capacity(), sizes.services),
+        (
+            MAP_BACKEND_SLOTS,
+            tables.slots.capacity(),
+            sizes.backend_slots,
+        ),
+        (MAP_BACKENDS, tables.backends.capacity(), sizes.backends),
+        (
+            MAP_SOURCE_RANGES,
+            tables.source_ranges.capacity(),
+            sizes.source_ranges,
+        ),
+        (MAP_AFFINITY, tables.affinity.capacity(), sizes.affinity),
+    ] {
+        if have != want {
+            tracing::warn!(
+                map = name,
+                pinned = have,
+                configured = want,
+                "reusing the pinned map with its old size; `kproxy cleanup` and a restart apply \
+                 the new one"
+            );
+        }
+    }
 
     let links = if cfg.socket_lb {
         attach_sock(&mut ebpf, cfg, &dir)?

@@ -285,7 +285,7 @@ fn plan_family(
             &members,
         );
         let mut endpoints = endpoints;
-        endpoints.sort_by_key(|e| (e.ip, e.port));
+        endpoints.sort_by_key(|a| (a.ip, a.port));
         endpoints.dedup_by(|a, b| (a.ip, a.port) == (b.ip, b.port));
         let backends: Vec<u32> = endpoints
             .iter()

@@ -54,12 +54,34 @@ pub struct KernelTable<K: Pod, V: Pod> {
     capacity: u32,
 }
 
+/// Fails when a (possibly pinned by an older kproxy) map's key or value size is not the one
+/// this build uses: reusing it would corrupt lookups.
+fn check_layout(
+    name: &'static str,
+    info: &aya::maps::MapInfo,
+    key: usize,
+    value: usize,
+) -> Result<(), TableError> {
+    if info.key_size() as usize != key || info.value_size() as usize != value {
+        return Err(TableError {
+            map: name,
+            reason: format!(
+                "the pinned map has key/value sizes {}/{} bytes, this kproxy uses {key}/{value}: \
+                 it was created by another version; remove it with `kproxy cleanup`",
+                info.key_size(),
+                info.value_size()
+            ),
+            full: false,
+        });
+    }
+    Ok(())
+}
+
 impl<K: Pod, V: Pod> KernelTable<K, V> {
     pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
-        let capacity = data
-            .info()
-            .map_err(|e| TableError::from_map(name, e))?
-            .max_entries();
+        let info = data.info().map_err(|e| TableError::from_map(name, e))?;
+        check_layout(name, &info, size_of::<K>(), size_of::<V>())?;
+        let capacity = info.max_entries();
         let map = Map::from_map_data(data)
             .and_then(HashMap::try_from)
             .map_err(|e| TableError::from_map(name, e))?;
@@ -115,10 +137,9 @@ pub struct KernelLpmTable {
 
 impl KernelLpmTable {
     pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
-        let capacity = data
-            .info()
-            .map_err(|e| TableError::from_map(name, e))?
-            .max_entries();
+        let info = data.info().map_err(|e| TableError::from_map(name, e))?;
+        check_layout(name, &info, 4 + size_of::<SourceRangeKey>(), 1)?;
+        let capacity = info.max_entries();
         let map = Map::from_map_data(data)
             .and_then(LpmTrie::try_from)
             .map_err(|e| TableError::from_map(name, e))?;
