@@ -569,6 +569,34 @@ fn cleanup_removes_everything() -> anyhow::Result<()> {
     )?;
     assert_eq!(t.ipvs()?.services()?.len(), 2, "ClusterIP + NodePort");
     dp.cleanup()?;
+    assert_clean(&t)
+}
+
+#[test]
+fn cleanup_leftovers_removes_what_a_dead_instance_left() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-leftover")?;
+    let mut dp = t.dataplane()?;
+    dp.sync(
+        &snapshot(
+            service("web", NODE_PORT, None),
+            vec![endpoint(1), endpoint(2)],
+        ),
+        &ChangedSet::default(),
+    )?;
+    drop(dp);
+    assert_eq!(t.ipvs()?.services()?.len(), 2);
+    let cfg = t.config();
+    t.node
+        .run(move || kproxy::dataplane::ipvs::cleanup_leftovers(cfg))??;
+    assert_clean(&t)
+}
+
+/// No virtual service, dummy device, KUBE chain or set is left in the node namespace, and the
+/// VIP no longer answers.
+fn assert_clean(t: &Topo) -> anyhow::Result<()> {
     assert!(t.ipvs()?.services()?.is_empty());
     let links = t.node.ip(&["-o", "link", "show"])?;
     assert!(!links.contains("kube-ipvs0"), "{links}");
