@@ -766,3 +766,52 @@ fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<
     dp.cleanup()?;
     Ok(())
 }
+
+#[test]
+fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-lbsr")?;
+    let mut dp = t.dataplane()?;
+    let lb_ip: IpAddr = "198.51.100.1".parse().unwrap();
+    let mut svc = service("lb", NODE_PORT, None);
+    svc.service_type = ServiceType::LoadBalancer;
+    svc.load_balancer_ingress = vec![kproxy::model::LoadBalancerIngress {
+        ip: lb_ip,
+        ip_mode: kproxy::model::IpMode::Vip,
+    }];
+    let lb = SocketAddr::new(lb_ip, 80);
+
+    // The client's range is listed: it gets through, balanced.
+    svc.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
+    dp.sync(
+        &snapshot(svc.clone(), vec![endpoint(1), endpoint(2)]),
+        &ChangedSet::default(),
+    )?;
+    let counts = t.tally(lb, 4)?;
+    assert_eq!(
+        counts,
+        BTreeMap::from([("pod1".to_string(), 2), ("pod2".to_string(), 2)])
+    );
+
+    // Only another range is listed: the client's SYN is dropped (KUBE-SOURCE-RANGES-FIREWALL).
+    svc.load_balancer_source_ranges = vec!["10.99.0.0/16".parse().unwrap()];
+    dp.sync(
+        &snapshot(svc.clone(), vec![endpoint(1), endpoint(2)]),
+        &ChangedSet::default(),
+    )?;
+    let refused = t
+        .client
+        .run(move || TcpStream::connect_timeout(&lb, Duration::from_secs(3)))?;
+    assert!(
+        refused.is_err(),
+        "connection from an unlisted range succeeded"
+    );
+    let sets = t
+        .node
+        .exec("ipset", &["list", "KUBE-LOAD-BALANCER-SOURCE-CIDR"])?;
+    assert!(sets.contains("198.51.100.1,tcp:80,10.99.0.0/16"), "{sets}");
+    dp.cleanup()?;
+    Ok(())
+}
