@@ -1,7 +1,8 @@
 //! The IPVS proxier against a real kernel: these tests need IPVS, which the development hosts
-//! lack, so `cargo xtask guest` (part of `cargo xtask test`) runs this binary, statically
-//! linked, inside a QEMU guest booting Debian's kernel (see xtask/src/guest.rs). On a host that
-//! has IPVS they run directly; elsewhere they print "skipped".
+//! lack, so `cargo xtask guest` (part of `cargo xtask test`) runs this binary (the ordinary host
+//! build, with its shared libraries) inside a QEMU guest booting Debian's kernel (see
+//! xtask/src/guest.rs). On a host that has IPVS they run directly; elsewhere they print
+//! "skipped".
 //!
 //! Topology per test (namespaces, unique names):
 //!
