@@ -1,7 +1,8 @@
 //! The IPVS proxier against a real kernel: these tests need IPVS, which the development hosts
-//! lack, so `cargo xtask guest` (part of `cargo xtask test`) runs this binary, statically
-//! linked, inside a QEMU guest booting Debian's kernel (see xtask/src/guest.rs). On a host that
-//! has IPVS they run directly; elsewhere they print "skipped".
+//! lack, so `cargo xtask guest` (part of `cargo xtask test`) runs this binary (the ordinary host
+//! build, with its shared libraries) inside a QEMU guest booting Debian's kernel (see
+//! xtask/src/guest.rs). On a host that has IPVS they run directly; elsewhere they print
+//! "skipped".
 //!
 //! Topology per test (namespaces, unique names):
 //!
@@ -569,6 +570,34 @@ fn cleanup_removes_everything() -> anyhow::Result<()> {
     )?;
     assert_eq!(t.ipvs()?.services()?.len(), 2, "ClusterIP + NodePort");
     dp.cleanup()?;
+    assert_clean(&t)
+}
+
+#[test]
+fn cleanup_leftovers_removes_what_a_dead_instance_left() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-leftover")?;
+    let mut dp = t.dataplane()?;
+    dp.sync(
+        &snapshot(
+            service("web", NODE_PORT, None),
+            vec![endpoint(1), endpoint(2)],
+        ),
+        &ChangedSet::default(),
+    )?;
+    drop(dp);
+    assert_eq!(t.ipvs()?.services()?.len(), 2);
+    let cfg = t.config();
+    t.node
+        .run(move || kproxy::dataplane::ipvs::cleanup_leftovers(cfg))??;
+    assert_clean(&t)
+}
+
+/// No virtual service, dummy device, KUBE chain or set is left in the node namespace, and the
+/// VIP no longer answers.
+fn assert_clean(t: &Topo) -> anyhow::Result<()> {
     assert!(t.ipvs()?.services()?.is_empty());
     let links = t.node.ip(&["-o", "link", "show"])?;
     assert!(!links.contains("kube-ipvs0"), "{links}");
@@ -735,6 +764,55 @@ fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<
     for _ in 0..4 {
         assert_eq!(ask_udp(&t.client, vip)?, "pod2");
     }
+    dp.cleanup()?;
+    Ok(())
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-lbsr")?;
+    let mut dp = t.dataplane()?;
+    let lb_ip: IpAddr = "198.51.100.1".parse().unwrap();
+    let mut svc = service("lb", NODE_PORT, None);
+    svc.service_type = ServiceType::LoadBalancer;
+    svc.load_balancer_ingress = vec![kproxy::model::LoadBalancerIngress {
+        ip: lb_ip,
+        ip_mode: kproxy::model::IpMode::Vip,
+    }];
+    let lb = SocketAddr::new(lb_ip, 80);
+
+    // The client's range is listed: it gets through, balanced.
+    svc.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
+    dp.sync(
+        &snapshot(svc.clone(), vec![endpoint(1), endpoint(2)]),
+        &ChangedSet::default(),
+    )?;
+    let counts = t.tally(lb, 4)?;
+    assert_eq!(
+        counts,
+        BTreeMap::from([("pod1".to_string(), 2), ("pod2".to_string(), 2)])
+    );
+
+    // Only another range is listed: the client's SYN is dropped (KUBE-SOURCE-RANGES-FIREWALL).
+    svc.load_balancer_source_ranges = vec!["10.99.0.0/16".parse().unwrap()];
+    dp.sync(
+        &snapshot(svc.clone(), vec![endpoint(1), endpoint(2)]),
+        &ChangedSet::default(),
+    )?;
+    let refused = t
+        .client
+        .run(move || TcpStream::connect_timeout(&lb, Duration::from_secs(3)))?;
+    assert!(
+        refused.is_err(),
+        "connection from an unlisted range succeeded"
+    );
+    let sets = t
+        .node
+        .exec("ipset", &["list", "KUBE-LOAD-BALANCER-SOURCE-CIDR"])?;
+    assert!(sets.contains("198.51.100.1,tcp:80,10.99.0.0/16"), "{sets}");
     dp.cleanup()?;
     Ok(())
 }

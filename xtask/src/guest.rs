@@ -12,12 +12,15 @@
 //!    busybox as `/init`, the modules of [`GUEST_MODULES`] with their dependencies
 //!    (`modprobe -d … -S … --show-depends`), `depmod -b`, `/sbin/modprobe` → busybox so the
 //!    kernel's on-demand loads (e.g. an IPVS scheduler) work.
-//! 3. **Payload** (built every run): the statically linked test binary
-//!    (`cargo test --no-run --target x86_64-unknown-linux-gnu` with `+crt-static`), plus the
-//!    host tools the tests run ([`PAYLOAD_TOOLS`]: `ip`, `nsenter`, `ipset`, `iptables-legacy`,
-//!    `ipvsadm`) with their shared libraries (from `ldd`), the xtables plugins and
-//!    `/etc/protocols` (ipset resolves `tcp` through it). Appended to
-//!    the base archive as a second cpio at a 4-byte aligned offset (512 here).
+//! 3. **Payload** (built every run): the test binary of the ordinary host build (`cargo test
+//!    --workspace --exclude kproxy-ebpf --no-run`, exactly the host suite's selection and
+//!    profile, so after its `cargo test` nothing recompiles; a separate static build would
+//!    recompile every dependency, ≈ 8 min on 2 cores), a copy of it stripped of debug info, plus the host tools the tests run ([`PAYLOAD_TOOLS`]: `ip`,
+//!    `nsenter`, `ipset`, `iptables-legacy`, `ipvsadm`), all with their shared libraries and
+//!    the dynamic loader at the paths `ldd` names (the guest runs Debian 12's kernel, the
+//!    host is Debian 12, so the host's glibc is the one the binaries are linked against), the
+//!    xtables plugins and `/etc/protocols` (ipset resolves `tcp` through it). Appended to the
+//!    base archive as a second cpio at a 4-byte aligned offset (512 here).
 //! 4. **Boot**: `qemu-system-x86_64 -accel tcg -cpu max` (KVM is tried first when `/dev/kvm`
 //!    exists and the verdict is not cached yet; on this machine kind `/dev/kvm` is a nested PVM
 //!    device on which a stock kernel does not boot, so the probe falls back to TCG and remembers
@@ -148,7 +151,7 @@ pub fn run_suite(args: &[String]) -> anyhow::Result<GuestOutcome> {
     let root = crate::workspace_root();
     let work = root.join("target/guest");
     fs::create_dir_all(&work)?;
-    let test_bin = build_static_test(&root)?;
+    let test_bin = build_test(&root)?;
     let kernel = Kernel::ensure(&work.join("kernel"))?;
     let base = base_initramfs(&work, &kernel)?;
     let payload = payload_cpio(&work, &test_bin, args)?;
@@ -168,28 +171,22 @@ pub fn run_suite(args: &[String]) -> anyhow::Result<GuestOutcome> {
     Ok(outcome)
 }
 
-/// `cargo test --no-run` of [`GUEST_TEST`], statically linked; returns the executable.
-fn build_static_test(root: &Path) -> anyhow::Result<PathBuf> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.args([
-        "test",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-        "--target",
-        "x86_64-unknown-linux-gnu",
-        "-p",
-        "kproxy-tests",
-        "--test",
-        GUEST_TEST,
-    ])
-    .env("RUSTFLAGS", "-C target-feature=+crt-static")
-    .current_dir(root)
-    .stderr(Stdio::inherit());
+/// `cargo test --no-run` with exactly the host suite's selection, profile and environment
+/// ([`crate::test`]), so it is fresh after that suite ran; returns [`GUEST_TEST`]'s executable.
+/// Not `--test` [`GUEST_TEST`] nor `-p kproxy-tests`: a narrower selection leaves other
+/// targets' dev-dependencies out of feature unification, which changes the hash of `kproxy`,
+/// `kproxy-tests` and the test binary and recompiles them (measured: 25 s here).
+fn build_test(root: &Path) -> anyhow::Result<PathBuf> {
+    let mut cmd = crate::process::cargo();
+    cmd.arg("test")
+        .args(crate::test::HOST_PACKAGES)
+        .args(["--no-run", "--message-format=json-render-diagnostics"])
+        .current_dir(root)
+        .stderr(Stdio::inherit());
     println!("guest: $ {}", display(&cmd));
     let out = cmd.output().context("spawning cargo")?;
     if !out.status.success() {
-        bail!("building the static {GUEST_TEST} test binary failed");
+        bail!("building the {GUEST_TEST} test binary failed");
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     for line in stdout.lines() {
@@ -380,6 +377,7 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
     let stage = work.join("payload-stage");
     let _ = fs::remove_dir_all(&stage);
     fs::create_dir_all(stage.join("payload"))?;
+    // A copy: the one in target/ keeps its debug info (and cargo's freshness).
     let bin = stage.join("payload").join(GUEST_TEST);
     fs::copy(test_bin, &bin).with_context(|| format!("copying {}", test_bin.display()))?;
     // Debug info is ≈ 90 % of the binary and the guest loads the initrd slowly under TCG;
@@ -393,7 +391,8 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
         other => println!("guest: strip --strip-debug failed ({other:?}); using the full binary"),
     }
 
-    let mut libs = BTreeSet::new();
+    // The test binary is dynamically linked: its libraries and loader (PT_INTERP) come along.
+    let mut libs: BTreeSet<PathBuf> = shared_libraries(test_bin)?.into_iter().collect();
     for tool in PAYLOAD_TOOLS {
         copy_into(&stage, Path::new(tool))?;
         libs.extend(shared_libraries(Path::new(tool))?);
@@ -449,26 +448,36 @@ fn copy_into(stage: &Path, src: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The absolute library paths `ldd` lists for `bin` (the loader included).
+/// The absolute library paths `ldd` lists for `bin` (the loader included; none for a static
+/// binary). A library `ldd` cannot find is an error naming it.
 fn shared_libraries(bin: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let out = Command::new("ldd")
         .arg(bin)
         .output()
         .context("spawning ldd")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
-        .lines()
-        .filter_map(|l| {
-            // `libx.so => /lib/x/libx.so (0x…)` or `/lib64/ld-linux-x86-64.so.2 (0x…)`.
-            let path = l
-                .split("=>")
-                .nth(1)
-                .unwrap_or(l)
-                .split_whitespace()
-                .next()?;
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect())
+    parse_ldd(&String::from_utf8_lossy(&out.stdout))
+        .with_context(|| format!("resolving the shared libraries of {}", bin.display()))
+}
+
+/// `ldd` output → absolute paths: `libx.so => /lib/x/libx.so (0x…)` or
+/// `/lib64/ld-linux-x86-64.so.2 (0x…)`; `linux-vdso.so.1 (0x…)` is the kernel's.
+fn parse_ldd(text: &str) -> anyhow::Result<Vec<PathBuf>> {
+    let mut paths = Vec::new();
+    for line in text.lines() {
+        let (name, target) = match line.split_once("=>") {
+            Some((name, target)) => (name.trim(), target.trim()),
+            None => (line.trim(), line.trim()),
+        };
+        if target.starts_with("not found") {
+            bail!("{name} not found");
+        }
+        if let Some(path) = target.split_whitespace().next()
+            && path.starts_with('/')
+        {
+            paths.push(PathBuf::from(path));
+        }
+    }
+    Ok(paths)
 }
 
 /// `find . | cpio -o -H newc` of `dir` into `out`.
@@ -653,6 +662,30 @@ mod tests {
             Some("linux-image-6.1.0-56-amd64")
         );
         assert_eq!(parse_kernel_dependency("linux-image-amd64\n"), None);
+    }
+
+    #[test]
+    fn ldd_output_gives_libraries_and_loader_and_rejects_missing_ones() {
+        let out = "\tlinux-vdso.so.1 (0x00007ffd)\n\
+                   \tlibgcc_s.so.1 => /lib/x86_64-linux-gnu/libgcc_s.so.1 (0x00007f1)\n\
+                   \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f2)\n\
+                   \t/lib64/ld-linux-x86-64.so.2 (0x00007f3)\n";
+        assert_eq!(
+            parse_ldd(out).unwrap(),
+            [
+                "/lib/x86_64-linux-gnu/libgcc_s.so.1",
+                "/lib/x86_64-linux-gnu/libc.so.6",
+                "/lib64/ld-linux-x86-64.so.2"
+            ]
+            .map(PathBuf::from)
+        );
+        assert!(
+            parse_ldd("\tnot a dynamic executable\n")
+                .unwrap()
+                .is_empty()
+        );
+        let err = parse_ldd("\tlibfoo.so.1 => not found\n").unwrap_err();
+        assert_eq!(err.to_string(), "libfoo.so.1 not found");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! suite in the QEMU guest ([`crate::guest`]; the host kernel has no IPVS), always, also when
 //! the host suite failed. Needs root. Fails when either fails.
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
 
@@ -16,6 +16,12 @@ use crate::process::{display, is_root};
 /// Read by `kproxy_tests::netns::require_root` (tests/src/netns.rs, `REQUIRE_KERNEL_ENV`).
 const REQUIRE_KERNEL_ENV: &str = "KPROXY_TESTS_REQUIRE_KERNEL";
 
+/// The packages the host suite tests. The guest suite ([`crate::guest`]) takes its binary
+/// from a `cargo test --no-run` with the same selection: features unify per selection, so
+/// another one (e.g. `-p kproxy-tests`) would give `kproxy` and the test binary a different
+/// hash and recompile them.
+pub const HOST_PACKAGES: &[&str] = &["--workspace", "--exclude", EBPF_PACKAGE];
+
 pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if !is_root() {
         bail!(
@@ -24,10 +30,9 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         );
     }
     crate::setup::run()?;
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     // The traffic tests run the real agent binary (`kproxy_tests::topology::kproxy_bin`);
     // `cargo test` builds only the test harness of the `kproxy` package, not its binary.
-    let mut build = Command::new(&cargo);
+    let mut build = crate::process::cargo();
     build
         .args(["build", "--package", "kproxy", "--bins"])
         .current_dir(crate::workspace_root());
@@ -39,17 +44,13 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     {
         bail!("building the kproxy binary failed");
     }
-    let mut cmd = Command::new(cargo);
-    cmd.args([
-        "test",
-        "--workspace",
-        "--exclude",
-        EBPF_PACKAGE,
-        "--no-fail-fast",
-    ])
-    .args(args)
-    .env(REQUIRE_KERNEL_ENV, "1")
-    .current_dir(crate::workspace_root());
+    let mut cmd = crate::process::cargo();
+    cmd.arg("test")
+        .args(HOST_PACKAGES)
+        .arg("--no-fail-fast")
+        .args(args)
+        .env(REQUIRE_KERNEL_ENV, "1")
+        .current_dir(crate::workspace_root());
     println!("test: $ {}", display(&cmd));
     let status = cmd
         .status()

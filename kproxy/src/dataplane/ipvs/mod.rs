@@ -53,6 +53,20 @@ pub fn usable() -> Result<(), String> {
     netfilter::check_ipset_version().map(|_| ())
 }
 
+/// `kproxy --cleanup` for IPVS mode (upstream's CleanupLeftovers, per family): removes the
+/// virtual services of `cfg.family` (outside `exclude_cidrs`), the dummy device, our iptables
+/// chains and ipsets, without applying any sysctl or timeout first. Upstream flushes every
+/// IPVS service instead; kproxy leaves excluded ranges alone here too.
+pub fn cleanup_leftovers(mut cfg: IpvsConfig) -> Result<(), CleanupError> {
+    cfg.set_sysctls = false;
+    cfg.timeouts = genl::Timeouts::default();
+    let mut dp = IpvsDataplane::new(cfg).map_err(|e| CleanupError {
+        mode: ProxyMode::Ipvs,
+        reason: e.to_string(),
+    })?;
+    dp.cleanup()
+}
+
 /// Creating an [`IpvsDataplane`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum IpvsInitError {
