@@ -64,7 +64,9 @@ pub fn xdp_ns_per_packet(prog: &Xdp, packets: &[Vec<u8>], repeat: u32) -> anyhow
 
 /// Measures the counter baseline and every registered datapath path.
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
-    let mut counter = PacketCounter::load()?;
+    // The object declares pinned maps: keep them on a private bpffs.
+    let counter_fs = crate::netns::Bpffs::new("bench-counter")?;
+    let mut counter = PacketCounter::load_with_pins(counter_fs.path())?;
     let name = CounterSlot::Xdp.program();
     let prog: &Xdp = counter
         .ebpf_mut()
