@@ -366,6 +366,16 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
     let pod0 = &topo.local_pods().next().unwrap().ns;
     wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
     assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "iptables");
+    // The iptables datapath reports its syncs into upstream's metrics.
+    let metrics = metrics_get(&topo.node, "/metrics");
+    let full_syncs = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+                && l.contains("IPv4")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(full_syncs >= Some(1.0), "no full sync counted:\n{metrics}");
     let log = strip_ansi(&agent.log());
     assert!(
         log.lines()

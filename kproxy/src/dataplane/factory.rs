@@ -227,6 +227,50 @@ fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
     }
 }
 
+/// The iptables datapath reporting into upstream's iptables metrics: sync duration (full or
+/// partial), restore failures, nat rules written by the last sync.
+struct IptablesWithMetrics {
+    inner: IptablesDataplane,
+    metrics: Metrics,
+}
+
+impl Dataplane for IptablesWithMetrics {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let before: Vec<_> = self.inner.proxiers().iter().map(|p| p.stats).collect();
+        let start = std::time::Instant::now();
+        let result = self.inner.sync(snap, changed);
+        let seconds = start.elapsed().as_secs_f64();
+        if let Some(m) = self.metrics.iptables() {
+            for (p, b) in self.inner.proxiers().iter().zip(before) {
+                let (family, a) = (p.cfg.family, p.stats);
+                if a.full_syncs > b.full_syncs {
+                    m.observe_sync(family, true, seconds);
+                } else if a.partial_syncs > b.partial_syncs {
+                    m.observe_sync(family, false, seconds);
+                }
+                for _ in b.restore_failures..a.restore_failures {
+                    let partial = a.partial_restore_failures > b.partial_restore_failures;
+                    m.restore_failed(family, partial);
+                }
+                if a.full_syncs + a.partial_syncs > b.full_syncs + b.partial_syncs {
+                    m.set_rules_last(
+                        family,
+                        crate::metrics::IptablesTable::Nat,
+                        a.nat_rules_last as i64,
+                    );
+                }
+            }
+        }
+        result
+    }
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        self.inner.cleanup()
+    }
+}
+
 /// Several per-family datapaths as one (ipvs mode).
 struct PerFamily {
     mode: ProxyMode,
@@ -277,11 +321,17 @@ pub fn build(
             apply_conntrack_sysctls(cfg);
             let dp = IptablesDataplane::new(iptables_configs(cfg, &families))
                 .context("setting up the iptables proxier")?;
-            Ok(Box::new(WithConntrackCleanup::new(
-                dp,
-                &families,
-                metrics.cloned(),
-            )))
+            Ok(match metrics {
+                Some(m) => Box::new(WithConntrackCleanup::new(
+                    IptablesWithMetrics {
+                        inner: dp,
+                        metrics: m.clone(),
+                    },
+                    &families,
+                    Some(m.clone()),
+                )),
+                None => Box::new(WithConntrackCleanup::new(dp, &families, None)),
+            })
         }
         ProxyMode::Ipvs => {
             ipvs_mod::usable().map_err(|e| anyhow::anyhow!("IPVS is not usable: {e}"))?;
