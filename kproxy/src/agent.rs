@@ -2,16 +2,32 @@
 //!
 //! `main.rs` turns the command line and config file into [`AgentOptions`]; everything below
 //! takes explicit values so tests can run an agent in-process.
+//!
+//! Besides source → tracker → sync loop → datapath, an agent runs the operational surface:
+//! the healthz server (`/healthz`, `/livez`), the metrics server (`/metrics`, `/proxyMode`),
+//! the healthCheckNodePort servers, the "Starting" event on the Node, and a watch on its own
+//! Node (eligibility for `/healthz`, node IPs). Node events are seen on their way from the
+//! source to the sync loop (a pass-through tap), so no second watch is needed.
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
 use tokio::sync::{mpsc, watch};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::dataplane::Dataplane;
-use crate::model::{ModelWarning, Snapshot, Tracker};
-use crate::source::{self, Event};
+use crate::events::Events;
+use crate::health::{HealthHandle, NodeEligibility};
+use crate::healthcheck::ServiceHealthServers;
+use crate::httpserve::Served;
+use crate::metrics::{Metrics, SyncMetrics};
+use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
+use crate::nodeip::{NodeIps, detect_node_ips, node_ips_of};
+use crate::source::{self, Delta, Event};
 use crate::sync::{Runner, RunnerConfig, RunnerStatus};
 
 /// Where the cluster state comes from.
@@ -32,7 +48,50 @@ pub struct AgentOptions {
     pub node_name: String,
     pub source: SourceSpec,
     pub runner: RunnerConfig,
+    /// `--healthz-bind-address` (default `0.0.0.0:10256`); `None` disables the server.
+    pub healthz_bind: Option<SocketAddr>,
+    /// `--metrics-bind-address` (default `127.0.0.1:10249`); `None` disables the server.
+    pub metrics_bind: Option<SocketAddr>,
+    /// `--bind-address` when it names one IP (overrides the node IP of its family).
+    pub bind_address: Option<IpAddr>,
+    /// `--nodeport-addresses` as CIDRs (empty: all addresses); where healthCheckNodePorts listen.
+    pub node_port_addresses: Vec<IpNet>,
+    /// `--oom-score-adj` (upstream default -999); `None` leaves the process' score alone.
+    pub oom_score_adj: Option<i32>,
+    /// The metrics handle the datapath reports into (create it with [`Metrics::new`] for the
+    /// datapath's mode before building the datapath); `None`: the agent creates one.
+    pub metrics: Option<Metrics>,
 }
+
+impl AgentOptions {
+    /// Options with upstream's defaults for everything but the essentials; servers disabled
+    /// (tests and `main` set the bind addresses they want).
+    pub fn new(node_name: impl Into<String>, source: SourceSpec, runner: RunnerConfig) -> Self {
+        AgentOptions {
+            node_name: node_name.into(),
+            source,
+            runner,
+            healthz_bind: None,
+            metrics_bind: None,
+            bind_address: None,
+            node_port_addresses: vec![],
+            oom_score_adj: None,
+            metrics: None,
+        }
+    }
+
+    /// The health timeout: 2 × syncPeriod, as kube-proxy passes to its health server.
+    pub fn health_timeout(&self) -> Duration {
+        self.runner.max_interval * 2
+    }
+}
+
+/// Upstream's default `--healthz-bind-address`.
+pub const DEFAULT_HEALTHZ_BIND: &str = "0.0.0.0:10256";
+/// Upstream's default `--metrics-bind-address`.
+pub const DEFAULT_METRICS_BIND: &str = "127.0.0.1:10249";
+/// Upstream's default `--oom-score-adj`.
+pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
 
 /// Capacity of the source → runner event channel (sources wait when the runner is busy).
 const EVENT_QUEUE: usize = 1024;
@@ -59,33 +118,207 @@ pub async fn start_source(
 pub struct Agent {
     pub status: watch::Receiver<RunnerStatus>,
     pub task: tokio::task::JoinHandle<Box<dyn Dataplane>>,
+    /// The metrics every part reports into.
+    pub metrics: Metrics,
+    /// The proxy's health (what `/healthz` and `/livez` answer from).
+    pub health: HealthHandle,
+    /// The node's IPs, updated when the Node object changes.
+    pub node_ips: watch::Receiver<NodeIps>,
+    /// The node's own Node object as last seen (`None`: not known).
+    pub node: watch::Receiver<Option<Arc<Node>>>,
     source: tokio::task::JoinHandle<()>,
+    tap: tokio::task::JoinHandle<()>,
+    healthz: Option<Served>,
+    metrics_server: Option<Served>,
+    _health_checks: ServiceHealthServers,
 }
 
 impl Agent {
-    /// Starts the source and the sync loop; the loop stops when `shutdown` resolves.
+    /// Starts the source, the sync loop and the servers; the loop stops when `shutdown`
+    /// resolves.
     pub async fn start(
         opts: AgentOptions,
         dataplane: Box<dyn Dataplane>,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Agent> {
+        if let Some(adj) = opts.oom_score_adj
+            && let Err(e) = crate::events::apply_oom_score_adj(adj)
+        {
+            warn!(oom_score_adj = adj, error = %e, "cannot set the OOM score adjustment");
+        }
+        let metrics = opts
+            .metrics
+            .clone()
+            .unwrap_or_else(|| Metrics::new(dataplane.mode()));
+        let families = metrics.families().to_vec();
+        let standalone = matches!(opts.source, SourceSpec::Manifests(_));
+        let health = HealthHandle::new(
+            opts.health_timeout(),
+            &families,
+            if standalone {
+                NodeEligibility::Standalone
+            } else {
+                NodeEligibility::Unknown
+            },
+        );
+
+        let (source_tx, source_rx) = mpsc::channel(EVENT_QUEUE);
+        let (client, source) = match &opts.source {
+            SourceSpec::Manifests(path) => {
+                info!(path = %path.display(), "standalone mode: reading services from manifests");
+                let task =
+                    source::manifests::spawn(path.clone(), opts.node_name.clone(), source_tx);
+                (None, task)
+            }
+            SourceSpec::Kube { kubeconfig, master } => {
+                let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
+                let task = source::kube::spawn(client.clone(), opts.node_name.clone(), source_tx);
+                (Some(client), task)
+            }
+        };
+        let events = Events::new(client, &opts.node_name);
+        events.starting();
+
+        let initial_ips = detect_node_ips(&[], opts.bind_address);
+        let (ips_tx, node_ips) = watch::channel(initial_ips);
+        let (node_tx, node) = watch::channel(None);
         let (tx, rx) = mpsc::channel(EVENT_QUEUE);
-        let source = start_source(&opts.source, &opts.node_name, tx).await?;
-        let runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        let tap = tokio::spawn(node_tap(
+            source_rx,
+            tx,
+            NodeTap {
+                node_name: opts.node_name.clone(),
+                bind_address: opts.bind_address,
+                health: health.clone(),
+                metrics: metrics.clone(),
+                ips_tx,
+                node_tx,
+            },
+        ));
+
+        let health_checks =
+            ServiceHealthServers::start(health.clone(), events, opts.node_port_addresses.clone());
+        let mut runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        runner.observe(Arc::new(health.clone()));
+        runner.observe(Arc::new(SyncMetrics::new(metrics.clone())));
+        runner.observe(Arc::new(health_checks.observer()));
         let status = runner.status();
+
+        let healthz = match opts.healthz_bind {
+            Some(addr) => {
+                Some(crate::health::server::start(addr, health.clone(), metrics.clone()).await)
+            }
+            None => None,
+        };
+        let metrics_server = match opts.metrics_bind {
+            Some(addr) => Some(crate::metrics::server::start(addr, metrics.clone()).await),
+            None => None,
+        };
         let task = tokio::spawn(runner.run(rx, shutdown));
         Ok(Agent {
             status,
             task,
+            metrics,
+            health,
+            node_ips,
+            node,
             source,
+            tap,
+            healthz,
+            metrics_server,
+            _health_checks: health_checks,
         })
     }
 
-    /// Waits for the sync loop to stop; stops the source; returns the (still programmed) datapath.
+    /// Where the healthz server listens (once bound).
+    pub fn healthz_addr(&self) -> Option<SocketAddr> {
+        self.healthz.as_ref().and_then(|s| s.local_addr)
+    }
+
+    /// Where the metrics server listens (once bound).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_server.as_ref().and_then(|s| s.local_addr)
+    }
+
+    /// Waits for the sync loop to stop; stops the source and the servers; returns the (still
+    /// programmed) datapath.
     pub async fn wait(self) -> anyhow::Result<Box<dyn Dataplane>> {
         let dp = self.task.await?;
         self.source.abort();
+        self.tap.abort();
         Ok(dp)
+    }
+}
+
+/// Passes events from the source to the sync loop, watching on the way the node's own Node
+/// (its eligibility for `/healthz`, its IPs, the object itself) and EndpointSlices' change
+/// trigger times (network programming latency).
+struct NodeTap {
+    node_name: String,
+    bind_address: Option<IpAddr>,
+    health: HealthHandle,
+    metrics: Metrics,
+    ips_tx: watch::Sender<NodeIps>,
+    node_tx: watch::Sender<Option<Arc<Node>>>,
+}
+
+async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
+    let NodeTap {
+        node_name,
+        bind_address,
+        health,
+        metrics,
+        ips_tx,
+        node_tx,
+    } = tap;
+    let mut announced = false;
+    while let Some(ev) = rx.recv().await {
+        match &ev {
+            Event::EndpointSlice(Delta::Apply(s)) => metrics.endpoint_slice_seen(s),
+            Event::EndpointSlice(Delta::Replace(all)) => {
+                for s in all {
+                    metrics.endpoint_slice_seen(s);
+                }
+            }
+            _ => {}
+        }
+        if let Event::Node(d) = &ev {
+            let node = match d {
+                Delta::Apply(n) => Some(n),
+                Delta::Delete(_) => None,
+                Delta::Replace(all) => all
+                    .iter()
+                    .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str())),
+            };
+            if node.is_none_or(|n| n.metadata.name.as_deref() == Some(node_name.as_str())) {
+                health.node_seen(node);
+                let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
+                let changed = ips_tx.send_if_modified(|old| {
+                    let changed = *old != ips;
+                    *old = ips;
+                    changed
+                });
+                if changed || !announced {
+                    announced = true;
+                    info!(
+                        primary_family = ?ips.primary_family,
+                        ipv4 = %ips.ip(IpFamily::V4),
+                        ipv6 = %ips.ip(IpFamily::V6),
+                        "node IPs"
+                    );
+                    if ips.primary_is_fallback() {
+                        warn!(
+                            "can't determine this node's IP, assuming loopback; if this is \
+                             incorrect, please set the --bind-address flag"
+                        );
+                    }
+                }
+                node_tx.send_replace(node.cloned().map(Arc::new));
+            }
+        }
+        if tx.send(ev).await.is_err() {
+            return;
+        }
     }
 }
 

@@ -1,1 +1,160 @@
-fn main() {}
+//! The `kproxy` binary: parse the command line (kube-proxy's flags), load the configuration,
+//! then run the agent, `render`, `cleanup`, `--write-config-to` or `--version`.
+//!
+//! Exit codes: 0 on success (and after SIGTERM/SIGINT), 1 for a bad configuration or a runtime
+//! failure (message on stderr), 2 for a malformed command line (clap's usage error).
+//!
+//! SIGTERM / SIGINT stop the sync loop and exit 0, leaving the datapath programmed so service
+//! traffic keeps flowing until the next kproxy (or `kproxy cleanup`) takes over — as upstream
+//! kube-proxy does.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use kproxy::agent::{Agent, AgentOptions};
+use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
+use kproxy::config::{LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
+use kproxy::dataplane::factory;
+use kproxy::logging;
+use tracing::{info, warn};
+
+fn main() -> ExitCode {
+    let inv = match cli::parse(std::env::args_os()) {
+        Ok(inv) => inv,
+        Err(e) => e.exit(),
+    };
+    match inv.version() {
+        Ok(Some(v)) => {
+            print_version(v);
+            return ExitCode::SUCCESS;
+        }
+        Ok(None) => {}
+        Err(e) => return fail(&e),
+    }
+    let loaded = match cli::load(&inv, None) {
+        Ok(l) => l,
+        Err(e) => return fail(&e),
+    };
+    init_logging(loaded.config.logging);
+    for w in &loaded.warnings {
+        warn!("{w}");
+    }
+    let result = run(&loaded);
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn fail(e: &dyn std::fmt::Display) -> ExitCode {
+    eprintln!("error: {e}");
+    ExitCode::FAILURE
+}
+
+fn print_version(v: VersionRequest) {
+    let version = env!("CARGO_PKG_VERSION");
+    match v {
+        VersionRequest::Print => println!("kproxy v{version}"),
+        VersionRequest::Raw => println!(
+            "{}",
+            serde_json::json!({"name": "kproxy", "gitVersion": format!("v{version}"), "platform": format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH)})
+        ),
+    }
+}
+
+/// `--logging-format` selects the format; `-v` raises the level when `RUST_LOG` is unset
+/// (klog verbosity ≥ 4 ⇒ debug, ≥ 6 ⇒ trace).
+fn init_logging(cfg: LoggingConfig) {
+    if std::env::var_os("RUST_LOG").is_none() && cfg.verbosity >= 4 {
+        let level = if cfg.verbosity >= 6 { "trace" } else { "debug" };
+        // SAFETY: called once at start-up, before the runtime or any other thread exists.
+        unsafe { std::env::set_var("RUST_LOG", level) };
+    }
+    logging::init(cfg.format);
+}
+
+fn run(l: &Loaded) -> anyhow::Result<()> {
+    if let Some(path) = &l.write_config_to {
+        std::fs::write(path, l.effective.to_yaml())
+            .with_context(|| format!("cannot write config to {}", path.display()))?;
+        info!(file = %path.display(), "wrote configuration");
+        return Ok(());
+    }
+    match l.command {
+        Command::Render => render(l),
+        Command::Cleanup => {
+            factory::cleanup_all(&l.config)?;
+            info!("cleanup done");
+            Ok(())
+        }
+        Command::Agent if l.init_only => {
+            info!("--init-only: configuration valid; kproxy needs no separate initialization");
+            Ok(())
+        }
+        Command::Agent => run_agent(&l.config),
+    }
+}
+
+fn render(l: &Loaded) -> anyhow::Result<()> {
+    let SourceConfig::Manifests(path) = &l.config.source else {
+        anyhow::bail!("render needs --manifests PATH (a YAML file or directory)");
+    };
+    let (snap, problems) = kproxy::agent::snapshot_from_manifests(path, &l.config.node_name)?;
+    for p in &problems {
+        eprintln!("warning: {p}");
+    }
+    print!(
+        "{}",
+        match l.output {
+            RenderOutput::Json => cli::render::json(&snap) + "\n",
+            RenderOutput::Table => cli::render::table(&snap),
+        }
+    );
+    Ok(())
+}
+
+fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+        let shutdown = async move {
+            let sig = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            info!(signal = sig, "stopping; the datapath stays programmed");
+        };
+
+        let dataplane = factory::select(cfg.mode, cfg)?;
+        let mode = dataplane.mode();
+        let mut opts = AgentOptions::new(
+            cfg.node_name.clone(),
+            cfg.source.spec(),
+            cfg.runner_config(mode),
+        );
+        opts.healthz_bind = cfg.healthz_bind_address;
+        opts.metrics_bind = cfg.metrics_bind_address;
+        opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+        opts.node_port_addresses = match &cfg.node_port_addresses {
+            NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
+            // `primary` resolves per sync from the Node's IPs; health-check servers listen on
+            // every address meanwhile (the datapaths restrict NodePorts themselves).
+            NodePortAddresses::All | NodePortAddresses::Primary => vec![],
+        };
+        opts.oom_score_adj = Some(cfg.oom_score_adj);
+        opts.metrics = Some(kproxy::metrics::Metrics::new(mode));
+        info!(%mode, node = %opts.node_name, "kproxy starting");
+        let agent = Agent::start(opts, dataplane, shutdown).await?;
+        agent.wait().await?;
+        info!("stopped");
+        Ok(())
+    })
+}

@@ -15,6 +15,11 @@
 //!
 //! The schedule is pure (it takes `now` as an argument) and unit-tested; [`Runner::run`] is
 //! the thin async loop around it.
+//!
+//! Health and metrics watch the loop through [`SyncObserver`]s ([`Runner::observe`]): they are
+//! told when the loop starts, when source changes arrive (and whether a sync got queued), and
+//! when each sync starts and finishes. Observers run on the loop's task, so they must be quick
+//! (update counters, send on a channel); anything slow belongs in their own task.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -23,8 +28,9 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::dataplane::{Dataplane, SyncReport};
+use crate::model::tracker::Pending;
 use crate::model::{ChangedSet, Snapshot, Tracker};
-use crate::source::Event;
+use crate::source::{Delta, Event};
 
 /// Timing of the sync loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,6 +183,49 @@ pub struct RunnerStatus {
     pub last_duration: Option<Duration>,
 }
 
+/// Source changes folded into the tracker by one event (upstream's change-tracker
+/// notifications, which feed the `*_changes_total` / `*_changes_pending` metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChangeNotice {
+    /// Service notifications: 1 per add/update/delete; for a whole-state re-list, the number
+    /// of services it made dirty.
+    pub service_changes: usize,
+    /// EndpointSlice notifications, counted the same way.
+    pub endpoint_changes: usize,
+    /// Services with changes not yet synced, after this event.
+    pub pending: Pending,
+    /// This event queued a sync (nothing was waiting before); upstream's `QueuedUpdate`.
+    pub queued: bool,
+}
+
+/// How one sync attempt ended, as observers see it.
+#[derive(Debug)]
+pub struct SyncOutcome<'a> {
+    /// The snapshot the sync was asked to program.
+    pub snapshot: &'a Arc<Snapshot>,
+    /// What changed since the last successful sync.
+    pub changed: &'a ChangedSet,
+    pub result: Result<&'a SyncReport, &'a crate::dataplane::SyncError>,
+    /// The active datapath mode.
+    pub mode: crate::dataplane::ProxyMode,
+    /// Wall-clock time the sync started.
+    pub started: SystemTime,
+    pub took: Duration,
+}
+
+/// Sees the sync loop's progress (health, metrics, healthCheckNodePort servers). Every method
+/// has an empty default; implementations must return quickly (they run on the loop's task).
+pub trait SyncObserver: Send + Sync {
+    /// The loop started (upstream: `SyncLoop` start, which marks the proxy healthy).
+    fn loop_started(&self, _now: SystemTime) {}
+    /// One source event was folded into the tracker.
+    fn changes(&self, _notice: &ChangeNotice, _now: SystemTime) {}
+    /// A sync is about to run.
+    fn sync_started(&self, _now: SystemTime) {}
+    /// A sync finished (successfully or not).
+    fn sync_finished(&self, _outcome: &SyncOutcome<'_>) {}
+}
+
 /// The async loop: events in, syncs out.
 pub struct Runner {
     cfg: RunnerConfig,
@@ -185,6 +234,7 @@ pub struct Runner {
     status: watch::Sender<RunnerStatus>,
     /// Changes of failed syncs, handed again to the next one.
     carried: ChangedSet,
+    observers: Vec<Arc<dyn SyncObserver>>,
 }
 
 impl Runner {
@@ -196,7 +246,13 @@ impl Runner {
             dataplane: Some(dataplane),
             status,
             carried: ChangedSet::default(),
+            observers: vec![],
         }
+    }
+
+    /// Adds an observer of the loop's progress.
+    pub fn observe(&mut self, observer: Arc<dyn SyncObserver>) {
+        self.observers.push(observer);
     }
 
     /// A receiver of the status published after every sync.
@@ -213,6 +269,10 @@ impl Runner {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Box<dyn Dataplane> {
         let mut schedule = Schedule::new(self.cfg, Instant::now());
+        let started = SystemTime::now();
+        for o in &self.observers {
+            o.loop_started(started);
+        }
         tokio::pin!(shutdown);
         let mut events_open = true;
         loop {
@@ -252,16 +312,38 @@ impl Runner {
     }
 
     fn apply(&mut self, ev: Event, schedule: &mut Schedule) {
+        let before = self.tracker.pending();
+        let (service_events, endpoint_events) = match &ev {
+            Event::Service(Delta::Replace(_)) => (None, Some(0)),
+            Event::Service(_) => (Some(1), Some(0)),
+            Event::EndpointSlice(Delta::Replace(_)) => (Some(0), None),
+            Event::EndpointSlice(_) => (Some(0), Some(1)),
+            Event::Node(_) => (Some(0), Some(0)),
+        };
         for w in self.tracker.apply(ev) {
             warn!(object = %w.object, field = %w.field, "skipped: {}", w.reason);
         }
         let pending = self.tracker.pending();
+        let mut queued = false;
         if pending.services + pending.endpoints > 0 || !self.tracker.is_synced() {
             if !schedule.is_requested() {
+                queued = true;
                 self.status
                     .send_modify(|s| s.queued_since = Some(SystemTime::now()));
             }
             schedule.request();
+        }
+        let notice = ChangeNotice {
+            service_changes: service_events
+                .unwrap_or_else(|| pending.services.saturating_sub(before.services)),
+            endpoint_changes: endpoint_events
+                .unwrap_or_else(|| pending.endpoints.saturating_sub(before.endpoints)),
+            pending,
+            queued,
+        };
+        let now = SystemTime::now();
+        for o in &self.observers {
+            o.changes(&notice, now);
         }
         if self.tracker.is_synced() && !self.status.borrow().synced {
             info!("all sources reported their initial sync");
@@ -281,6 +363,11 @@ impl Runner {
             .take()
             .expect("dataplane is present between syncs");
         let started = Instant::now();
+        let started_wall = SystemTime::now();
+        for o in &self.observers {
+            o.sync_started(started_wall);
+        }
+        let mode = dp.mode();
         let snap2 = snap.clone();
         let changed2 = changed_all.clone();
         let (dp, result) = tokio::task::spawn_blocking(move || {
@@ -292,6 +379,17 @@ impl Runner {
         let took = started.elapsed();
         self.dataplane = Some(dp);
         let ok = result.is_ok();
+        let outcome = SyncOutcome {
+            snapshot: &snap,
+            changed: &changed_all,
+            result: result.as_ref(),
+            mode,
+            started: started_wall,
+            took,
+        };
+        for o in &self.observers {
+            o.sync_finished(&outcome);
+        }
         match result {
             Ok(report) => {
                 debug!(

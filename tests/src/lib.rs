@@ -1,14 +1,20 @@
 //! Support code for kproxy's integration tests.
 //!
+//! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
+//! - [`http`]: a minimal HTTP client for kproxy's servers.
+//! - [`iptables_corpus`] / [`iptables_tracer`]: upstream iptables corpus loading and the rule
+//!   tracer (upstream `tracePacket` semantics).
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
 
+pub mod bench;
 pub mod fakeapi;
 pub mod fixtures;
+pub mod http;
 pub mod iptables_corpus;
 pub mod iptables_tracer;
 pub mod netns;

@@ -552,14 +552,18 @@ pub fn assert_spread(result: &ProbeResult, names: &[&str]) {
 }
 
 /// A binary of this workspace's current profile: `target/<profile>/<name>`, found next to the
-/// running test executable (`target/<profile>/deps/<test>-<hash>`). `kp-probe` is built with
+/// running executable (a test harness in `target/<profile>/deps/`, or a binary such as
+/// `kp-bench` in `target/<profile>/`). `kp-probe` is built with
 /// this package's tests; `kproxy` by `cargo xtask test` (or `cargo build -p kproxy`).
 pub fn target_bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("current_exe")?;
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .context("test executable is not in target/<profile>/deps")?;
+    let dir = exe.parent().context("executable has no directory")?;
+    // Test harnesses live in target/<profile>/deps, binaries (kp-bench) in target/<profile>.
+    let profile_dir = if dir.ends_with("deps") {
+        dir.parent().context("deps/ has no parent")?
+    } else {
+        dir
+    };
     let path = profile_dir.join(name);
     if !path.is_file() {
         bail!(

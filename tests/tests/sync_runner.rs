@@ -243,11 +243,7 @@ async fn manifests_source_drives_syncs_and_rereads_changes() {
     write(&dir, "web.yaml", WEB);
     let (dp, rec) = RecordingDataplane::new();
     let (stop, stopped) = oneshot::channel::<()>();
-    let opts = AgentOptions {
-        node_name: "node-a".into(),
-        source: SourceSpec::Manifests(dir.clone()),
-        runner: fast(),
-    };
+    let opts = AgentOptions::new("node-a", SourceSpec::Manifests(dir.clone()), fast());
     let agent = Agent::start(opts, Box::new(dp), async move {
         let _ = stopped.await;
     })

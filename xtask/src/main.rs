@@ -29,7 +29,8 @@ commands:
   build-ebpf   build the BPF object alone and print its path
   test [ARGS]  setup, then run every test (kernel tests included; needs root); ARGS go to cargo test
   demo         run the demo topology
-  bench        run the benchmarks";
+  bench [--quick] [--out DIR] [--only packet,connect,control]
+               build in release mode and run the benchmarks (needs root); report in bench/";
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {

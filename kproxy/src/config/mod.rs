@@ -1,1 +1,334 @@
-//! Configuration. Placeholder: filled by the CLI/config work.
+//! Configuration: the `KubeProxyConfiguration` file, flags merged over it, and the resolved
+//! [`ProxyConfig`] everything else reads.
+//!
+//! ```text
+//!  --config FILE ──> file::KubeProxyConfiguration ─┐ (strict YAML, field paths in errors)
+//!                          apply_defaults()         │ (upstream's defaulting)
+//!  command line  ──> cli::apply_flags() ───────────┤ (only flags actually given override)
+//!                          resolve::resolve() ──────┴─> ProxyConfig (validated, typed)
+//! ```
+//!
+//! - [`duration`]: Go duration text (`30s`, `1m0s`), used by flags and the file.
+//! - [`file`]: the v1alpha1 file as written, its defaults and kproxy's extensions
+//!   (top-level `syncPeriod`/`minSyncPeriod` for the ebpf mode, and `bpf:`).
+//! - [`resolve`]: upstream's validation rules, and the conversion to [`ProxyConfig`]. Every
+//!   problem is reported at once, each naming its field (and the flag that set it, if any).
+//!
+//! Divergences from upstream, on purpose:
+//! - `mode: ""` means *detect* (ebpf, else ipvs, else iptables); upstream's empty mode means
+//!   iptables. `nftables` and `kernelspace` are rejected.
+//! - Flags override the file. Upstream ignores most flags when `--config` is given; kproxy
+//!   applies every flag actually given on top of the file.
+//! - The periods of every section are validated, not only those of the chosen mode (the mode
+//!   may be detected at run time).
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::agent::SourceSpec;
+use crate::dataplane::ProxyMode;
+use crate::logging::LogFormat;
+use crate::sync::RunnerConfig;
+
+pub mod duration;
+pub mod file;
+pub mod resolve;
+
+pub use duration::GoDuration;
+pub use file::KubeProxyConfiguration;
+pub use resolve::{ConfigErrors, FieldError, Resolved, resolve};
+
+/// Names accepted in `bpf.mapSizes` / `--bpf-map-sizes` (the eBPF datapath's maps).
+pub const BPF_MAP_NAMES: &[&str] = &[
+    "services",
+    "backendSlots",
+    "backends",
+    "ct",
+    "revNat",
+    "affinity",
+    "sourceRanges",
+];
+
+/// IPVS schedulers upstream accepts (`""` = the default, `rr`).
+pub const IPVS_SCHEDULERS: &[&str] = &[
+    "", "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq",
+];
+
+/// The validated, defaulted, flag-merged configuration: everything the agent and the
+/// datapaths need. Built by [`resolve`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProxyConfig {
+    /// `mode` / `--proxy-mode`.
+    pub mode: ModeChoice,
+    /// The node kproxy runs on: `--hostname-override`, else `hostnameOverride`, else the
+    /// hostname; trimmed and lowercased (upstream's `GetHostname`).
+    pub node_name: String,
+    /// Where Services and EndpointSlices come from.
+    pub source: SourceConfig,
+    /// `clientConnection` apart from the kubeconfig (which is in `source`).
+    pub client: ClientConfig,
+    /// `bindAddress`: overrides the idea of the node's primary IP (no socket is bound to it);
+    /// `0.0.0.0` / `::` = unspecified (take it from the Node object).
+    pub bind_address: IpAddr,
+    /// `healthzBindAddress`; `None` = health server disabled (`--healthz-bind-address=""` or
+    /// `--healthz-port=0`).
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `metricsBindAddress`; `None` = metrics server disabled (`--metrics-bind-address=""`
+    /// or `--metrics-port=0`).
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// `bindAddressHardFail`: failing to bind healthz/metrics is fatal.
+    pub bind_address_hard_fail: bool,
+    /// `enableProfiling` (accepted; kproxy serves no pprof).
+    pub enable_profiling: bool,
+    /// `clusterCIDR` split: at most one CIDR per family.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `detectLocalMode` + `detectLocal`: how traffic from local pods is recognised.
+    pub detect_local: DetectLocal,
+    /// `nodePortAddresses`.
+    pub node_port_addresses: NodePortAddresses,
+    /// `iptables.masqueradeAll` / `--masquerade-all`: SNAT all traffic to service IPs.
+    pub masquerade_all: bool,
+    /// `iptables.masqueradeBit` (0..=31): the fwmark bit marking packets to SNAT (iptables and
+    /// ipvs modes; mark = `1 << bit`).
+    pub masquerade_bit: u8,
+    /// The iptables mode's settings.
+    pub iptables: IptablesConfig,
+    /// The ipvs mode's settings.
+    pub ipvs: IpvsConfig,
+    /// The ebpf mode's sync periods (kproxy extension: top-level `syncPeriod`/`minSyncPeriod`,
+    /// `--sync-period`/`--min-sync-period`).
+    pub ebpf_sync: SyncPeriods,
+    /// The eBPF datapath's settings (kproxy extension `bpf:` / `--bpf-*`).
+    pub bpf: BpfConfig,
+    /// `conntrack`: sysctls to set and conntrack timeouts.
+    pub conntrack: ConntrackConfig,
+    /// `oomScoreAdj` (-1000..=1000), written to /proc/self/oom_score_adj by the agent.
+    pub oom_score_adj: i32,
+    /// `configSyncPeriod` (accepted; kproxy's watchers do not resync periodically).
+    pub config_sync_period: Duration,
+    /// `logging`.
+    pub logging: LoggingConfig,
+    /// `featureGates` (accepted; kproxy has no feature gates, each is warned about).
+    pub feature_gates: BTreeMap<String, bool>,
+}
+
+/// Which datapath to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModeChoice {
+    /// `""`: probe ebpf, then ipvs, then iptables (upstream: `""` = iptables).
+    Detect,
+    /// A mode given explicitly; fails if unavailable.
+    Forced(ProxyMode),
+}
+
+/// Where the cluster state comes from (see [`crate::agent::SourceSpec`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceConfig {
+    /// `--manifests PATH` (standalone, no API server).
+    Manifests(PathBuf),
+    /// The API server: `clientConnection.kubeconfig` / `--kubeconfig`, `--master`; neither ⇒
+    /// in-cluster config or the default kubeconfig.
+    Kube {
+        kubeconfig: Option<PathBuf>,
+        master: Option<String>,
+    },
+}
+
+impl SourceConfig {
+    /// The agent's source specification.
+    pub fn spec(&self) -> SourceSpec {
+        match self {
+            SourceConfig::Manifests(p) => SourceSpec::Manifests(p.clone()),
+            SourceConfig::Kube { kubeconfig, master } => SourceSpec::Kube {
+                kubeconfig: kubeconfig.clone(),
+                master: master.clone(),
+            },
+        }
+    }
+}
+
+/// `clientConnection` settings other than the kubeconfig (accepted; kube-rs has no
+/// client-side rate limiting and always speaks JSON).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClientConfig {
+    pub content_type: String,
+    pub accept_content_types: String,
+    pub qps: f32,
+    pub burst: i32,
+}
+
+/// `detectLocalMode` and its parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum DetectLocal {
+    /// Source in [`ProxyConfig::cluster_cidrs`] (of the packet's family) is local; a family
+    /// without a cluster CIDR detects nothing as local.
+    ClusterCidr,
+    /// Source in the Node object's `spec.podCIDRs` is local.
+    NodeCidr,
+    /// Traffic entering from this bridge is local (`detectLocal.bridgeInterface`).
+    BridgeInterface(String),
+    /// Traffic entering from interfaces with this prefix is local
+    /// (`detectLocal.interfaceNamePrefix`).
+    InterfaceNamePrefix(String),
+}
+
+/// `nodePortAddresses`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum NodePortAddresses {
+    /// Unset: NodePorts on every local address (upstream iptables/ipvs behaviour; kproxy uses
+    /// it in every mode).
+    All,
+    /// `primary`: only the Node object's primary IP of each family.
+    Primary,
+    /// Only local addresses inside these CIDRs (`localhost` ⇒ 127.0.0.0/8 and ::1/128,
+    /// `all` ⇒ 0.0.0.0/0 and ::/0 — upstream's keywords).
+    Cidrs(Vec<IpNet>),
+}
+
+/// A mode's `syncPeriod` / `minSyncPeriod`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SyncPeriods {
+    pub sync_period: Duration,
+    pub min_sync_period: Duration,
+}
+
+impl SyncPeriods {
+    /// The bounded-frequency runner's timing for these periods.
+    pub fn runner(self) -> RunnerConfig {
+        RunnerConfig::new(self.min_sync_period, self.sync_period)
+    }
+}
+
+/// The iptables mode's settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IptablesConfig {
+    /// `iptables.syncPeriod` / `minSyncPeriod`.
+    pub sync: SyncPeriods,
+    /// `iptables.localhostNodePorts`: NodePorts reachable on 127.0.0.1 (IPv4 only; sets
+    /// route_localnet).
+    pub localhost_node_ports: bool,
+}
+
+/// The ipvs mode's settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IpvsConfig {
+    /// `ipvs.syncPeriod` / `minSyncPeriod`.
+    pub sync: SyncPeriods,
+    /// `ipvs.scheduler`; one of [`IPVS_SCHEDULERS`], `""` resolved to `rr`.
+    pub scheduler: String,
+    /// `ipvs.excludeCIDRs`: IPVS virtual servers in these ranges are never removed.
+    pub exclude_cidrs: Vec<IpNet>,
+    /// `ipvs.strictARP`: arp_ignore=1, arp_announce=2.
+    pub strict_arp: bool,
+    /// `ipvs.tcpTimeout`; `None` = leave the kernel's value.
+    pub tcp_timeout: Option<Duration>,
+    /// `ipvs.tcpFinTimeout`; `None` = leave.
+    pub tcp_fin_timeout: Option<Duration>,
+    /// `ipvs.udpTimeout`; `None` = leave.
+    pub udp_timeout: Option<Duration>,
+}
+
+/// The eBPF datapath's settings (kproxy extension).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BpfConfig {
+    /// `bpf.cgroup` / `--bpf-cgroup`: cgroup v2 directory for socket LB; `None` = the root of
+    /// the cgroup2 mount.
+    pub cgroup: Option<PathBuf>,
+    /// `bpf.bpffs` / `--bpffs`: bpffs mount; maps are pinned under `<bpffs>/kproxy/`.
+    pub bpffs: PathBuf,
+    /// `bpf.devices` / `--bpf-devices`: devices for TC/XDP; empty = detect.
+    pub devices: Vec<String>,
+    /// `bpf.mapSizes` / `--bpf-map-sizes`: size overrides by map name ([`BPF_MAP_NAMES`]);
+    /// maps not named keep the datapath's default.
+    pub map_sizes: BTreeMap<String, u32>,
+    /// `bpf.xdp` / `--bpf-xdp`.
+    pub xdp: XdpMode,
+    /// `bpf.lbAlgorithm` / `--bpf-lb-algorithm`.
+    pub lb_algorithm: LbAlgorithm,
+}
+
+/// XDP attachment policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum XdpMode {
+    /// TC only.
+    Off,
+    /// Native XDP where the driver supports it, else TC (default).
+    BestEffort,
+    /// Native XDP on every device; failing to attach is an error.
+    Native,
+}
+
+/// Backend selection of the eBPF datapath.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LbAlgorithm {
+    /// Uniformly random backend per new connection (default; upstream-like).
+    Random,
+    /// Maglev consistent hashing.
+    Maglev,
+}
+
+/// `conntrack` (upstream semantics: a zero means "leave the kernel's value").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConntrackConfig {
+    /// `maxPerCore`: nf_conntrack_max = max(maxPerCore × CPUs, min); 0 = leave the limit.
+    pub max_per_core: u32,
+    /// `min`.
+    pub min: u32,
+    /// `tcpEstablishedTimeout`; zero = leave.
+    pub tcp_established_timeout: Duration,
+    /// `tcpCloseWaitTimeout`; zero = leave.
+    pub tcp_close_wait_timeout: Duration,
+    /// `tcpBeLiberal`: nf_conntrack_tcp_be_liberal=1.
+    pub tcp_be_liberal: bool,
+    /// `udpTimeout` (UNREPLIED UDP); zero = leave.
+    pub udp_timeout: Duration,
+    /// `udpStreamTimeout` (ASSURED UDP); zero = leave.
+    pub udp_stream_timeout: Duration,
+}
+
+/// `logging`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LoggingConfig {
+    #[serde(serialize_with = "ser_log_format")]
+    pub format: LogFormat,
+    /// klog verbosity (`-v`); kproxy maps ≥4 to debug and ≥6 to trace when `RUST_LOG` is unset.
+    pub verbosity: u32,
+}
+
+fn ser_log_format<S: serde::Serializer>(f: &LogFormat, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match f {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    })
+}
+
+impl ProxyConfig {
+    /// The sync periods of `mode`: `iptables.*` for iptables, `ipvs.*` for ipvs, the top-level
+    /// (extension) periods for ebpf.
+    pub fn sync_periods(&self, mode: ProxyMode) -> SyncPeriods {
+        match mode {
+            ProxyMode::Iptables => self.iptables.sync,
+            ProxyMode::Ipvs => self.ipvs.sync,
+            ProxyMode::Ebpf => self.ebpf_sync,
+        }
+    }
+
+    /// The sync runner's timing for `mode`.
+    pub fn runner_config(&self, mode: ProxyMode) -> RunnerConfig {
+        self.sync_periods(mode).runner()
+    }
+
+    /// The fwmark used to mark packets for SNAT (`1 << masquerade_bit`).
+    pub fn masquerade_mark(&self) -> u32 {
+        1u32 << self.masquerade_bit
+    }
+}

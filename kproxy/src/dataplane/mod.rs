@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::model::{ChangedSet, Snapshot};
 
+pub mod factory;
 pub mod iptables;
 
 /// The proxy modes kproxy knows.

@@ -18,6 +18,15 @@
 //!     one TCP connection: reads the greeting, then sends a line every interval and expects
 //!     its echo, for S seconds (forever, until killed, when S is 0); exits 1 on any error.
 //!     Prints `{"connected": NAME}` once the greeting arrived.
+//! kp-probe latency ADDR [--count N]
+//!     N TCP connects; prints {"samples_ns": [...], "errors": E} (connect(2) duration each).
+//! kp-probe rps ADDR [--seconds S] [--short]
+//!     requests over one keep-alive connection (a line and its echo), or with --short one
+//!     connection per request (connect + greeting); prints {"requests": N, "seconds": F}.
+//! kp-probe wait ADDR [--name NAME] [--timeout-ms MS] [--interval-ms MS]
+//!     retries a TCP connect until one answers (with NAME, when given); prints
+//!     {"at_unix_ns": T, "attempts": K} (wall clock, to compare with another process's start)
+//!     or exits 1 at the timeout.
 //! ```
 //!
 //! The clients print one JSON object on stdout: `{"answers": {NAME: count}, "peers": {NAME:
@@ -40,6 +49,9 @@ fn main() -> ExitCode {
             "tcp" => client(rest, Proto::Tcp),
             "udp" => client(rest, Proto::Udp),
             "hold" => hold(rest),
+            "latency" => latency(rest),
+            "rps" => rps(rest),
+            "wait" => wait(rest),
             other => Err(format!("unknown command {other:?}")),
         },
         None => Err("usage: kp-probe serve|tcp|udp|hold …".into()),
@@ -60,7 +72,7 @@ struct Opts {
     flags: Vec<String>,
 }
 
-const BOOL_FLAGS: [&str; 1] = ["--same-socket"];
+const BOOL_FLAGS: [&str; 2] = ["--same-socket", "--short"];
 
 fn parse(args: &[String]) -> Result<Opts, String> {
     let mut it = args.iter();
@@ -466,4 +478,97 @@ fn hold(args: &[String]) -> Result<ExitCode, String> {
             Ok(ExitCode::from(1))
         }
     }
+}
+
+fn latency(args: &[String]) -> Result<ExitCode, String> {
+    let opts = parse(args)?;
+    let addr = opts.addr()?;
+    let count = opts.num("--count", 100)?;
+    let mut samples = Vec::with_capacity(count as usize);
+    let mut errors = 0u64;
+    for _ in 0..count {
+        let start = Instant::now();
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(conn) => {
+                samples.push(start.elapsed().as_nanos().to_string());
+                drop(conn);
+            }
+            Err(_) => errors += 1,
+        }
+    }
+    println!(
+        "{{\"samples_ns\":[{}],\"errors\":{errors}}}",
+        samples.join(",")
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn rps(args: &[String]) -> Result<ExitCode, String> {
+    let opts = parse(args)?;
+    let addr = opts.addr()?;
+    let seconds = opts.num("--seconds", 2)?;
+    let short = opts.flag("--short");
+    let timeout = Duration::from_secs(2);
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(seconds);
+    let mut requests = 0u64;
+    let result = (|| -> std::io::Result<()> {
+        if short {
+            while Instant::now() < deadline {
+                tcp_once(addr, timeout)?;
+                requests += 1;
+            }
+        } else {
+            let conn = TcpStream::connect_timeout(&addr, timeout)?;
+            conn.set_read_timeout(Some(timeout))?;
+            let mut writer = conn.try_clone()?;
+            let mut reader = BufReader::new(conn);
+            let mut line = String::new();
+            reader.read_line(&mut line)?;
+            while Instant::now() < deadline {
+                writer.write_all(b"request\n")?;
+                line.clear();
+                reader.read_line(&mut line)?;
+                requests += 1;
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        println!("{{\"error\":{}}}", quote(&e.to_string()));
+        return Ok(ExitCode::from(1));
+    }
+    println!(
+        "{{\"requests\":{requests},\"seconds\":{}}}",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn wait(args: &[String]) -> Result<ExitCode, String> {
+    let opts = parse(args)?;
+    let addr = opts.addr()?;
+    let name = opts.values.get("--name").and_then(|v| v.last()).cloned();
+    let deadline = Instant::now() + Duration::from_millis(opts.num("--timeout-ms", 60_000)?);
+    let interval = Duration::from_millis(opts.num("--interval-ms", 2)?);
+    let mut attempts = 0u64;
+    while Instant::now() < deadline {
+        attempts += 1;
+        if let Ok(line) = tcp_once(addr, Duration::from_millis(200)) {
+            let who = line.split(' ').next().unwrap_or_default();
+            if name.as_deref().is_none_or(|n| n == who) {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_err(|e| e.to_string())?;
+                println!(
+                    "{{\"at_unix_ns\":{},\"attempts\":{attempts}}}",
+                    now.as_nanos()
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+        thread::sleep(interval);
+    }
+    println!("{{\"error\":\"timed out\",\"attempts\":{attempts}}}");
+    Ok(ExitCode::from(1))
 }

@@ -2,6 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::events::v1::Event;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -11,16 +12,19 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    /// events.k8s.io/v1 Events (what kube-rs' event `Recorder` writes).
+    Event,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+    pub const ALL: [Kind; 4] = [Kind::Service, Kind::EndpointSlice, Kind::Node, Kind::Event];
 
     pub fn name(self) -> &'static str {
         match self {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::Event => "Event",
         }
     }
 
@@ -28,6 +32,7 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::Event => "events.k8s.io/v1",
         }
     }
 
@@ -37,6 +42,7 @@ impl Kind {
             Kind::Service => "services",
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
+            Kind::Event => "events",
         }
     }
 
@@ -49,6 +55,15 @@ impl Kind {
         match self {
             Kind::Service | Kind::Node => "/api/v1",
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1",
+            Kind::Event => "/apis/events.k8s.io/v1",
+        }
+    }
+
+    /// The API group (`""` for the core group), as RBAC rules name it.
+    pub fn group(self) -> &'static str {
+        match self.api_version().split_once('/') {
+            Some((group, _)) => group,
+            None => "",
         }
     }
 
@@ -117,6 +132,10 @@ impl FakeResource for EndpointSlice {
 
 impl FakeResource for Node {
     const KIND: Kind = Kind::Node;
+}
+
+impl FakeResource for Event {
+    const KIND: Kind = Kind::Event;
 }
 
 #[cfg(test)]

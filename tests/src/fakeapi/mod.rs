@@ -1,5 +1,6 @@
 //! A fake Kubernetes API server speaking real list/watch over HTTP, for Services,
-//! EndpointSlices and Nodes — enough for kube-rs (and so kproxy's kube source) to run against.
+//! EndpointSlices, Nodes and (events.k8s.io/v1) Events — enough for kube-rs (and so kproxy's
+//! kube source and event recorder) to run against.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -21,7 +22,7 @@
 //!   or stop matching the selectors are ADDED/DELETED; BOOKMARKs with `allowWatchBookmarks`;
 //!   `timeoutSeconds`; an expired version is an `ERROR` event with a 410 `Status`, then the end
 //!   of the stream — as the real server does.
-//! - `GET`/`PUT`/`DELETE` of one object, `POST` to a collection.
+//! - `GET`/`PUT`/`PATCH` (JSON merge patch)/`DELETE` of one object, `POST` to a collection.
 //!
 //! The handle's control API drives the rest: typed create/update/delete, [`FakeApi::compact`],
 //! [`FakeApi::disconnect_watches`], [`FakeApi::stop`]/[`FakeApi::restart`],

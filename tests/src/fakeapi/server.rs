@@ -63,6 +63,23 @@ impl RequestRecord {
     pub fn kind(&self) -> Option<Kind> {
         route(&self.path).map(|t| t.kind)
     }
+
+    /// The Kubernetes authorization verb of this request (`get`, `list`, `watch`, `create`,
+    /// `update`, `patch`, `delete`), as RBAC rules name it; `None` for other methods.
+    pub fn verb(&self) -> Option<&'static str> {
+        let item = route(&self.path).is_some_and(|t| t.name.is_some());
+        Some(match self.method.as_str() {
+            "GET" if self.is_watch() => "watch",
+            "GET" if item => "get",
+            "GET" => "list",
+            "POST" => "create",
+            "PUT" => "update",
+            "PATCH" => "patch",
+            "DELETE" if item => "delete",
+            "DELETE" => "deletecollection",
+            _ => return None,
+        })
+    }
 }
 
 fn decode_query(q: &str) -> Vec<(String, String)> {
@@ -266,6 +283,19 @@ fn answer(
                 &shared.with_store(|s| s.update(kind, obj, ns, true))?,
             ))
         }
+        (Method::PATCH, Some(name)) => {
+            // JSON merge patch (RFC 7386), what kube-rs' event Recorder sends for a series.
+            let patch = parse_body(&body)?;
+            let updated = shared.with_store(|s| {
+                let mut obj = s
+                    .get(kind, ns, &name)
+                    .cloned()
+                    .ok_or_else(|| ApiError::not_found(kind.plural(), &name))?;
+                merge_patch(&mut obj, &patch);
+                s.update(kind, obj, ns, false)
+            })?;
+            Ok(json_response(200, &updated))
+        }
         (Method::DELETE, Some(name)) => Ok(json_response(
             200,
             &shared.with_store(|s| s.delete(kind, ns, &name))?,
@@ -274,6 +304,25 @@ fn answer(
             405,
             format!("method {m} is not supported on {path}"),
         )),
+    }
+}
+
+/// RFC 7386: objects merge recursively, `null` removes, anything else replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(p) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let t = target.as_object_mut().expect("made an object above");
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+        }
     }
 }
 

@@ -1,1 +1,0 @@
-//! Command line. Placeholder: filled by the CLI/config work.

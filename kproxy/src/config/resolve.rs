@@ -1,0 +1,1191 @@
+//! Validation (upstream's `pkg/proxy/apis/config/validation` rules) and conversion of a
+//! defaulted [`KubeProxyConfiguration`] into the typed [`ProxyConfig`].
+//!
+//! Validation and conversion are one pass: each field is parsed once; a bad value records a
+//! [`FieldError`] naming the field (and the flag that set it) and the pass goes on, so every
+//! problem is reported at once. Rules (upstream's unless noted):
+//! - periods: `syncPeriod` > 0, `minSyncPeriod` ≥ 0, `minSyncPeriod` ≤ `syncPeriod` — for
+//!   `iptables`, `ipvs`, `nftables` and kproxy's top-level pair; `configSyncPeriod` > 0;
+//! - `masqueradeBit` in [0, 31] (iptables and nftables); `oomScoreAdj` in [-1000, 1000];
+//! - `bindAddress` an IP; `healthzBindAddress` / `metricsBindAddress` `IP:port`, port 1..65535;
+//! - `clusterCIDR`: one CIDR, or a dual-stack pair; `ipvs.excludeCIDRs` CIDRs;
+//! - `nodePortAddresses`: CIDRs, or `primary` alone (plus the `localhost`/`all` keywords);
+//! - `detectLocalMode` one of ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix, with
+//!   a non-empty interface for the latter two;
+//! - conntrack values and IPVS timeouts ≥ 0; `clientConnection.burst` ≥ 0;
+//!   `ipvs.scheduler` a known scheduler; `portRange` empty or a port range;
+//!   `logging.format` `text` or `json`;
+//! - `mode` "", ebpf, ipvs or iptables (kproxy; see [`super`]);
+//! - kproxy's `bpf:` values (absolute paths, known map names, xdp / lbAlgorithm values).
+//!
+//! Fields kproxy accepts but does not act on produce warnings (not errors) when they differ
+//! from their defaults.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use ipnet::IpNet;
+
+use super::duration::GoDuration;
+use super::file::{KubeProxyConfiguration, defaults};
+use super::*;
+use crate::logging::LogFormat;
+
+/// One invalid field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// The field's path in the file (`iptables.minSyncPeriod`).
+    pub path: String,
+    /// The flag that set it, when a flag did (`--iptables-min-sync-period`).
+    pub flag: Option<String>,
+    pub reason: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.flag {
+            Some(flag) => write!(f, "{} ({flag}): {}", self.path, self.reason),
+            None => write!(f, "{}: {}", self.path, self.reason),
+        }
+    }
+}
+
+/// Every invalid field of a configuration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<FieldError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid configuration:")?;
+        for e in &self.0 {
+            write!(f, "\n  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Inputs that are not part of the v1alpha1 file.
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    /// `--master`.
+    pub master: Option<String>,
+    /// `--manifests`.
+    pub manifests: Option<PathBuf>,
+    /// Field path → the flag that set it (for error messages).
+    pub flag_of: BTreeMap<String, String>,
+    /// The machine's hostname (None ⇒ read it from the kernel). Tests set it.
+    pub hostname: Option<String>,
+}
+
+/// A resolved configuration and the warnings about accepted-but-ignored settings.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub config: ProxyConfig,
+    pub warnings: Vec<String>,
+}
+
+struct Ctx<'a> {
+    errors: Vec<FieldError>,
+    warnings: Vec<String>,
+    flag_of: &'a BTreeMap<String, String>,
+}
+
+impl Ctx<'_> {
+    /// The flag that set `path` or the field it is part of (`nodePortAddresses[1]` ⇒
+    /// `nodePortAddresses`).
+    fn flag_for(&self, path: &str) -> Option<String> {
+        let mut p = path;
+        loop {
+            if let Some(f) = self.flag_of.get(p) {
+                return Some(f.clone());
+            }
+            p = &p[..p.rfind(['.', '['])?];
+        }
+    }
+
+    fn err(&mut self, path: &str, reason: impl Into<String>) {
+        self.errors.push(FieldError {
+            path: path.to_owned(),
+            flag: self.flag_for(path),
+            reason: reason.into(),
+        });
+    }
+
+    /// A field kproxy does not act on differs from its default. Set by a flag, the flag's own
+    /// warning already said so.
+    fn ignored(&mut self, path: &str, what: impl fmt::Display) {
+        if self.flag_for(path).is_some() {
+            return;
+        }
+        self.warnings.push(format!(
+            "config field {path} = {what} is accepted but not implemented by kproxy; ignored"
+        ));
+    }
+
+    fn periods(
+        &mut self,
+        section: &str,
+        sync: Option<GoDuration>,
+        min: Option<GoDuration>,
+    ) -> SyncPeriods {
+        let sync = sync.unwrap_or(GoDuration::from_secs(defaults::SYNC_PERIOD_SECS));
+        let min = min.unwrap_or(GoDuration::from_secs(defaults::MIN_SYNC_PERIOD_SECS));
+        let p = |f: &str| {
+            if section.is_empty() {
+                f.to_owned()
+            } else {
+                format!("{section}.{f}")
+            }
+        };
+        if sync.0 <= 0 {
+            self.err(&p("syncPeriod"), format!("must be > 0 (got {sync})"));
+        }
+        if min.is_negative() {
+            self.err(&p("minSyncPeriod"), format!("must be >= 0 (got {min})"));
+        }
+        if sync.0 > 0 && min.0 > sync.0 {
+            self.err(
+                &p("syncPeriod"),
+                format!("must be >= {} ({sync} < {min})", p("minSyncPeriod")),
+            );
+        }
+        SyncPeriods {
+            sync_period: sync.to_std(),
+            min_sync_period: min.to_std(),
+        }
+    }
+
+    fn non_negative(&mut self, path: &str, d: Option<GoDuration>) -> std::time::Duration {
+        let d = d.unwrap_or_default();
+        if d.is_negative() {
+            self.err(path, format!("must be >= 0 (got {d})"));
+        }
+        d.to_std()
+    }
+
+    fn masquerade_bit(&mut self, path: &str, bit: Option<i32>) -> u8 {
+        let bit = bit.unwrap_or(defaults::MASQUERADE_BIT);
+        match u8::try_from(bit) {
+            Ok(b) if b <= 31 => b,
+            _ => {
+                self.err(
+                    path,
+                    format!("must be within the range [0, 31] (got {bit})"),
+                );
+                defaults::MASQUERADE_BIT as u8
+            }
+        }
+    }
+
+    fn host_port(&mut self, path: &str, addr: Option<&str>) -> Option<SocketAddr> {
+        let addr = addr.unwrap_or_default();
+        if addr.is_empty() {
+            return None;
+        }
+        if let Ok(sa) = addr.parse::<SocketAddr>() {
+            if sa.port() == 0 {
+                self.err(path, format!("{addr:?}: must be a valid port (1-65535)"));
+            }
+            return Some(sa);
+        }
+        // Say which half is wrong, like upstream's validateHostPort.
+        let Some((host, port)) = addr.rsplit_once(':') else {
+            self.err(path, format!("{addr:?}: must be IP:port"));
+            return None;
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.parse::<IpAddr>().is_err() {
+            self.err(path, format!("{addr:?}: {host:?} must be a valid IP"));
+        }
+        if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+            self.err(
+                path,
+                format!("{addr:?}: {port:?} must be a valid port (1-65535)"),
+            );
+        }
+        None
+    }
+
+    fn cidr(&mut self, path: &str, text: &str) -> Option<IpNet> {
+        match text.trim().parse::<IpNet>() {
+            Ok(n) => Some(n),
+            Err(_) => {
+                self.err(
+                    path,
+                    format!(
+                        "{text:?} must be a valid CIDR (e.g. 10.100.0.0/16 or fde4:8dba:82e1::/48)"
+                    ),
+                );
+                None
+            }
+        }
+    }
+}
+
+/// Validates `cfg` (defaulted, flags applied) and converts it.
+pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, ConfigErrors> {
+    let mut cx = Ctx {
+        errors: Vec::new(),
+        warnings: Vec::new(),
+        flag_of: &extra.flag_of,
+    };
+
+    let mode = resolve_mode(&mut cx, cfg.mode.as_deref().unwrap_or_default());
+
+    // Node name.
+    let node_name = match cfg.hostname_override.as_deref().map(str::trim) {
+        Some(h) if !h.is_empty() => h.to_lowercase(),
+        _ => {
+            let h = extra
+                .hostname
+                .clone()
+                .or_else(system_hostname)
+                .unwrap_or_default();
+            let h = h.trim().to_lowercase();
+            if h.is_empty() {
+                cx.err(
+                    "hostnameOverride",
+                    "empty, and the machine's hostname is unknown",
+                );
+            }
+            h
+        }
+    };
+
+    // Source.
+    let cc = &cfg.client_connection;
+    let kubeconfig = cc
+        .kubeconfig
+        .as_deref()
+        .filter(|k| !k.is_empty())
+        .map(PathBuf::from);
+    let source = match &extra.manifests {
+        Some(p) => SourceConfig::Manifests(p.clone()),
+        None => SourceConfig::Kube {
+            kubeconfig,
+            master: extra.master.clone().filter(|m| !m.is_empty()),
+        },
+    };
+    let burst = cc.burst.unwrap_or(defaults::BURST);
+    if burst < 0 {
+        cx.err(
+            "clientConnection.burst",
+            format!("must be >= 0 (got {burst})"),
+        );
+    }
+    let client = ClientConfig {
+        content_type: cc
+            .content_type
+            .clone()
+            .unwrap_or_else(|| defaults::CONTENT_TYPE.into()),
+        accept_content_types: cc.accept_content_types.clone().unwrap_or_default(),
+        qps: cc.qps.unwrap_or(defaults::QPS),
+        burst,
+    };
+    if client.content_type != defaults::CONTENT_TYPE {
+        cx.ignored("clientConnection.contentType", &client.content_type);
+    }
+    if !client.accept_content_types.is_empty() {
+        cx.ignored(
+            "clientConnection.acceptContentTypes",
+            &client.accept_content_types,
+        );
+    }
+    if client.qps != defaults::QPS {
+        cx.ignored("clientConnection.qps", client.qps);
+    }
+    if client.burst != defaults::BURST && burst >= 0 {
+        cx.ignored("clientConnection.burst", client.burst);
+    }
+
+    // Addresses.
+    let bind_text = cfg
+        .bind_address
+        .as_deref()
+        .unwrap_or(defaults::BIND_ADDRESS);
+    let bind_address = match bind_text.parse::<IpAddr>() {
+        Ok(ip) => ip,
+        Err(_) => {
+            cx.err(
+                "bindAddress",
+                format!("{bind_text:?} is not a valid textual representation of an IP address"),
+            );
+            IpAddr::from([0, 0, 0, 0])
+        }
+    };
+    let healthz_bind_address =
+        cx.host_port("healthzBindAddress", cfg.healthz_bind_address.as_deref());
+    let metrics_bind_address =
+        cx.host_port("metricsBindAddress", cfg.metrics_bind_address.as_deref());
+    let bind_address_hard_fail = cfg.bind_address_hard_fail.unwrap_or(false);
+    let enable_profiling = cfg.enable_profiling.unwrap_or(false);
+    if enable_profiling {
+        cx.ignored("enableProfiling", true);
+    }
+    let hidden = cfg
+        .show_hidden_metrics_for_version
+        .clone()
+        .unwrap_or_default();
+    if !hidden.is_empty() {
+        let ok = hidden
+            .split_once('.')
+            .is_some_and(|(a, b)| a.parse::<u32>().is_ok() && b.parse::<u32>().is_ok());
+        if ok {
+            cx.ignored("showHiddenMetricsForVersion", &hidden);
+        } else {
+            cx.err(
+                "showHiddenMetricsForVersion",
+                format!("{hidden:?} must be <major>.<minor>, e.g. 1.16"),
+            );
+        }
+    }
+
+    // Local traffic detection.
+    let cluster_cidr_text = cfg.cluster_cidr.clone().unwrap_or_default();
+    let mut cluster_cidrs = Vec::new();
+    if !cluster_cidr_text.trim().is_empty() {
+        let parts: Vec<&str> = cluster_cidr_text.split(',').collect();
+        if parts.len() > 2 {
+            cx.err(
+                "clusterCIDR",
+                format!("{cluster_cidr_text:?} must be a single CIDR or a dual-stack pair (e.g. 10.100.0.0/16,fde4:8dba:82e1::/48)"),
+            );
+        } else {
+            for p in &parts {
+                if let Some(n) = cx.cidr("clusterCIDR", p) {
+                    cluster_cidrs.push(n);
+                }
+            }
+            if cluster_cidrs.len() == 2
+                && cluster_cidrs[0].addr().is_ipv4() == cluster_cidrs[1].addr().is_ipv4()
+            {
+                cx.err(
+                    "clusterCIDR",
+                    format!("{cluster_cidr_text:?} must be a single CIDR or a dual-stack pair (one IPv4, one IPv6)"),
+                );
+            }
+        }
+    }
+    let bridge = cfg
+        .detect_local
+        .bridge_interface
+        .clone()
+        .unwrap_or_default();
+    let prefix = cfg
+        .detect_local
+        .interface_name_prefix
+        .clone()
+        .unwrap_or_default();
+    let detect_local = match cfg.detect_local_mode.as_deref().unwrap_or_default() {
+        "" | "ClusterCIDR" => DetectLocal::ClusterCidr,
+        "NodeCIDR" => DetectLocal::NodeCidr,
+        "BridgeInterface" => {
+            if bridge.is_empty() {
+                cx.err(
+                    "detectLocal.bridgeInterface",
+                    "must not be empty when detectLocalMode is BridgeInterface",
+                );
+            }
+            DetectLocal::BridgeInterface(bridge)
+        }
+        "InterfaceNamePrefix" => {
+            if prefix.is_empty() {
+                cx.err(
+                    "detectLocal.interfaceNamePrefix",
+                    "must not be empty when detectLocalMode is InterfaceNamePrefix",
+                );
+            }
+            DetectLocal::InterfaceNamePrefix(prefix)
+        }
+        other => {
+            cx.err(
+                "detectLocalMode",
+                format!("{other:?} is not supported: expected \"ClusterCIDR\", \"NodeCIDR\", \"BridgeInterface\" or \"InterfaceNamePrefix\""),
+            );
+            DetectLocal::ClusterCidr
+        }
+    };
+
+    let node_port_addresses =
+        resolve_node_port_addresses(&mut cx, cfg.node_port_addresses.as_deref());
+
+    // iptables / nftables / ipvs.
+    let ipt = &cfg.iptables;
+    let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", ipt.masquerade_bit);
+    let masquerade_all = ipt.masquerade_all.unwrap_or(false);
+    let iptables = IptablesConfig {
+        sync: cx.periods("iptables", ipt.sync_period, ipt.min_sync_period),
+        localhost_node_ports: ipt
+            .localhost_node_ports
+            .unwrap_or(defaults::LOCALHOST_NODE_PORTS),
+    };
+    let nft = &cfg.nftables;
+    cx.masquerade_bit("nftables.masqueradeBit", nft.masquerade_bit);
+    cx.periods("nftables", nft.sync_period, nft.min_sync_period);
+    if nft.masquerade_all == Some(true) {
+        cx.ignored("nftables.masqueradeAll", true);
+    }
+
+    let iv = &cfg.ipvs;
+    let scheduler = iv.scheduler.clone().unwrap_or_default();
+    if !IPVS_SCHEDULERS.contains(&scheduler.as_str()) {
+        cx.err(
+            "ipvs.scheduler",
+            format!("{scheduler:?} is not supported: expected one of rr, wrr, lc, wlc, lblc, lblcr, sh, dh, sed, nq (blank = rr)"),
+        );
+    }
+    let mut exclude_cidrs = Vec::new();
+    for (i, c) in iv.exclude_cidrs.iter().flatten().enumerate() {
+        if let Some(n) = cx.cidr(&format!("ipvs.excludeCIDRs[{i}]"), c) {
+            exclude_cidrs.push(n);
+        }
+    }
+    let leave_if_zero = |d: std::time::Duration| (!d.is_zero()).then_some(d);
+    let ipvs = IpvsConfig {
+        sync: cx.periods("ipvs", iv.sync_period, iv.min_sync_period),
+        scheduler: if scheduler.is_empty() {
+            "rr".into()
+        } else {
+            scheduler
+        },
+        exclude_cidrs,
+        strict_arp: iv.strict_arp.unwrap_or(false),
+        tcp_timeout: leave_if_zero(cx.non_negative("ipvs.tcpTimeout", iv.tcp_timeout)),
+        tcp_fin_timeout: leave_if_zero(cx.non_negative("ipvs.tcpFinTimeout", iv.tcp_fin_timeout)),
+        udp_timeout: leave_if_zero(cx.non_negative("ipvs.udpTimeout", iv.udp_timeout)),
+    };
+
+    let ebpf_sync = cx.periods("", cfg.sync_period, cfg.min_sync_period);
+    let bpf = resolve_bpf(&mut cx, &cfg.bpf);
+
+    // conntrack.
+    let ct = &cfg.conntrack;
+    let count = |cx: &mut Ctx<'_>, path: &str, v: i32| -> u32 {
+        u32::try_from(v).unwrap_or_else(|_| {
+            cx.err(path, format!("must be >= 0 (got {v})"));
+            0
+        })
+    };
+    let conntrack = ConntrackConfig {
+        max_per_core: count(
+            &mut cx,
+            "conntrack.maxPerCore",
+            ct.max_per_core.unwrap_or(defaults::CONNTRACK_MAX_PER_CORE),
+        ),
+        min: count(
+            &mut cx,
+            "conntrack.min",
+            ct.min.unwrap_or(defaults::CONNTRACK_MIN),
+        ),
+        tcp_established_timeout: cx.non_negative(
+            "conntrack.tcpEstablishedTimeout",
+            Some(ct.tcp_established_timeout.unwrap_or(GoDuration::from_secs(
+                defaults::CONNTRACK_TCP_ESTABLISHED_SECS,
+            ))),
+        ),
+        tcp_close_wait_timeout: cx.non_negative(
+            "conntrack.tcpCloseWaitTimeout",
+            Some(ct.tcp_close_wait_timeout.unwrap_or(GoDuration::from_secs(
+                defaults::CONNTRACK_TCP_CLOSE_WAIT_SECS,
+            ))),
+        ),
+        tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
+        udp_timeout: cx.non_negative("conntrack.udpTimeout", ct.udp_timeout),
+        udp_stream_timeout: cx.non_negative("conntrack.udpStreamTimeout", ct.udp_stream_timeout),
+    };
+
+    let oom_score_adj = cfg.oom_score_adj.unwrap_or(defaults::OOM_SCORE_ADJ);
+    if !(-1000..=1000).contains(&oom_score_adj) {
+        cx.err(
+            "oomScoreAdj",
+            format!("must be within the range [-1000, 1000] (got {oom_score_adj})"),
+        );
+    }
+    let csp = cfg
+        .config_sync_period
+        .unwrap_or(GoDuration::from_secs(defaults::CONFIG_SYNC_PERIOD_SECS));
+    if csp.0 <= 0 {
+        cx.err("configSyncPeriod", format!("must be > 0 (got {csp})"));
+    } else if csp != GoDuration::from_secs(defaults::CONFIG_SYNC_PERIOD_SECS) {
+        cx.ignored("configSyncPeriod", csp);
+    }
+    let port_range = cfg.port_range.clone().unwrap_or_default();
+    if !port_range.is_empty() {
+        if valid_port_range(&port_range) {
+            cx.ignored("portRange", &port_range);
+        } else {
+            cx.err(
+                "portRange",
+                format!("{port_range:?} must be a valid port range (e.g. 300-2000)"),
+            );
+        }
+    }
+
+    // logging.
+    let format = match cfg.logging.format.as_deref().unwrap_or("text") {
+        "" | "text" => LogFormat::Text,
+        "json" => LogFormat::Json,
+        other => {
+            cx.err(
+                "logging.format",
+                format!("{other:?} is not supported: expected \"text\" or \"json\""),
+            );
+            LogFormat::Text
+        }
+    };
+    let logging = LoggingConfig {
+        format,
+        verbosity: cfg.logging.verbosity.unwrap_or(0),
+    };
+    if cfg.logging.vmodule.as_ref().is_some_and(|v| !v.is_empty()) {
+        cx.ignored("logging.vmodule", "[...]");
+    }
+    if let Some(f) = cfg.logging.flush_frequency
+        && f.0 != GoDuration::from_secs(defaults::LOG_FLUSH_FREQUENCY_SECS)
+    {
+        if f.0.is_negative() {
+            cx.err(
+                "logging.flushFrequency",
+                format!("must be >= 0 (got {})", f.0),
+            );
+        } else {
+            cx.ignored("logging.flushFrequency", f.0);
+        }
+    }
+
+    let feature_gates = cfg.feature_gates.clone().unwrap_or_default();
+    let gates_by_flag = cx.flag_for("featureGates").is_some();
+    for (gate, on) in feature_gates.iter().filter(|_| !gates_by_flag) {
+        cx.warnings.push(format!(
+            "feature gate {gate}={on} is accepted but kproxy has no feature gates; ignored"
+        ));
+    }
+
+    // Windows-only and removed fields.
+    let wk = &cfg.winkernel;
+    if wk.network_name.as_deref().is_some_and(|s| !s.is_empty())
+        || wk.source_vip.as_deref().is_some_and(|s| !s.is_empty())
+        || wk.enable_dsr == Some(true)
+        || wk
+            .root_hns_endpoint_name
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+        || wk.forward_health_check_vip == Some(true)
+    {
+        cx.ignored("winkernel", "(Windows only)");
+    }
+    if cfg.windows_run_as_service == Some(true) {
+        cx.ignored("windowsRunAsService", true);
+    }
+    if cfg.bind_address_hard_fail == Some(true) {
+        // Implemented by the health/metrics servers; nothing to warn about.
+    }
+    for (field, v) in [
+        ("udpIdleTimeout", &cfg.udp_idle_timeout),
+        ("resourceContainer", &cfg.resource_container),
+    ] {
+        if v.is_some() {
+            cx.warnings.push(format!(
+                "config field {field} was removed from kube-proxy; ignored"
+            ));
+        }
+    }
+
+    if !cx.errors.is_empty() {
+        return Err(ConfigErrors(cx.errors));
+    }
+    Ok(Resolved {
+        config: ProxyConfig {
+            mode,
+            node_name,
+            source,
+            client,
+            bind_address,
+            healthz_bind_address,
+            metrics_bind_address,
+            bind_address_hard_fail,
+            enable_profiling,
+            cluster_cidrs,
+            detect_local,
+            node_port_addresses,
+            masquerade_all,
+            masquerade_bit,
+            iptables,
+            ipvs,
+            ebpf_sync,
+            bpf,
+            conntrack,
+            oom_score_adj,
+            config_sync_period: csp.to_std(),
+            logging,
+            feature_gates,
+        },
+        warnings: cx.warnings,
+    })
+}
+
+/// `mode`: "" = detect; ebpf / ipvs / iptables forced; anything else an error naming the field.
+fn resolve_mode(cx: &mut Ctx<'_>, mode: &str) -> ModeChoice {
+    match mode {
+        "" => ModeChoice::Detect,
+        "ebpf" => ModeChoice::Forced(ProxyMode::Ebpf),
+        "ipvs" => ModeChoice::Forced(ProxyMode::Ipvs),
+        "iptables" => ModeChoice::Forced(ProxyMode::Iptables),
+        "nftables" => {
+            cx.err("mode", "\"nftables\" is not supported by kproxy yet (use \"\" to detect, \"ebpf\", \"ipvs\" or \"iptables\")");
+            ModeChoice::Detect
+        }
+        "kernelspace" => {
+            cx.err(
+                "mode",
+                "\"kernelspace\" is the Windows proxy mode; kproxy runs on Linux only",
+            );
+            ModeChoice::Detect
+        }
+        other => {
+            cx.err(
+                "mode",
+                format!("{other:?} is not a proxy mode: expected \"\" (detect), \"ebpf\", \"ipvs\" or \"iptables\""),
+            );
+            ModeChoice::Detect
+        }
+    }
+}
+
+fn resolve_node_port_addresses(cx: &mut Ctx<'_>, list: Option<&[String]>) -> NodePortAddresses {
+    let list = list.unwrap_or_default();
+    if list.is_empty() {
+        return NodePortAddresses::All;
+    }
+    if list.iter().any(|a| a == "primary") {
+        if list.len() != 1 {
+            let i = list.iter().position(|a| a == "primary").unwrap_or(0);
+            cx.err(
+                &format!("nodePortAddresses[{i}]"),
+                "can't use both 'primary' and CIDRs",
+            );
+        }
+        return NodePortAddresses::Primary;
+    }
+    let mut cidrs = Vec::new();
+    for (i, a) in list.iter().enumerate() {
+        match a.as_str() {
+            "localhost" => cidrs.extend(
+                ["127.0.0.0/8", "::1/128"].map(|c| c.parse::<IpNet>().expect("literal CIDR")),
+            ),
+            "all" => cidrs
+                .extend(["0.0.0.0/0", "::/0"].map(|c| c.parse::<IpNet>().expect("literal CIDR"))),
+            _ => {
+                if let Some(n) = cx.cidr(&format!("nodePortAddresses[{i}]"), a) {
+                    cidrs.push(n);
+                }
+            }
+        }
+    }
+    NodePortAddresses::Cidrs(cidrs)
+}
+
+fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
+    let cgroup = b.cgroup.clone().unwrap_or_default();
+    if !cgroup.is_empty() && !cgroup.starts_with('/') {
+        cx.err("bpf.cgroup", format!("{cgroup:?} must be an absolute path"));
+    }
+    let bpffs = b
+        .bpffs
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| defaults::BPFFS.into());
+    if !bpffs.starts_with('/') {
+        cx.err("bpf.bpffs", format!("{bpffs:?} must be an absolute path"));
+    }
+    let devices = b.devices.clone().unwrap_or_default();
+    for (i, d) in devices.iter().enumerate() {
+        if d.is_empty()
+            || d.len() > 15
+            || d.contains(['/', ' ', '\t', '\n', ':'])
+            || d == "."
+            || d == ".."
+        {
+            cx.err(
+                &format!("bpf.devices[{i}]"),
+                format!("{d:?} is not a valid interface name"),
+            );
+        }
+    }
+    let map_sizes = b.map_sizes.clone().unwrap_or_default();
+    for (name, size) in &map_sizes {
+        if !BPF_MAP_NAMES.contains(&name.as_str()) {
+            cx.err(
+                &format!("bpf.mapSizes.{name}"),
+                format!("unknown map: expected one of {}", BPF_MAP_NAMES.join(", ")),
+            );
+        } else if *size == 0 {
+            cx.err(&format!("bpf.mapSizes.{name}"), "must be > 0");
+        }
+    }
+    let xdp = match b.xdp.as_deref().unwrap_or(defaults::BPF_XDP) {
+        "off" => XdpMode::Off,
+        "" | "best-effort" => XdpMode::BestEffort,
+        "native" => XdpMode::Native,
+        other => {
+            cx.err(
+                "bpf.xdp",
+                format!(
+                    "{other:?} is not supported: expected \"off\", \"best-effort\" or \"native\""
+                ),
+            );
+            XdpMode::BestEffort
+        }
+    };
+    let lb_algorithm = match b
+        .lb_algorithm
+        .as_deref()
+        .unwrap_or(defaults::BPF_LB_ALGORITHM)
+    {
+        "" | "random" => LbAlgorithm::Random,
+        "maglev" => LbAlgorithm::Maglev,
+        other => {
+            cx.err(
+                "bpf.lbAlgorithm",
+                format!("{other:?} is not supported: expected \"random\" or \"maglev\""),
+            );
+            LbAlgorithm::Random
+        }
+    };
+    BpfConfig {
+        cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(cgroup)),
+        bpffs: PathBuf::from(bpffs),
+        devices,
+        map_sizes,
+        xdp,
+        lb_algorithm,
+    }
+}
+
+/// Upstream's `ParsePortRange`: `a-b`, `a+n` or a single port, within 0..=65535, a ≤ b.
+fn valid_port_range(s: &str) -> bool {
+    let s = s.trim();
+    let port = |t: &str| t.trim().parse::<u32>().ok().filter(|p| *p <= 65535);
+    if let Some((a, b)) = s.split_once('-') {
+        matches!((port(a), port(b)), (Some(a), Some(b)) if a <= b)
+    } else if let Some((a, n)) = s.split_once('+') {
+        matches!((port(a), n.trim().parse::<u32>().ok()), (Some(a), Some(n)) if a + n <= 65535)
+    } else {
+        port(s).is_some()
+    }
+}
+
+/// The kernel's hostname.
+fn system_hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(yaml: &str) -> KubeProxyConfiguration {
+        let mut c = KubeProxyConfiguration::from_yaml(
+            &format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{yaml}"
+            ),
+            "test",
+        )
+        .unwrap();
+        c.apply_defaults();
+        c
+    }
+
+    fn extra() -> Extra {
+        Extra {
+            hostname: Some("Node-A".into()),
+            ..Extra::default()
+        }
+    }
+
+    fn errors(yaml: &str) -> Vec<String> {
+        match resolve(&cfg(yaml), &extra()) {
+            Ok(_) => vec![],
+            Err(e) => e.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let r = resolve(&cfg(""), &extra()).unwrap();
+        let c = r.config;
+        assert_eq!(c.mode, ModeChoice::Detect);
+        assert_eq!(c.node_name, "node-a");
+        assert_eq!(
+            c.healthz_bind_address,
+            Some("0.0.0.0:10256".parse().unwrap())
+        );
+        assert_eq!(
+            c.metrics_bind_address,
+            Some("127.0.0.1:10249".parse().unwrap())
+        );
+        assert_eq!(c.masquerade_bit, 14);
+        assert_eq!(c.masquerade_mark(), 0x4000);
+        assert_eq!(c.detect_local, DetectLocal::ClusterCidr);
+        assert_eq!(c.node_port_addresses, NodePortAddresses::All);
+        assert_eq!(c.oom_score_adj, -999);
+        assert_eq!(c.ebpf_sync.sync_period.as_secs(), 30);
+        assert_eq!(c.ebpf_sync.min_sync_period.as_secs(), 1);
+        assert_eq!(c.ipvs.scheduler, "rr");
+        assert_eq!(c.ipvs.tcp_timeout, None);
+        assert_eq!(c.bpf.bpffs, PathBuf::from("/sys/fs/bpf"));
+        assert_eq!(c.bpf.xdp, XdpMode::BestEffort);
+        assert_eq!(c.conntrack.max_per_core, 32768);
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        assert_eq!(
+            c.source,
+            SourceConfig::Kube {
+                kubeconfig: None,
+                master: None
+            }
+        );
+    }
+
+    #[test]
+    fn runner_periods_follow_the_mode() {
+        let c = resolve(
+            &cfg("syncPeriod: 10s\nminSyncPeriod: 2s\niptables:\n  syncPeriod: 20s\nipvs:\n  syncPeriod: 40s\n  minSyncPeriod: 3s\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.runner_config(ProxyMode::Ebpf).max_interval.as_secs(), 10);
+        assert_eq!(c.runner_config(ProxyMode::Ebpf).min_interval.as_secs(), 2);
+        assert_eq!(
+            c.runner_config(ProxyMode::Iptables).max_interval.as_secs(),
+            20
+        );
+        assert_eq!(
+            c.runner_config(ProxyMode::Iptables).min_interval.as_secs(),
+            1
+        );
+        assert_eq!(c.runner_config(ProxyMode::Ipvs).max_interval.as_secs(), 40);
+        assert_eq!(c.runner_config(ProxyMode::Ipvs).min_interval.as_secs(), 3);
+    }
+
+    #[test]
+    fn modes() {
+        for (m, want) in [
+            ("ebpf", ModeChoice::Forced(ProxyMode::Ebpf)),
+            ("ipvs", ModeChoice::Forced(ProxyMode::Ipvs)),
+            ("iptables", ModeChoice::Forced(ProxyMode::Iptables)),
+            ("\"\"", ModeChoice::Detect),
+        ] {
+            assert_eq!(
+                resolve(&cfg(&format!("mode: {m}\n")), &extra())
+                    .unwrap()
+                    .config
+                    .mode,
+                want
+            );
+        }
+        assert_eq!(
+            errors("mode: nftables\n"),
+            vec![
+                "mode: \"nftables\" is not supported by kproxy yet (use \"\" to detect, \"ebpf\", \"ipvs\" or \"iptables\")"
+            ]
+        );
+        assert!(errors("mode: kernelspace\n")[0].starts_with("mode: \"kernelspace\""));
+        assert!(
+            errors("mode: userspace\n")[0].starts_with("mode: \"userspace\" is not a proxy mode")
+        );
+    }
+
+    #[test]
+    fn each_rule_names_its_field() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "iptables:\n  minSyncPeriod: -1s\n",
+                "iptables.minSyncPeriod: must be >= 0",
+            ),
+            (
+                "iptables:\n  syncPeriod: -1s\n",
+                "iptables.syncPeriod: must be > 0",
+            ),
+            (
+                "iptables:\n  syncPeriod: 1s\n  minSyncPeriod: 2s\n",
+                "iptables.syncPeriod: must be >= iptables.minSyncPeriod",
+            ),
+            (
+                "ipvs:\n  syncPeriod: 1s\n  minSyncPeriod: 5s\n",
+                "ipvs.syncPeriod: must be >= ipvs.minSyncPeriod",
+            ),
+            (
+                "nftables:\n  minSyncPeriod: -5s\n",
+                "nftables.minSyncPeriod: must be >= 0",
+            ),
+            ("syncPeriod: -1s\n", "syncPeriod: must be > 0"),
+            (
+                "minSyncPeriod: 1m\n",
+                "syncPeriod: must be >= minSyncPeriod",
+            ),
+            (
+                "iptables:\n  masqueradeBit: 32\n",
+                "iptables.masqueradeBit: must be within the range [0, 31]",
+            ),
+            (
+                "iptables:\n  masqueradeBit: -1\n",
+                "iptables.masqueradeBit: must be within the range [0, 31]",
+            ),
+            (
+                "nftables:\n  masqueradeBit: 40\n",
+                "nftables.masqueradeBit: must be within the range [0, 31]",
+            ),
+            (
+                "bindAddress: 1.2.3\n",
+                "bindAddress: \"1.2.3\" is not a valid textual representation",
+            ),
+            (
+                "healthzBindAddress: 1.2.3.4:99999\n",
+                "healthzBindAddress: \"1.2.3.4:99999\": \"99999\" must be a valid port",
+            ),
+            (
+                "metricsBindAddress: nohost:10249\n",
+                "metricsBindAddress: \"nohost:10249\": \"nohost\" must be a valid IP",
+            ),
+            (
+                "metricsBindAddress: 1.2.3.4:0\n",
+                "metricsBindAddress: \"1.2.3.4:0\": must be a valid port",
+            ),
+            (
+                "clusterCIDR: 10.0.0.0/33\n",
+                "clusterCIDR: \"10.0.0.0/33\" must be a valid CIDR",
+            ),
+            (
+                "clusterCIDR: 10.0.0.0/8,11.0.0.0/8\n",
+                "clusterCIDR: \"10.0.0.0/8,11.0.0.0/8\" must be a single CIDR or a dual-stack pair",
+            ),
+            (
+                "clusterCIDR: 10.0.0.0/8,fd00::/8,fd01::/16\n",
+                "must be a single CIDR or a dual-stack pair",
+            ),
+            (
+                "nodePortAddresses: [10.0.0.0/8, bogus]\n",
+                "nodePortAddresses[1]: \"bogus\" must be a valid CIDR",
+            ),
+            (
+                "nodePortAddresses: [10.0.0.0/8, primary]\n",
+                "nodePortAddresses[1]: can't use both 'primary' and CIDRs",
+            ),
+            (
+                "detectLocalMode: Foo\n",
+                "detectLocalMode: \"Foo\" is not supported",
+            ),
+            (
+                "detectLocalMode: BridgeInterface\n",
+                "detectLocal.bridgeInterface: must not be empty",
+            ),
+            (
+                "detectLocalMode: InterfaceNamePrefix\n",
+                "detectLocal.interfaceNamePrefix: must not be empty",
+            ),
+            (
+                "oomScoreAdj: 1001\n",
+                "oomScoreAdj: must be within the range [-1000, 1000]",
+            ),
+            (
+                "conntrack:\n  maxPerCore: -1\n",
+                "conntrack.maxPerCore: must be >= 0",
+            ),
+            ("conntrack:\n  min: -1\n", "conntrack.min: must be >= 0"),
+            (
+                "conntrack:\n  tcpEstablishedTimeout: -1s\n",
+                "conntrack.tcpEstablishedTimeout: must be >= 0",
+            ),
+            (
+                "conntrack:\n  tcpCloseWaitTimeout: -1s\n",
+                "conntrack.tcpCloseWaitTimeout: must be >= 0",
+            ),
+            (
+                "conntrack:\n  udpTimeout: -1s\n",
+                "conntrack.udpTimeout: must be >= 0",
+            ),
+            (
+                "conntrack:\n  udpStreamTimeout: -1s\n",
+                "conntrack.udpStreamTimeout: must be >= 0",
+            ),
+            (
+                "ipvs:\n  tcpTimeout: -1s\n",
+                "ipvs.tcpTimeout: must be >= 0",
+            ),
+            (
+                "ipvs:\n  tcpFinTimeout: -1s\n",
+                "ipvs.tcpFinTimeout: must be >= 0",
+            ),
+            (
+                "ipvs:\n  udpTimeout: -1s\n",
+                "ipvs.udpTimeout: must be >= 0",
+            ),
+            (
+                "ipvs:\n  scheduler: fastest\n",
+                "ipvs.scheduler: \"fastest\" is not supported",
+            ),
+            (
+                "ipvs:\n  excludeCIDRs: [1.2.3.0/24, x]\n",
+                "ipvs.excludeCIDRs[1]: \"x\" must be a valid CIDR",
+            ),
+            (
+                "clientConnection:\n  burst: -1\n",
+                "clientConnection.burst: must be >= 0",
+            ),
+            ("configSyncPeriod: -1s\n", "configSyncPeriod: must be > 0"),
+            (
+                "portRange: 2000-300\n",
+                "portRange: \"2000-300\" must be a valid port range",
+            ),
+            (
+                "logging:\n  format: xml\n",
+                "logging.format: \"xml\" is not supported",
+            ),
+            (
+                "showHiddenMetricsForVersion: abc\n",
+                "showHiddenMetricsForVersion: \"abc\" must be <major>.<minor>",
+            ),
+            (
+                "bpf:\n  bpffs: relative/path\n",
+                "bpf.bpffs: \"relative/path\" must be an absolute path",
+            ),
+            (
+                "bpf:\n  cgroup: cg\n",
+                "bpf.cgroup: \"cg\" must be an absolute path",
+            ),
+            (
+                "bpf:\n  xdp: always\n",
+                "bpf.xdp: \"always\" is not supported",
+            ),
+            (
+                "bpf:\n  lbAlgorithm: rr\n",
+                "bpf.lbAlgorithm: \"rr\" is not supported",
+            ),
+            (
+                "bpf:\n  mapSizes: {bogus: 5}\n",
+                "bpf.mapSizes.bogus: unknown map",
+            ),
+            (
+                "bpf:\n  mapSizes: {ct: 0}\n",
+                "bpf.mapSizes.ct: must be > 0",
+            ),
+            (
+                "bpf:\n  devices: [eth0, \"a/b\"]\n",
+                "bpf.devices[1]: \"a/b\" is not a valid interface name",
+            ),
+        ];
+        for (yaml, want) in cases {
+            let errs = errors(yaml);
+            assert!(
+                errs.iter().any(|e| e.contains(want)),
+                "{yaml:?}: want {want:?}, got {errs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn all_errors_are_reported_at_once() {
+        let errs = errors("oomScoreAdj: 5000\niptables:\n  masqueradeBit: 99\nmode: foo\n");
+        assert_eq!(errs.len(), 3, "{errs:?}");
+    }
+
+    #[test]
+    fn flag_set_fields_name_the_flag() {
+        let mut e = extra();
+        e.flag_of.insert(
+            "iptables.masqueradeBit".into(),
+            "--iptables-masquerade-bit".into(),
+        );
+        let errs = resolve(&cfg("iptables:\n  masqueradeBit: 33\n"), &e).unwrap_err();
+        assert_eq!(
+            errs.0[0].to_string(),
+            "iptables.masqueradeBit (--iptables-masquerade-bit): must be within the range [0, 31] (got 33)"
+        );
+    }
+
+    #[test]
+    fn node_port_addresses_forms() {
+        let r = |y: &str| {
+            resolve(&cfg(y), &extra())
+                .unwrap()
+                .config
+                .node_port_addresses
+        };
+        assert_eq!(
+            r("nodePortAddresses: [primary]\n"),
+            NodePortAddresses::Primary
+        );
+        assert_eq!(
+            r("nodePortAddresses: [10.0.0.0/8, localhost]\n"),
+            NodePortAddresses::Cidrs(vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "127.0.0.0/8".parse().unwrap(),
+                "::1/128".parse().unwrap()
+            ])
+        );
+    }
+
+    #[test]
+    fn dual_stack_cluster_cidr_and_detect_local_modes() {
+        let c = resolve(
+            &cfg("clusterCIDR: 10.244.0.0/16,fd00:10:244::/56\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.cluster_cidrs.len(), 2);
+        let c = resolve(
+            &cfg("detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: cbr0\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.detect_local, DetectLocal::BridgeInterface("cbr0".into()));
+        let c = resolve(&cfg("detectLocalMode: NodeCIDR\n"), &extra())
+            .unwrap()
+            .config;
+        assert_eq!(c.detect_local, DetectLocal::NodeCidr);
+    }
+
+    #[test]
+    fn ignored_fields_warn() {
+        let r = resolve(
+            &cfg("featureGates: {Foo: true}\nenableProfiling: true\nclientConnection:\n  qps: 50\nudpIdleTimeout: 250ms\n"),
+            &extra(),
+        )
+        .unwrap();
+        let w = r.warnings.join("\n");
+        for needle in [
+            "Foo=true",
+            "enableProfiling",
+            "clientConnection.qps",
+            "udpIdleTimeout",
+        ] {
+            assert!(w.contains(needle), "missing {needle} in {w}");
+        }
+    }
+
+    #[test]
+    fn hostname_override_is_trimmed_and_lowercased() {
+        let c = resolve(&cfg("hostnameOverride: \" Worker-1 \"\n"), &extra())
+            .unwrap()
+            .config;
+        assert_eq!(c.node_name, "worker-1");
+    }
+
+    #[test]
+    fn port_ranges() {
+        for ok in ["300-2000", "300+100", "80", "0-0"] {
+            assert!(valid_port_range(ok), "{ok}");
+        }
+        for bad in ["2000-300", "x", "70000", "1-70000", "65535+1"] {
+            assert!(!valid_port_range(bad), "{bad}");
+        }
+    }
+}

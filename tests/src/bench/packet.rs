@@ -1,0 +1,119 @@
+//! Per-packet cost: `BPF_PROG_TEST_RUN` of a program on crafted packets, ns per run (the
+//! kernel's own average over `repeat` runs), beside the counter-only XDP program.
+//!
+//! Datapath programs register a [`PacketPath`] (program, packets rotating over many services
+//! and flows so caches are not artificially hot, and the map state for N services); each is
+//! measured at every scale of the plan.
+
+use aya::programs::{TestRun as _, TestRunOptions, Xdp};
+use kproxy::bpf::{CounterSlot, PacketCounter};
+
+use super::{Figure, Plan, Results, Target};
+
+/// The baseline figure's id.
+pub const BASELINE: &str = "packet/counter-xdp";
+
+/// An Ethernet + IPv4 + UDP packet (64 bytes of payload) from 192.168.77.2:40000 to
+/// 192.168.77.1:30080.
+pub fn udp_packet(src_port: u16) -> Vec<u8> {
+    let payload = [0u8; 64];
+    let mut p = Vec::with_capacity(14 + 20 + 8 + payload.len());
+    p.extend_from_slice(&[0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00]);
+    let total = (20 + 8 + payload.len()) as u16;
+    let mut ip = [
+        0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 17, 0, 0, 192, 168, 77, 2, 192, 168, 77, 1,
+    ];
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    let csum = ipv4_checksum(&ip);
+    ip[10..12].copy_from_slice(&csum.to_be_bytes());
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(&src_port.to_be_bytes());
+    p.extend_from_slice(&30080u16.to_be_bytes());
+    p.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    p.extend_from_slice(&[0, 0]);
+    p.extend_from_slice(&payload);
+    p
+}
+
+fn ipv4_checksum(header: &[u8]) -> u16 {
+    let mut sum: u32 = header
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], c[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Average ns per run of `prog` over `packets`, one `BPF_PROG_TEST_RUN` per packet with
+/// `repeat` runs each, the runs spread evenly over the packets.
+pub fn xdp_ns_per_packet(prog: &Xdp, packets: &[Vec<u8>], repeat: u32) -> anyhow::Result<f64> {
+    let per_packet = (repeat / packets.len().max(1) as u32).max(1);
+    let mut total_ns = 0.0;
+    for p in packets {
+        let r = prog.test_run(TestRunOptions {
+            data_in: Some(p),
+            repeat: per_packet,
+            ..Default::default()
+        })?;
+        total_ns += r.duration.as_nanos() as f64;
+    }
+    Ok(total_ns / packets.len() as f64)
+}
+
+/// Measures the counter baseline and every registered datapath path.
+pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
+    let mut counter = PacketCounter::load()?;
+    let name = CounterSlot::Xdp.program();
+    let prog: &Xdp = counter
+        .ebpf_mut()
+        .program(name)
+        .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
+        .try_into()?;
+    // 256 flows (source ports): the same rotation the datapath paths use.
+    let packets: Vec<Vec<u8>> = (0..256u16).map(|i| udp_packet(40_000 + i)).collect();
+    let samples = (0..plan.packet_samples)
+        .map(|_| xdp_ns_per_packet(prog, &packets, plan.packet_repeat))
+        .collect::<anyhow::Result<Vec<f64>>>()?;
+    results.push(Figure {
+        id: BASELINE.into(),
+        group: "packet".into(),
+        mode: "baseline".into(),
+        services: 0,
+        unit: "ns".into(),
+        samples,
+        baseline: None,
+        target: None,
+    });
+    for scale in &plan.packet_scales {
+        results.unavailable(
+            format!("packet/tc-service/{scale}"),
+            "the eBPF TC service programs are not in this build yet",
+        );
+    }
+    Ok(())
+}
+
+/// The per-packet target: ≤ 3× the counter program.
+pub fn target() -> Target {
+    Target {
+        max_ratio: Some(3.0),
+        max_value: None,
+        text: "≤ 3× the counter-only XDP program".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crafted_packet_has_a_valid_ipv4_header_checksum() {
+        let p = udp_packet(40_000);
+        assert_eq!(p.len(), 14 + 20 + 8 + 64);
+        // A correct header sums (with its checksum) to 0xffff, i.e. checksums to 0.
+        assert_eq!(ipv4_checksum(&p[14..34]), 0);
+        assert_eq!(u16::from_be_bytes([p[34], p[35]]), 40_000);
+    }
+}

@@ -1,0 +1,72 @@
+//! `kp-bench --quick` (what `cargo xtask bench --quick` runs) completes and writes a report
+//! whose JSON holds the commit and, per figure, the number of samples the quick plan asks
+//! for; every figure it could not measure is listed with a reason. No timing is asserted.
+
+use kproxy_tests::bench::{Plan, Results};
+use kproxy_tests::netns::{require_root, run_checked};
+use kproxy_tests::topology::target_bin;
+
+#[test]
+fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
+    if !require_root() {
+        return;
+    }
+    let out = std::env::temp_dir().join(kproxy_tests::netns::unique_name("bench-smoke"));
+    let mut cmd = std::process::Command::new(target_bin("kp-bench").unwrap());
+    cmd.args(["--quick", "--out"])
+        .arg(&out)
+        .args(["--commit", "0123abc"]);
+    run_checked(&mut cmd).unwrap();
+
+    let json = std::fs::read_to_string(out.join("results.json")).unwrap();
+    let results: Results = serde_json::from_str(&json).unwrap();
+    assert_eq!(results.commit, "0123abc");
+    assert!(results.quick);
+    assert!(!results.machine.kernel.is_empty());
+    let plan = Plan::new(true);
+    // The baselines never depend on a datapath: they are always measured.
+    for id in [
+        "packet/counter-xdp",
+        "connect/direct/1",
+        "rps-keepalive/direct/1",
+    ] {
+        assert!(results.figure(id).is_some(), "no figure {id}: {json}");
+    }
+    for f in &results.figures {
+        assert_eq!(f.samples.len(), plan.expected_samples(f), "{}", f.id);
+        assert!(
+            f.samples.iter().all(|s| s.is_finite() && *s > 0.0),
+            "{}: {:?}",
+            f.id,
+            f.samples
+        );
+        if let Some(b) = &f.baseline {
+            assert!(
+                results.figure(b).is_some(),
+                "{} names a missing baseline {b}",
+                f.id
+            );
+        }
+    }
+    // Every mode × figure is either measured or explained.
+    for mode in &plan.modes {
+        for id in [
+            format!("connect/{mode}/1"),
+            format!("cold-start/{mode}/{}", plan.cold_services),
+        ] {
+            let measured = results.figure(&id).is_some();
+            let explained = results
+                .unavailable
+                .iter()
+                .any(|u| u.id == id && !u.reason.is_empty());
+            assert!(measured || explained, "{id} neither measured nor explained");
+        }
+    }
+    let report = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
+    assert!(
+        report.contains("0123abc") && report.contains("packet/counter-xdp"),
+        "{report}"
+    );
+    assert!(out.join("connect-latency.svg").is_file());
+    let _ = std::fs::remove_dir_all(&out);
+}
