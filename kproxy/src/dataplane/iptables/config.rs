@@ -187,3 +187,67 @@ impl IptablesConfig {
         out
     }
 }
+
+impl From<&crate::localdetect::LocalDetector> for LocalTrafficDetector {
+    /// The shared detector (`kproxy::localdetect`) as this module's copy.
+    fn from(d: &crate::localdetect::LocalDetector) -> Self {
+        use crate::localdetect::LocalDetector as D;
+        match d {
+            D::None => LocalTrafficDetector::NoOp,
+            D::Cidr(c) => LocalTrafficDetector::Cidr(*c),
+            D::BridgeInterface(b) => LocalTrafficDetector::BridgeInterface(b.clone()),
+            D::InterfaceNamePrefix(p) => LocalTrafficDetector::InterfaceNamePrefix(p.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detector_args_match_the_shared_detector() {
+        use crate::localdetect::LocalDetector as D;
+        for d in [
+            D::None,
+            D::Cidr("10.0.0.0/8".parse().unwrap()),
+            D::BridgeInterface("cbr0".into()),
+            D::InterfaceNamePrefix("veth".into()),
+        ] {
+            let mine = LocalTrafficDetector::from(&d);
+            assert_eq!(mine.is_implemented(), d.is_implemented());
+            assert_eq!(mine.if_local().unwrap_or_default(), d.if_local().join(" "));
+            assert_eq!(
+                mine.if_not_local().unwrap_or_default(),
+                d.if_not_local().join(" ")
+            );
+        }
+    }
+
+    #[test]
+    fn node_port_addresses_per_family() {
+        let mut c = IptablesConfig::new(IpFamily::V4, LocalTrafficDetector::NoOp);
+        assert!(c.node_ports_match_all() && c.effective_localhost_node_ports());
+        c.node_port_addresses = vec![
+            "192.168.0.0/24".parse().unwrap(),
+            "2001:db8::/64".parse().unwrap(),
+        ];
+        c.local_addresses = ["127.0.0.1", "192.168.0.2", "192.168.1.2", "2001:db8::1"]
+            .map(|s| s.parse().unwrap())
+            .to_vec();
+        assert!(!c.node_ports_match_all());
+        assert!(
+            !c.effective_localhost_node_ports(),
+            "127.0.0.1 not selected"
+        );
+        assert_eq!(
+            c.node_port_ips(),
+            vec!["192.168.0.2".parse::<IpAddr>().unwrap()]
+        );
+        c.family = IpFamily::V6;
+        assert_eq!(
+            c.node_port_ips(),
+            vec!["2001:db8::1".parse::<IpAddr>().unwrap()]
+        );
+    }
+}
