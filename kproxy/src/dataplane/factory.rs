@@ -52,14 +52,37 @@ fn first_of(cidrs: &[IpNet], family: IpFamily) -> Option<IpNet> {
     cidrs.iter().copied().find(|c| family.matches(&c.addr()))
 }
 
-/// The local-traffic detector of `family` (see the module docs for NodeCIDR).
+/// The local-traffic detector of `family`, chosen by [`crate::localdetect::detectors`] (see
+/// the module docs for NodeCIDR).
 pub fn local_detector(cfg: &ProxyConfig, family: IpFamily) -> LocalTrafficDetector {
-    match &cfg.detect_local {
-        DetectLocal::ClusterCidr => first_of(&cfg.cluster_cidrs, family)
-            .map_or(LocalTrafficDetector::NoOp, LocalTrafficDetector::Cidr),
-        DetectLocal::NodeCidr => LocalTrafficDetector::NoOp,
-        DetectLocal::BridgeInterface(b) => LocalTrafficDetector::BridgeInterface(b.clone()),
-        DetectLocal::InterfaceNamePrefix(p) => LocalTrafficDetector::InterfaceNamePrefix(p.clone()),
+    use crate::localdetect::{DetectLocalConfig, DetectLocalMode, detectors};
+    let mut dc = DetectLocalConfig {
+        cluster_cidrs: cfg.cluster_cidrs.clone(),
+        ..DetectLocalConfig::default()
+    };
+    dc.mode = match &cfg.detect_local {
+        DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr,
+        DetectLocal::NodeCidr => DetectLocalMode::NodeCidr,
+        DetectLocal::BridgeInterface(b) => {
+            dc.bridge_interface = b.clone();
+            DetectLocalMode::BridgeInterface
+        }
+        DetectLocal::InterfaceNamePrefix(p) => {
+            dc.interface_name_prefix = p.clone();
+            DetectLocalMode::InterfaceNamePrefix
+        }
+    };
+    match detectors(&dc, IpFamily::V4, &[]) {
+        Ok((d, warnings)) => {
+            for w in warnings {
+                info!("{w}");
+            }
+            LocalTrafficDetector::from(d.get(family))
+        }
+        Err(e) => {
+            warn!("{e}; no traffic is treated as local");
+            LocalTrafficDetector::NoOp
+        }
     }
 }
 
