@@ -573,3 +573,31 @@ fn iptables_forced_then_inspect_then_cleanup_leaves_nothing() {
     assert_eq!(kube_rules(&topo.node), Vec::<String>::new());
     assert_eq!(ipsets(&topo.node), Vec::<String>::new());
 }
+
+#[test]
+fn a_forced_mode_that_cannot_run_fails_naming_the_mode_and_why() {
+    if !require_root() {
+        return;
+    }
+    if kproxy::dataplane::ipvs::usable().is_ok() {
+        eprintln!("skipped: this kernel runs IPVS, so --proxy-mode=ipvs would start");
+        return;
+    }
+    let ns = Netns::new("am-forced").unwrap();
+    let o = ns
+        .command(kproxy_bin().unwrap())
+        .args([
+            "--proxy-mode=ipvs",
+            "--manifests=/nonexistent",
+            "--hostname-override=n",
+            "--metrics-bind-address=127.0.0.1:10249",
+        ])
+        .output()
+        .unwrap();
+    let err = strip_ansi(&String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("error: --proxy-mode=ipvs: IPVS is not usable"),
+        "{err}"
+    );
+}

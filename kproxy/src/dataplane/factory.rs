@@ -637,7 +637,9 @@ fn ipvs_mode_evidence() -> bool {
 /// `CleanupLeftovers` at start-up. iptables and ipvs modes share chain names
 /// (`KUBE-SERVICES`, …), so one of them removes the other's rules only when that mode's own
 /// objects show it ran (per-service chains; `kube-ipvs0` or its ipsets): a restart in the same
-/// mode never flushes live rules. Failures are logged; they never stop the start.
+/// mode never flushes live rules. The IPVS mode's leftovers (virtual services, `kube-ipvs0`,
+/// ipsets) are removed only when `kube-ipvs0` or its ipsets exist, in every other mode: IPVS
+/// may serve something else on the host. Failures are logged; they never stop the start.
 pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     let mut errors = vec![];
     if mode != ProxyMode::Ebpf {
@@ -649,7 +651,9 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     } else {
         cleanup_nft(&mut errors);
     }
-    if mode != ProxyMode::Ipvs && (mode == ProxyMode::Ebpf || ipvs_mode_evidence()) {
+    // IPVS may serve others on this host: its services are flushed only when kube-proxy's
+    // ipvs mode demonstrably ran here.
+    if mode != ProxyMode::Ipvs && ipvs_mode_evidence() {
         info!(%mode, "removing the ipvs mode's leftovers");
         cleanup_ipvs(cfg, &mut errors);
     }
