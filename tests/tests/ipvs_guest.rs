@@ -816,3 +816,48 @@ fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()>
     dp.cleanup()?;
     Ok(())
 }
+
+/// The agent's path: `factory::build` constructs the IPVS mode from a resolved
+/// `ProxyConfig` (flags), it balances a ClusterIP, and `factory::cleanup_all` (`kproxy
+/// cleanup`) removes everything.
+#[test]
+fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    use kproxy::dataplane::{ProxyMode, factory};
+    let t = Topo::new("ipvs-factory")?;
+    let inv = kproxy::cli::parse(
+        [
+            "kproxy",
+            "--proxy-mode=ipvs",
+            "--cluster-cidr=10.244.0.0/16",
+            "--ipvs-scheduler=rr",
+            "--bpffs=/nonexistent/kproxy-bpffs",
+        ]
+        .map(std::ffi::OsString::from),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cfg = kproxy::cli::load(&inv, Some("n".into()))?.config;
+    let snap = snapshot(
+        service("web", NODE_PORT, None),
+        vec![endpoint(1), endpoint(2)],
+    );
+    let c = cfg.clone();
+    let dp = t.node.run(move || -> anyhow::Result<_> {
+        let mut dp = factory::build(ProxyMode::Ipvs, &c, None)?;
+        let r = dp.sync(&snap, &ChangedSet::default())?;
+        ensure!(r.services >= 1 && r.failed_services == 0, "{r:?}");
+        Ok(dp)
+    })??;
+    assert_eq!(dp.mode(), ProxyMode::Ipvs);
+    let counts = t.tally(vip(), 20)?;
+    assert_eq!(
+        counts,
+        BTreeMap::from([("pod1".to_string(), 10), ("pod2".to_string(), 10)])
+    );
+    let c = cfg.clone();
+    t.node.run(move || factory::cleanup_all(&c))??;
+    drop(dp);
+    assert_clean(&t)
+}

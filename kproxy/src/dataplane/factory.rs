@@ -359,7 +359,11 @@ pub fn build(
         ProxyMode::Ipvs => {
             ipvs_mod::usable().map_err(|e| anyhow::anyhow!("IPVS is not usable: {e}"))?;
             apply_conntrack_sysctls(cfg);
-            let flavor = detect_flavor(Default::default(), &Runner { netns: None });
+            let flavor = if have("iptables-nft") {
+                detect_flavor(Default::default(), &Runner { netns: None })
+            } else {
+                Flavor::Legacy
+            };
             let mut parts: Vec<Box<dyn Dataplane>> = vec![];
             for c in ipvs_configs(cfg, &families, |f| ipvs_node_ips(cfg, f), flavor) {
                 let family = c.family;

@@ -47,7 +47,12 @@ pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesErro
         ("filter", &FILTER_CHAINS[..]),
         ("mangle", &[][..]),
     ] {
-        let existing = existing_chains(b, table)?;
+        let existing = match existing_chains(b, table) {
+            Ok(e) => e,
+            // A table the kernel lacks (e.g. no iptable_mangle module) holds nothing of ours.
+            Err(e) if e.to_string().contains("Table does not exist") => continue,
+            Err(e) => return Err(e),
+        };
         let mut t = TableInput::new(table);
         for c in &existing {
             let ours = fixed.contains(&c.as_str())
