@@ -649,18 +649,36 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     if mode != ProxyMode::Ebpf {
         cleanup_ebpf(cfg, &mut errors);
     }
-    if mode != ProxyMode::Iptables && (mode == ProxyMode::Ebpf || iptables_mode_evidence()) {
-        info!(%mode, "removing the iptables mode's leftovers");
-        cleanup_iptables(&mut errors);
-    } else {
-        cleanup_nft(&mut errors);
-    }
+    let iptables =
+        mode != ProxyMode::Iptables && (mode == ProxyMode::Ebpf || iptables_mode_evidence());
     // IPVS may serve others on this host: its services are flushed only when kube-proxy's
     // ipvs mode demonstrably ran here.
-    if mode != ProxyMode::Ipvs && ipvs_mode_evidence() {
-        info!(%mode, "removing the ipvs mode's leftovers");
-        cleanup_ipvs(cfg, &mut errors);
+    let ipvs = mode != ProxyMode::Ipvs && ipvs_mode_evidence();
+    match (iptables, ipvs) {
+        (true, true) => {
+            info!(%mode, "removing the iptables and ipvs modes' leftovers");
+            cleanup_netfilter_modes(cfg, &mut errors);
+        }
+        (true, false) => {
+            info!(%mode, "removing the iptables mode's leftovers");
+            cleanup_iptables(&mut errors);
+        }
+        (false, true) => {
+            info!(%mode, "removing the ipvs mode's leftovers");
+            cleanup_ipvs(cfg, &mut errors);
+            cleanup_nft(&mut errors);
+        }
+        (false, false) => cleanup_nft(&mut errors),
     }
+}
+
+/// Both netfilter modes' leftovers. They share chains (`KUBE-SERVICES`, …) that each one's
+/// jump rules (with their own comments) keep in use, so: IPVS first (its errors ignored), then
+/// iptables, then IPVS again, whose errors count.
+fn cleanup_netfilter_modes(cfg: &ProxyConfig, errors: &mut Vec<String>) {
+    cleanup_ipvs(cfg, &mut vec![]);
+    cleanup_iptables(errors);
+    cleanup_ipvs(cfg, errors);
 }
 
 /// Removes everything any mode (and upstream kube-proxy) left in the kernel: eBPF pins
@@ -670,8 +688,7 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
 pub fn cleanup_all(cfg: &ProxyConfig) -> anyhow::Result<()> {
     let mut errors = vec![];
     cleanup_ebpf(cfg, &mut errors);
-    cleanup_iptables(&mut errors);
-    cleanup_ipvs(cfg, &mut errors);
+    cleanup_netfilter_modes(cfg, &mut errors);
     if errors.is_empty() {
         info!("cleanup: removed what every mode and kube-proxy left");
         Ok(())
