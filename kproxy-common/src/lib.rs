@@ -9,6 +9,17 @@
 //! the BPF crate repeats each name once as an identifier; the agent's unit test
 //! `bpf::tests::object_has_every_shared_name` parses the built object and fails if any name here
 //! is missing from it.
+//!
+//! - [`counter`]: the per-CPU packet counter.
+//! - [`service`]: the service maps (frontends, backend slots, backends, affinity, source
+//!   ranges, socket rev-NAT). Written by the agent (`kproxy::dataplane::ebpf`), read by socket
+//!   LB (`kproxy-ebpf/src/sock.rs`) and the TC programs; see the module for who writes what.
+//!   Conntrack/SNAT/NAT maps belong to the TC programs and live in their own module.
+//! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
+//!   device and counters (`kp_tc_in` / `kp_tc_eg`).
 #![no_std]
 
 pub mod counter;
+pub mod ct;
+pub mod service;
+pub mod sock;

@@ -5,11 +5,18 @@
 //! value types and constants come from `kproxy-common`, never from here.
 //!
 //! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
+//! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
+//!   SNAT, conntrack, reverse NAT, ICMP errors).
+//! - [`service_maps`]: the service maps shared by socket LB and the TC programs.
+//! - [`sock`]: socket-level load balancing (cgroup connect/sendmsg/recvmsg/getpeername).
 //!
 //! Keep logging (aya-log) off the per-packet path: it costs ~10x a map lookup.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
 mod counter;
+mod service_maps;
+mod sock;
+mod tc;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

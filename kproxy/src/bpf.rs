@@ -54,9 +54,21 @@ pub fn is_built() -> bool {
 }
 
 /// Parses the embedded object and creates its maps in the kernel (programs are loaded by their
-/// users). Needs CAP_BPF (root).
+/// users). Needs CAP_BPF (root). The object's pinned maps (service maps, conntrack) go to
+/// `/sys/fs/bpf`, which must be a mounted bpffs; see [`load_with_pins`].
 pub fn load() -> Result<Ebpf, BpfError> {
     load_object(OBJECT)
+}
+
+/// Like [`load`], with the object's pinned maps in `map_pin_dir` (a directory on a bpffs; maps
+/// already pinned there are reused).
+pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Ebpf, BpfError> {
+    if OBJECT.is_empty() {
+        return Err(BpfError::NotBuilt);
+    }
+    Ok(aya::EbpfLoader::new()
+        .default_map_pin_directory(map_pin_dir)
+        .load(OBJECT)?)
 }
 
 fn load_object(object: &[u8]) -> Result<Ebpf, BpfError> {
@@ -76,6 +88,12 @@ impl PacketCounter {
     /// Loads the object and the three counter programs into the kernel.
     pub fn load() -> Result<Self, BpfError> {
         Self::from_ebpf(load()?)
+    }
+
+    /// Like [`PacketCounter::load`], with the object's pinned maps in `map_pin_dir` (see
+    /// [`load_with_pins`]).
+    pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Self, BpfError> {
+        Self::from_ebpf(load_with_pins(map_pin_dir)?)
     }
 
     /// Uses an already loaded object (e.g. one with pinning options); loads the programs.
@@ -203,6 +221,43 @@ mod tests {
                 obj.programs.keys()
             );
         }
+        for name in kproxy_common::service::MAPS {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name}: {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in kproxy_common::sock::PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
+        for name in kproxy_common::ct::MAPS {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name}: {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in kproxy_common::ct::PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
+        let ct = &obj.maps[kproxy_common::ct::MAP_CT];
+        assert_eq!(
+            ct.key_size() as usize,
+            size_of::<kproxy_common::ct::CtKey>()
+        );
+        assert_eq!(
+            ct.value_size() as usize,
+            size_of::<kproxy_common::ct::CtEntry>()
+        );
         let map = &obj.maps[MAP_PACKET_COUNT];
         assert_eq!(map.max_entries(), COUNTER_SLOTS);
         assert_eq!(map.value_size() as usize, size_of::<PacketCount>());

@@ -85,6 +85,10 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
     }
     match l.command {
         Command::Render => render(l),
+        Command::Inspect => {
+            print!("{}", kproxy::inspect::run(&l.config, l.output)?);
+            Ok(())
+        }
         Command::Cleanup => {
             factory::cleanup_all(&l.config)?;
             info!("cleanup done");
@@ -111,6 +115,12 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
         match l.output {
             RenderOutput::Json => cli::render::json(&snap) + "\n",
             RenderOutput::Table => cli::render::table(&snap),
+            RenderOutput::Plan => {
+                let kproxy::config::ModeChoice::Forced(mode) = l.config.mode else {
+                    unreachable!("the plan output is chosen only with --proxy-mode")
+                };
+                factory::render_plan(mode, &l.config, &snap)?
+            }
         }
     );
     Ok(())
@@ -133,7 +143,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
 
-        let dataplane = factory::select(cfg.mode, cfg)?;
+        let (dataplane, metrics) = factory::select(cfg.mode, cfg)?;
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
@@ -150,7 +160,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             NodePortAddresses::All | NodePortAddresses::Primary => vec![],
         };
         opts.oom_score_adj = Some(cfg.oom_score_adj);
-        opts.metrics = Some(kproxy::metrics::Metrics::new(mode));
+        opts.metrics = Some(metrics);
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;

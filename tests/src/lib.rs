@@ -6,6 +6,8 @@
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
 //! - [`http`]: a minimal HTTP client for kproxy's servers.
+//! - [`iptables_corpus`] / [`iptables_tracer`]: upstream iptables corpus loading and the rule
+//!   tracer (upstream `tracePacket` semantics).
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
 
@@ -13,6 +15,8 @@ pub mod bench;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;
+pub mod iptables_corpus;
+pub mod iptables_tracer;
 pub mod netns;
 pub mod recording;
 pub mod topology;

@@ -48,6 +48,22 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
             );
         }
     }
+    // The datapaths this kernel runs are measured (ipvs needs a kernel with IPVS).
+    for id in [
+        "connect/ebpf/1".to_string(),
+        "connect/iptables/1".to_string(),
+        "packet/tc-service/new-flow/1".to_string(),
+        "packet/tc-service/established/1".to_string(),
+        "packet/tc-service/miss/1".to_string(),
+        "packet/tc-service/reverse-nat/1".to_string(),
+        format!("packet/tc-service/established/{}", plan.packet_scales[1]),
+    ] {
+        assert!(
+            results.figure(&id).is_some(),
+            "{id} not measured: {:?}",
+            results.unavailable
+        );
+    }
     // Every mode × figure is either measured or explained.
     for mode in &plan.modes {
         for id in [

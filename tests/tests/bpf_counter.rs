@@ -7,7 +7,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use kproxy::bpf::{CounterSlot, PacketCount, PacketCounter};
-use kproxy_tests::netns::{Netns, Veth, VethEnd, require_root};
+use kproxy_tests::netns::{Bpffs, Netns, Veth, VethEnd, require_root};
 
 const PACKETS: u64 = 25;
 const PAYLOAD: [u8; 64] = [0xab; 64];
@@ -89,7 +89,9 @@ fn xdp_counter_counts_every_packet_arriving_on_a_veth() {
         return;
     }
     let topo = topology("bpfcnt-xdp");
-    let mut counter = PacketCounter::load().unwrap();
+    // The object's other maps are pinned: keep them on a private bpffs.
+    let bpffs = Bpffs::new(&format!("{}-fs", topo.node.name())).unwrap();
+    let mut counter = PacketCounter::load_with_pins(bpffs.path()).unwrap();
     topo.node
         .run(|| counter.attach("eth0", CounterSlot::Xdp))
         .unwrap()
@@ -126,7 +128,9 @@ fn tc_counters_count_ingress_and_egress_separately() {
         return;
     }
     let topo = topology("bpfcnt-tc");
-    let mut counter = PacketCounter::load().unwrap();
+    // The object's other maps are pinned: keep them on a private bpffs.
+    let bpffs = Bpffs::new(&format!("{}-fs", topo.node.name())).unwrap();
+    let mut counter = PacketCounter::load_with_pins(bpffs.path()).unwrap();
     topo.node
         .run(|| {
             counter.attach("eth0", CounterSlot::TcIngress)?;

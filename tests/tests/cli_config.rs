@@ -733,6 +733,46 @@ fn examples() -> PathBuf {
 }
 
 #[test]
+fn render_with_a_mode_prints_that_datapaths_plan() {
+    let ex = examples();
+    let render = |mode: &str| {
+        let (out, err) = ok(&[
+            "render",
+            "--proxy-mode",
+            mode,
+            "--manifests",
+            ex.to_str().unwrap(),
+            "--hostname-override",
+            "demo-node",
+        ]);
+        assert!(!err.contains("warning"), "{err}");
+        out
+    };
+    let ipt = render("iptables");
+    assert!(ipt.contains("*nat") && ipt.contains("COMMIT"), "{ipt}");
+    for ep in ["10.244.1.2:8080", "10.244.1.3:8080"] {
+        assert!(
+            ipt.contains(&format!("-j DNAT --to-destination {ep}")),
+            "{ep} in {ipt}"
+        );
+    }
+    assert!(
+        ipt.contains("-d 10.96.0.10 --dport 80") && ipt.contains("--dport 30080"),
+        "{ipt}"
+    );
+    let ipvs = render("ipvs");
+    assert!(
+        ipvs.contains("10.96.0.10") && ipvs.contains("10.244.1.3"),
+        "{ipvs}"
+    );
+    let ebpf = render("ebpf");
+    assert!(
+        ebpf.contains("10.96.0.10") && ebpf.contains("10.244.1.2"),
+        "{ebpf}"
+    );
+}
+
+#[test]
 fn render_prints_the_snapshot_of_the_examples() {
     let ex = examples();
     let (out, err) = ok(&[
@@ -743,6 +783,8 @@ fn render_prints_the_snapshot_of_the_examples() {
         ex.to_str().unwrap(),
         "--hostname-override",
         "demo-node",
+        "--output",
+        "json",
     ]);
     assert!(!err.contains("warning"), "{err}");
     let snap: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -10,7 +10,7 @@
 //!                           client
 //! ```
 //!
-//! kproxy runs inside `node` on `deploy/examples/` (services `web` ClusterIP 10.96.0.10:80 /
+//! kproxy (the real binary, mode detected: ebpf on a capable kernel) runs inside `node` on `deploy/examples/` (services `web` ClusterIP 10.96.0.10:80 /
 //! NodePort 30080 → both pods :8080). The demo prints the service table, then sends requests
 //! through the ClusterIP from pod1 and through the NodePort from the client, and counts which
 //! pod answered each.
@@ -224,12 +224,61 @@ fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Resul
     bail!("timed out after {timeout:?} waiting for {what}")
 }
 
-fn requests(ns: &str, url: &str) -> Result<String> {
-    Ok(
-        output_in_ns(ns, &["python3", "-c", CLIENT, url, &REQUESTS.to_string()])?
-            .trim()
-            .to_owned(),
-    )
+fn requests(ns: &str, url: &str, cgroup: Option<&Path>) -> Result<String> {
+    let n = REQUESTS.to_string();
+    let out = match cgroup {
+        // A pod's process lives in the socket-LB cgroup: enter it, then the pod's netns.
+        Some(cg) => {
+            let script = format!(
+                "echo $$ > {}/cgroup.procs && exec ip netns exec {ns} python3 -c \"$0\" \"$1\" \"$2\"",
+                cg.display()
+            );
+            let o = Command::new("sh")
+                .args(["-c", &script, CLIENT, url, &n])
+                .output()?;
+            if !o.status.success() {
+                bail!("client in {ns}: {}", String::from_utf8_lossy(&o.stderr));
+            }
+            String::from_utf8_lossy(&o.stdout).into_owned()
+        }
+        None => output_in_ns(ns, &["python3", "-c", CLIENT, url, &n])?,
+    };
+    Ok(out.trim().to_owned())
+}
+
+/// A cgroup (v2) directory for the demo's pods, removed on drop.
+struct Cgroup(PathBuf);
+
+impl Cgroup {
+    fn new(tag: &str) -> Result<Cgroup> {
+        let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+        let root = mounts
+            .lines()
+            .find_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(f[1]))
+            })
+            .context("no cgroup2 mount: the eBPF socket LB needs one")?;
+        let dir = root.join(format!("kproxy-demo-{tag}"));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Cgroup(dir))
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A private bpffs directory (kproxy mounts it), unmounted and removed on drop.
+struct Bpffs(PathBuf);
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
 }
 
 /// `cargo xtask demo`: setup, build, run the demo.
@@ -270,16 +319,28 @@ fn demo(root: &Path) -> Result<()> {
         "table",
     ])?;
 
-    let log = std::fs::File::create(std::env::temp_dir().join(format!("kproxy-demo-{tag}.log")))?;
-    let agent = Command::new("ip")
-        .args(["netns", "exec", &node])
+    let cgroup = Cgroup::new(&tag)?;
+    let bpffs = Bpffs(std::env::temp_dir().join(format!("kproxy-demo-{tag}-bpffs")));
+    std::fs::create_dir_all(&bpffs.0)?;
+    let common = [
+        format!("--manifests={}", manifests.display()),
+        "--hostname-override=demo-node".to_string(),
+        format!("--bpf-cgroup={}", cgroup.0.display()),
+        format!("--bpffs={}", bpffs.0.display()),
+    ];
+    let nsenter = |ns: &str| {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{ns}"));
+        c
+    };
+
+    let log_path = std::env::temp_dir().join(format!("kproxy-demo-{tag}.log"));
+    let log = std::fs::File::create(&log_path)?;
+    // The real agent, in the node's network namespace (nsenter keeps the host's mounts, so
+    // the cgroup2 tree is where kproxy looks for it); no --proxy-mode: it detects.
+    let agent = nsenter(&node)
         .arg(&kproxy)
-        .args([
-            "--manifests",
-            manifests.to_str().unwrap(),
-            "--hostname-override",
-            "demo-node",
-        ])
+        .args(&common)
         .args([
             "--healthz-bind-address",
             "127.0.0.1:10256",
@@ -294,20 +355,60 @@ fn demo(root: &Path) -> Result<()> {
     let pod1 = format!("kpd{tag}-pod1");
     let client = format!("kpd{tag}-client");
     let cluster_url = format!("http://{CLUSTER_IP}/");
-    wait_for(
+    let ready = wait_for(
         "kproxy to program the ClusterIP",
-        Duration::from_secs(20),
-        || requests(&pod1, &cluster_url).is_ok_and(|r| r.contains("pod")),
-    )?;
-    println!("\n== {REQUESTS} requests from pod1 to ClusterIP {CLUSTER_IP}:80 ==");
-    println!("{}", requests(&pod1, &cluster_url)?);
+        Duration::from_secs(30),
+        || requests(&pod1, &cluster_url, Some(&cgroup.0)).is_ok_and(|r| r.contains("pod")),
+    );
+    let mode = output_in_ns(&node, &["curl", "-s", "http://127.0.0.1:10249/proxyMode"])
+        .unwrap_or_default();
+    println!(
+        "\n== kproxy runs in mode {:?} (GET /proxyMode) ==",
+        mode.trim()
+    );
+    if let Err(e) = ready {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        bail!("{e}; kproxy log:\n{log}");
+    }
+    println!("\n== kproxy inspect (what the kernel holds) ==");
+    let out = nsenter(&node)
+        .arg(&kproxy)
+        .arg("inspect")
+        .args(&common)
+        .output()?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() {
+        println!("inspect failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    println!(
+        "\n== {REQUESTS} requests from pod1 (in the socket-LB cgroup) to ClusterIP {CLUSTER_IP}:80 =="
+    );
+    let r1 = requests(&pod1, &cluster_url, Some(&cgroup.0))?;
+    println!("{r1}");
     println!(
         "\n== {REQUESTS} requests from the external client to NodePort {NODE_IP}:{NODE_PORT} =="
     );
-    println!(
-        "{}",
-        requests(&client, &format!("http://{NODE_IP}:{NODE_PORT}/"))?
-    );
+    let r2 = requests(&client, &format!("http://{NODE_IP}:{NODE_PORT}/"), None)?;
+    println!("{r2}");
+    // Stop the agent, then remove what it programmed.
+    if let Some(mut agent) = topo.children.pop() {
+        let _ = agent.kill();
+        let _ = agent.wait();
+    }
+    let st = nsenter(&node)
+        .arg(&kproxy)
+        .arg("cleanup")
+        .args(&common)
+        .status()?;
+    println!("\n== kproxy cleanup: {st} ==");
     drop(topo);
+    drop(bpffs);
+    drop(cgroup);
+    for (what, r) in [("ClusterIP", &r1), ("NodePort", &r2)] {
+        if !(r.contains("pod1=") && r.contains("pod2=")) || r.contains("error") {
+            bail!("{what} requests did not reach both pods: {r}");
+        }
+    }
+    println!("\ndemo ok: both pods answered through the ClusterIP and the NodePort");
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! | `setup` | [`setup`]: install what a fresh Debian 12 machine lacks (idempotent) |
 //! | `build-ebpf` | [`build_ebpf`]: build the BPF object alone and print its path |
 //! | `test [ARGS…]` | [`test`]: setup, then `cargo test --workspace` (kernel tests included) |
+//! | `guest [ARGS…]` | [`guest`]: the IPVS suite in a QEMU guest booting Debian's kernel |
 //! | `demo` | [`demo`] |
 //! | `bench` | [`bench`] |
 //!
@@ -14,6 +15,7 @@ mod bench;
 mod bpf_toolchain;
 mod build_ebpf;
 mod demo;
+mod guest;
 mod process;
 mod setup;
 mod test;
@@ -28,6 +30,7 @@ commands:
   setup        install what this machine lacks for building and testing kproxy (apt + bpf-linker)
   build-ebpf   build the BPF object alone and print its path
   test [ARGS]  setup, then run every test (kernel tests included; needs root); ARGS go to cargo test
+  guest [ARGS] run the IPVS test suite in a QEMU guest (Debian's kernel); ARGS go to the test binary
   demo         run the demo topology
   bench [--quick] [--out DIR] [--only packet,connect,control]
                build in release mode and run the benchmarks (needs root); report in bench/";
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
             .map(|_| ExitCode::SUCCESS),
         "build-ebpf" => no_args(command, rest).and_then(|()| build_ebpf::run()),
         "test" => test::run(rest),
+        "guest" => guest::run(rest),
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
         "help" | "-h" | "--help" => {

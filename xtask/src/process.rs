@@ -43,3 +43,50 @@ pub fn display(cmd: &Command) -> String {
 pub fn is_root() -> bool {
     output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
 }
+
+/// `$CARGO` (or `cargo`) without the variables `cargo run` set for xtask itself
+/// (`CARGO_PKG_*`, `CARGO_MANIFEST_*`, `CARGO_CRATE_NAME`, …). Build scripts such as ring's
+/// declare `rerun-if-env-changed` on some of them, so a nested cargo that inherits xtask's
+/// values rebuilds those crates and everything above them (kube, kproxy: ≈ 80 s here), and
+/// the next plain `cargo test` rebuilds them back.
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if is_cargo_run_variable(&key) {
+            cmd.env_remove(&*key);
+        }
+    }
+    cmd
+}
+
+/// Whether `cargo run` sets `key` for the program it runs (the package's own metadata).
+fn is_cargo_run_variable(key: &str) -> bool {
+    key.starts_with("CARGO_PKG_")
+        || key.starts_with("CARGO_MANIFEST_")
+        || matches!(
+            key,
+            "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_the_package_metadata_cargo_run_sets_but_not_cargo_itself() {
+        for key in [
+            "CARGO_PKG_NAME",
+            "CARGO_PKG_VERSION_MAJOR",
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_LINKS",
+            "CARGO_CRATE_NAME",
+        ] {
+            assert!(is_cargo_run_variable(key), "{key}");
+        }
+        for key in ["CARGO", "CARGO_HOME", "CARGO_TARGET_DIR", "RUSTFLAGS"] {
+            assert!(!is_cargo_run_variable(key), "{key}");
+        }
+    }
+}

@@ -57,7 +57,20 @@ pub const APT_PACKAGES: &[(&str, &str)] = &[
     ("libcap2-bin", "capsh/setcap for capability tests"),
     ("util-linux", "nsenter and mount for the test namespaces"),
     ("procps", "sysctl and ps"),
-    ("kmod", "modprobe/lsmod for mode detection"),
+    (
+        "kmod",
+        "modprobe/lsmod for mode detection; depmod for the IPVS guest's initramfs",
+    ),
+    (
+        "qemu-system-x86",
+        "the QEMU guest the IPVS tests run in (`cargo xtask guest`)",
+    ),
+    ("busybox-static", "the IPVS guest's /init and shell"),
+    (
+        "ipvsadm",
+        "inspecting IPVS state (copied into the IPVS guest)",
+    ),
+    ("cpio", "building the IPVS guest's initramfs"),
 ];
 
 /// Installs what is missing; returns the installs it performed (empty: nothing to do).

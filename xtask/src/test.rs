@@ -2,10 +2,11 @@
 //! `cargo build -p kproxy --bins` (the agent binary the traffic tests run), then
 //! `cargo test --workspace --exclude kproxy-ebpf --no-fail-fast ARGS…` with
 //! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
-//! "skipped", and one failing test binary does not hide the others' results. Needs root. The
-//! exit code is cargo's.
+//! "skipped", and one failing test binary does not hide the others' results. Then the IPVS
+//! suite in the QEMU guest ([`crate::guest`]; the host kernel has no IPVS), always, also when
+//! the host suite failed. Needs root. Fails when either fails.
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use anyhow::{Context as _, bail};
 
@@ -15,6 +16,12 @@ use crate::process::{display, is_root};
 /// Read by `kproxy_tests::netns::require_root` (tests/src/netns.rs, `REQUIRE_KERNEL_ENV`).
 const REQUIRE_KERNEL_ENV: &str = "KPROXY_TESTS_REQUIRE_KERNEL";
 
+/// The packages the host suite tests. The guest suite ([`crate::guest`]) takes its binary
+/// from a `cargo test --no-run` with the same selection: features unify per selection, so
+/// another one (e.g. `-p kproxy-tests`) would give `kproxy` and the test binary a different
+/// hash and recompile them.
+pub const HOST_PACKAGES: &[&str] = &["--workspace", "--exclude", EBPF_PACKAGE];
+
 pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if !is_root() {
         bail!(
@@ -23,10 +30,9 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         );
     }
     crate::setup::run()?;
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     // The traffic tests run the real agent binary (`kproxy_tests::topology::kproxy_bin`);
     // `cargo test` builds only the test harness of the `kproxy` package, not its binary.
-    let mut build = Command::new(&cargo);
+    let mut build = crate::process::cargo();
     build
         .args(["build", "--package", "kproxy", "--bins"])
         .current_dir(crate::workspace_root());
@@ -38,22 +44,35 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     {
         bail!("building the kproxy binary failed");
     }
-    let mut cmd = Command::new(cargo);
-    cmd.args([
-        "test",
-        "--workspace",
-        "--exclude",
-        EBPF_PACKAGE,
-        "--no-fail-fast",
-    ])
-    .args(args)
-    .env(REQUIRE_KERNEL_ENV, "1")
-    .current_dir(crate::workspace_root());
+    let mut cmd = crate::process::cargo();
+    cmd.arg("test")
+        .args(HOST_PACKAGES)
+        .arg("--no-fail-fast")
+        .args(args)
+        .env(REQUIRE_KERNEL_ENV, "1")
+        .current_dir(crate::workspace_root());
     println!("test: $ {}", display(&cmd));
     let status = cmd
         .status()
         .with_context(|| format!("spawning {}", display(&cmd)))?;
     // A signal-killed cargo has no code: report failure.
     let code = status.code().map_or(1, |c| u8::try_from(c).unwrap_or(1));
-    Ok(ExitCode::from(code))
+    // The guest's ARGS are a test-name filter only when the caller passed one plain word.
+    let guest_args: Vec<String> = match args {
+        [filter] if !filter.starts_with('-') => vec![filter.clone()],
+        _ => vec![],
+    };
+    println!("test: IPVS suite in the QEMU guest");
+    let guest_passed = match crate::guest::run_suite(&guest_args) {
+        Ok(outcome) => outcome.passed,
+        Err(err) => {
+            eprintln!("test: the IPVS guest suite could not run: {err:#}");
+            false
+        }
+    };
+    Ok(match (code, guest_passed) {
+        (0, true) => ExitCode::SUCCESS,
+        (0, false) => ExitCode::FAILURE,
+        (c, _) => ExitCode::from(c),
+    })
 }

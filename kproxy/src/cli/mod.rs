@@ -40,6 +40,8 @@ pub enum Command {
     Render,
     /// `kproxy cleanup` or `--cleanup`.
     Cleanup,
+    /// `kproxy inspect`: what the kernel holds per service port.
+    Inspect,
 }
 
 /// `--version` forms (component-base's verflag).
@@ -56,6 +58,8 @@ pub enum VersionRequest {
 pub enum RenderOutput {
     Json,
     Table,
+    /// The datapath's planned kernel state (`render --proxy-mode X` without `--output`).
+    Plan,
 }
 
 /// One flag as given: its spec and every value in command-line order.
@@ -119,7 +123,7 @@ fn clap_command() -> clap::Command {
         .disable_version_flag(true)
         .arg(
             Arg::new("COMMAND")
-                .value_parser(["render", "cleanup"])
+                .value_parser(["render", "cleanup", "inspect"])
                 .help("render: print the snapshot a mode would program (no kernel changes); cleanup: same as --cleanup. Default: run the agent."),
         );
     for f in FLAGS {
@@ -183,6 +187,7 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocation, cla
     let command = match m.get_one::<String>("COMMAND").map(String::as_str) {
         Some("render") => Command::Render,
         Some("cleanup") => Command::Cleanup,
+        Some("inspect") => Command::Inspect,
         _ => Command::Agent,
     };
     let given = FLAGS
@@ -484,17 +489,21 @@ pub fn load(inv: &Invocation, hostname: Option<String>) -> Result<Loaded, CliErr
         Command::Agent if cleanup => Command::Cleanup,
         c => c,
     };
+    if inv.get("output").is_some() && !matches!(command, Command::Render | Command::Inspect) {
+        return Err(CliError::Usage(
+            "--output is only valid with `kproxy render` and `kproxy inspect`".into(),
+        ));
+    }
+    let resolved = resolve(&cfg, &extra)?;
     let output = match inv.get("output").map(Given::last) {
+        None if command == Command::Inspect => RenderOutput::Table,
+        None if matches!(resolved.config.mode, crate::config::ModeChoice::Forced(_)) => {
+            RenderOutput::Plan
+        }
         None | Some("json") => RenderOutput::Json,
         Some("table") => RenderOutput::Table,
         Some(other) => return Err(flag_err("output", other, "expected json or table")),
     };
-    if inv.get("output").is_some() && command != Command::Render {
-        return Err(CliError::Usage(
-            "--output is only valid with `kproxy render`".into(),
-        ));
-    }
-    let resolved = resolve(&cfg, &extra)?;
     warnings.extend(resolved.warnings);
     Ok(Loaded {
         command,
@@ -648,6 +657,7 @@ mod tests {
         assert_eq!(l.config.mode, ModeChoice::Forced(ProxyMode::Iptables));
         assert_eq!(loaded(&["--proxy-mode="]).config.mode, ModeChoice::Detect);
         assert!(load_err(&["--output=table"]).contains("only valid with `kproxy render`"));
+        assert_eq!(loaded(&["inspect"]).command, Command::Inspect);
     }
 
     #[test]

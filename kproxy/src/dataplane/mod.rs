@@ -12,8 +12,14 @@ use serde::Serialize;
 
 use crate::model::{ChangedSet, Snapshot};
 
+pub mod detect;
+pub mod ebpf;
+pub mod ebpf_mode;
+pub mod ebpf_tc;
 pub mod factory;
 pub mod iptables;
+pub mod ipvs;
+pub mod with_conntrack;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

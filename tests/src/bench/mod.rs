@@ -22,6 +22,7 @@ pub mod packet;
 pub mod report;
 pub mod services;
 pub mod stats;
+pub mod tc_path;
 
 use serde::{Deserialize, Serialize};
 

@@ -1,9 +1,9 @@
 //! Per-packet cost: `BPF_PROG_TEST_RUN` of a program on crafted packets, ns per run (the
 //! kernel's own average over `repeat` runs), beside the counter-only XDP program.
 //!
-//! Datapath programs register a [`PacketPath`] (program, packets rotating over many services
-//! and flows so caches are not artificially hot, and the map state for N services); each is
-//! measured at every scale of the plan.
+//! The eBPF TC service path ([`super::tc_path`]: new flow, established, miss, reverse NAT, 256
+//! flows rotating over N services programmed by the real planner + applier) is measured at every
+//! scale of the plan.
 
 use aya::programs::{TestRun as _, TestRunOptions, Xdp};
 use kproxy::bpf::{CounterSlot, PacketCounter};
@@ -64,7 +64,9 @@ pub fn xdp_ns_per_packet(prog: &Xdp, packets: &[Vec<u8>], repeat: u32) -> anyhow
 
 /// Measures the counter baseline and every registered datapath path.
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
-    let mut counter = PacketCounter::load()?;
+    // The object declares pinned maps: keep them on a private bpffs.
+    let counter_fs = crate::netns::Bpffs::new("bench-counter")?;
+    let mut counter = PacketCounter::load_with_pins(counter_fs.path())?;
     let name = CounterSlot::Xdp.program();
     let prog: &Xdp = counter
         .ebpf_mut()
@@ -86,11 +88,38 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         baseline: None,
         target: None,
     });
-    for scale in &plan.packet_scales {
-        results.unavailable(
-            format!("packet/tc-service/{scale}"),
-            "the eBPF TC service programs are not in this build yet",
-        );
+    for &scale in &plan.packet_scales {
+        let mut bench = match super::tc_path::TcBench::new(scale, 262_144) {
+            Ok(b) => b,
+            Err(e) => {
+                for case in super::tc_path::CASES {
+                    results.unavailable(
+                        format!("packet/tc-service/{case}/{scale}"),
+                        format!("{e:#}"),
+                    );
+                }
+                continue;
+            }
+        };
+        for case in super::tc_path::CASES {
+            let id = format!("packet/tc-service/{case}/{scale}");
+            let samples = (0..plan.packet_samples)
+                .map(|_| bench.sample(case, plan.packet_repeat))
+                .collect::<anyhow::Result<Vec<f64>>>();
+            match samples {
+                Ok(samples) => results.push(Figure {
+                    id,
+                    group: "packet".into(),
+                    mode: "ebpf".into(),
+                    services: scale,
+                    unit: "ns".into(),
+                    samples,
+                    baseline: Some(BASELINE.into()),
+                    target: Some(target()),
+                }),
+                Err(e) => results.unavailable(id, format!("{e:#}")),
+            }
+        }
     }
     Ok(())
 }

@@ -1,1 +1,46 @@
-//! iptables proxier. Placeholder: filled by the iptables work.
+//! The iptables proxier: upstream kube-proxy's iptables mode, rule for rule.
+//!
+//! - [`config`]: [`IptablesConfig`], the resolved per-family settings.
+//! - [`names`]: chain names (upstream's hashed `KUBE-SVC-…`/`KUBE-SEP-…`).
+//! - [`plan`]: the pure planner, snapshot → filter + nat rules (structured by chain).
+//! - [`render`]: iptables-restore text and upstream's canonical sort.
+//! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
+//! - [`backend`]: the kernel interface and an in-memory fake with restore semantics.
+//! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock).
+//! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
+//! - [`cleanup`]: removal of our and upstream kube-proxy's leftovers.
+//!
+//! One proxier runs per IP family (like upstream's dual-stack meta-proxier).
+
+pub mod backend;
+pub mod cleanup;
+pub mod config;
+pub mod dataplane;
+pub mod exec;
+pub mod names;
+pub mod plan;
+pub mod proxier;
+pub mod render;
+
+pub use config::{
+    IptablesBackend as BackendChoice, IptablesConfig, LocalTrafficDetector, NfacctCounters,
+};
+pub use dataplane::IptablesDataplane;
+pub use plan::{Plan, plan};
+pub use proxier::Proxier;
+
+use crate::model::Snapshot;
+
+/// The ruleset `snap` gives under `cfg`, as iptables-restore text in upstream's canonical
+/// order (what `kproxy render --proxy-mode iptables` prints): a full sync's input.
+pub fn render(snap: &Snapshot, cfg: &IptablesConfig) -> String {
+    let p = plan(snap, cfg);
+    let mut filter = render::TableInput::new("filter");
+    filter.add(&p.filter);
+    let mut nat = render::TableInput::new("nat");
+    nat.add(&p.nat);
+    for t in p.services.values() {
+        nat.add(t);
+    }
+    render::canonical_sort(&render::render_tables(&[filter, nat]))
+}

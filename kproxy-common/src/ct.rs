@@ -1,0 +1,271 @@
+//! The TC service path's connection tracking and NAT state (IPv4): what the `kp_tc_in` /
+//! `kp_tc_eg` programs on node devices write and the agent reads, purges and expires.
+//!
+//! One flow from an external client `C:cp` to a frontend `F:fp` (NodePort on a node address,
+//! ExternalIP or LoadBalancer VIP) that is DNATed to backend `B:bp` — and, when upstream would
+//! masquerade (externalTrafficPolicy=Cluster, backend not on this node), SNATed to `N:np` (`N` =
+//! the node address of the device the packet leaves through, `np` from the SNAT port range) —
+//! owns up to four entries in [`MAP_CT`], each keyed by the 5-tuple the packet carries where the
+//! entry is used and saying which translation to apply there:
+//!
+//! | kind | where | key (as seen there) | translation |
+//! |---|---|---|---|
+//! | [`CtKind::Service`] | ingress | `C:cp → F:fp` | dst := `B:bp` (the flow's backend) |
+//! | [`CtKind::RevDnat`] | egress | `B:bp → C:cp` | src := `F:fp` |
+//! | [`CtKind::SnatOut`] | egress | `C:cp → B:bp` | src := `N:np` (allocated on first packet) |
+//! | [`CtKind::SnatIn`] | ingress | `B:bp → N:np` | dst := `C:cp` |
+//!
+//! DNAT happens at ingress before routing and SNAT at egress after it, like netfilter's
+//! PREROUTING/POSTROUTING, so every rewrite leaves a packet whose source is valid for the
+//! device it crosses: the reverse DNAT of a reply (source becomes a node/VIP address) is done
+//! at the egress toward the client, where `rp_filter` does not look (kernel facts:
+//! TOOLCHAIN.md §2). ICMP errors (port unreachable, fragmentation needed) about a translated
+//! flow are translated with the same entries, looked up by the quoted (inner) tuple reversed.
+//!
+//! Addresses are stored in network byte order (the raw bytes of the header, read as a `u32`),
+//! ports likewise; the agent converts with `u32::from_ne_bytes(ip.octets())` /
+//! `u16::to_be`. Every entry of a flow carries the flow's backend id, so
+//! `purge_backends` removes all entries of flows to a removed backend.
+
+/// LRU hash [`CtKey`] → [`CtEntry`]: the connection table. Every map of this module is pinned
+/// by name (`<bpffs>/kproxy/<NAME>`), so a restarted agent keeps flows, SNAT sources and
+/// counters.
+pub const MAP_CT: &str = "KP_CT";
+/// Array with one [`NatConfig`] (index 0): SNAT port range and timeouts.
+pub const MAP_NAT_CONFIG: &str = "KP_NAT_CFG";
+/// Hash ifindex (`u32`) → [`NodeAddr4`]: the IPv4 node address SNAT uses when a packet leaves
+/// through that device. Filled by the agent's address tracker.
+pub const MAP_NODE_ADDR4: &str = "KP_NODE_ADDR4";
+/// Per-CPU array of `u64` counters indexed by [`TcStat`].
+pub const MAP_TC_STATS: &str = "KP_TC_STATS";
+
+/// TC classifier for the ingress of node devices (DNAT of new/established flows, reverse
+/// SNAT of replies, source ranges, reject without endpoints).
+pub const PROG_TC_INGRESS: &str = "kp_tc_in";
+/// TC classifier for the egress of node devices (SNAT, reverse DNAT of replies).
+pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
+/// Every TC service-path program.
+pub const PROGRAMS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
+/// Every map the TC service path owns.
+pub const MAPS: [&str; 4] = [MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS];
+
+/// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses four).
+pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
+/// Capacity of [`MAP_NODE_ADDR4`] (devices).
+pub const NODE_ADDR_ENTRIES: u32 = 256;
+
+/// Default SNAT port range: above Linux's default ephemeral range (32768–60999), so SNAT ports
+/// do not collide with the node's own outgoing connections.
+pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
+/// Upper end (inclusive) of the default SNAT port range.
+pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
+/// Candidate ports the egress program tries before giving up on a new SNAT flow (the packet is
+/// then dropped and counted in [`TcStat::SnatExhausted`]).
+pub const SNAT_PORT_TRIES: u32 = 16;
+
+/// Seconds an idle TCP entry lives before the agent's expiry removes it (kube-proxy's
+/// `--conntrack-tcp-timeout-established` default is 24 h; LRU eviction bounds memory anyway).
+pub const DEFAULT_TCP_TIMEOUT_SECS: u32 = 86_400;
+/// Seconds an idle UDP/ICMP entry lives (kube-proxy's `--conntrack-udp-timeout` default 30 s is
+/// for unreplied streams; replied ones get 120 s there, which we use for all).
+pub const DEFAULT_UDP_TIMEOUT_SECS: u32 = 120;
+
+/// IANA protocol number of ICMP (TCP/UDP: `crate::service`).
+pub const PROTO_ICMP: u8 = 1;
+
+/// Which translation an entry applies (see the module table).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CtKind {
+    Service = 1,
+    RevDnat = 2,
+    SnatOut = 3,
+    SnatIn = 4,
+}
+
+impl CtKind {
+    pub const fn from_u8(v: u8) -> Option<CtKind> {
+        match v {
+            1 => Some(CtKind::Service),
+            2 => Some(CtKind::RevDnat),
+            3 => Some(CtKind::SnatOut),
+            4 => Some(CtKind::SnatIn),
+            _ => None,
+        }
+    }
+}
+
+/// Key of [`MAP_CT`]: the IPv4 5-tuple as the packet carries it where the entry is used, plus
+/// the entry's [`CtKind`]. For ICMP echo, `sport`/`dport` are unused (0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub kind: u8,
+    pub _pad: [u8; 2],
+}
+
+/// The entry is part of a SNATed flow (its [`CtKind::SnatOut`] entry exists).
+pub const CT_F_SNAT: u16 = 1 << 0;
+/// The flow's backend is on this node.
+pub const CT_F_LOCAL_BACKEND: u16 = 1 << 1;
+/// A TCP FIN or RST was seen: the agent expires the entry after the short close timeout.
+pub const CT_F_CLOSING: u16 = 1 << 2;
+
+/// Value of [`MAP_CT`]: the address/port written by this entry's translation, the flow's
+/// backend and service, and when it was created/last used (`bpf_ktime_get_ns`, CLOCK_MONOTONIC
+/// nanoseconds, the clock userspace reads with `clock_gettime(CLOCK_MONOTONIC)`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntry {
+    /// New destination ([`CtKind::Service`], [`CtKind::SnatIn`]) or source ([`CtKind::RevDnat`],
+    /// [`CtKind::SnatOut`]) address, network order. 0 in a [`CtKind::SnatOut`] entry whose port
+    /// is not allocated yet.
+    pub nat_addr: u32,
+    /// New port, network order (0 for ICMP echo).
+    pub nat_port: u16,
+    /// `CT_F_*`.
+    pub flags: u16,
+    /// The backend id (`BACKENDS` key) the flow goes to.
+    pub backend_id: u32,
+    /// The service id the flow was load-balanced by.
+    pub svc_id: u32,
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+/// Value of [`MAP_NAT_CONFIG`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NatConfig {
+    /// SNAT port range, host byte order, inclusive.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    /// `NAT_CFG_F_*`.
+    pub flags: u32,
+}
+
+impl Default for NatConfig {
+    fn default() -> Self {
+        NatConfig {
+            snat_port_min: DEFAULT_SNAT_PORT_MIN,
+            snat_port_max: DEFAULT_SNAT_PORT_MAX,
+            flags: 0,
+        }
+    }
+}
+
+/// Value of [`MAP_NODE_ADDR4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeAddr4 {
+    /// Network order.
+    pub addr: u32,
+}
+
+/// Counters in [`MAP_TC_STATS`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TcStat {
+    /// New flows load-balanced (DNAT, CT entries created).
+    NewFlow = 0,
+    /// Packets of established flows translated from CT.
+    Established = 1,
+    /// Replies reverse-translated (reverse SNAT at ingress or reverse DNAT at egress).
+    Reply = 2,
+    /// Packets SNATed at egress.
+    Snat = 3,
+    /// New flows dropped because no SNAT port was free.
+    SnatExhausted = 4,
+    /// Packets dropped by `loadBalancerSourceRanges`.
+    SourceRangeDrop = 5,
+    /// Connections rejected because the service has no endpoints (TCP RST sent / UDP dropped).
+    NoEndpoints = 6,
+    /// ICMP errors translated.
+    IcmpError = 7,
+    /// New flows whose CT insert failed (map full and not LRU-evictable): dropped.
+    CtInsertFailed = 8,
+}
+
+impl TcStat {
+    pub const ALL: [TcStat; 9] = [
+        TcStat::NewFlow,
+        TcStat::Established,
+        TcStat::Reply,
+        TcStat::Snat,
+        TcStat::SnatExhausted,
+        TcStat::SourceRangeDrop,
+        TcStat::NoEndpoints,
+        TcStat::IcmpError,
+        TcStat::CtInsertFailed,
+    ];
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Entries of [`MAP_TC_STATS`].
+pub const TC_STATS: u32 = TcStat::ALL.len() as u32;
+
+// SAFETY (all four): `#[repr(C)]`, `Copy`, every bit pattern valid, and no implicit padding
+// (explicit `_pad` fields; sizes checked by the tests below).
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for CtKey {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for CtEntry {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for NatConfig {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for NodeAddr4 {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn types_have_no_implicit_padding() {
+        assert_eq!(size_of::<CtKey>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
+        assert_eq!(size_of::<CtEntry>(), 4 + 2 + 2 + 4 + 4 + 8 + 8);
+        assert_eq!(size_of::<NatConfig>(), 8);
+        assert_eq!(size_of::<NodeAddr4>(), 4);
+    }
+
+    #[test]
+    fn names_fit_the_kernel_object_name_limit() {
+        for name in PROGRAMS.iter().chain(MAPS.iter()) {
+            assert!(name.len() <= 15, "{name} is longer than 15 bytes");
+        }
+    }
+
+    #[test]
+    fn kinds_round_trip() {
+        for k in [
+            CtKind::Service,
+            CtKind::RevDnat,
+            CtKind::SnatOut,
+            CtKind::SnatIn,
+        ] {
+            assert_eq!(CtKind::from_u8(k as u8), Some(k));
+        }
+        assert_eq!(CtKind::from_u8(0), None);
+        assert_eq!(CtKind::from_u8(5), None);
+    }
+
+    #[test]
+    fn stats_index_densely() {
+        for (i, s) in TcStat::ALL.iter().enumerate() {
+            assert_eq!(s.index() as usize, i);
+        }
+    }
+
+    #[test]
+    fn default_snat_range_is_above_the_ephemeral_range() {
+        let c = NatConfig::default();
+        assert!(c.snat_port_min > 60_999 && c.snat_port_min <= c.snat_port_max);
+    }
+}

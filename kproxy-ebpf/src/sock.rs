@@ -1,0 +1,385 @@
+//! Socket-level load balancing (`kproxy_common::sock`): cgroup `sock_addr` programs that
+//! rewrite the destination of `connect()` / `sendto()` from a service frontend to a backend, so
+//! traffic from the node and its pods never needs per-packet NAT.
+//!
+//! - `connect4/6` (TCP, connected UDP): look up `{dst, port, proto, SCOPE_CLUSTER}` in
+//!   `KP_SERVICES`; pick a backend (affinity by netns cookie, else a random slot); rewrite the
+//!   destination; remember `{socket cookie, backend} → frontend` in `KP_SOCK_RNAT`.
+//! - `sendmsg4/6` (unconnected UDP): the same per datagram, except that a socket keeps the
+//!   backend it got for a frontend (`KP_SOCK_FWD`) while that backend still holds the same slot
+//!   of the frontend's set: one socket's datagrams stay on one backend, as upstream's conntrack
+//!   entry for the 5-tuple would keep them.
+//! - `recvmsg4/6`, `getpeername4/6`: a source/peer that is a backend this socket was sent to
+//!   is reported as the frontend.
+//! - No endpoint at all (`count == 0` with `SVC_F_REJECT`): the syscall fails with
+//!   ECONNREFUSED (`bpf_set_retval`). `count == 0` without it (eTP/iTP=Local, no local
+//!   endpoint): the address is left alone, so the packet goes to the VIP and is dropped like
+//!   upstream's "has no local endpoints" rule (unless something else routes it).
+//!
+//! Only TCP and UDP sockets are translated. SCTP sockets pass untouched: an SCTP association
+//! can use several peer addresses and the kernel has no sock_addr hook for each of them, so SCTP
+//! from the node relies on the packet-level (TC) path.
+//!
+//! No logging here: these run on every connect/sendmsg.
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::generated::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
+        bpf_set_retval,
+    },
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use kproxy_common::service::{
+    AffinityKey, AffinityValue, BackendSlotKey, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER,
+    SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SockFwdKey, SockFwdValue, SockRevNatKey,
+    SockRevNatValue, v4_mapped,
+};
+use kproxy_common::sock::ERRNO_NO_ENDPOINTS;
+
+use crate::service_maps::{
+    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_FWD, KP_SOCK_RNAT,
+};
+
+/// Allow the syscall (for connect/sendmsg with the possibly rewritten address).
+const ALLOW: i32 = 1;
+/// Fail the syscall (with the errno set by `bpf_set_retval`).
+const DENY: i32 = 0;
+
+const NSEC_PER_SEC: u64 = 1_000_000_000;
+
+enum Verdict {
+    /// Not a frontend (or nothing to do): leave the address alone.
+    Untouched,
+    /// Rewritten to this backend.
+    Backend([u32; 4], u16),
+    /// The service has no endpoints: fail with ECONNREFUSED.
+    Reject,
+}
+
+#[inline(always)]
+fn proto_of(ctx: &SockAddrContext) -> Option<u8> {
+    // SAFETY: `ctx.sock_addr` is the kernel's context pointer, valid for the program's run.
+    let proto = unsafe { (*ctx.sock_addr).protocol } as u8;
+    if proto == PROTO_TCP || proto == PROTO_UDP {
+        Some(proto)
+    } else {
+        None
+    }
+}
+
+/// The frontend lookup and backend choice shared by connect and sendmsg.
+#[inline(always)]
+fn translate(
+    ctx: &SockAddrContext,
+    addr: [u32; 4],
+    port: u16,
+    proto: u8,
+    sendmsg: bool,
+) -> Verdict {
+    let key = ServiceKey {
+        addr,
+        port,
+        proto,
+        scope: SCOPE_CLUSTER,
+    };
+    let Some(svc) = KP_SERVICES.get_ptr(key) else {
+        return Verdict::Untouched;
+    };
+    // SAFETY: a pointer from a successful lookup; the value is plain data copied out at once.
+    let svc = unsafe { *svc };
+    if svc.count == 0 {
+        return if svc.flags & SVC_F_REJECT != 0 {
+            Verdict::Reject
+        } else {
+            Verdict::Untouched
+        };
+    }
+
+    let affinity = svc.flags & SVC_F_AFFINITY != 0;
+    let mut aff_key = AffinityKey::default();
+    // SAFETY: helpers called with the program's own context and no arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if affinity {
+        // SAFETY: the context pointer is valid for this helper in sock_addr programs.
+        let cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+        aff_key = AffinityKey::netns(svc.svc_id, cookie);
+        if let Some(entry) = KP_AFFINITY.get_ptr_mut(aff_key) {
+            // SAFETY: a pointer from a successful lookup; only this client's connects write it,
+            // a racing update at worst loses one refresh.
+            let entry = unsafe { &mut *entry };
+            let timeout = u64::from(svc.affinity_timeout) * NSEC_PER_SEC;
+            if now.wrapping_sub(entry.last_used_ns) <= timeout
+                && let Some(be) = KP_BACKENDS.get_ptr(entry.backend_id)
+            {
+                entry.last_used_ns = now;
+                // SAFETY: pointer from a successful lookup.
+                let be = unsafe { *be };
+                return Verdict::Backend(be.addr, be.port);
+            }
+        }
+    }
+
+    // Unconnected UDP: this socket's earlier choice for this frontend, while still valid.
+    let mut fwd_key = SockFwdKey::default();
+    if sendmsg {
+        fwd_key = SockFwdKey {
+            // SAFETY: the context pointer is valid for this helper in sock_addr programs.
+            cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+            addr,
+            port,
+            _pad: [0; 6],
+        };
+        if let Some(prev) = KP_SOCK_FWD.get_ptr(fwd_key) {
+            // SAFETY: pointer from a successful lookup, copied out at once.
+            let prev = unsafe { *prev };
+            if prev.svc_id == svc.svc_id
+                && prev.slot < svc.count
+                && let Some(id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
+                    svc_id: svc.svc_id,
+                    slot: prev.slot,
+                })
+                // SAFETY: pointer from a successful lookup.
+                && unsafe { *id } == prev.backend_id
+                && let Some(be) = KP_BACKENDS.get_ptr(prev.backend_id)
+            {
+                // SAFETY: pointer from a successful lookup.
+                let be = unsafe { *be };
+                return Verdict::Backend(be.addr, be.port);
+            }
+        }
+    }
+
+    // SAFETY: no arguments.
+    let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
+    let Some(backend_id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
+        svc_id: svc.svc_id,
+        slot,
+    }) else {
+        return Verdict::Untouched;
+    };
+    // SAFETY: pointer from a successful lookup.
+    let backend_id = unsafe { *backend_id };
+    let Some(be) = KP_BACKENDS.get_ptr(backend_id) else {
+        return Verdict::Untouched;
+    };
+    // SAFETY: pointer from a successful lookup.
+    let be = unsafe { *be };
+    if affinity {
+        let value = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns: now,
+        };
+        // A full LRU map evicts; nothing to do on failure.
+        let _ = KP_AFFINITY.insert(aff_key, value, 0);
+    }
+    if sendmsg {
+        let value = SockFwdValue {
+            backend_id,
+            svc_id: svc.svc_id,
+            slot,
+            _pad: 0,
+        };
+        // A full LRU map evicts; at worst the socket's next datagram picks again.
+        let _ = KP_SOCK_FWD.insert(fwd_key, value, 0);
+    }
+    Verdict::Backend(be.addr, be.port)
+}
+
+/// Remembers which frontend a socket reached through `backend`, for recvmsg/getpeername.
+#[inline(always)]
+fn remember(ctx: &SockAddrContext, backend: [u32; 4], backend_port: u16, vip: [u32; 4], port: u16) {
+    // SAFETY: the context pointer is valid for this helper in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = SockRevNatKey {
+        cookie,
+        addr: backend,
+        port: backend_port,
+        _pad: [0; 6],
+    };
+    let value = SockRevNatValue {
+        addr: vip,
+        port,
+        _pad: 0,
+        svc_id: 0,
+    };
+    let _ = KP_SOCK_RNAT.insert(key, value, 0);
+}
+
+/// The frontend a socket reached through `backend`, if it did.
+#[inline(always)]
+fn recall(ctx: &SockAddrContext, backend: [u32; 4], port: u16) -> Option<SockRevNatValue> {
+    // SAFETY: the context pointer is valid for this helper in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = SockRevNatKey {
+        cookie,
+        addr: backend,
+        port,
+        _pad: [0; 6],
+    };
+    // SAFETY: pointer from a successful lookup, copied out at once.
+    KP_SOCK_RNAT.get_ptr(key).map(|v| unsafe { *v })
+}
+
+#[inline(always)]
+fn reject() -> i32 {
+    // SAFETY: plain helper call; allowed in connect/sendmsg programs.
+    unsafe { bpf_set_retval(-ERRNO_NO_ENDPOINTS) };
+    DENY
+}
+
+#[inline(always)]
+fn forward4(ctx: &SockAddrContext, sendmsg: bool) -> i32 {
+    let Some(proto) = proto_of(ctx) else {
+        return ALLOW;
+    };
+    let sa = ctx.sock_addr;
+    // SAFETY: `sa` is the kernel's context pointer; these fields are readable in
+    // connect4/sendmsg4 (4-byte loads).
+    let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    let vip = v4_mapped(ip);
+    match translate(ctx, vip, port, proto, sendmsg) {
+        Verdict::Untouched => ALLOW,
+        Verdict::Reject => reject(),
+        Verdict::Backend(addr, be_port) => {
+            // SAFETY: user_ip4/user_port are writable in connect4/sendmsg4 (4-byte stores).
+            unsafe {
+                (*sa).user_ip4 = addr[3];
+                (*sa).user_port = u32::from(be_port);
+            }
+            remember(ctx, addr, be_port, vip, port);
+            ALLOW
+        }
+    }
+}
+
+#[inline(always)]
+fn forward6(ctx: &SockAddrContext, sendmsg: bool) -> i32 {
+    let Some(proto) = proto_of(ctx) else {
+        return ALLOW;
+    };
+    let sa = ctx.sock_addr;
+    // SAFETY: as in `forward4`; user_ip6 is read word by word (4-byte loads).
+    let (vip, port) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    };
+    match translate(ctx, vip, port, proto, sendmsg) {
+        Verdict::Untouched => ALLOW,
+        Verdict::Reject => reject(),
+        Verdict::Backend(addr, be_port) => {
+            // SAFETY: user_ip6/user_port are writable in connect6/sendmsg6 (4-byte stores).
+            // A v4 frontend reached through a v4-mapped address on a dual-stack socket has
+            // v4 backends, written back v4-mapped.
+            unsafe {
+                (*sa).user_ip6[0] = addr[0];
+                (*sa).user_ip6[1] = addr[1];
+                (*sa).user_ip6[2] = addr[2];
+                (*sa).user_ip6[3] = addr[3];
+                (*sa).user_port = u32::from(be_port);
+            }
+            remember(ctx, addr, be_port, vip, port);
+            ALLOW
+        }
+    }
+}
+
+#[inline(always)]
+fn reverse4(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: readable in recvmsg4/getpeername4.
+    let (ip, port) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    if let Some(front) = recall(ctx, v4_mapped(ip), port) {
+        // SAFETY: writable in recvmsg4/getpeername4.
+        unsafe {
+            (*sa).user_ip4 = front.addr[3];
+            (*sa).user_port = u32::from(front.port);
+        }
+    }
+    ALLOW
+}
+
+#[inline(always)]
+fn reverse6(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: readable in recvmsg6/getpeername6.
+    let (addr, port) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+        )
+    };
+    if let Some(front) = recall(ctx, addr, port) {
+        // SAFETY: writable in recvmsg6/getpeername6.
+        unsafe {
+            (*sa).user_ip6[0] = front.addr[0];
+            (*sa).user_ip6[1] = front.addr[1];
+            (*sa).user_ip6[2] = front.addr[2];
+            (*sa).user_ip6[3] = front.addr[3];
+            (*sa).user_port = u32::from(front.port);
+        }
+    }
+    ALLOW
+}
+
+/// `kproxy_common::sock::PROG_SOCK_CONNECT4`.
+#[cgroup_sock_addr(connect4)]
+pub fn kp_sk_conn4(ctx: SockAddrContext) -> i32 {
+    forward4(&ctx, false)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_CONNECT6`.
+#[cgroup_sock_addr(connect6)]
+pub fn kp_sk_conn6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx, false)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_SENDMSG4`.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kp_sk_send4(ctx: SockAddrContext) -> i32 {
+    forward4(&ctx, true)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_SENDMSG6`.
+#[cgroup_sock_addr(sendmsg6)]
+pub fn kp_sk_send6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx, true)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_RECVMSG4`.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn kp_sk_recv4(ctx: SockAddrContext) -> i32 {
+    reverse4(&ctx)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_RECVMSG6`.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn kp_sk_recv6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_GETPEERNAME4`.
+#[cgroup_sock_addr(getpeername4)]
+pub fn kp_sk_peer4(ctx: SockAddrContext) -> i32 {
+    reverse4(&ctx)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_GETPEERNAME6`.
+#[cgroup_sock_addr(getpeername6)]
+pub fn kp_sk_peer6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx)
+}

@@ -1,0 +1,742 @@
+//! The TC service path on node devices (IPv4): NodePort / ExternalIP / LoadBalancer traffic
+//! from outside the node. `kp_tc_in` (ingress) DNATs new flows to a backend chosen from the
+//! service maps and established ones from `KP_CT`, and undoes SNAT on replies; `kp_tc_eg`
+//! (egress) SNATs flows that need it to the device's node address and undoes DNAT on replies.
+//! Entry kinds and the reason for this split: `kproxy_common::ct`.
+//!
+//! Every rewrite updates checksums with the kernel helpers (`l3_csum_replace`,
+//! `l4_csum_replace` with `BPF_F_PSEUDO_HDR` for addresses), which are correct for
+//! CHECKSUM_PARTIAL skbs too. Packets that are not ours go on unchanged with `TC_ACT_UNSPEC`
+//! (TCX "next"). No logging on this path. Not handled (passed unchanged): IPv6, VLAN tags, IP
+//! options on the quoted header of ICMP errors, non-first fragments.
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    macros::{classifier, map},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, lpm_trie::Key},
+    programs::TcContext,
+};
+use kproxy_common::ct::{
+    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
+    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, PROTO_ICMP, SNAT_PORT_TRIES, TC_STATS, TcStat,
+};
+use kproxy_common::service::{
+    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, PROTO_TCP,
+    PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
+    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES,
+    ServiceKey, SourceRangeKey, is_v4_mapped, v4_mapped,
+};
+
+use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
+
+/// `kproxy_common::ct::MAP_CT`.
+#[map]
+static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
+
+/// `kproxy_common::ct::MAP_NAT_CONFIG`.
+#[map]
+static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
+
+/// `kproxy_common::ct::MAP_NODE_ADDR4`.
+#[map]
+static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIES, 0);
+
+/// `kproxy_common::ct::MAP_TC_STATS`.
+#[map]
+static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::pinned(TC_STATS, 0);
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const IP_OFF: usize = ETH_HLEN;
+const IP_CSUM: usize = IP_OFF + 10;
+const IP_SADDR: usize = IP_OFF + 12;
+const IP_DADDR: usize = IP_OFF + 16;
+const IP_OFFSET_MASK: u16 = 0x1fff;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETERPROB: u8 = 12;
+const NS_PER_SEC: u64 = 1_000_000_000;
+
+type Verdict = i32;
+const NEXT: Verdict = TC_ACT_UNSPEC;
+const DROP: Verdict = TC_ACT_SHOT;
+
+/// An IPv4 packet's 5-tuple and where its headers are. Addresses and ports in network order.
+struct Packet {
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    /// TCP flags (0 for others).
+    tcp_flags: u8,
+    /// Offset of the L4 header.
+    l4: usize,
+}
+
+impl Packet {
+    #[inline(always)]
+    fn key(&self, kind: CtKind) -> CtKey {
+        CtKey {
+            saddr: self.saddr,
+            daddr: self.daddr,
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+            kind: kind as u8,
+            _pad: [0; 2],
+        }
+    }
+
+    /// Offset of the L4 checksum, and the `l4_csum_replace` flags it needs.
+    #[inline(always)]
+    fn l4_csum(&self) -> (usize, u64) {
+        if self.proto == PROTO_TCP {
+            (self.l4 + 16, 0)
+        } else {
+            (self.l4 + 6, BPF_F_MARK_MANGLED_0 as u64)
+        }
+    }
+}
+
+#[inline(always)]
+fn stat(s: TcStat) {
+    if let Some(v) = KP_TC_STATS.get_ptr_mut(s.index()) {
+        // SAFETY: per-CPU value of this CPU; programs are not preempted on a CPU.
+        unsafe { *v += 1 };
+    }
+}
+
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// Parses Ethernet + IPv4 (+ TCP/UDP ports, ICMP). `None`: not an IPv4 packet we handle.
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Packet> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    if ethertype != ETH_P_IP {
+        return None;
+    }
+    let vihl: u8 = ctx.load(IP_OFF).ok()?;
+    if vihl >> 4 != 4 {
+        return None;
+    }
+    let ihl = ((vihl & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return None;
+    }
+    let frag = u16::from_be(ctx.load::<u16>(IP_OFF + 6).ok()?);
+    if frag & IP_OFFSET_MASK != 0 {
+        // Non-first fragment: no L4 header to look at.
+        return None;
+    }
+    let proto: u8 = ctx.load(IP_OFF + 9).ok()?;
+    let saddr: u32 = ctx.load(IP_SADDR).ok()?;
+    let daddr: u32 = ctx.load(IP_DADDR).ok()?;
+    let l4 = IP_OFF + ihl;
+    let (sport, dport, tcp_flags) = match proto {
+        PROTO_TCP => (
+            ctx.load::<u16>(l4).ok()?,
+            ctx.load::<u16>(l4 + 2).ok()?,
+            ctx.load::<u8>(l4 + 13).ok()?,
+        ),
+        PROTO_UDP => (ctx.load::<u16>(l4).ok()?, ctx.load::<u16>(l4 + 2).ok()?, 0),
+        PROTO_ICMP => (0, 0, 0),
+        _ => return None,
+    };
+    Some(Packet {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto,
+        tcp_flags,
+        l4,
+    })
+}
+
+/// Rewrites the destination (`dst == true`) or source address and port, with checksums.
+#[inline(always)]
+fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> Result<(), ()> {
+    let (old_addr, old_port, addr_off, port_off) = if dst {
+        (p.daddr, p.dport, IP_DADDR, p.l4 + 2)
+    } else {
+        (p.saddr, p.sport, IP_SADDR, p.l4)
+    };
+    if p.proto == PROTO_TCP || p.proto == PROTO_UDP {
+        let (csum, flags) = p.l4_csum();
+        if old_addr != addr {
+            ctx.l4_csum_replace(
+                csum,
+                old_addr as u64,
+                addr as u64,
+                flags | BPF_F_PSEUDO_HDR as u64 | 4,
+            )
+            .map_err(|_| ())?;
+        }
+        if old_port != port {
+            ctx.l4_csum_replace(csum, old_port as u64, port as u64, flags | 2)
+                .map_err(|_| ())?;
+            ctx.store(port_off, &port, 0).map_err(|_| ())?;
+        }
+    }
+    if old_addr != addr {
+        ctx.l3_csum_replace(IP_CSUM, old_addr as u64, addr as u64, 4)
+            .map_err(|_| ())?;
+        ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
+    }
+    Ok(())
+}
+
+/// Refreshes an entry's timestamp and records TCP close.
+#[inline(always)]
+fn touch(entry: *mut CtEntry, tcp_flags: u8) {
+    // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
+    // or flags stale, which the agent's expiry tolerates.
+    unsafe {
+        (*entry).last_seen_ns = now();
+        if tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+            (*entry).flags |= CT_F_CLOSING;
+        }
+    }
+}
+
+/// `kproxy_common::ct::PROG_TC_INGRESS`.
+#[classifier]
+pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
+    let Some(p) = parse(&ctx) else {
+        return NEXT;
+    };
+    if p.proto == PROTO_ICMP {
+        return icmp_error_in(&mut ctx, &p).unwrap_or(NEXT);
+    }
+    ingress(&mut ctx, &p).unwrap_or(DROP)
+}
+
+/// `kproxy_common::ct::PROG_TC_EGRESS`.
+#[classifier]
+pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
+    let Some(p) = parse(&ctx) else {
+        return NEXT;
+    };
+    if p.proto == PROTO_ICMP {
+        return icmp_error_out(&mut ctx, &p).unwrap_or(NEXT);
+    }
+    egress(&mut ctx, &p).unwrap_or(DROP)
+}
+
+#[inline(always)]
+fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    // A reply to a SNATed flow: give it back its client as destination.
+    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::SnatIn)) {
+        touch(e, p.tcp_flags);
+        // SAFETY: lookup result, read by value.
+        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+        rewrite(ctx, p, true, addr, port)?;
+        stat(TcStat::Reply);
+        return Ok(NEXT);
+    }
+    // An established flow keeps its backend.
+    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::Service)) {
+        touch(e, p.tcp_flags);
+        // SAFETY: as above.
+        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+        rewrite(ctx, p, true, addr, port)?;
+        stat(TcStat::Established);
+        return Ok(NEXT);
+    }
+    new_flow(ctx, p)
+}
+
+#[inline(always)]
+fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    let mut key = ServiceKey {
+        addr: v4_mapped(p.daddr),
+        port: p.dport,
+        proto: p.proto,
+        scope: SCOPE_EXTERNAL,
+    };
+    // SAFETY: read by value right away.
+    let svc = match unsafe { KP_SERVICES.get(key) } {
+        Some(s) => *s,
+        None => {
+            // A ClusterIP reached from outside the node: the cluster set.
+            key.scope = SCOPE_CLUSTER;
+            match unsafe { KP_SERVICES.get(key) } {
+                Some(s) if s.flags & SVC_F_CLUSTER_IP != 0 => *s,
+                _ => return Ok(NEXT),
+            }
+        }
+    };
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 {
+        let k = Key::new(
+            SOURCE_RANGE_ID_BITS + 128,
+            SourceRangeKey {
+                svc_id: svc.svc_id,
+                addr: v4_mapped(p.saddr),
+            },
+        );
+        if KP_SRC_RANGES.get(&k).is_none() {
+            stat(TcStat::SourceRangeDrop);
+            return Ok(DROP);
+        }
+    }
+    if svc.count == 0 {
+        stat(TcStat::NoEndpoints);
+        if svc.flags & SVC_F_REJECT == 0 {
+            return Ok(DROP);
+        }
+        if p.proto == PROTO_TCP {
+            return Ok(tcp_reset(ctx, p).unwrap_or(DROP));
+        }
+        // UDP: a NodePort is a node address with nothing listening on the port, so the
+        // node's stack answers ICMP port unreachable itself; other frontends are dropped.
+        return Ok(if svc.flags & SVC_F_NODE_PORT != 0 {
+            NEXT
+        } else {
+            DROP
+        });
+    }
+    let ts = now();
+    let aff_key = AffinityKey {
+        client: v4_mapped(p.saddr),
+        svc_id: svc.svc_id,
+        kind: AFFINITY_CLIENT_IP,
+    };
+    let mut backend_id = 0u32;
+    if svc.flags & SVC_F_AFFINITY != 0
+        && let Some(a) = KP_AFFINITY.get_ptr_mut(aff_key)
+    {
+        // SAFETY: lookup result.
+        unsafe {
+            if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC {
+                backend_id = (*a).backend_id;
+            }
+        }
+    }
+    // SAFETY: read by value right away.
+    let mut backend = if backend_id != 0 {
+        unsafe { KP_BACKENDS.get(backend_id) }.copied()
+    } else {
+        None
+    };
+    if backend.is_none() {
+        // SAFETY: helper without arguments.
+        let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
+        let slot_key = BackendSlotKey {
+            svc_id: svc.svc_id,
+            slot,
+        };
+        backend_id = match unsafe { KP_BE_SLOTS.get(slot_key) } {
+            Some(id) => *id,
+            None => return Ok(DROP),
+        };
+        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
+    }
+    let Some(be) = backend else {
+        return Ok(DROP);
+    };
+    if !is_v4_mapped(&be.addr) {
+        return Ok(DROP);
+    }
+    if svc.flags & SVC_F_AFFINITY != 0 {
+        let v = AffinityValue {
+            backend_id,
+            _pad: 0,
+            last_used_ns: ts,
+        };
+        let _ = KP_AFFINITY.insert(aff_key, v, 0);
+    }
+    let be_addr = be.addr[3];
+    let local = be.flags & BE_F_LOCAL != 0;
+    // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
+    // through this node anyway, so its flows keep the client address (like Cilium; upstream
+    // iptables would SNAT them too). A pod reaching itself through a NodePort (hairpin) is
+    // always SNATed: it would drop a packet with its own address as source.
+    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be_addr;
+    let mut flags = 0u16;
+    if snat {
+        flags |= CT_F_SNAT;
+    }
+    if local {
+        flags |= CT_F_LOCAL_BACKEND;
+    }
+    let mut entry = CtEntry {
+        nat_addr: be_addr,
+        nat_port: be.port,
+        flags,
+        backend_id,
+        svc_id: svc.svc_id,
+        created_ns: ts,
+        last_seen_ns: ts,
+    };
+    let fwd = p.key(CtKind::Service);
+    let rev = CtKey {
+        saddr: be_addr,
+        daddr: p.saddr,
+        sport: be.port,
+        dport: p.sport,
+        proto: p.proto,
+        kind: CtKind::RevDnat as u8,
+        _pad: [0; 2],
+    };
+    let mut ok = KP_CT.insert(fwd, entry, 0).is_ok();
+    entry.nat_addr = p.daddr;
+    entry.nat_port = p.dport;
+    ok &= KP_CT.insert(rev, entry, 0).is_ok();
+    if snat {
+        let out = CtKey {
+            saddr: p.saddr,
+            daddr: be_addr,
+            sport: p.sport,
+            dport: be.port,
+            proto: p.proto,
+            kind: CtKind::SnatOut as u8,
+            _pad: [0; 2],
+        };
+        // The SNAT address/port is allocated by the egress program once the route is known.
+        entry.nat_addr = 0;
+        entry.nat_port = 0;
+        ok &= KP_CT.insert(out, entry, 0).is_ok();
+    }
+    if !ok {
+        stat(TcStat::CtInsertFailed);
+        return Ok(DROP);
+    }
+    rewrite(ctx, p, true, be_addr, be.port)?;
+    stat(TcStat::NewFlow);
+    Ok(NEXT)
+}
+
+#[inline(always)]
+fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    // A reply from a backend: its source becomes the frontend again.
+    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::RevDnat)) {
+        touch(e, p.tcp_flags);
+        // SAFETY: lookup result, read by value.
+        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+        rewrite(ctx, p, false, addr, port)?;
+        stat(TcStat::Reply);
+        return Ok(NEXT);
+    }
+    let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::SnatOut)) else {
+        return Ok(NEXT);
+    };
+    touch(e, p.tcp_flags);
+    // SAFETY: lookup result.
+    let (mut addr, mut port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+    if addr == 0 {
+        // SAFETY: reads the context's ifindex field.
+        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+        let Some(node) = (unsafe { KP_NODE_ADDR4.get(ifindex) }) else {
+            stat(TcStat::SnatExhausted);
+            return Ok(DROP);
+        };
+        addr = node.addr;
+        // SAFETY: lookup result, read by value.
+        let template = unsafe { *e };
+        port = match allocate_port(p, addr, &template) {
+            Some(port) => port,
+            None => {
+                stat(TcStat::SnatExhausted);
+                return Ok(DROP);
+            }
+        };
+        // SAFETY: lookup result; only the flow's first packet gets here.
+        unsafe {
+            (*e).nat_addr = addr;
+            (*e).nat_port = port;
+        }
+    }
+    rewrite(ctx, p, false, addr, port)?;
+    stat(TcStat::Snat);
+    Ok(NEXT)
+}
+
+/// Picks a free SNAT port for `p` (`C:cp → B:bp`) on node address `node` and claims it by
+/// inserting the flow's [`CtKind::SnatIn`] entry with `BPF_NOEXIST` (atomic against other
+/// CPUs). Returns it in network order.
+#[inline(always)]
+fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
+    // SAFETY: lookup result, read by value.
+    let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
+    let (min, max) = (u32::from(cfg.snat_port_min), u32::from(cfg.snat_port_max));
+    if min == 0 || max < min {
+        return None;
+    }
+    let range = max - min + 1;
+    if range == 0 {
+        // Unreachable (u16 bounds); lets the compiler drop the division-by-zero panic path,
+        // which the verifier would reject.
+        return None;
+    }
+    let entry = CtEntry {
+        nat_addr: p.saddr,
+        nat_port: p.sport,
+        ..*template
+    };
+    // SAFETY: helper without arguments.
+    let start = unsafe { bpf_get_prandom_u32() } % range;
+    let mut i = 0;
+    while i < SNAT_PORT_TRIES {
+        let port = ((min + (start + i) % range) as u16).to_be();
+        let key = CtKey {
+            saddr: p.daddr,
+            daddr: node,
+            sport: p.dport,
+            dport: port,
+            proto: p.proto,
+            kind: CtKind::SnatIn as u8,
+            _pad: [0; 2],
+        };
+        if KP_CT.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
+            return Some(port);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Answers a TCP segment to a frontend without endpoints with a RST from the frontend, sent
+/// back out of the device it came in on (RFC 9293 §3.10.7.1 reset generation). Segments
+/// carrying data are dropped instead (the client's next SYN gets the RST).
+#[inline(always)]
+fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    if p.tcp_flags & TCP_RST != 0 || p.l4 != IP_OFF + 20 {
+        return Ok(DROP);
+    }
+    let tot_len = u16::from_be(ctx.load::<u16>(IP_OFF + 2).map_err(|_| ())?);
+    let doff_word: u16 = ctx.load(p.l4 + 12).map_err(|_| ())?;
+    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
+    if !(20..=60).contains(&doff) {
+        return Ok(DROP);
+    }
+    let tcp_len = (tot_len as usize).wrapping_sub(20);
+    if tcp_len != doff {
+        return Ok(DROP);
+    }
+    let seq = u32::from_be(ctx.load::<u32>(p.l4 + 4).map_err(|_| ())?);
+    let ack = u32::from_be(ctx.load::<u32>(p.l4 + 8).map_err(|_| ())?);
+    let (new_seq, new_ack, new_flags) = if p.tcp_flags & TCP_ACK != 0 {
+        (ack, 0u32, TCP_RST)
+    } else {
+        let mut len = 0u32;
+        if p.tcp_flags & TCP_SYN != 0 {
+            len += 1;
+        }
+        if p.tcp_flags & TCP_FIN != 0 {
+            len += 1;
+        }
+        (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
+    };
+    let csum = p.l4 + 16;
+    // Options are dropped: take their sum out of the checksum (ignored for CHECKSUM_PARTIAL,
+    // where the stack sums the data later).
+    let opt_words = (doff - 20) / 4;
+    let mut i = 0usize;
+    while i < 10 {
+        if i >= opt_words {
+            break;
+        }
+        let w: u32 = ctx.load(p.l4 + 20 + i * 4).map_err(|_| ())?;
+        ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
+        i += 1;
+    }
+    let new_doff_word = ((5u16 << 12) | u16::from(new_flags)).to_be();
+    ctx.l4_csum_replace(csum, seq.to_be() as u64, new_seq.to_be() as u64, 4)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, ack.to_be() as u64, new_ack.to_be() as u64, 4)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
+        .map_err(|_| ())?;
+    let window: u16 = ctx.load(p.l4 + 14).map_err(|_| ())?;
+    let urg: u16 = ctx.load(p.l4 + 18).map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, window as u64, 0, 2)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, urg as u64, 0, 2)
+        .map_err(|_| ())?;
+    let old_len = (tcp_len as u16).to_be();
+    let new_len = 20u16.to_be();
+    ctx.l4_csum_replace(
+        csum,
+        old_len as u64,
+        new_len as u64,
+        BPF_F_PSEUDO_HDR as u64 | 2,
+    )
+    .map_err(|_| ())?;
+    // Swapping addresses and ports leaves both checksums unchanged.
+    ctx.store(p.l4, &p.dport, 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 2, &p.sport, 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 12, &new_doff_word, 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 14, &0u16, 0).map_err(|_| ())?;
+    ctx.store(p.l4 + 18, &0u16, 0).map_err(|_| ())?;
+    ctx.store(IP_SADDR, &p.daddr, 0).map_err(|_| ())?;
+    ctx.store(IP_DADDR, &p.saddr, 0).map_err(|_| ())?;
+    let old_tot = tot_len.to_be();
+    let new_tot = 40u16.to_be();
+    ctx.l3_csum_replace(IP_CSUM, old_tot as u64, new_tot as u64, 2)
+        .map_err(|_| ())?;
+    ctx.store(IP_OFF + 2, &new_tot, 0).map_err(|_| ())?;
+    let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
+    let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
+    ctx.store(0, &src_mac, 0).map_err(|_| ())?;
+    ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
+    // SAFETY: the context pointer is valid for the program's run.
+    unsafe {
+        if bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + 40) as u32, 0) != 0 {
+            return Ok(DROP);
+        }
+        let ifindex = (*ctx.skb.skb).ifindex;
+        Ok(bpf_redirect(ifindex, 0) as i32)
+    }
+}
+
+/// The quoted packet of an ICMP error: offsets and its tuple (network order).
+struct Quoted {
+    /// Offset of the ICMP checksum.
+    icmp_csum: usize,
+    /// Offset of the quoted IP header.
+    ip: usize,
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+}
+
+#[inline(always)]
+fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
+    let ty: u8 = ctx.load(p.l4).ok()?;
+    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED && ty != ICMP_PARAMETERPROB {
+        return None;
+    }
+    let ip = p.l4 + 8;
+    let vihl: u8 = ctx.load(ip).ok()?;
+    if vihl != 0x45 {
+        return None;
+    }
+    let frag = u16::from_be(ctx.load::<u16>(ip + 6).ok()?);
+    if frag & IP_OFFSET_MASK != 0 {
+        return None;
+    }
+    let proto: u8 = ctx.load(ip + 9).ok()?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    Some(Quoted {
+        icmp_csum: p.l4 + 2,
+        ip,
+        saddr: ctx.load(ip + 12).ok()?,
+        daddr: ctx.load(ip + 16).ok()?,
+        sport: ctx.load(ip + 20).ok()?,
+        dport: ctx.load(ip + 22).ok()?,
+        proto,
+    })
+}
+
+/// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
+/// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
+/// (receivers do not verify it on truncated quotes).
+#[inline(always)]
+fn rewrite_quoted(
+    ctx: &mut TcContext,
+    q: &Quoted,
+    dst: bool,
+    addr: u32,
+    port: u16,
+) -> Result<(), ()> {
+    let (old_addr, old_port, addr_off, port_off) = if dst {
+        (q.daddr, q.dport, q.ip + 16, q.ip + 22)
+    } else {
+        (q.saddr, q.sport, q.ip + 12, q.ip + 20)
+    };
+    let ip_csum = q.ip + 10;
+    let old_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+    ctx.l3_csum_replace(ip_csum, old_addr as u64, addr as u64, 4)
+        .map_err(|_| ())?;
+    let new_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+    ctx.l4_csum_replace(q.icmp_csum, old_addr as u64, addr as u64, 4)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(q.icmp_csum, old_port as u64, port as u64, 2)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(q.icmp_csum, old_ip_csum as u64, new_ip_csum as u64, 2)
+        .map_err(|_| ())?;
+    ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
+    ctx.store(port_off, &port, 0).map_err(|_| ())?;
+    Ok(())
+}
+
+/// Outer address rewrite of an ICMP packet (no pseudo header in the ICMP checksum).
+#[inline(always)]
+fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
+    ctx.l3_csum_replace(IP_CSUM, old as u64, new as u64, 4)
+        .map_err(|_| ())?;
+    ctx.store(if dst { IP_DADDR } else { IP_SADDR }, &new, 0)
+        .map_err(|_| ())
+}
+
+/// Ingress: an ICMP error about a SNATed flow (quoted `N:np → B:bp`) goes to its client.
+#[inline(always)]
+fn icmp_error_in(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    let Some(q) = quoted(ctx, p) else {
+        return Ok(NEXT);
+    };
+    let key = CtKey {
+        saddr: q.daddr,
+        daddr: q.saddr,
+        sport: q.dport,
+        dport: q.sport,
+        proto: q.proto,
+        kind: CtKind::SnatIn as u8,
+        _pad: [0; 2],
+    };
+    // SAFETY: read by value right away.
+    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
+        return Ok(NEXT);
+    };
+    if p.daddr != q.saddr {
+        return Ok(NEXT);
+    }
+    rewrite_quoted(ctx, &q, false, e.nat_addr, e.nat_port)?;
+    rewrite_outer(ctx, true, p.daddr, e.nat_addr)?;
+    stat(TcStat::IcmpError);
+    Ok(NEXT)
+}
+
+/// Egress: an ICMP error about a DNATed flow (quoted `C:cp → B:bp`) names the frontend.
+#[inline(always)]
+fn icmp_error_out(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    let Some(q) = quoted(ctx, p) else {
+        return Ok(NEXT);
+    };
+    let key = CtKey {
+        saddr: q.daddr,
+        daddr: q.saddr,
+        sport: q.dport,
+        dport: q.sport,
+        proto: q.proto,
+        kind: CtKind::RevDnat as u8,
+        _pad: [0; 2],
+    };
+    // SAFETY: read by value right away.
+    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
+        return Ok(NEXT);
+    };
+    rewrite_quoted(ctx, &q, true, e.nat_addr, e.nat_port)?;
+    if p.saddr == q.daddr {
+        // Sent by the backend itself (port unreachable): it speaks as the frontend.
+        rewrite_outer(ctx, false, p.saddr, e.nat_addr)?;
+    }
+    stat(TcStat::IcmpError);
+    Ok(NEXT)
+}

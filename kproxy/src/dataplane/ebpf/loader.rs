@@ -1,0 +1,300 @@
+//! Kernel side of the eBPF datapath: bpffs, the object with its pinned maps, and the socket-LB
+//! programs attached to a cgroup through pinned links.
+//!
+//! Layout under `<bpffs>/kproxy/`:
+//! - `<MAP NAME>`: every map of the object that is declared pinned (the service maps, and the
+//!   TC maps of the same object), created on first start and reused afterwards;
+//! - `links/<program>`: one pinned `bpf_link` per socket-LB program. A link that is already
+//!   pinned is kept as it is (same link id, no detach/attach gap), so a restarted agent (even
+//!   after kill -9) neither interrupts nor re-attaches; the programs behind those links read
+//!   the same pinned maps, which the new agent reconciles.
+//!
+//! Pinned maps are reused as they are: a map whose key/value sizes differ from this build's is
+//! an error (naming `kproxy cleanup`), one whose `max_entries` differs from `--bpf-map-sizes`
+//! keeps its old size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
+//! `kproxy cleanup` (which removes the pins) and a start. The link's cgroup is not compared
+//! with `--bpf-cgroup` on reuse.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use aya::maps::MapData;
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+use aya::{Ebpf, EbpfLoader};
+use kproxy_common::service::{
+    MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
+    MAP_SOURCE_RANGES,
+};
+use kproxy_common::sock;
+
+use super::EbpfConfig;
+use super::applier::Tables;
+use super::tables::{KernelLpmTable, KernelTable, TableError};
+use crate::bpf::{BpfError, OBJECT};
+
+/// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Errors of setting up the eBPF datapath.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    #[error(transparent)]
+    Bpf(#[from] BpfError),
+    #[error("bpffs at {path}: {reason}")]
+    Bpffs { path: PathBuf, reason: String },
+    #[error("cgroup {path}: {reason}")]
+    Cgroup { path: PathBuf, reason: String },
+    #[error("socket-LB program {name}: {reason}")]
+    Program { name: &'static str, reason: String },
+    #[error(transparent)]
+    Table(#[from] TableError),
+}
+
+/// Makes sure `path` is a bpffs (mounting one if it is not).
+pub fn ensure_bpffs(path: &Path) -> Result<(), LoaderError> {
+    let err = |reason: String| LoaderError::Bpffs {
+        path: path.to_path_buf(),
+        reason,
+    };
+    fs::create_dir_all(path).map_err(|e| err(format!("creating the directory: {e}")))?;
+    let st = nix::sys::statfs::statfs(path).map_err(|e| err(format!("statfs: {e}")))?;
+    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        path,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| err(format!("not a bpffs and mounting one failed: {e}")))?;
+    tracing::info!(path = %path.display(), "mounted bpffs");
+    Ok(())
+}
+
+/// The cgroup2 mount point from `/proc/self/mountinfo` (default socket-LB attach point).
+pub fn cgroup2_root() -> Option<PathBuf> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    text.lines().find_map(|line| {
+        let (mount, fs) = line.split_once(" - ")?;
+        (fs.split_whitespace().next()? == "cgroup2")
+            .then(|| mount.split_whitespace().nth(4).map(PathBuf::from))?
+    })
+}
+
+/// The loaded object, its pin directory and the ids of the socket-LB links.
+pub struct Kernel {
+    _ebpf: Ebpf,
+    pin_dir: PathBuf,
+    /// `(program, link id)` of each attached socket-LB program.
+    pub links: Vec<(&'static str, u32)>,
+}
+
+/// `<bpffs>/kproxy`.
+pub fn pin_dir(cfg: &EbpfConfig) -> PathBuf {
+    cfg.bpffs.join("kproxy")
+}
+
+fn link_dir(pin_dir: &Path) -> PathBuf {
+    pin_dir.join("links")
+}
+
+/// Loads the object (reusing pinned maps), returns the service tables and attaches socket LB.
+pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
+    if OBJECT.is_empty() {
+        return Err(BpfError::NotBuilt.into());
+    }
+    ensure_bpffs(&cfg.bpffs)?;
+    let dir = pin_dir(cfg);
+    fs::create_dir_all(link_dir(&dir)).map_err(|e| LoaderError::Bpffs {
+        path: dir.clone(),
+        reason: format!("creating {}: {e}", link_dir(&dir).display()),
+    })?;
+    let sizes = &cfg.map_sizes;
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(&dir)
+        .map_max_entries(MAP_SERVICES, sizes.services)
+        .map_max_entries(MAP_BACKEND_SLOTS, sizes.backend_slots)
+        .map_max_entries(MAP_BACKENDS, sizes.backends)
+        .map_max_entries(MAP_AFFINITY, sizes.affinity)
+        .map_max_entries(MAP_SOURCE_RANGES, sizes.source_ranges)
+        .map_max_entries(MAP_SOCK_REV_NAT, sizes.sock_rev_nat)
+        .map_max_entries(MAP_SOCK_FWD, sizes.sock_rev_nat)
+        .load(OBJECT)
+        .map_err(BpfError::from)?;
+
+    // Owned handles on the pinned maps, independent of the object's own map table.
+    let take = |name: &'static str| -> Result<MapData, LoaderError> {
+        if ebpf.map(name).is_none() {
+            return Err(BpfError::MissingMap { name }.into());
+        }
+        MapData::from_pin(dir.join(name)).map_err(|e| {
+            LoaderError::Table(TableError {
+                map: name,
+                reason: format!("opening the pinned map: {e}"),
+                full: false,
+            })
+        })
+    };
+    let tables = Tables {
+        services: Box::new(KernelTable::new(MAP_SERVICES, take(MAP_SERVICES)?)?),
+        slots: Box::new(KernelTable::new(
+            MAP_BACKEND_SLOTS,
+            take(MAP_BACKEND_SLOTS)?,
+        )?),
+        backends: Box::new(KernelTable::new(MAP_BACKENDS, take(MAP_BACKENDS)?)?),
+        source_ranges: Box::new(KernelLpmTable::new(
+            MAP_SOURCE_RANGES,
+            take(MAP_SOURCE_RANGES)?,
+        )?),
+        affinity: Box::new(KernelTable::new(MAP_AFFINITY, take(MAP_AFFINITY)?)?),
+    };
+
+    for (name, have, want) in [
+        (MAP_SERVICES, tables.services.capacity(), sizes.services),
+        (
+            MAP_BACKEND_SLOTS,
+            tables.slots.capacity(),
+            sizes.backend_slots,
+        ),
+        (MAP_BACKENDS, tables.backends.capacity(), sizes.backends),
+        (
+            MAP_SOURCE_RANGES,
+            tables.source_ranges.capacity(),
+            sizes.source_ranges,
+        ),
+        (MAP_AFFINITY, tables.affinity.capacity(), sizes.affinity),
+    ] {
+        if have != want {
+            tracing::warn!(
+                map = name,
+                pinned = have,
+                configured = want,
+                "reusing the pinned map with its old size; `kproxy cleanup` and a restart apply \
+                 the new one"
+            );
+        }
+    }
+
+    let links = if cfg.socket_lb {
+        attach_sock(&mut ebpf, cfg, &dir)?
+    } else {
+        Vec::new()
+    };
+    Ok((
+        Kernel {
+            _ebpf: ebpf,
+            pin_dir: dir,
+            links,
+        },
+        tables,
+    ))
+}
+
+fn attach_sock(
+    ebpf: &mut Ebpf,
+    cfg: &EbpfConfig,
+    dir: &Path,
+) -> Result<Vec<(&'static str, u32)>, LoaderError> {
+    let cgroup_path = match &cfg.cgroup {
+        Some(p) => p.clone(),
+        None => cgroup2_root().ok_or_else(|| LoaderError::Cgroup {
+            path: PathBuf::from("/proc/self/mountinfo"),
+            reason: "no cgroup2 mount found (pass --bpf-cgroup)".into(),
+        })?,
+    };
+    let mut links = Vec::new();
+    for name in sock::PROGRAMS {
+        let perr = |reason: String| LoaderError::Program { name, reason };
+        let pin = link_dir(dir).join(name);
+        if pin.exists() {
+            let pinned = PinnedLink::from_pin(&pin)
+                .map_err(|e| perr(format!("reusing pinned link {}: {e}", pin.display())))?;
+            let fd: FdLink = pinned.into();
+            let id = fd.info().map_err(|e| perr(e.to_string()))?.id();
+            tracing::debug!(program = name, link = id, "reusing pinned link");
+            links.push((name, id));
+            continue;
+        }
+        let cgroup = fs::File::open(&cgroup_path).map_err(|e| LoaderError::Cgroup {
+            path: cgroup_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let program: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .ok_or(BpfError::MissingProgram { name })?
+            .try_into()
+            .map_err(|e: aya::programs::ProgramError| perr(e.to_string()))?;
+        if program.fd().is_err() {
+            program
+                .load()
+                .map_err(|e| perr(format!("loading: {}", chain(&e))))?;
+        }
+        let link_id = program
+            // bpf_link_create takes no flags for cgroups (links always coexist with others).
+            .attach(&cgroup, CgroupAttachMode::Single)
+            .map_err(|e| {
+                perr(format!(
+                    "attaching to {}: {}",
+                    cgroup_path.display(),
+                    chain(&e)
+                ))
+            })?;
+        let link = program
+            .take_link(link_id)
+            .map_err(|e| perr(e.to_string()))?;
+        let fd: FdLink = link
+            .try_into()
+            .map_err(|e: aya::programs::links::LinkError| perr(e.to_string()))?;
+        let id = fd.info().map_err(|e| perr(e.to_string()))?.id();
+        fd.pin(&pin)
+            .map_err(|e| perr(format!("pinning the link at {}: {e}", pin.display())))?;
+        tracing::info!(program = name, link = id, cgroup = %cgroup_path.display(), "attached");
+        links.push((name, id));
+    }
+    Ok(links)
+}
+
+/// An error with its sources (aya's program errors hide the errno in `source()`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
+impl Kernel {
+    /// Detaches socket LB (removes the link pins) and removes the pinned maps.
+    pub fn cleanup(&self) -> std::io::Result<()> {
+        remove_pins(&self.pin_dir)
+    }
+}
+
+/// Removes `<bpffs>/kproxy` (links first, so programs detach before their maps go).
+pub fn remove_pins(dir: &Path) -> std::io::Result<()> {
+    let links = link_dir(dir);
+    if links.exists() {
+        for entry in fs::read_dir(&links)? {
+            fs::remove_file(entry?.path())?;
+        }
+        fs::remove_dir(&links)?;
+    }
+    if dir.exists() {
+        for entry in fs::read_dir(dir)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                fs::remove_dir_all(&path)?;
+            } else {
+                fs::remove_file(&path)?;
+            }
+        }
+        fs::remove_dir(dir)?;
+    }
+    Ok(())
+}

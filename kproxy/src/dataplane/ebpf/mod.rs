@@ -1,0 +1,220 @@
+//! The eBPF datapath: service maps programmed from snapshots, socket-level load balancing.
+//!
+//! - [`planner`] (pure): [`Snapshot`] + [`EbpfConfig`] → [`planner::Plan`], the exact entries
+//!   of the service maps (`kproxy_common::service` documents the layout and who reads what);
+//!   [`render`] prints it (`kproxy render --proxy-mode ebpf`).
+//! - [`ids`]: stable backend and set ids across syncs and restarts.
+//! - [`applier`]: diffs a plan against the maps and writes backends → slots → frontends →
+//!   deletes stale, failing only the service port whose write failed.
+//! - [`tables`]: one map as the applier sees it (kernel or in-memory).
+//! - [`loader`]: bpffs, the object with pinned maps, socket-LB programs on pinned links.
+//!
+//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. Every sync is planned in full (the
+//! `changed` set is not needed: planning 10k service ports is cheap and the applier writes only
+//! differences). The TC programs (NodePort/ExternalIP/LB from outside) read the same maps.
+
+pub mod applier;
+pub mod ids;
+pub mod loader;
+pub mod planner;
+pub mod tables;
+#[cfg(test)]
+mod tests;
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use kproxy_common::service::{
+    DEFAULT_AFFINITY_MAX, DEFAULT_BACKEND_SLOTS_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX,
+    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
+};
+
+pub use applier::{Applier, ApplyOutcome, MapPressure};
+pub use planner::{Plan, plan, render};
+
+use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::model::{ChangedSet, IpFamily, Snapshot};
+
+/// `max_entries` of each service map (`--bpf-map-sizes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapSizes {
+    pub services: u32,
+    pub backend_slots: u32,
+    pub backends: u32,
+    pub affinity: u32,
+    pub source_ranges: u32,
+    /// Socket-LB per-socket maps (`KP_SOCK_RNAT` and `KP_SOCK_FWD`, LRU).
+    pub sock_rev_nat: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes {
+            services: DEFAULT_SERVICES_MAX,
+            backend_slots: DEFAULT_BACKEND_SLOTS_MAX,
+            backends: DEFAULT_BACKENDS_MAX,
+            affinity: DEFAULT_AFFINITY_MAX,
+            source_ranges: DEFAULT_SOURCE_RANGES_MAX,
+            sock_rev_nat: DEFAULT_SOCK_REV_NAT_MAX,
+        }
+    }
+}
+
+/// Backend selection (`--bpf-lb-algorithm`). Only `random` is implemented.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LbAlgorithm {
+    /// A uniformly random slot per new connection (or UDP datagram without affinity).
+    #[default]
+    Random,
+}
+
+/// What the eBPF datapath needs from the resolved configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EbpfConfig {
+    /// Addresses NodePorts are programmed on (`--nodeport-addresses` resolved to this node's
+    /// addresses). Empty: the Node object's addresses from the snapshot.
+    pub node_addresses: Vec<IpAddr>,
+    /// IP families to program (the node's families; both for dual-stack).
+    pub families: Vec<IpFamily>,
+    pub map_sizes: MapSizes,
+    pub lb_algorithm: LbAlgorithm,
+    /// bpffs mount (`--bpffs`, default `/sys/fs/bpf`, mounted if absent); pins go to
+    /// `<bpffs>/kproxy/`.
+    pub bpffs: PathBuf,
+    /// cgroup v2 directory socket LB attaches to (`--bpf-cgroup`); `None`: the cgroup2 root.
+    pub cgroup: Option<PathBuf>,
+    /// Attach the socket-LB programs (off: maps only, e.g. when only TC is wanted).
+    pub socket_lb: bool,
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        EbpfConfig {
+            node_addresses: Vec::new(),
+            families: vec![IpFamily::V4, IpFamily::V6],
+            map_sizes: MapSizes::default(),
+            lb_algorithm: LbAlgorithm::Random,
+            bpffs: PathBuf::from("/sys/fs/bpf"),
+            cgroup: None,
+            socket_lb: true,
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Removes everything the eBPF datapath pinned under `<bpffs>/kproxy/` (socket-LB links first,
+/// which detaches them, then the maps) without loading anything: `kproxy cleanup`. A missing
+/// directory is not an error.
+pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
+    let dir = bpffs.join("kproxy");
+    loader::remove_pins(&dir).map_err(|e| CleanupError {
+        mode: ProxyMode::Ebpf,
+        reason: format!("removing {}: {e}", dir.display()),
+    })
+}
+
+/// The eBPF [`Dataplane`].
+pub struct EbpfDataplane {
+    cfg: EbpfConfig,
+    ids: ids::IdAllocator,
+    applier: Applier,
+    kernel: loader::Kernel,
+    last_plan: Plan,
+}
+
+impl EbpfDataplane {
+    /// Mounts bpffs if needed, loads the object reusing pinned maps and links, attaches socket
+    /// LB and reads the maps' current content (a restart reconciles, nothing is flushed).
+    pub fn new(cfg: EbpfConfig) -> Result<Self, loader::LoaderError> {
+        let (kernel, tables) = loader::load(&cfg)?;
+        let applier = Applier::new(tables)?;
+        let mut ids = ids::IdAllocator::new();
+        let (services, backends) = applier.existing();
+        for (key, value) in services {
+            ids.hint_set(*key, value.svc_id);
+        }
+        for (id, b) in backends {
+            ids.seed_backend((planner::decode_addr(b.addr), u16::from_be(b.port)), *id);
+        }
+        Ok(EbpfDataplane {
+            cfg,
+            ids,
+            applier,
+            kernel,
+            last_plan: Plan::default(),
+        })
+    }
+
+    /// `(program, link id)` of the attached socket-LB links.
+    pub fn link_ids(&self) -> &[(&'static str, u32)] {
+        &self.kernel.links
+    }
+
+    /// Entries and capacity of each service map.
+    pub fn map_pressure(&self) -> Vec<MapPressure> {
+        self.applier.pressure()
+    }
+
+    /// The plan of the last sync.
+    pub fn last_plan(&self) -> &Plan {
+        &self.last_plan
+    }
+
+    /// The configuration this datapath runs with.
+    pub fn config(&self) -> &EbpfConfig {
+        &self.cfg
+    }
+
+    /// Replaces the addresses NodePorts are programmed on (the node's addresses changed);
+    /// takes effect at the next sync.
+    pub fn set_node_addresses(&mut self, addrs: Vec<IpAddr>) {
+        self.cfg.node_addresses = addrs;
+    }
+}
+
+impl Dataplane for EbpfDataplane {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ebpf
+    }
+
+    fn sync(&mut self, snap: &Snapshot, _changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let plan = plan(snap, &self.cfg, &mut self.ids);
+        let outcome = self
+            .applier
+            .apply(&plan, monotonic_ns())
+            .map_err(|e| SyncError::Kernel(e.to_string()))?;
+        for (name, reason) in &outcome.failed {
+            tracing::warn!(service = %name, "{reason}");
+        }
+        tracing::debug!(
+            writes = outcome.writes,
+            deletes = outcome.deletes,
+            affinity_deleted = outcome.affinity_deleted,
+            "eBPF service maps synced"
+        );
+        let report = SyncReport {
+            services: outcome.services,
+            endpoints: outcome.backends,
+            failed_services: outcome.failed.len(),
+        };
+        self.last_plan = plan;
+        Ok(report)
+    }
+
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        self.kernel.cleanup().map_err(|e| CleanupError {
+            mode: ProxyMode::Ebpf,
+            reason: format!("removing {}: {e}", loader::pin_dir(&self.cfg).display()),
+        })
+    }
+}

@@ -1,0 +1,460 @@
+//! The pure planner: a [`Snapshot`] and an [`EbpfConfig`] → the exact service-map entries
+//! ([`Plan`]). No I/O; the applier writes what this returns.
+//!
+//! Per service port and IP family (endpoints are filtered to the family first, then
+//! categorized like upstream's per-family proxiers do):
+//! - sets: the cluster set (`categorize().cluster`) and the local set (`.local`) each become a
+//!   [`SetPlan`] with a stable `svc_id` and one slot per endpoint (sorted by address);
+//! - frontends ([`ServiceKey`] → [`ServiceValue`]):
+//!   - the ClusterIP, scope cluster → local set with iTP=Local, else the cluster set;
+//!   - every NodePort (one per node address of the family), externalIP and LB VIP (ipMode VIP):
+//!     scope cluster → the cluster set (upstream short-circuits traffic from the node and its
+//!     pods to external destinations to the cluster endpoints, even with eTP=Local); scope
+//!     external → the local set with eTP=Local, else the cluster set;
+//!   - `count == 0` sets [`SVC_F_REJECT`] only when the family has no usable endpoint at all
+//!     (upstream REJECT); otherwise an empty local set means DROP ("has no local endpoints").
+//! - LB VIPs of a service with loadBalancerSourceRanges get [`SVC_F_SOURCE_RANGES`] on their
+//!   external-scope entry and one LPM entry per range of the family.
+//!
+//! Knowing differences from upstream: NodePorts are programmed on the configured node
+//! addresses only (no `127.0.0.1:nodePort` "localnet" access); source ranges do not apply to
+//! socket LB (a connecting socket has no source address yet), i.e. to clients on the node.
+//!
+//! A frontend claimed by two service ports (e.g. the same externalIP and port on two services)
+//! goes to the first by name; the second is reported in [`ServicePlan::errors`] without that
+//! frontend.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use kproxy_common::service::{
+    BE_F_LOCAL, BE_F_TERMINATING, BackendValue, SCOPE_CLUSTER, SCOPE_EXTERNAL,
+    SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY, SVC_F_CLUSTER_IP, SVC_F_EXTERNAL_IP, SVC_F_LOAD_BALANCER,
+    SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceKey, ServiceValue,
+    SourceRangeKey, is_v4_mapped,
+};
+
+use super::EbpfConfig;
+use super::ids::{BackendAddr, IdAllocator, SetKey, SetKind};
+use crate::model::topology::categorize_endpoints;
+use crate::model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot};
+
+/// An address in the maps' encoding (v4-mapped for IPv4, network order words).
+pub fn encode_addr(ip: IpAddr) -> [u32; 4] {
+    let v6 = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    let o = v6.octets();
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+/// The inverse of [`encode_addr`].
+pub fn decode_addr(addr: [u32; 4]) -> IpAddr {
+    let mut o = [0u8; 16];
+    for (i, w) in addr.iter().enumerate() {
+        o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    let v6 = std::net::Ipv6Addr::from(o);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}
+
+/// A [`MAP_SOURCE_RANGES`](kproxy_common::service::MAP_SOURCE_RANGES) key: LPM prefix length
+/// (bits, including the 32 of `svc_id`) and data.
+pub type SourceRangeEntry = (u32, SourceRangeKey);
+
+/// The LPM key allowing `net` for set `svc_id`.
+pub fn source_range_entry(svc_id: u32, net: IpNet) -> SourceRangeEntry {
+    let bits = match net {
+        IpNet::V4(n) => 96 + u32::from(n.prefix_len()),
+        IpNet::V6(n) => u32::from(n.prefix_len()),
+    };
+    (
+        SOURCE_RANGE_ID_BITS + bits,
+        SourceRangeKey {
+            svc_id,
+            addr: encode_addr(net.network()),
+        },
+    )
+}
+
+/// The slots of one endpoint set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetPlan {
+    pub svc_id: u32,
+    pub kind: SetKind,
+    pub family: IpFamily,
+    /// Backend id of slot `i`.
+    pub backends: Vec<u32>,
+}
+
+/// Everything one service port puts into the maps.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServicePlan {
+    pub frontends: BTreeMap<ServiceKey, ServiceValue>,
+    pub sets: Vec<SetPlan>,
+    pub source_ranges: BTreeSet<SourceRangeEntry>,
+    /// Problems planning this service port (what was left out and why).
+    pub errors: Vec<String>,
+}
+
+impl ServicePlan {
+    /// Backend ids this service's slots reference.
+    pub fn backend_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.sets.iter().flat_map(|s| s.backends.iter().copied())
+    }
+}
+
+/// The whole desired content of the service maps.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub services: BTreeMap<ServicePortName, ServicePlan>,
+    /// Every backend any service references, by id.
+    pub backends: BTreeMap<u32, BackendValue>,
+    /// Address of each backend id (for logs and render).
+    pub backend_addrs: BTreeMap<u32, BackendAddr>,
+}
+
+impl Plan {
+    /// Number of frontends, slots and source-range entries.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        self.services.values().fold((0, 0, 0), |(f, s, r), p| {
+            (
+                f + p.frontends.len(),
+                s + p.sets.iter().map(|s| s.backends.len()).sum::<usize>(),
+                r + p.source_ranges.len(),
+            )
+        })
+    }
+}
+
+fn backend_value(ep: &Endpoint) -> BackendValue {
+    let mut flags = 0;
+    if ep.is_local {
+        flags |= BE_F_LOCAL;
+    }
+    if ep.terminating {
+        flags |= BE_F_TERMINATING;
+    }
+    BackendValue {
+        addr: encode_addr(ep.ip),
+        port: ep.port.to_be(),
+        flags,
+        _pad: 0,
+    }
+}
+
+fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
+    ServiceKey {
+        addr: encode_addr(ip),
+        port: port.to_be(),
+        proto: svc.protocol.number(),
+        scope,
+    }
+}
+
+/// Plans every service port of `snap`. `ids` keeps ids stable across calls (pass the same
+/// allocator every sync; `render` uses a fresh one).
+pub fn plan(snap: &Snapshot, cfg: &EbpfConfig, ids: &mut IdAllocator) -> Plan {
+    let mut out = Plan::default();
+    let mut claimed: BTreeMap<ServiceKey, ServicePortName> = BTreeMap::new();
+    let node_addrs: Vec<IpAddr> = if cfg.node_addresses.is_empty() {
+        snap.node.addresses.clone()
+    } else {
+        cfg.node_addresses.clone()
+    };
+    for (name, svc) in &snap.services {
+        let mut sp = ServicePlan::default();
+        for &family in &cfg.families {
+            plan_family(
+                snap,
+                svc,
+                family,
+                &node_addrs,
+                ids,
+                &mut sp,
+                &mut out,
+                &mut claimed,
+            );
+        }
+        out.services.insert(name.clone(), sp);
+    }
+    let live_backends: BTreeSet<BackendAddr> = out.backend_addrs.values().copied().collect();
+    let live_sets: BTreeSet<SetKey> = out
+        .services
+        .iter()
+        .flat_map(|(name, p)| {
+            p.sets.iter().map(move |s| SetKey {
+                service: name.clone(),
+                kind: s.kind,
+                family: s.family,
+            })
+        })
+        .collect();
+    ids.retain(&live_backends, &live_sets);
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_family(
+    snap: &Snapshot,
+    svc: &ServicePort,
+    family: IpFamily,
+    node_addrs: &[IpAddr],
+    ids: &mut IdAllocator,
+    sp: &mut ServicePlan,
+    out: &mut Plan,
+    claimed: &mut BTreeMap<ServiceKey, ServicePortName>,
+) {
+    let eps: Vec<Endpoint> = snap
+        .endpoints_of(&svc.name)
+        .iter()
+        .filter(|e| family.matches(&e.ip))
+        .cloned()
+        .collect();
+    let cat = categorize_endpoints(&eps, svc, &snap.node);
+
+    // Frontends per set kind, gathered first so a restarted agent's set ids can be found by
+    // any of them.
+    let mut fronts: Vec<(ServiceKey, SetKind, u32)> = Vec::new();
+    if let Some(ip) = svc.cluster_ip(family) {
+        let kind = if svc.internal_policy_local {
+            SetKind::Local
+        } else {
+            SetKind::Cluster
+        };
+        fronts.push((
+            key(ip, svc.port, svc, SCOPE_CLUSTER),
+            kind,
+            SVC_F_CLUSTER_IP,
+        ));
+    }
+    if svc.externally_accessible() {
+        let ext_kind = if svc.external_policy_local {
+            SetKind::Local
+        } else {
+            SetKind::Cluster
+        };
+        let mut add = |ip: IpAddr, port: u16, flag: u32| {
+            fronts.push((key(ip, port, svc, SCOPE_CLUSTER), SetKind::Cluster, flag));
+            fronts.push((key(ip, port, svc, SCOPE_EXTERNAL), ext_kind, flag));
+        };
+        if svc.node_port != 0 {
+            for ip in node_addrs.iter().filter(|ip| family.matches(ip)) {
+                add(*ip, svc.node_port, SVC_F_NODE_PORT);
+            }
+        }
+        for ip in svc.external_ips_for(family) {
+            add(ip, svc.port, SVC_F_EXTERNAL_IP);
+        }
+        for ip in svc.load_balancer_vips(family) {
+            add(ip, svc.port, SVC_F_LOAD_BALANCER);
+        }
+    }
+    if fronts.is_empty() {
+        return;
+    }
+
+    let mut set_ids: BTreeMap<SetKind, (u32, u32)> = BTreeMap::new();
+    for kind in [SetKind::Cluster, SetKind::Local] {
+        let members: Vec<ServiceKey> = fronts
+            .iter()
+            .filter(|(_, k, _)| *k == kind)
+            .map(|(f, _, _)| *f)
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        let endpoints = match kind {
+            SetKind::Cluster => cat.cluster.clone().unwrap_or_default(),
+            SetKind::Local => cat.local.clone().unwrap_or_default(),
+        };
+        let svc_id = ids.set(
+            &SetKey {
+                service: svc.name.clone(),
+                kind,
+                family,
+            },
+            &members,
+        );
+        let mut endpoints = endpoints;
+        endpoints.sort_by_key(|a| (a.ip, a.port));
+        endpoints.dedup_by(|a, b| (a.ip, a.port) == (b.ip, b.port));
+        let backends: Vec<u32> = endpoints
+            .iter()
+            .map(|ep| {
+                let addr = (ep.ip, ep.port);
+                let id = ids.backend(addr);
+                out.backends.entry(id).or_insert_with(|| backend_value(ep));
+                out.backend_addrs.insert(id, addr);
+                id
+            })
+            .collect();
+        set_ids.insert(kind, (svc_id, backends.len() as u32));
+        sp.sets.push(SetPlan {
+            svc_id,
+            kind,
+            family,
+            backends,
+        });
+    }
+
+    let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
+    for (front, kind, kind_flag) in fronts {
+        let (svc_id, count) = set_ids[&kind];
+        let mut flags = kind_flag;
+        if kind == SetKind::Local {
+            flags |= SVC_F_LOCAL_ONLY;
+        }
+        if count == 0 && !cat.has_any_endpoints {
+            flags |= SVC_F_REJECT;
+        }
+        let (timeout, aff) = match svc.session_affinity_timeout {
+            Some(t) => (t, SVC_F_AFFINITY),
+            None => (0, 0),
+        };
+        flags |= aff;
+        if kind_flag == SVC_F_LOAD_BALANCER && front.scope == SCOPE_EXTERNAL && !ranges.is_empty() {
+            flags |= SVC_F_SOURCE_RANGES;
+            for net in &ranges {
+                sp.source_ranges.insert(source_range_entry(svc_id, *net));
+            }
+        }
+        if let Some(owner) = claimed.get(&front) {
+            if owner != &svc.name {
+                sp.errors.push(format!(
+                    "frontend {} already belongs to service port {owner}; not programmed",
+                    describe_key(&front)
+                ));
+            }
+            continue;
+        }
+        claimed.insert(front, svc.name.clone());
+        sp.frontends.insert(
+            front,
+            ServiceValue {
+                svc_id,
+                count,
+                flags,
+                affinity_timeout: timeout,
+            },
+        );
+    }
+}
+
+/// `1.2.3.4:80/TCP (cluster)`.
+pub fn describe_key(k: &ServiceKey) -> String {
+    let proto = match k.proto {
+        6 => "TCP",
+        17 => "UDP",
+        132 => "SCTP",
+        _ => "?",
+    };
+    let scope = if k.scope == SCOPE_EXTERNAL {
+        "external"
+    } else {
+        "cluster"
+    };
+    format!(
+        "{}/{proto} ({scope})",
+        std::net::SocketAddr::new(decode_addr(k.addr), u16::from_be(k.port))
+    )
+}
+
+fn describe_flags(flags: u32) -> String {
+    let names = [
+        (SVC_F_CLUSTER_IP, "clusterIP"),
+        (SVC_F_NODE_PORT, "nodePort"),
+        (SVC_F_EXTERNAL_IP, "externalIP"),
+        (SVC_F_LOAD_BALANCER, "loadBalancer"),
+        (SVC_F_LOCAL_ONLY, "local"),
+        (SVC_F_AFFINITY, "affinity"),
+        (SVC_F_REJECT, "reject"),
+        (SVC_F_SOURCE_RANGES, "sourceRanges"),
+    ];
+    names
+        .iter()
+        .filter(|(f, _)| flags & f != 0)
+        .map(|(_, n)| *n)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The planned map entries as text (`kproxy render --proxy-mode ebpf`), per service port.
+pub fn render(snap: &Snapshot, cfg: &EbpfConfig) -> String {
+    let plan = plan(snap, cfg, &mut IdAllocator::new());
+    render_plan(&plan)
+}
+
+/// [`render`] of an existing plan.
+pub fn render_plan(plan: &Plan) -> String {
+    let mut s = String::new();
+    let (f, sl, r) = plan.counts();
+    let _ = writeln!(
+        s,
+        "# eBPF service maps: {} service ports, {f} frontends, {sl} slots, {} backends, {r} source ranges",
+        plan.services.len(),
+        plan.backends.len()
+    );
+    for (name, sp) in &plan.services {
+        let _ = writeln!(s, "service {name}");
+        for (k, v) in &sp.frontends {
+            let _ = write!(
+                s,
+                "  frontend {} -> svc_id={} count={} flags=[{}]",
+                describe_key(k),
+                v.svc_id,
+                v.count,
+                describe_flags(v.flags)
+            );
+            if v.flags & SVC_F_AFFINITY != 0 {
+                let _ = write!(s, " affinity_timeout={}s", v.affinity_timeout);
+            }
+            s.push('\n');
+        }
+        for set in &sp.sets {
+            let _ = write!(
+                s,
+                "  set svc_id={} {:?}/{:?}:",
+                set.svc_id, set.kind, set.family
+            );
+            for (slot, id) in set.backends.iter().enumerate() {
+                let addr = plan
+                    .backend_addrs
+                    .get(id)
+                    .map(|(ip, port)| std::net::SocketAddr::new(*ip, *port).to_string())
+                    .unwrap_or_default();
+                let _ = write!(s, " [{slot}]={id}({addr})");
+            }
+            s.push('\n');
+        }
+        for (len, k) in &sp.source_ranges {
+            let _ = writeln!(
+                s,
+                "  source-range svc_id={} {}/{}",
+                k.svc_id,
+                decode_addr(k.addr),
+                len - SOURCE_RANGE_ID_BITS - if is_v4_mapped(&k.addr) { 96 } else { 0 }
+            );
+        }
+        for e in &sp.errors {
+            let _ = writeln!(s, "  error: {e}");
+        }
+    }
+    for (id, b) in &plan.backends {
+        let _ = writeln!(
+            s,
+            "backend {id} {} flags={}",
+            std::net::SocketAddr::new(decode_addr(b.addr), u16::from_be(b.port)),
+            b.flags
+        );
+    }
+    s
+}

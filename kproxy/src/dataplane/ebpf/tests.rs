@@ -1,0 +1,690 @@
+//! Unit tests of the planner and the applier (no kernel: the applier runs on in-memory tables).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use kproxy_common::service::*;
+
+use super::applier::{Applier, Tables};
+use super::ids::{IdAllocator, SetKind};
+use super::planner::{Plan, decode_addr, encode_addr, plan, render};
+use super::tables::{MemTable, SharedMem};
+use super::{EbpfConfig, MapSizes};
+use crate::model::*;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn name(n: &str) -> ServicePortName {
+    ServicePortName {
+        namespace: "ns".into(),
+        name: n.into(),
+        port: "http".into(),
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn svc(n: &str, cluster_ips: &[&str]) -> ServicePort {
+    ServicePort {
+        name: name(n),
+        service_type: ServiceType::ClusterIp,
+        cluster_ips: cluster_ips.iter().map(|s| ip(s)).collect(),
+        port: 80,
+        protocol: Protocol::Tcp,
+        node_port: 0,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: 0,
+        session_affinity_timeout: None,
+    }
+}
+
+fn ep(addr: &str, local: bool) -> Endpoint {
+    Endpoint {
+        ip: ip(addr),
+        port: 8080,
+        ready: true,
+        serving: true,
+        terminating: false,
+        is_local: local,
+        node_name: Some(if local { "n1" } else { "n2" }.into()),
+        zone: None,
+        zone_hints: BTreeSet::new(),
+        node_hints: BTreeSet::new(),
+    }
+}
+
+fn snap(items: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
+    let mut s = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "n1".into(),
+            addresses: vec![ip("192.168.0.1"), ip("fd00::1")],
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for (p, e) in items {
+        s.endpoints.insert(p.name.clone(), Arc::new(e));
+        s.services.insert(p.name.clone(), Arc::new(p));
+    }
+    s
+}
+
+fn key(addr: &str, port: u16, scope: u8) -> ServiceKey {
+    ServiceKey {
+        addr: encode_addr(ip(addr)),
+        port: port.to_be(),
+        proto: PROTO_TCP,
+        scope,
+    }
+}
+
+fn cfg() -> EbpfConfig {
+    EbpfConfig::default()
+}
+
+/// Backend addresses of the set `value` points at.
+fn backends_of(plan: &Plan, n: &str, value: &ServiceValue) -> BTreeSet<IpAddr> {
+    let sp = &plan.services[&name(n)];
+    let set = sp.sets.iter().find(|s| s.svc_id == value.svc_id).unwrap();
+    assert_eq!(set.backends.len() as u32, value.count);
+    set.backends
+        .iter()
+        .map(|id| decode_addr(plan.backends[id].addr))
+        .collect()
+}
+
+fn set(addrs: &[&str]) -> BTreeSet<IpAddr> {
+    addrs.iter().map(|a| ip(a)).collect()
+}
+
+#[test]
+fn addresses_round_trip_and_ipv4_is_v4_mapped() {
+    for a in ["10.1.2.3", "fd00::7", "::1", "0.0.0.0"] {
+        assert_eq!(decode_addr(encode_addr(ip(a))), ip(a));
+    }
+    assert!(is_v4_mapped(&encode_addr(ip("10.1.2.3"))));
+    assert!(!is_v4_mapped(&encode_addr(ip("fd00::7"))));
+    assert_eq!(
+        encode_addr(ip("10.1.2.3")),
+        v4_mapped(u32::from_ne_bytes([10, 1, 2, 3]))
+    );
+}
+
+#[test]
+fn dual_stack_cluster_ip_gets_one_frontend_and_set_per_family() {
+    let s = snap(vec![(
+        svc("web", &["10.96.0.1", "fd00:96::1"]),
+        vec![
+            ep("10.0.0.1", true),
+            ep("10.0.0.2", false),
+            ep("fd00:10::1", true),
+        ],
+    )]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let sp = &p.services[&name("web")];
+    assert_eq!(sp.frontends.len(), 2);
+    assert!(sp.errors.is_empty());
+    let v4 = sp.frontends[&key("10.96.0.1", 80, SCOPE_CLUSTER)];
+    let v6 = sp.frontends[&key("fd00:96::1", 80, SCOPE_CLUSTER)];
+    assert_ne!(v4.svc_id, v6.svc_id);
+    assert_eq!(v4.flags, SVC_F_CLUSTER_IP);
+    assert_eq!(backends_of(&p, "web", &v4), set(&["10.0.0.1", "10.0.0.2"]));
+    assert_eq!(backends_of(&p, "web", &v6), set(&["fd00:10::1"]));
+    let b = p
+        .backends
+        .values()
+        .find(|b| decode_addr(b.addr) == ip("10.0.0.1"))
+        .unwrap();
+    assert_eq!(u16::from_be(b.port), 8080);
+    assert_eq!(b.flags, BE_F_LOCAL);
+}
+
+#[test]
+fn a_family_without_endpoints_rejects_while_the_other_works() {
+    let s = snap(vec![(
+        svc("web", &["10.96.0.1", "fd00:96::1"]),
+        vec![ep("10.0.0.1", true)],
+    )]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let sp = &p.services[&name("web")];
+    let v6 = sp.frontends[&key("fd00:96::1", 80, SCOPE_CLUSTER)];
+    assert_eq!(v6.count, 0);
+    assert_ne!(v6.flags & SVC_F_REJECT, 0);
+    let v4 = sp.frontends[&key("10.96.0.1", 80, SCOPE_CLUSTER)];
+    assert_eq!((v4.count, v4.flags & SVC_F_REJECT), (1, 0));
+}
+
+#[test]
+fn node_port_with_etp_local_external_scope_uses_local_endpoints_cluster_scope_all() {
+    let mut port = svc("np", &["10.96.0.2"]);
+    port.service_type = ServiceType::NodePort;
+    port.node_port = 30080;
+    port.external_policy_local = true;
+    let s = snap(vec![(
+        port,
+        vec![ep("10.0.0.1", true), ep("10.0.0.2", false)],
+    )]);
+    let mut c = cfg();
+    c.node_addresses = vec![ip("192.168.0.1"), ip("192.168.1.1")];
+    c.families = vec![IpFamily::V4];
+    let p = plan(&s, &c, &mut IdAllocator::new());
+    let sp = &p.services[&name("np")];
+    // ClusterIP + 2 node addresses x 2 scopes.
+    assert_eq!(sp.frontends.len(), 5, "{:?}", sp.frontends.keys());
+    let cip = sp.frontends[&key("10.96.0.2", 80, SCOPE_CLUSTER)];
+    assert_eq!(backends_of(&p, "np", &cip), set(&["10.0.0.1", "10.0.0.2"]));
+    for node in ["192.168.0.1", "192.168.1.1"] {
+        let ext = sp.frontends[&key(node, 30080, SCOPE_EXTERNAL)];
+        assert_eq!(backends_of(&p, "np", &ext), set(&["10.0.0.1"]));
+        assert_eq!(ext.flags, SVC_F_NODE_PORT | SVC_F_LOCAL_ONLY);
+        let int = sp.frontends[&key(node, 30080, SCOPE_CLUSTER)];
+        assert_eq!(
+            int.svc_id, cip.svc_id,
+            "node-local traffic short-circuits to the cluster set"
+        );
+        assert_eq!(int.flags, SVC_F_NODE_PORT);
+    }
+}
+
+#[test]
+fn etp_local_without_local_endpoints_drops_instead_of_rejecting() {
+    let mut port = svc("np", &["10.96.0.2"]);
+    port.node_port = 30080;
+    port.external_policy_local = true;
+    let s = snap(vec![(port, vec![ep("10.0.0.2", false)])]);
+    let mut c = cfg();
+    c.families = vec![IpFamily::V4];
+    let p = plan(&s, &c, &mut IdAllocator::new());
+    let ext = p.services[&name("np")].frontends[&key("192.168.0.1", 30080, SCOPE_EXTERNAL)];
+    assert_eq!(ext.count, 0);
+    assert_eq!(
+        ext.flags & SVC_F_REJECT,
+        0,
+        "has endpoints elsewhere: drop, not reject"
+    );
+}
+
+#[test]
+fn node_addresses_default_to_the_node_objects() {
+    let mut port = svc("np", &["10.96.0.2"]);
+    port.node_port = 30080;
+    let s = snap(vec![(
+        port,
+        vec![ep("10.0.0.2", false), ep("fd00:10::2", false)],
+    )]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let sp = &p.services[&name("np")];
+    assert!(
+        sp.frontends
+            .contains_key(&key("192.168.0.1", 30080, SCOPE_EXTERNAL))
+    );
+    let v6 = ServiceKey {
+        addr: encode_addr(ip("fd00::1")),
+        ..key("fd00::1", 30080, SCOPE_EXTERNAL)
+    };
+    assert!(sp.frontends.contains_key(&v6));
+}
+
+#[test]
+fn itp_local_cluster_ip_uses_local_endpoints_and_drops_without_them() {
+    let mut port = svc("itp", &["10.96.0.3"]);
+    port.internal_policy_local = true;
+    let s = snap(vec![(
+        port.clone(),
+        vec![ep("10.0.0.1", true), ep("10.0.0.2", false)],
+    )]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let v = p.services[&name("itp")].frontends[&key("10.96.0.3", 80, SCOPE_CLUSTER)];
+    assert_eq!(backends_of(&p, "itp", &v), set(&["10.0.0.1"]));
+    assert_eq!(v.flags, SVC_F_CLUSTER_IP | SVC_F_LOCAL_ONLY);
+
+    let s = snap(vec![(port, vec![ep("10.0.0.2", false)])]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let v = p.services[&name("itp")].frontends[&key("10.96.0.3", 80, SCOPE_CLUSTER)];
+    assert_eq!((v.count, v.flags & SVC_F_REJECT), (0, 0));
+}
+
+#[test]
+fn no_endpoints_at_all_rejects_everywhere() {
+    let mut port = svc("none", &["10.96.0.4"]);
+    port.node_port = 30001;
+    port.external_ips = vec![ip("203.0.113.5")];
+    let s = snap(vec![(port, vec![])]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let sp = &p.services[&name("none")];
+    assert!(!sp.frontends.is_empty());
+    for (k, v) in &sp.frontends {
+        assert_eq!(v.count, 0);
+        assert_ne!(v.flags & SVC_F_REJECT, 0, "{k:?}");
+    }
+}
+
+#[test]
+fn external_ips_and_lb_vips_with_source_ranges() {
+    let mut port = svc("lb", &["10.96.0.5"]);
+    port.service_type = ServiceType::LoadBalancer;
+    port.node_port = 30002;
+    port.external_ips = vec![ip("203.0.113.5")];
+    port.load_balancer_ingress = vec![
+        LoadBalancerIngress {
+            ip: ip("198.51.100.7"),
+            ip_mode: IpMode::Vip,
+        },
+        LoadBalancerIngress {
+            ip: ip("198.51.100.8"),
+            ip_mode: IpMode::Proxy,
+        },
+    ];
+    port.load_balancer_source_ranges = vec!["192.0.2.0/24".parse().unwrap()];
+    let s = snap(vec![(port, vec![ep("10.0.0.1", true)])]);
+    let mut c = cfg();
+    c.families = vec![IpFamily::V4];
+    let p = plan(&s, &c, &mut IdAllocator::new());
+    let sp = &p.services[&name("lb")];
+    let ext_ip = sp.frontends[&key("203.0.113.5", 80, SCOPE_EXTERNAL)];
+    assert_eq!(ext_ip.flags, SVC_F_EXTERNAL_IP);
+    let lb = sp.frontends[&key("198.51.100.7", 80, SCOPE_EXTERNAL)];
+    assert_eq!(lb.flags, SVC_F_LOAD_BALANCER | SVC_F_SOURCE_RANGES);
+    let lb_in = sp.frontends[&key("198.51.100.7", 80, SCOPE_CLUSTER)];
+    assert_eq!(lb_in.flags, SVC_F_LOAD_BALANCER);
+    assert!(
+        !sp.frontends
+            .contains_key(&key("198.51.100.8", 80, SCOPE_EXTERNAL)),
+        "ipMode Proxy is not captured"
+    );
+    let ranges: Vec<_> = sp.source_ranges.iter().copied().collect();
+    assert_eq!(ranges.len(), 1);
+    assert_eq!(ranges[0].0, SOURCE_RANGE_ID_BITS + 96 + 24);
+    assert_eq!(ranges[0].1.svc_id, lb.svc_id);
+    assert_eq!(decode_addr(ranges[0].1.addr), ip("192.0.2.0"));
+}
+
+#[test]
+fn affinity_sets_flag_and_timeout() {
+    let mut port = svc("aff", &["10.96.0.6"]);
+    port.session_affinity_timeout = Some(30);
+    let s = snap(vec![(port, vec![ep("10.0.0.1", true)])]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let v = p.services[&name("aff")].frontends[&key("10.96.0.6", 80, SCOPE_CLUSTER)];
+    assert_ne!(v.flags & SVC_F_AFFINITY, 0);
+    assert_eq!(v.affinity_timeout, 30);
+}
+
+#[test]
+fn terminating_fallback_marks_backends_terminating() {
+    let mut e = ep("10.0.0.1", true);
+    e.ready = false;
+    e.terminating = true;
+    let s = snap(vec![(svc("term", &["10.96.0.7"]), vec![e])]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let v = p.services[&name("term")].frontends[&key("10.96.0.7", 80, SCOPE_CLUSTER)];
+    assert_eq!(v.count, 1);
+    let b = p.backends.values().next().unwrap();
+    assert_eq!(b.flags, BE_F_LOCAL | BE_F_TERMINATING);
+}
+
+#[test]
+fn a_frontend_claimed_twice_goes_to_the_first_service_and_the_second_is_told() {
+    let mut a = svc("a", &["10.96.0.8"]);
+    a.external_ips = vec![ip("203.0.113.9")];
+    let mut b = svc("b", &["10.96.0.9"]);
+    b.external_ips = vec![ip("203.0.113.9")];
+    let s = snap(vec![
+        (a, vec![ep("10.0.0.1", true)]),
+        (b, vec![ep("10.0.0.2", true)]),
+    ]);
+    let p = plan(&s, &cfg(), &mut IdAllocator::new());
+    let k = key("203.0.113.9", 80, SCOPE_EXTERNAL);
+    assert!(p.services[&name("a")].frontends.contains_key(&k));
+    assert!(!p.services[&name("b")].frontends.contains_key(&k));
+    let errors = &p.services[&name("b")].errors;
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors[0].contains("ns/a:http"), "{errors:?}");
+    // b's ClusterIP is still programmed.
+    assert!(
+        p.services[&name("b")]
+            .frontends
+            .contains_key(&key("10.96.0.9", 80, SCOPE_CLUSTER))
+    );
+}
+
+#[test]
+fn ids_stay_stable_when_other_services_change() {
+    let base = |extra: bool| {
+        let mut items = vec![
+            (
+                svc("a", &["10.96.0.1"]),
+                vec![ep("10.0.0.1", true), ep("10.0.0.2", true)],
+            ),
+            (svc("b", &["10.96.0.2"]), vec![ep("10.0.0.3", true)]),
+        ];
+        if extra {
+            items.insert(0, (svc("0new", &["10.96.0.3"]), vec![ep("10.0.0.9", true)]));
+            items[2].1.push(ep("10.0.0.4", true));
+        }
+        snap(items)
+    };
+    let mut ids = IdAllocator::new();
+    let p1 = plan(&base(false), &cfg(), &mut ids);
+    let p1_again = plan(&base(false), &cfg(), &mut ids);
+    assert_eq!(
+        p1, p1_again,
+        "planning is deterministic with the same allocator"
+    );
+    let p2 = plan(&base(true), &cfg(), &mut ids);
+    assert_eq!(p1.services[&name("a")], p2.services[&name("a")]);
+    for (id, addr) in &p1.backend_addrs {
+        assert_eq!(
+            p2.backend_addrs.get(id),
+            Some(addr),
+            "backend {id} renumbered"
+        );
+    }
+    assert_eq!(
+        p1.services[&name("b")].sets[0].svc_id,
+        p2.services[&name("b")].sets[0].svc_id
+    );
+    assert_eq!(p2.services[&name("b")].sets[0].kind, SetKind::Cluster);
+}
+
+#[test]
+fn render_lists_frontends_sets_and_backends() {
+    let mut port = svc("web", &["10.96.0.1"]);
+    port.session_affinity_timeout = Some(10);
+    let text = render(&snap(vec![(port, vec![ep("10.0.0.1", true)])]), &cfg());
+    assert!(text.contains("service ns/web:http"), "{text}");
+    assert!(
+        text.contains("frontend 10.96.0.1:80/TCP (cluster) -> svc_id=1 count=1 flags=[clusterIP,affinity] affinity_timeout=10s"),
+        "{text}"
+    );
+    assert!(text.contains("[0]=1(10.0.0.1:8080)"), "{text}");
+    assert!(text.contains("backend 1 10.0.0.1:8080"), "{text}");
+}
+
+// ---- applier ----
+
+struct Mem {
+    services: SharedMem<ServiceKey, ServiceValue>,
+    slots: SharedMem<BackendSlotKey, u32>,
+    backends: SharedMem<u32, BackendValue>,
+    ranges: SharedMem<super::planner::SourceRangeEntry, u8>,
+    affinity: SharedMem<AffinityKey, AffinityValue>,
+}
+
+fn shared<K: Ord, V>(name: &'static str, cap: u32) -> SharedMem<K, V> {
+    Arc::new(Mutex::new(MemTable::new(name, cap)))
+}
+
+impl Mem {
+    fn new(sizes: &MapSizes) -> Mem {
+        Mem {
+            services: shared(MAP_SERVICES, sizes.services),
+            slots: shared(MAP_BACKEND_SLOTS, sizes.backend_slots),
+            backends: shared(MAP_BACKENDS, sizes.backends),
+            ranges: shared(MAP_SOURCE_RANGES, sizes.source_ranges),
+            affinity: shared(MAP_AFFINITY, sizes.affinity),
+        }
+    }
+    fn tables(&self) -> Tables {
+        Tables {
+            services: Box::new(self.services.clone()),
+            slots: Box::new(self.slots.clone()),
+            backends: Box::new(self.backends.clone()),
+            source_ranges: Box::new(self.ranges.clone()),
+            affinity: Box::new(self.affinity.clone()),
+        }
+    }
+    fn services(&self) -> BTreeMap<ServiceKey, ServiceValue> {
+        self.services.lock().unwrap().entries.clone()
+    }
+    fn slots(&self) -> BTreeMap<BackendSlotKey, u32> {
+        self.slots.lock().unwrap().entries.clone()
+    }
+    fn backends(&self) -> BTreeMap<u32, BackendValue> {
+        self.backends.lock().unwrap().entries.clone()
+    }
+}
+
+/// What a plan says the maps must hold.
+fn expected(
+    p: &Plan,
+) -> (
+    BTreeMap<ServiceKey, ServiceValue>,
+    BTreeMap<BackendSlotKey, u32>,
+) {
+    let mut f = BTreeMap::new();
+    let mut s = BTreeMap::new();
+    for sp in p.services.values() {
+        f.extend(sp.frontends.iter().map(|(k, v)| (*k, *v)));
+        for set in &sp.sets {
+            for (i, id) in set.backends.iter().enumerate() {
+                s.insert(
+                    BackendSlotKey {
+                        svc_id: set.svc_id,
+                        slot: i as u32,
+                    },
+                    *id,
+                );
+            }
+        }
+    }
+    (f, s)
+}
+
+fn two_services(second_eps: usize) -> Snapshot {
+    snap(vec![
+        (svc("a", &["10.96.0.1"]), vec![ep("10.0.0.1", true)]),
+        (
+            svc("b", &["10.96.0.2"]),
+            (0..second_eps)
+                .map(|i| ep(&format!("10.0.1.{}", i + 1), true))
+                .collect(),
+        ),
+    ])
+}
+
+#[test]
+fn applier_writes_the_plan_and_nothing_when_unchanged() {
+    let mem = Mem::new(&MapSizes::default());
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let p = plan(&two_services(3), &cfg(), &mut ids);
+    let out = applier.apply(&p, 0).unwrap();
+    assert!(out.failed.is_empty());
+    assert_eq!(out.services, 2);
+    let (f, s) = expected(&p);
+    assert_eq!(mem.services(), f);
+    assert_eq!(mem.slots(), s);
+    assert_eq!(mem.backends(), p.backends);
+
+    let out = applier
+        .apply(&plan(&two_services(3), &cfg(), &mut ids), 0)
+        .unwrap();
+    assert_eq!((out.writes, out.deletes), (0, 0));
+
+    // Shrinking deletes the stale slots and backends.
+    let p = plan(&two_services(1), &cfg(), &mut ids);
+    let out = applier.apply(&p, 0).unwrap();
+    assert_eq!(out.deletes, 4, "2 slots + 2 backends");
+    let (f, s) = expected(&p);
+    assert_eq!(
+        (mem.services(), mem.slots(), mem.backends()),
+        (f, s, p.backends.clone())
+    );
+
+    let pressure = applier.pressure();
+    assert_eq!(pressure[0].map, MAP_SERVICES);
+    assert_eq!(pressure[0].entries, 2);
+    assert_eq!(pressure[0].capacity, DEFAULT_SERVICES_MAX);
+}
+
+#[test]
+fn a_full_slot_map_fails_only_the_service_that_does_not_fit() {
+    let sizes = MapSizes {
+        backend_slots: 4,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    // a: 1 slot, b: 2 slots: fits.
+    let p1 = plan(&two_services(2), &cfg(), &mut ids);
+    assert!(applier.apply(&p1, 0).unwrap().failed.is_empty());
+    // b grows to 5 slots: does not fit; a is untouched, b keeps its old frontend.
+    let p2 = plan(&two_services(5), &cfg(), &mut ids);
+    let out = applier.apply(&p2, 0).unwrap();
+    assert_eq!(out.failed.len(), 1);
+    let reason = &out.failed[&name("b")];
+    assert!(
+        reason.contains(MAP_BACKEND_SLOTS) && reason.contains("full"),
+        "{reason}"
+    );
+    let svcs = mem.services();
+    assert_eq!(
+        svcs[&key("10.96.0.1", 80, SCOPE_CLUSTER)],
+        p1.services[&name("a")].frontends[&key("10.96.0.1", 80, SCOPE_CLUSTER)]
+    );
+    let b = svcs[&key("10.96.0.2", 80, SCOPE_CLUSTER)];
+    assert_eq!(b.count, 2, "b still points at its old, complete set");
+    for slot in 0..b.count {
+        let id = mem.slots()[&BackendSlotKey {
+            svc_id: b.svc_id,
+            slot,
+        }];
+        assert!(
+            mem.backends().contains_key(&id),
+            "slot {slot} points at a missing backend"
+        );
+    }
+    // Every slot any frontend can reach has a backend.
+    for v in svcs.values() {
+        for slot in 0..v.count {
+            assert!(mem.slots().contains_key(&BackendSlotKey {
+                svc_id: v.svc_id,
+                slot
+            }));
+        }
+    }
+}
+
+#[test]
+fn a_full_services_map_fails_the_new_service_and_keeps_the_others() {
+    let sizes = MapSizes {
+        services: 1,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let p = plan(&two_services(1), &cfg(), &mut IdAllocator::new());
+    let out = applier.apply(&p, 0).unwrap();
+    assert_eq!(out.services, 1);
+    assert!(out.failed[&name("b")].contains("full"), "{:?}", out.failed);
+    assert_eq!(mem.services().len(), 1);
+    assert!(
+        mem.services()
+            .contains_key(&key("10.96.0.1", 80, SCOPE_CLUSTER))
+    );
+    // b's slots were taken back (nothing references them).
+    let live: BTreeSet<u32> = mem.services().values().map(|v| v.svc_id).collect();
+    assert!(
+        mem.slots().keys().all(|k| live.contains(&k.svc_id)),
+        "{:?}",
+        mem.slots()
+    );
+}
+
+#[test]
+fn a_restarted_applier_reconciles_without_rewriting() {
+    let mem = Mem::new(&MapSizes::default());
+    let mut ids = IdAllocator::new();
+    let p = plan(&two_services(3), &cfg(), &mut ids);
+    Applier::new(mem.tables()).unwrap().apply(&p, 0).unwrap();
+    // Plus a stale frontend left by a previous run.
+    mem.services
+        .lock()
+        .unwrap()
+        .entries
+        .insert(key("10.96.9.9", 80, SCOPE_CLUSTER), ServiceValue::default());
+    let writes_before = mem.services.lock().unwrap().writes + mem.slots.lock().unwrap().writes;
+
+    // A new agent: fresh allocator seeded from the maps, like EbpfDataplane::new does.
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let (svcs, bes) = applier.existing();
+    for (k, v) in svcs {
+        ids.hint_set(*k, v.svc_id);
+    }
+    for (id, b) in bes {
+        ids.seed_backend((decode_addr(b.addr), u16::from_be(b.port)), *id);
+    }
+    let p2 = plan(&two_services(3), &cfg(), &mut ids);
+    assert_eq!(p2, p, "ids survive the restart");
+    let out = applier.apply(&p2, 0).unwrap();
+    assert_eq!(out.writes, 0);
+    assert_eq!(out.deletes, 1, "only the stale frontend goes");
+    assert_eq!(
+        mem.services.lock().unwrap().writes + mem.slots.lock().unwrap().writes,
+        writes_before
+    );
+}
+
+#[test]
+fn affinity_entries_of_removed_backends_and_expired_ones_are_deleted() {
+    let mem = Mem::new(&MapSizes::default());
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let mut port = svc("b", &["10.96.0.2"]);
+    port.session_affinity_timeout = Some(10);
+    let eps = vec![ep("10.0.1.1", true), ep("10.0.1.2", true)];
+    let p = plan(&snap(vec![(port.clone(), eps.clone())]), &cfg(), &mut ids);
+    applier.apply(&p, 0).unwrap();
+    let set = &p.services[&name("b")].sets[0];
+    let sec = 1_000_000_000u64;
+    let entry = |client: u64, backend: u32, last: u64| {
+        (
+            AffinityKey::netns(set.svc_id, client),
+            AffinityValue {
+                backend_id: backend,
+                _pad: 0,
+                last_used_ns: last,
+            },
+        )
+    };
+    {
+        let mut aff = mem.affinity.lock().unwrap();
+        for (k, v) in [
+            entry(1, set.backends[0], 100 * sec),
+            entry(2, set.backends[1], 100 * sec),
+            entry(3, set.backends[0], 50 * sec),
+        ] {
+            aff.entries.insert(k, v);
+        }
+    }
+    // Drop backend 1; at t=105 s client 3's entry (last used at 50 s) expired.
+    let removed = set
+        .backends
+        .iter()
+        .copied()
+        .find(|id| decode_addr(p.backends[id].addr) == ip("10.0.1.2"))
+        .unwrap();
+    let p2 = plan(&snap(vec![(port, eps[..1].to_vec())]), &cfg(), &mut ids);
+    let out = applier.apply(&p2, 105 * sec).unwrap();
+    assert_eq!(out.affinity_deleted, 2);
+    let left: Vec<AffinityValue> = mem
+        .affinity
+        .lock()
+        .unwrap()
+        .entries
+        .values()
+        .copied()
+        .collect();
+    assert_eq!(left.len(), 1);
+    assert_ne!(left[0].backend_id, removed);
+}

@@ -1,0 +1,212 @@
+//! `--proxy-mode ebpf` as the agent runs it: the eBPF service maps + socket LB
+//! ([`super::ebpf::EbpfDataplane`]) and the TC service path ([`super::ebpf_tc`]) on the node's
+//! devices, as one [`Dataplane`].
+//!
+//! - At construction: the socket-LB datapath loads (pinned maps under `<bpffs>/kproxy/`,
+//!   links on the cgroup), then a second object instance sharing those pinned maps loads the
+//!   TC programs and attaches them (pinned TCX links) to the devices `--bpf-devices` names or
+//!   the default rule picks ([`super::ebpf_tc::devices::select`]).
+//! - A background watcher follows the node's addresses: it rewrites the per-device SNAT
+//!   sources (`KP_NODE_ADDR4`) at once, and the NodePort frontends at the next sync
+//!   (NodePorts are programmed on every node address, or on those inside
+//!   `nodePortAddresses`).
+//! - After each sync: connection-table entries of removed backends are purged, idle flows
+//!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
+//!
+//! Everything runs in the network namespace of the thread that calls [`EbpfMode::new`].
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aya::Ebpf;
+use ipnet::IpNet;
+
+use super::ebpf::{EbpfConfig, EbpfDataplane};
+use super::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
+use super::ebpf_tc::attach::load_object;
+use super::ebpf_tc::{TcConfig, TcPath, ct, devices};
+use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::metrics::Metrics;
+use crate::model::{ChangedSet, Snapshot};
+
+/// How often the node's addresses are re-read.
+const ADDRESS_POLL: Duration = Duration::from_secs(2);
+
+/// What the ebpf mode needs beyond [`EbpfConfig`].
+#[derive(Debug, Clone)]
+pub struct EbpfModeConfig {
+    pub ebpf: EbpfConfig,
+    /// `--bpf-devices`; `None`: the default device rule.
+    pub devices: Option<Vec<String>>,
+    /// Attach the TC service path (NodePort/ExternalIP/LB from outside the node).
+    pub tc: bool,
+    /// `max_entries` of the TC connection table (`bpf.mapSizes.ct`).
+    pub ct_entries: u32,
+    /// Idle timeouts of the TC connection table.
+    pub ct_timeouts: ct::Timeouts,
+    /// `nodePortAddresses` as CIDRs; empty: every node address.
+    pub node_port_cidrs: Vec<IpNet>,
+}
+
+/// The errors of [`EbpfMode::new`].
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfModeError {
+    #[error("eBPF socket LB: {0}")]
+    Sock(#[from] super::ebpf::loader::LoaderError),
+    #[error("eBPF TC path: {0}")]
+    Tc(#[from] super::ebpf_tc::TcError),
+    #[error("eBPF TC path: {0}")]
+    Devices(#[from] super::ebpf_tc::devices::DeviceError),
+    #[error("eBPF TC path: reading the node's interfaces: {0}")]
+    Interfaces(std::io::Error),
+}
+
+struct Tc {
+    // Drop order: watcher first (it holds a clone of `ebpf`).
+    _watcher: AddressWatcher,
+    path: TcPath,
+    ebpf: Arc<Mutex<Ebpf>>,
+}
+
+/// The ebpf proxy mode (see the module docs).
+pub struct EbpfMode {
+    tc: Option<Tc>,
+    sock: EbpfDataplane,
+    /// The node addresses the watcher saw last (`None` before the first scan).
+    addresses: Arc<Mutex<Option<NodeAddresses>>>,
+    node_port_cidrs: Vec<IpNet>,
+    ct_entries: u32,
+    ct_timeouts: ct::Timeouts,
+    metrics: Option<Metrics>,
+}
+
+impl EbpfMode {
+    pub fn new(cfg: EbpfModeConfig, metrics: Option<Metrics>) -> Result<Self, EbpfModeError> {
+        let sock = EbpfDataplane::new(cfg.ebpf.clone())?;
+        let addresses = Arc::new(Mutex::new(None));
+        let tc = if cfg.tc {
+            let pins = super::ebpf::loader::pin_dir(&cfg.ebpf);
+            let tc_cfg = TcConfig {
+                pin_dir: Some(pins.join("links")),
+                ct_entries: cfg.ct_entries,
+                ..TcConfig::default()
+            };
+            let mut ebpf = load_object(&pins, &tc_cfg)?;
+            let mut path = TcPath::load(&mut ebpf, tc_cfg)?;
+            let ifaces = scan().map_err(EbpfModeError::Interfaces)?;
+            let selected = devices::select(cfg.devices.as_deref(), &ifaces)?;
+            for dev in &selected {
+                path.attach(&mut ebpf, dev)?;
+            }
+            let now = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
+            TcPath::set_node_addresses(&mut ebpf, &now.snat_v4())?;
+            *addresses.lock().expect("poisoned") = Some(now);
+            tracing::info!(devices = ?selected, "eBPF TC service path attached");
+            let ebpf = Arc::new(Mutex::new(ebpf));
+            let (ebpf2, addrs2) = (ebpf.clone(), addresses.clone());
+            let watcher = AddressWatcher::spawn(Some(selected), ADDRESS_POLL, move |a| {
+                if let Err(e) =
+                    TcPath::set_node_addresses(&mut ebpf2.lock().expect("poisoned"), &a.snat_v4())
+                {
+                    tracing::warn!(error = %e, "cannot update the TC path's SNAT addresses");
+                }
+                *addrs2.lock().expect("poisoned") = Some(a.clone());
+            });
+            Some(Tc {
+                _watcher: watcher,
+                path,
+                ebpf,
+            })
+        } else {
+            None
+        };
+        Ok(EbpfMode {
+            tc,
+            sock,
+            addresses,
+            node_port_cidrs: cfg.node_port_cidrs,
+            ct_entries: cfg.ct_entries,
+            ct_timeouts: cfg.ct_timeouts,
+            metrics,
+        })
+    }
+
+    /// The socket-LB / service-map datapath.
+    pub fn sock(&self) -> &EbpfDataplane {
+        &self.sock
+    }
+
+    /// Devices the TC path is attached to.
+    pub fn tc_devices(&self) -> Vec<String> {
+        self.tc
+            .as_ref()
+            .map(|t| t.path.attached())
+            .unwrap_or_default()
+    }
+
+    fn node_port_addresses(&self) -> Option<Vec<IpAddr>> {
+        let a = self.addresses.lock().expect("poisoned");
+        let all = a.as_ref()?.all();
+        Some(
+            all.into_iter()
+                .filter(|ip| {
+                    self.node_port_cidrs.is_empty()
+                        || self.node_port_cidrs.iter().any(|c| c.contains(ip))
+                })
+                .collect(),
+        )
+    }
+
+    fn after_sync(&mut self, before: &BTreeSet<u32>) {
+        let after: BTreeSet<u32> = self.sock.last_plan().backends.keys().copied().collect();
+        let removed: Vec<u32> = before.difference(&after).copied().collect();
+        if let Some(tc) = &self.tc {
+            let mut ebpf = tc.ebpf.lock().expect("poisoned");
+            match ct::purge_backends(&mut ebpf, &removed) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(entries = n, "purged CT entries of removed backends"),
+                Err(e) => tracing::warn!(error = %e, "purging CT entries of removed backends"),
+            }
+            match ct::expire(&mut ebpf, &self.ct_timeouts) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
+                Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
+            }
+            if let Some(m) = &self.metrics
+                && let Ok(entries) = ct::entries(&ebpf)
+            {
+                m.set_bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
+            }
+        }
+        if let Some(m) = &self.metrics {
+            for p in self.sock.map_pressure() {
+                m.set_bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
+            }
+        }
+    }
+}
+
+impl Dataplane for EbpfMode {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ebpf
+    }
+
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        if let Some(addrs) = self.node_port_addresses() {
+            self.sock.set_node_addresses(addrs);
+        }
+        let before: BTreeSet<u32> = self.sock.last_plan().backends.keys().copied().collect();
+        let report = self.sock.sync(snap, changed)?;
+        self.after_sync(&before);
+        Ok(report)
+    }
+
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        // Removing the pin directory unpins the TC and socket-LB links (detaching them) and
+        // the maps.
+        self.tc = None;
+        self.sock.cleanup()
+    }
+}

@@ -1,0 +1,108 @@
+//! Removing everything the iptables proxier (or upstream kube-proxy in iptables mode) left:
+//! the jump rules from built-in chains, the top-level chains, every per-service chain
+//! (including upstream's old `KUBE-XLB-` ones) and the canary chains. Kubelet's
+//! `KUBE-FIREWALL` chain and its jumps are kubelet's and stay (as upstream's
+//! `CleanupLeftovers` leaves them).
+
+use super::backend::{IptablesBackend, IptablesError, RestoreMode};
+use super::names::*;
+use super::plan::jump_rules;
+use super::render::{TableInput, render_tables};
+
+/// Chains upstream's cleanup removes, per table (plus the per-service ones found by save).
+const NAT_CHAINS: [&str; 4] = [
+    KUBE_SERVICES,
+    KUBE_NODEPORTS,
+    KUBE_POSTROUTING,
+    KUBE_MARK_MASQ,
+];
+const FILTER_CHAINS: [&str; 5] = [
+    KUBE_SERVICES,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FORWARD,
+    KUBE_NODEPORTS,
+    KUBE_PROXY_FIREWALL,
+];
+
+fn existing_chains(b: &mut dyn IptablesBackend, table: &str) -> Result<Vec<String>, IptablesError> {
+    Ok(b.save(table)?
+        .lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|c| c.split_whitespace().next())
+        .map(String::from)
+        .collect())
+}
+
+/// Removes our (and upstream kube-proxy's) iptables objects through `b`.
+pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesError> {
+    for j in jump_rules() {
+        if j.to == KUBE_FIREWALL {
+            continue;
+        }
+        b.delete_rule(j.table, j.from, &j.args)?;
+    }
+    let mut tables = vec![];
+    for (table, fixed) in [
+        ("nat", &NAT_CHAINS[..]),
+        ("filter", &FILTER_CHAINS[..]),
+        ("mangle", &[][..]),
+    ] {
+        let existing = existing_chains(b, table)?;
+        let mut t = TableInput::new(table);
+        for c in &existing {
+            let ours = fixed.contains(&c.as_str())
+                || c == KUBE_PROXY_CANARY
+                || (table == "nat" && (is_service_chain(c) || c.starts_with("KUBE-XLB-")));
+            if ours {
+                t.delete(c);
+            }
+        }
+        if !t.deletes.is_empty() {
+            tables.push(t);
+        }
+    }
+    if tables.is_empty() {
+        return Ok(());
+    }
+    b.restore(&render_tables(&tables), RestoreMode::NoFlush)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::iptables::backend::FakeIptables;
+
+    #[test]
+    fn removes_ours_and_keeps_others() {
+        let mut f = FakeIptables::new();
+        for j in jump_rules() {
+            f.ensure_chain(j.table, j.to).unwrap();
+            f.ensure_rule_prepend(j.table, j.from, &j.args).unwrap();
+        }
+        f.inject("nat", "KUBE-SVC-AAAA", "-j KUBE-SEP-BBBB");
+        f.inject(
+            "nat",
+            "KUBE-SEP-BBBB",
+            "-j DNAT --to-destination 10.0.0.1:80",
+        );
+        f.inject("nat", "KUBE-XLB-CCCC", "-j KUBE-SVC-AAAA");
+        f.inject("nat", "KUBE-SERVICES", "-j KUBE-SVC-AAAA");
+        f.inject("nat", "DOCKER", "-j RETURN");
+        f.inject("nat", "PREROUTING", "-j DOCKER");
+        f.ensure_chain("mangle", KUBE_PROXY_CANARY).unwrap();
+        cleanup_leftovers(&mut f).unwrap();
+        let nat = f.save("nat").unwrap();
+        assert!(!nat.contains("KUBE-"), "{nat}");
+        assert!(
+            nat.contains(":DOCKER") && nat.contains("-A PREROUTING -j DOCKER"),
+            "{nat}"
+        );
+        let filter = f.save("filter").unwrap();
+        assert!(
+            filter.contains(":KUBE-FIREWALL"),
+            "kubelet's chain stays: {filter}"
+        );
+        assert!(!filter.contains("KUBE-SERVICES"), "{filter}");
+        assert!(!f.save("mangle").unwrap().contains(KUBE_PROXY_CANARY));
+    }
+}

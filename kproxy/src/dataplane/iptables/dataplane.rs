@@ -1,0 +1,292 @@
+//! [`IptablesDataplane`]: the [`Dataplane`] of `--proxy-mode iptables`. One [`Proxier`] per IP
+//! family over the real iptables binaries, the start-up checks upstream does (backend choice,
+//! sysctls, `--random-fully`), and the canary monitor.
+//!
+//! ## Canary monitor
+//! Upstream creates `KUBE-PROXY-CANARY` in mangle, nat and filter and forces a full sync when
+//! the mangle one disappears (a firewall reload deleting all chains). A plain
+//! `iptables -t nat -F` deletes no chain, so upstream would not notice it; this monitor also
+//! checks that the nat `PREROUTING → KUBE-SERVICES` jump still exists and the canary exists in
+//! every table. When either check fails it marks the next sync full and calls the
+//! `on_resync` callback (the agent wires it to the sync runner's `request()`), once per
+//! incident.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::model::{ChangedSet, IpFamily, Snapshot};
+
+use super::backend::{IptablesBackend, IptablesError};
+use super::cleanup::cleanup_leftovers;
+use super::config::IptablesConfig;
+use super::exec::{ExecIptables, Flavor, Runner, detect_flavor, has_random_fully};
+use super::names::{KUBE_PROXY_CANARY, KUBE_SERVICES};
+use super::plan::jump_rules;
+use super::proxier::Proxier;
+
+/// Start-up of the iptables dataplane failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("iptables dataplane needs at least one IP family")]
+    NoFamily,
+    #[error("iptables dataplane: two proxiers for {0:?}")]
+    DuplicateFamily(IpFamily),
+    #[error("setting sysctl {key}: {reason}")]
+    Sysctl { key: String, reason: String },
+}
+
+/// Called by the monitor when the rules need a full resync.
+pub type ResyncCallback = Arc<dyn Fn() + Send + Sync>;
+
+struct Monitor {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The iptables datapath (one proxier per family).
+pub struct IptablesDataplane {
+    proxiers: Vec<Proxier<ExecIptables>>,
+    monitors: Vec<Monitor>,
+    on_resync: Arc<Mutex<Option<ResyncCallback>>>,
+}
+
+const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
+
+fn detect_local_addresses(runner: &Runner) -> Vec<std::net::IpAddr> {
+    let Ok((true, out, _)) = runner.run("ip", &["-j", "addr", "show"], None) else {
+        tracing::warn!(
+            "cannot list interface addresses (`ip -j addr show`); --nodeport-addresses matches none"
+        );
+        return vec![];
+    };
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|i| i["addr_info"].as_array().cloned().unwrap_or_default())
+        .filter_map(|a| a["local"].as_str().and_then(|s| s.parse().ok()))
+        .collect()
+}
+
+impl IptablesDataplane {
+    /// Sets up one proxier per config (one per family): picks the backend, reads
+    /// `nf_conntrack_tcp_be_liberal`, sets `route_localnet` when localhost NodePorts are in
+    /// effect, checks `bridge-nf-call-iptables`, and starts the canary monitors (checking
+    /// every `sync_period`).
+    pub fn new(cfgs: impl IntoIterator<Item = IptablesConfig>) -> Result<Self, SetupError> {
+        let mut proxiers = vec![];
+        let mut seen = vec![];
+        for mut cfg in cfgs {
+            if seen.contains(&cfg.family) {
+                return Err(SetupError::DuplicateFamily(cfg.family));
+            }
+            seen.push(cfg.family);
+            let runner = Runner {
+                netns: cfg.netns.clone(),
+            };
+            let flavor: Flavor = detect_flavor(cfg.backend, &runner);
+            cfg.random_fully = has_random_fully(&runner, cfg.family, flavor);
+            if let Some(v) = runner.sysctl_get("net.netfilter.nf_conntrack_tcp_be_liberal")
+                && v != "0"
+            {
+                tracing::info!(
+                    "nf_conntrack_tcp_be_liberal set, not installing DROP rules for INVALID packets"
+                );
+                cfg.conntrack_tcp_liberal = true;
+            }
+            if cfg.family == IpFamily::V4 && cfg.effective_localhost_node_ports() {
+                tracing::info!(
+                    "setting net.ipv4.conf.all.route_localnet=1 to allow NodePorts on localhost; disable --iptables-localhost-nodeports or set --nodeport-addresses to avoid it"
+                );
+                runner
+                    .sysctl_set("net.ipv4.conf.all.route_localnet", "1")
+                    .map_err(|reason| SetupError::Sysctl {
+                        key: "net.ipv4.conf.all.route_localnet".into(),
+                        reason,
+                    })?;
+            }
+            match runner
+                .sysctl_get("net.bridge.bridge-nf-call-iptables")
+                .as_deref()
+            {
+                Some("1") => {}
+                other => {
+                    tracing::warn!(value = ?other, "missing br_netfilter module or net.bridge.bridge-nf-call-iptables unset: the proxy may not work for traffic between pods on one bridge")
+                }
+            }
+            // The nfacct counters need netlink nfacct support, which kproxy does not have:
+            // their metric rules are left out (as upstream does when it cannot create them).
+            cfg.nfacct_counters = Default::default();
+            if !cfg.node_port_addresses.is_empty() {
+                cfg.local_addresses = detect_local_addresses(&runner);
+            }
+            tracing::info!(family = ?cfg.family, ?flavor, random_fully = cfg.random_fully, "iptables proxier ready");
+            let backend = ExecIptables::new(cfg.family, flavor, runner);
+            let above = cfg.nft_whole_table_above_chains;
+            let mut p = Proxier::new(cfg, backend);
+            if flavor == Flavor::Nft {
+                p.whole_table_partial_above = Some(above);
+            }
+            proxiers.push(p);
+        }
+        if proxiers.is_empty() {
+            return Err(SetupError::NoFamily);
+        }
+        let mut dp = IptablesDataplane {
+            proxiers,
+            monitors: vec![],
+            on_resync: Arc::new(Mutex::new(None)),
+        };
+        dp.start_monitors();
+        Ok(dp)
+    }
+
+    /// Sets the callback the canary monitor calls when a full resync is needed.
+    pub fn set_resync_callback(&self, cb: ResyncCallback) {
+        *self.on_resync.lock().expect("poisoned") = Some(cb);
+    }
+
+    /// The proxiers (one per family), e.g. to read their stats.
+    pub fn proxiers(&self) -> &[Proxier<ExecIptables>] {
+        &self.proxiers
+    }
+
+    fn start_monitors(&mut self) {
+        for p in &self.proxiers {
+            let mut backend = p.backend.clone();
+            let force = p.force_full_flag();
+            let interval = p.cfg.sync_period.max(Duration::from_millis(100));
+            let stop = Arc::new(AtomicBool::new(false));
+            let stop2 = stop.clone();
+            let cb = self.on_resync.clone();
+            let family = p.cfg.family;
+            let nat_jump = jump_rules()
+                .into_iter()
+                .find(|j| j.table == "nat" && j.from == "PREROUTING" && j.to == KUBE_SERVICES)
+                .expect("nat PREROUTING jump");
+            // The canaries exist before the first sync reads the tables (so a whole-table
+            // restore keeps them).
+            for t in TABLES {
+                if let Err(e) = backend.ensure_chain(t, KUBE_PROXY_CANARY) {
+                    tracing::warn!(table = t, error = %e, "cannot create canary chain");
+                }
+            }
+            let handle = std::thread::Builder::new()
+                .name(format!("iptables-canary-{family:?}"))
+                .spawn(move || {
+                    let ensure = |b: &mut ExecIptables| {
+                        for t in TABLES {
+                            if let Err(e) = b.ensure_chain(t, KUBE_PROXY_CANARY) {
+                                tracing::warn!(table = t, error = %e, "cannot create canary chain");
+                            }
+                        }
+                    };
+                    let mut fired = false;
+                    let mut waited = Duration::ZERO;
+                    while !stop2.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(50));
+                        waited += Duration::from_millis(50);
+                        if waited < interval {
+                            continue;
+                        }
+                        waited = Duration::ZERO;
+                        // Cheap checks only: the canaries are empty chains, and `-C` of the
+                        // jump fails as well when KUBE-SERVICES itself is gone.
+                        let healthy = (|| -> Result<bool, IptablesError> {
+                            for t in TABLES {
+                                if !backend.chain_exists(t, KUBE_PROXY_CANARY)? {
+                                    return Ok(false);
+                                }
+                            }
+                            if force.load(Ordering::Relaxed) {
+                                return Ok(true); // a full sync is already due
+                            }
+                            backend.rule_exists("nat", nat_jump.from, &nat_jump.args)
+                        })();
+                        match healthy {
+                            Ok(true) => fired = false,
+                            Ok(false) if !fired => {
+                                fired = true;
+                                tracing::info!(
+                                    ?family,
+                                    "iptables rules were flushed; forcing a full resync"
+                                );
+                                force.store(true, Ordering::Relaxed);
+                                ensure(&mut backend);
+                                let cb = cb.lock().expect("poisoned").clone();
+                                if let Some(cb) = cb {
+                                    cb();
+                                }
+                            }
+                            Ok(false) => {}
+                            Err(e) => tracing::debug!(error = %e, "canary check failed"),
+                        }
+                    }
+                })
+                .expect("spawn canary monitor");
+            self.monitors.push(Monitor {
+                stop,
+                handle: Some(handle),
+            });
+        }
+    }
+}
+
+impl Dataplane for IptablesDataplane {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let mut endpoints = 0;
+        let mut errors = vec![];
+        for p in &mut self.proxiers {
+            if !p.cfg.node_port_addresses.is_empty() {
+                let runner = p.backend.runner.clone();
+                p.cfg.local_addresses = detect_local_addresses(&runner);
+            }
+            match p.sync(snap, changed) {
+                Ok(out) => endpoints += out.plan.total_endpoints,
+                Err(e) => errors.push(format!("{:?}: {e}", p.cfg.family)),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(SyncError::Kernel(errors.join("; ")));
+        }
+        let families: Vec<IpFamily> = self.proxiers.iter().map(|p| p.cfg.family).collect();
+        let services = snap
+            .services
+            .values()
+            .filter(|s| families.iter().any(|f| s.cluster_ip(*f).is_some()))
+            .count();
+        Ok(SyncReport {
+            services,
+            endpoints,
+            failed_services: 0,
+        })
+    }
+
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        self.monitors.clear();
+        for p in &mut self.proxiers {
+            cleanup_leftovers(&mut p.backend).map_err(|e| CleanupError {
+                mode: ProxyMode::Iptables,
+                reason: format!("{:?}: {e}", p.cfg.family),
+            })?;
+            p.force_full_sync();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,314 @@
+//! The real [`IptablesBackend`]: runs the iptables binaries of one family and one backend
+//! (nf_tables or legacy), optionally inside a network namespace (`nsenter --net=PATH`).
+//! Every command takes the xtables lock with `-w` (waits up to [`LOCK_WAIT_SECONDS`]).
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use crate::model::IpFamily;
+
+use super::backend::{IptablesBackend, IptablesError, RestoreMode};
+use super::config::IptablesBackend as Choice;
+
+/// How long a command waits for the xtables lock.
+pub const LOCK_WAIT_SECONDS: &str = "5";
+
+/// A resolved backend: nf_tables or legacy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    Nft,
+    Legacy,
+}
+
+impl Flavor {
+    fn suffix(self) -> &'static str {
+        match self {
+            Flavor::Nft => "nft",
+            Flavor::Legacy => "legacy",
+        }
+    }
+}
+
+/// Runs commands, optionally inside a network namespace.
+#[derive(Debug, Clone, Default)]
+pub struct Runner {
+    pub netns: Option<PathBuf>,
+}
+
+impl Runner {
+    pub fn command(&self, program: &str) -> Command {
+        match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", ns.display())).arg(program);
+                c
+            }
+            None => Command::new(program),
+        }
+    }
+
+    /// Runs `program args` with optional stdin; returns (success, stdout, stderr).
+    pub fn run(
+        &self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> std::io::Result<(bool, String, String)> {
+        let mut c = self.command(program);
+        c.args(args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn()?;
+        if let Some(input) = stdin {
+            let mut pipe = child.stdin.take().expect("piped stdin");
+            // A write error shows up as the command's failure below.
+            let _ = pipe.write_all(input.as_bytes());
+        }
+        let out = child.wait_with_output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    }
+
+    /// `sysctl -n key`, if readable.
+    pub fn sysctl_get(&self, key: &str) -> Option<String> {
+        match self.run("sysctl", &["-n", key], None) {
+            Ok((true, out, _)) => Some(out.trim().to_string()),
+            _ => None,
+        }
+    }
+
+    /// `sysctl -w key=value`.
+    pub fn sysctl_set(&self, key: &str, value: &str) -> Result<(), String> {
+        match self.run("sysctl", &["-w", &format!("{key}={value}")], None) {
+            Ok((true, _, _)) => Ok(()),
+            Ok((false, _, err)) => Err(err.trim().to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+fn tool(family: IpFamily, flavor: Flavor, what: &str) -> String {
+    let base = match family {
+        IpFamily::V4 => "iptables",
+        IpFamily::V6 => "ip6tables",
+    };
+    if what.is_empty() {
+        format!("{base}-{}", flavor.suffix())
+    } else {
+        format!("{base}-{}-{what}", flavor.suffix())
+    }
+}
+
+fn count_rules(runner: &Runner, flavor: Flavor) -> (usize, bool) {
+    let mut n = 0;
+    let mut hint = false;
+    for fam in [IpFamily::V4, IpFamily::V6] {
+        if let Ok((_, out, _)) = runner.run(&tool(fam, flavor, "save"), &[], None) {
+            n += out.lines().filter(|l| l.starts_with('-')).count();
+            hint |= out.lines().any(|l| {
+                l.starts_with(":KUBE-IPTABLES-HINT ") || l.starts_with(":KUBE-KUBELET-CANARY ")
+            });
+        }
+    }
+    (n, hint)
+}
+
+/// Chooses the backend like upstream's iptables-wrapper: a kubelet hint chain
+/// (`KUBE-IPTABLES-HINT` / `KUBE-KUBELET-CANARY`) decides first (nft checked first); else the
+/// backend whose save output holds more rules; nft on a tie.
+pub fn detect_flavor(choice: Choice, runner: &Runner) -> Flavor {
+    match choice {
+        Choice::Nft => return Flavor::Nft,
+        Choice::Legacy => return Flavor::Legacy,
+        Choice::Auto => {}
+    }
+    let (nft, nft_hint) = count_rules(runner, Flavor::Nft);
+    let (legacy, legacy_hint) = count_rules(runner, Flavor::Legacy);
+    let flavor = if nft_hint {
+        Flavor::Nft
+    } else if legacy_hint || legacy > nft {
+        Flavor::Legacy
+    } else {
+        Flavor::Nft
+    };
+    tracing::info!(
+        ?flavor,
+        nft_rules = nft,
+        legacy_rules = legacy,
+        "iptables backend detected"
+    );
+    flavor
+}
+
+/// `iptables --version` ≥ 1.6.2 supports `MASQUERADE --random-fully`.
+pub fn has_random_fully(runner: &Runner, family: IpFamily, flavor: Flavor) -> bool {
+    let Ok((_, out, _)) = runner.run(&tool(family, flavor, ""), &["--version"], None) else {
+        return false;
+    };
+    let Some(v) = out.split_whitespace().find(|w| w.starts_with('v')) else {
+        return false;
+    };
+    let parts: Vec<u32> = v[1..].split('.').filter_map(|p| p.parse().ok()).collect();
+    parts.as_slice() >= [1, 6, 2].as_slice()
+}
+
+/// The iptables binaries of one family and flavor.
+#[derive(Debug, Clone)]
+pub struct ExecIptables {
+    pub family: IpFamily,
+    pub flavor: Flavor,
+    pub runner: Runner,
+}
+
+impl ExecIptables {
+    pub fn new(family: IpFamily, flavor: Flavor, runner: Runner) -> Self {
+        ExecIptables {
+            family,
+            flavor,
+            runner,
+        }
+    }
+
+    fn iptables(&self, table: &str, args: &[&str]) -> Result<(bool, String), IptablesError> {
+        let prog = tool(self.family, self.flavor, "");
+        let mut all = vec!["-w", LOCK_WAIT_SECONDS, "-t", table];
+        all.extend_from_slice(args);
+        let (ok, _, err) = self
+            .runner
+            .run(&prog, &all, None)
+            .map_err(|e| IptablesError::new(format!("{prog} {}", all.join(" ")), e.to_string()))?;
+        Ok((ok, err))
+    }
+
+    fn check(&self, table: &str, args: &[&str]) -> Result<(), IptablesError> {
+        let (ok, err) = self.iptables(table, args)?;
+        if ok {
+            Ok(())
+        } else {
+            Err(IptablesError::new(
+                format!("iptables -t {table} {}", args.join(" ")),
+                err.trim().to_string(),
+            ))
+        }
+    }
+}
+
+fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+impl IptablesBackend for ExecIptables {
+    fn restore(&mut self, input: &str, mode: RestoreMode) -> Result<(), IptablesError> {
+        let prog = tool(self.family, self.flavor, "restore");
+        let mut args = vec!["-w", LOCK_WAIT_SECONDS, "--counters"];
+        if mode == RestoreMode::NoFlush {
+            args.push("--noflush");
+        }
+        let (ok, _, err) = self
+            .runner
+            .run(&prog, &args, Some(input))
+            .map_err(|e| IptablesError::new(prog.clone(), e.to_string()))?;
+        if ok {
+            Ok(())
+        } else {
+            Err(IptablesError::new(
+                format!("{prog} {}", args.join(" ")),
+                err.trim().to_string(),
+            ))
+        }
+    }
+
+    fn save(&mut self, table: &str) -> Result<String, IptablesError> {
+        let prog = tool(self.family, self.flavor, "save");
+        let (ok, out, err) = self
+            .runner
+            .run(&prog, &["-t", table], None)
+            .map_err(|e| IptablesError::new(prog.clone(), e.to_string()))?;
+        if ok {
+            Ok(out)
+        } else {
+            Err(IptablesError::new(
+                format!("{prog} -t {table}"),
+                err.trim().to_string(),
+            ))
+        }
+    }
+
+    fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, IptablesError> {
+        let (ok, err) = self.iptables(table, &["-N", chain])?;
+        if ok {
+            Ok(false)
+        } else if err.contains("already exists") {
+            Ok(true)
+        } else {
+            Err(IptablesError::new(
+                format!("iptables -t {table} -N {chain}"),
+                err.trim().to_string(),
+            ))
+        }
+    }
+
+    fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, IptablesError> {
+        Ok(self.iptables(table, &["-n", "-L", chain])?.0)
+    }
+
+    fn ensure_rule_prepend(
+        &mut self,
+        table: &str,
+        chain: &str,
+        args: &[String],
+    ) -> Result<bool, IptablesError> {
+        if self.rule_exists(table, chain, args)? {
+            return Ok(true);
+        }
+        let mut a = vec!["-I", chain];
+        a.extend(strs(args));
+        self.check(table, &a)?;
+        Ok(false)
+    }
+
+    fn rule_exists(
+        &mut self,
+        table: &str,
+        chain: &str,
+        args: &[String],
+    ) -> Result<bool, IptablesError> {
+        let mut a = vec!["-C", chain];
+        a.extend(strs(args));
+        Ok(self.iptables(table, &a)?.0)
+    }
+
+    fn delete_rule(
+        &mut self,
+        table: &str,
+        chain: &str,
+        args: &[String],
+    ) -> Result<(), IptablesError> {
+        let mut a = vec!["-D", chain];
+        a.extend(strs(args));
+        // Delete every copy (a leftover of upstream kube-proxy may duplicate ours).
+        for _ in 0..16 {
+            if !self.iptables(table, &a)?.0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn delete_chain(&mut self, table: &str, chain: &str) -> Result<(), IptablesError> {
+        if !self.chain_exists(table, chain)? {
+            return Ok(());
+        }
+        self.check(table, &["-F", chain])?;
+        self.check(table, &["-X", chain])
+    }
+}

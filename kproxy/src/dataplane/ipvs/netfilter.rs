@@ -1,0 +1,315 @@
+//! The ipsets and iptables rules around IPVS, applied with the standard tools: `ipset restore`
+//! (each changed set is rebuilt in a temporary set and swapped in atomically, so lookups
+//! never see a half-filled set) and `iptables-restore --noflush` (only our chains are
+//! declared, hence flushed and refilled, in one transaction per table), plus the jumps from
+//! the built-in chains (`-C` then `-I`). The restore texts are pure functions, unit-tested.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::unix::process::CommandExt as _;
+use std::process::{Command, Stdio};
+
+use super::plan::{self, FILTER_CHAINS, JUMPS, NAT_CHAINS, PlannedSet, Rules, SetType};
+use crate::model::IpFamily;
+
+/// The temporary set a set is rebuilt in before the swap: one per set and family, so a stale
+/// one left by a crash always has the right type (≤ 31 bytes).
+fn tmp_set(index: usize, family: IpFamily) -> String {
+    let f = match family {
+        IpFamily::V4 => 4,
+        IpFamily::V6 => 6,
+    };
+    format!("KPROXY-TMP{f}-{index}")
+}
+
+fn create_options(set: &PlannedSet, family: IpFamily) -> String {
+    match set.set_type {
+        SetType::BitmapPort => "range 0-65535".into(),
+        _ => format!(
+            "family {} hashsize 1024 maxelem 65536",
+            match family {
+                IpFamily::V4 => "inet",
+                IpFamily::V6 => "inet6",
+            }
+        ),
+    }
+}
+
+/// `ipset -exist restore` input that makes every set of `sets` hold exactly its entries
+/// (sets in `unchanged` are only ensured to exist).
+pub fn ipset_restore_input(
+    sets: &BTreeMap<&'static str, PlannedSet>,
+    family: IpFamily,
+    rebuild: impl Fn(&PlannedSet) -> bool,
+) -> String {
+    let mut out = String::new();
+    for (i, set) in sets.values().enumerate() {
+        let tmp = tmp_set(i, family);
+        let opts = create_options(set, family);
+        let t = set.set_type.as_str();
+        out.push_str(&format!("create {} {t} {opts}\n", set.name));
+        if !rebuild(set) {
+            continue;
+        }
+        out.push_str(&format!("create {tmp} {t} {opts}\n"));
+        out.push_str(&format!("flush {tmp}\n"));
+        for e in &set.entries {
+            out.push_str(&format!("add {tmp} {e}\n"));
+        }
+        out.push_str(&format!("swap {tmp} {}\n", set.name));
+        out.push_str(&format!("destroy {tmp}\n"));
+    }
+    out
+}
+
+/// Where the tools run: the network namespace the dataplane was created in (kept open), so a
+/// sync called from another thread still changes the right namespace.
+#[derive(Debug)]
+pub struct Tools {
+    netns: Option<OwnedFd>,
+}
+
+impl Tools {
+    /// Pins the calling thread's network namespace.
+    pub fn here() -> std::io::Result<Tools> {
+        let f = std::fs::File::open("/proc/thread-self/ns/net")?;
+        Ok(Tools {
+            netns: Some(f.into()),
+        })
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        if let Some(fd) = &self.netns {
+            let raw = fd.as_raw_fd();
+            // SAFETY: only setns(2), async-signal-safe, runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setns(raw, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        cmd
+    }
+
+    fn run_with_input(&self, program: &str, args: &[&str], stdin: &str) -> Result<(), String> {
+        run_with_input(self.command(program), program, args, stdin)
+    }
+
+    fn run(&self, program: &str, args: &[&str]) -> Result<String, String> {
+        run(self.command(program), program, args)
+    }
+}
+
+/// Runs `cmd args…` with `stdin`, failing with its stderr.
+fn run_with_input(
+    mut cmd: Command,
+    program: &str,
+    args: &[&str],
+    stdin: &str,
+) -> Result<(), String> {
+    let mut child = cmd
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("spawning {program}: {e}"))?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(stdin.as_bytes())
+        .map_err(|e| format!("writing to {program}: {e}"))?;
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("waiting for {program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {} failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn run(mut cmd: Command, program: &str, args: &[&str]) -> Result<String, String> {
+    let out = cmd
+        .args(args)
+        .output()
+        .map_err(|e| format!("spawning {program}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "{program} {} failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Applies the sets: every set exists; those `rebuild` selects get exactly their entries.
+pub fn apply_sets(
+    tools: &Tools,
+    sets: &BTreeMap<&'static str, PlannedSet>,
+    family: IpFamily,
+    rebuild: impl Fn(&PlannedSet) -> bool,
+) -> Result<(), String> {
+    let input = ipset_restore_input(sets, family, rebuild);
+    tools.run_with_input("ipset", &["-exist", "restore"], &input)
+}
+
+/// The `iptables` binary matching an `iptables-restore` binary name.
+pub fn iptables_binary(restore: &str) -> String {
+    restore.replacen("-restore", "", 1)
+}
+
+/// Replaces our chains' contents and ensures the jumps into them.
+pub fn apply_rules(tools: &Tools, rules: &Rules, restore: &str) -> Result<(), String> {
+    let input = plan::iptables_restore_input(rules);
+    tools.run_with_input(restore, &["--noflush"], &input)?;
+    let ipt = iptables_binary(restore);
+    for (table, from, to, comment) in JUMPS {
+        let spec = ["-m", "comment", "--comment", comment, "-j", to];
+        let mut check = vec!["-w", "-t", table, "-C", from];
+        check.extend(spec);
+        if tools.run(&ipt, &check).is_err() {
+            let mut insert = vec!["-w", "-t", table, "-I", from];
+            insert.extend(spec);
+            tools.run(&ipt, &insert)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes the jumps, our chains and our sets (missing ones are fine).
+pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
+    let ipt = iptables_binary(restore);
+    let mut errors = vec![];
+    for (table, from, to, comment) in JUMPS {
+        let spec = ["-m", "comment", "--comment", comment, "-j", to];
+        loop {
+            let mut del = vec!["-w", "-t", table, "-D", from];
+            del.extend(spec);
+            if tools.run(&ipt, &del).is_err() {
+                break;
+            }
+        }
+    }
+    for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
+        for chain in chains.iter() {
+            let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
+        }
+        for chain in chains.iter() {
+            if let Err(e) = tools.run(&ipt, &["-w", "-t", table, "-X", chain])
+                && !e.contains("No chain")
+                && !e.contains("does not exist")
+            {
+                errors.push(e);
+            }
+        }
+    }
+    for (base, _, _) in plan::IPSETS {
+        let name = plan::set_name(base, family);
+        if let Err(e) = tools.run("ipset", &["destroy", &name])
+            && !e.contains("does not exist")
+        {
+            errors.push(e);
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
+
+/// `ipset version` ≥ 6.0 (upstream's minimum), as `Err(why)` otherwise.
+pub fn check_ipset_version() -> Result<String, String> {
+    let out = run(Command::new("ipset"), "ipset", &["version"])
+        .map_err(|e| format!("ipset is unusable: {e}"))?;
+    let v = parse_ipset_version(&out)
+        .ok_or_else(|| format!("cannot parse `ipset version`: {out:?}"))?;
+    if v.0 < 6 {
+        return Err(format!("ipset {}.{} is older than 6.0", v.0, v.1));
+    }
+    Ok(format!("{}.{}", v.0, v.1))
+}
+
+/// `ipset v7.17, protocol version: 7` → (7, 17).
+pub fn parse_ipset_version(s: &str) -> Option<(u32, u32)> {
+    let v = s.split_whitespace().find_map(|w| w.strip_prefix('v'))?;
+    let v = v.trim_end_matches(',');
+    let mut it = v.split('.');
+    Some((
+        it.next()?.parse().ok()?,
+        it.next().unwrap_or("0").parse().ok()?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn changed_sets_are_rebuilt_and_swapped_unchanged_only_ensured() {
+        let mut sets = BTreeMap::new();
+        sets.insert(
+            "KUBE-CLUSTER-IP",
+            PlannedSet {
+                name: "KUBE-CLUSTER-IP".into(),
+                set_type: SetType::HashIpPort,
+                comment: "",
+                entries: BTreeSet::from(["10.96.0.10,tcp:80".to_string()]),
+            },
+        );
+        sets.insert(
+            "KUBE-NODE-PORT-TCP",
+            PlannedSet {
+                name: "KUBE-NODE-PORT-TCP".into(),
+                set_type: SetType::BitmapPort,
+                comment: "",
+                entries: BTreeSet::from(["30080".to_string()]),
+            },
+        );
+        let text = ipset_restore_input(&sets, IpFamily::V4, |s| s.name == "KUBE-CLUSTER-IP");
+        assert_eq!(
+            text,
+            "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536\n\
+             create KPROXY-TMP4-0 hash:ip,port family inet hashsize 1024 maxelem 65536\n\
+             flush KPROXY-TMP4-0\n\
+             add KPROXY-TMP4-0 10.96.0.10,tcp:80\n\
+             swap KPROXY-TMP4-0 KUBE-CLUSTER-IP\n\
+             destroy KPROXY-TMP4-0\n\
+             create KUBE-NODE-PORT-TCP bitmap:port range 0-65535\n"
+        );
+    }
+
+    #[test]
+    fn versions_and_binaries() {
+        assert_eq!(
+            parse_ipset_version("ipset v7.17, protocol version: 7"),
+            Some((7, 17))
+        );
+        assert_eq!(
+            parse_ipset_version("ipset v6.38, protocol version: 6"),
+            Some((6, 38))
+        );
+        assert_eq!(parse_ipset_version("garbage"), None);
+        assert_eq!(
+            iptables_binary("iptables-legacy-restore"),
+            "iptables-legacy"
+        );
+        assert_eq!(iptables_binary("ip6tables-restore"), "ip6tables");
+    }
+}

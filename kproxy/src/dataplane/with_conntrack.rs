@@ -1,0 +1,68 @@
+//! [`WithConntrackCleanup`]: wraps a datapath that DNATs through netfilter conntrack (iptables,
+//! IPVS) and runs upstream's end-of-sync step: after every *successful* sync, the stale UDP
+//! conntrack entries of each IP family are deleted ([`crate::conntrack::Cleaner`]).
+//!
+//! A failed cleanup is logged and never fails the sync (as upstream). Deleted entries and the
+//! cleanup's duration go to `kubeproxy_conntrack_reconciler_*`.
+
+use crate::conntrack::Cleaner;
+use crate::metrics::Metrics;
+use crate::model::{ChangedSet, IpFamily, Snapshot};
+
+use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+
+/// A datapath plus conntrack cleanup after its syncs.
+pub struct WithConntrackCleanup<D: Dataplane> {
+    inner: D,
+    cleaners: Vec<Cleaner>,
+    /// The snapshot of the last successful sync (empty at start, so the first sync cleans what
+    /// a previous proxy left).
+    prev: Snapshot,
+    metrics: Option<Metrics>,
+}
+
+impl<D: Dataplane> WithConntrackCleanup<D> {
+    pub fn new(inner: D, families: &[IpFamily], metrics: Option<Metrics>) -> Self {
+        WithConntrackCleanup {
+            inner,
+            cleaners: families.iter().map(|f| Cleaner::new(*f)).collect(),
+            prev: Snapshot::default(),
+            metrics,
+        }
+    }
+
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+}
+
+impl<D: Dataplane> Dataplane for WithConntrackCleanup<D> {
+    fn mode(&self) -> ProxyMode {
+        self.inner.mode()
+    }
+
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let report = self.inner.sync(snap, changed)?;
+        for c in &mut self.cleaners {
+            let family = c.family();
+            match c.after_sync(&self.prev, snap, changed) {
+                Ok(stats) => {
+                    if stats.ran {
+                        tracing::debug!(?family, ?stats, "conntrack cleanup");
+                        if let Some(m) = &self.metrics {
+                            m.conntrack().deleted(family, stats.deleted as u64);
+                            m.conntrack().observe(family, stats.duration.as_secs_f64());
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(?family, error = %e, "conntrack cleanup failed"),
+            }
+        }
+        self.prev = snap.clone();
+        Ok(report)
+    }
+
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        self.inner.cleanup()
+    }
+}

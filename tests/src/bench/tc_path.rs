@@ -1,0 +1,304 @@
+//! Per-packet cost of the eBPF TC service path (`kp_tc_in` / `kp_tc_eg`) through
+//! `BPF_PROG_TEST_RUN`, with N services programmed by the real eBPF planner + applier
+//! ([`EbpfDataplane`], socket LB off) on a private bpffs.
+//!
+//! Services: `bench/sI:p`, TCP, externalIP `100.64.0.0 + I` port 80, two remote endpoints each
+//! (so new flows are SNATed at egress). 256 flows rotate over the services. Cases:
+//! - `new-flow`: a SYN of a flow the connection table has not seen (one run per frame);
+//! - `established`: an ACK of a flow already translated;
+//! - `miss`: a packet to a node port that is no service;
+//! - `reverse-nat`: a backend's reply to the SNAT address (reverse SNAT at ingress).
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use aya::Ebpf;
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::testrun::run;
+use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
+use kproxy::model::{
+    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
+    Snapshot,
+};
+
+use crate::netns::Bpffs;
+
+/// The cases measured, in report order.
+pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
+const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+/// The SNAT address of test runs (they see ifindex 1).
+const NODE_INNER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+const FLOWS: u32 = 256;
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+
+fn ext_ip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(100, 64, 0, 0)) + i)
+}
+
+fn backend_ip(i: u32, k: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + 2 * i + k)
+}
+
+fn snapshot(services: u32) -> Snapshot {
+    let mut snap = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "bench-node".into(),
+            addresses: vec![IpAddr::V4(NODE)],
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for i in 0..services {
+        let name = ServicePortName {
+            namespace: "bench".into(),
+            name: format!("s{i}"),
+            port: "p".into(),
+            protocol: Protocol::Tcp,
+        };
+        let sp = ServicePort {
+            name: name.clone(),
+            service_type: ServiceType::ClusterIp,
+            cluster_ips: vec![IpAddr::V4(Ipv4Addr::from(
+                u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i,
+            ))],
+            port: 80,
+            protocol: Protocol::Tcp,
+            node_port: 0,
+            external_ips: vec![IpAddr::V4(ext_ip(i))],
+            load_balancer_ingress: vec![],
+            load_balancer_source_ranges: vec![],
+            external_policy_local: false,
+            internal_policy_local: false,
+            health_check_node_port: 0,
+            session_affinity_timeout: None,
+        };
+        let eps = (0..2)
+            .map(|k| Endpoint {
+                ip: IpAddr::V4(backend_ip(i, k)),
+                port: 8080,
+                ready: true,
+                serving: true,
+                terminating: false,
+                is_local: false,
+                node_name: Some("node2".into()),
+                zone: None,
+                zone_hints: BTreeSet::new(),
+                node_hints: BTreeSet::new(),
+            })
+            .collect();
+        snap.endpoints.insert(name.clone(), Arc::new(eps));
+        snap.services.insert(name, Arc::new(sp));
+    }
+    snap
+}
+
+fn csum(data: &[u8]) -> u16 {
+    let mut s: u32 = data
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+
+/// An Ethernet + IPv4 + TCP frame (no payload) with valid checksums.
+pub fn tcp_frame(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8) -> Vec<u8> {
+    let mut t = Vec::with_capacity(20);
+    t.extend_from_slice(&src.1.to_be_bytes());
+    t.extend_from_slice(&dst.1.to_be_bytes());
+    t.extend_from_slice(&1000u32.to_be_bytes());
+    t.extend_from_slice(&(if flags & ACK != 0 { 1u32 } else { 0 }).to_be_bytes());
+    t.extend_from_slice(&[5 << 4, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.0.octets());
+    pseudo.extend_from_slice(&dst.0.octets());
+    pseudo.extend_from_slice(&[0, 6, 0, 20]);
+    pseudo.extend_from_slice(&t);
+    let c = csum(&pseudo);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    let mut ip = vec![0x45, 0, 0, 40, 0x12, 0x34, 0x40, 0, 64, 6, 0, 0];
+    ip.extend_from_slice(&src.0.octets());
+    ip.extend_from_slice(&dst.0.octets());
+    let c = csum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut f = vec![0x02, 0, 0, 0, 0, 0xbb, 0x02, 0, 0, 0, 0, 0xaa, 0x08, 0x00];
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&t);
+    f
+}
+
+fn addrs(frame: &[u8]) -> ((Ipv4Addr, u16), (Ipv4Addr, u16)) {
+    let ip = &frame[14..];
+    let l4 = &ip[usize::from(ip[0] & 0x0f) * 4..];
+    (
+        (
+            Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
+            u16::from_be_bytes([l4[0], l4[1]]),
+        ),
+        (
+            Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]),
+            u16::from_be_bytes([l4[2], l4[3]]),
+        ),
+    )
+}
+
+/// The TC path with `services` services programmed.
+pub struct TcBench {
+    // Drop order: the TC object, the dataplane (its maps), then the bpffs.
+    ebpf: Ebpf,
+    _tc: TcPath,
+    _dp: EbpfDataplane,
+    _bpffs: Bpffs,
+    services: u32,
+    next_port: u32,
+}
+
+impl TcBench {
+    pub fn new(services: u32, ct_entries: u32) -> anyhow::Result<TcBench> {
+        let bpffs = Bpffs::new(&format!("bench-tc-{services}"))?;
+        let n = services.max(1);
+        let cfg = EbpfConfig {
+            bpffs: bpffs.path().to_path_buf(),
+            families: vec![IpFamily::V4],
+            socket_lb: false,
+            node_addresses: vec![IpAddr::V4(NODE)],
+            map_sizes: MapSizes {
+                services: (4 * n + 1024).next_power_of_two(),
+                backend_slots: (2 * n + 1024).next_power_of_two(),
+                backends: (2 * n + 1024).next_power_of_two(),
+                affinity: 1024,
+                source_ranges: 1024,
+                sock_rev_nat: 1024,
+            },
+            ..EbpfConfig::default()
+        };
+        let mut dp = EbpfDataplane::new(cfg).context("loading the eBPF datapath")?;
+        let report = dp
+            .sync(&snapshot(services), &ChangedSet::default())
+            .map_err(|e| anyhow::anyhow!("programming {services} services: {e}"))?;
+        if report.failed_services != 0 {
+            bail!("{} of {services} services failed", report.failed_services);
+        }
+        let pins = bpffs.path().join("kproxy");
+        let tc_cfg = TcConfig {
+            ct_entries,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &tc_cfg)?;
+        let tc = TcPath::load(&mut ebpf, tc_cfg)?;
+        TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)])?;
+        Ok(TcBench {
+            ebpf,
+            _tc: tc,
+            _dp: dp,
+            _bpffs: bpffs,
+            services,
+            next_port: 1024,
+        })
+    }
+
+    fn flow_frames(&mut self, flags: u8) -> Vec<Vec<u8>> {
+        let base = self.next_port;
+        self.next_port += FLOWS;
+        (0..FLOWS)
+            .map(|j| {
+                let svc = (j.wrapping_mul(7919)) % self.services.max(1);
+                let sport = 1024 + (base + j) % 64_000;
+                let cip = Ipv4Addr::from(u32::from(CLIENT) + (base + j) / 64_000);
+                tcp_frame((cip, sport as u16), (ext_ip(svc), 80), flags)
+            })
+            .collect()
+    }
+
+    /// ns per run, `repeat` runs spread over `frames`.
+    fn repeated(
+        &mut self,
+        prog: &'static str,
+        frames: &[Vec<u8>],
+        repeat: u32,
+    ) -> anyhow::Result<f64> {
+        let per = (repeat / frames.len() as u32).max(1);
+        let mut total = 0.0;
+        for f in frames {
+            total += run(&mut self.ebpf, prog, f, per)?.duration.as_nanos() as f64;
+        }
+        Ok(total / frames.len() as f64)
+    }
+
+    /// One sample of `case` (see the module docs).
+    pub fn sample(&mut self, case: &str, repeat: u32) -> anyhow::Result<f64> {
+        match case {
+            "new-flow" => {
+                let frames = self.flow_frames(SYN);
+                let mut total = 0.0;
+                for f in &frames {
+                    let out = run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    if addrs(&out.frame).1.1 != 8080 {
+                        bail!("a new flow was not DNATed to a backend");
+                    }
+                    total += out.duration.as_nanos() as f64;
+                }
+                Ok(total / frames.len() as f64)
+            }
+            "established" => {
+                let syns = self.flow_frames(SYN);
+                let mut acks = vec![];
+                for f in &syns {
+                    run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    let (src, dst) = addrs(f);
+                    acks.push(tcp_frame(src, dst, ACK));
+                }
+                self.repeated(PROG_TC_INGRESS, &acks, repeat)
+            }
+            "miss" => {
+                let frames: Vec<Vec<u8>> = (0..FLOWS)
+                    .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
+                    .collect();
+                self.repeated(PROG_TC_INGRESS, &frames, repeat)
+            }
+            "reverse-nat" => {
+                let syns = self.flow_frames(SYN);
+                let mut replies = vec![];
+                for f in &syns {
+                    let dnat = run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?.frame;
+                    let snat = run(&mut self.ebpf, PROG_TC_EGRESS, &dnat, 1)?.frame;
+                    let (src, dst) = addrs(&snat);
+                    if src.0 != NODE_INNER {
+                        bail!("egress did not SNAT the flow to a remote backend");
+                    }
+                    replies.push(tcp_frame(dst, src, SYN | ACK));
+                }
+                self.repeated(PROG_TC_INGRESS, &replies, repeat)
+            }
+            other => bail!("unknown TC case {other}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crafted_tcp_frame_has_valid_checksums() {
+        let f = tcp_frame((CLIENT, 1234), (NODE, 80), SYN);
+        assert_eq!(f.len(), 14 + 20 + 20);
+        assert_eq!(csum(&f[14..34]), 0);
+        let mut pseudo = Vec::new();
+        pseudo.extend_from_slice(&f[26..34]);
+        pseudo.extend_from_slice(&[0, 6, 0, 20]);
+        pseudo.extend_from_slice(&f[34..]);
+        assert_eq!(csum(&pseudo), 0);
+        assert_eq!(addrs(&f), ((CLIENT, 1234), (NODE, 80)));
+    }
+}

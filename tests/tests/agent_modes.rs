@@ -1,0 +1,575 @@
+//! The real `kproxy` binary in a node namespace of the shared topology, end to end:
+//!
+//! - mode detection: without CAP_BPF/CAP_SYS_ADMIN (`capsh --drop`) and without
+//!   `--proxy-mode` it runs iptables (GET /proxyMode) and serves a ClusterIP and a NodePort;
+//!   with full capabilities it detects ebpf;
+//! - at start, the leftovers of other modes and of upstream kube-proxy are removed (KUBE-*
+//!   chains of both iptables backends, `ip kube-proxy` nft table, ipsets, `kube-ipvs0`);
+//! - `kproxy inspect --output json` shows the service and its programmed backends;
+//! - after `kproxy cleanup`, iptables-save, ipset, the bpffs and bpftool show nothing of
+//!   kproxy's.
+//!
+//! IPVS cannot run on this host kernel (no ip_vs); its cleanup is covered by the guest suite.
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root, unique_name};
+use kproxy_tests::topology::{
+    NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, assert_spread, kproxy_bin,
+};
+
+const NODE: &str = "kpt-node";
+const CLUSTER_IP: &str = "10.96.0.10";
+const NODE_PORT: u16 = 30080;
+const LIVENESS: Duration = Duration::from_secs(30);
+
+fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
+    let eps: String = topo
+        .local_pods()
+        .map(|p| {
+            format!(
+                "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n    nodeName: {NODE}\n",
+                p.ip
+            )
+        })
+        .collect();
+    let yaml = format!(
+        r#"apiVersion: v1
+kind: Node
+metadata: {{name: {NODE}}}
+spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
+status:
+  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: {CLUSTER_IP}
+  clusterIPs: ["{CLUSTER_IP}"]
+  ipFamilies: ["IPv4"]
+  ports:
+    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{{name: http, protocol: TCP, port: 8080}}]
+endpoints:
+{eps}"#
+    );
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+struct Scratch(PathBuf);
+impl Scratch {
+    fn new(hint: &str) -> Scratch {
+        let d = std::env::temp_dir().join(unique_name(hint));
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+}
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The agent process; killed on drop.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(mut cmd: Command, log: PathBuf) -> Agent {
+        let f = File::create(&log).unwrap();
+        cmd.stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f);
+        let child = cmd.spawn().expect("spawning kproxy");
+        Agent { child, log }
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Waits until `probe` from `ns` gets an answer; panics with the agent's log otherwise.
+fn wait_serving(agent: &mut Agent, ns: &Netns, cg: Option<&TestCgroup>, addr: &str) {
+    let deadline = Instant::now() + LIVENESS;
+    loop {
+        if let Ok(Some(st)) = agent.child.try_wait() {
+            panic!("kproxy exited ({st}):\n{}", agent.log());
+        }
+        let r = Probe::tcp(addr, 1)
+            .timeout(Duration::from_millis(500))
+            .run(ns, cg);
+        if r.is_ok_and(|r| r.total_answers() == 1) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} never answered; kproxy log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `GET path` from the metrics server at 127.0.0.1:10249 inside `ns`.
+fn metrics_get(ns: &Netns, path: &str) -> String {
+    let path = path.to_string();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect("127.0.0.1:10249").expect("metrics server");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default()
+    })
+    .unwrap()
+}
+
+fn out(ns: &Netns, program: &str, args: &[&str]) -> String {
+    let o = ns.command(program).args(args).output().unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn ok(ns: &Netns, program: &str, args: &[&str]) -> bool {
+    ns.command(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Every `KUBE-` line of the nat, filter and mangle tables of both iptables backends, except
+/// `KUBE-FIREWALL` (kubelet's chain; the iptables proxier writes its localnet rule like
+/// upstream, and like upstream's cleanup leaves it).
+fn kube_rules(ns: &Netns) -> Vec<String> {
+    let mut v = vec![];
+    for bin in ["iptables-nft-save", "iptables-legacy-save"] {
+        for table in ["nat", "filter", "mangle"] {
+            v.extend(
+                out(ns, bin, &["-t", table])
+                    .lines()
+                    .filter(|l| l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+                    .map(|l| format!("{bin} {table}: {l}")),
+            );
+        }
+    }
+    v
+}
+
+fn ipsets(ns: &Netns) -> Vec<String> {
+    out(ns, "ipset", &["list", "-n"])
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::new();
+    let mut esc = false;
+    for c in s.chars() {
+        match (esc, c) {
+            (false, '\u{1b}') => esc = true,
+            (true, 'm') => esc = false,
+            (true, _) => {}
+            (false, c) => out.push(c),
+        }
+    }
+    out
+}
+
+/// What upstream kube-proxy (iptables + ipvs + nftables modes) would leave behind (this host
+/// kernel has no `dummy` driver: a bridge stands in for the `kube-ipvs0` device).
+fn seed_upstream_leftovers(ns: &Netns, iptables_chains: bool) {
+    let chains: &[(&str, &str)] = if iptables_chains {
+        &[
+            ("iptables-legacy", "KUBE-SVC-LEFTOVERLEGACY1"),
+            ("iptables-nft", "KUBE-SEP-LEFTOVERNFTABLES"),
+        ]
+    } else {
+        &[]
+    };
+    for &(bin, chain) in chains {
+        ns.exec(bin, &["-t", "nat", "-N", "KUBE-SERVICES"]).unwrap();
+        ns.exec(bin, &["-t", "nat", "-N", chain]).unwrap();
+        ns.exec(bin, &["-t", "nat", "-A", "KUBE-SERVICES", "-j", chain])
+            .unwrap();
+        ns.exec(
+            bin,
+            &[
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-m",
+                "comment",
+                "--comment",
+                "kubernetes service portals",
+                "-j",
+                "KUBE-SERVICES",
+            ],
+        )
+        .unwrap();
+    }
+    ns.exec("ipset", &["create", "KUBE-CLUSTER-IP", "hash:ip,port"])
+        .unwrap();
+    ns.ip(&["link", "add", "kube-ipvs0", "type", "bridge"])
+        .unwrap();
+    ns.exec("nft", &["add", "table", "ip", "kube-proxy"])
+        .unwrap();
+}
+
+fn assert_no_upstream_leftovers(ns: &Netns, agent: &Agent, iptables_mode: bool) {
+    if !iptables_mode {
+        assert_eq!(kube_rules(ns), Vec::<String>::new(), "{}", agent.log());
+    } else {
+        let rules = kube_rules(ns);
+        assert!(
+            !rules.iter().any(|l| l.contains("LEFTOVER")),
+            "upstream's stale service chains stay: {rules:#?}"
+        );
+    }
+    assert_eq!(ipsets(ns), Vec::<String>::new(), "{}", agent.log());
+    assert!(
+        !ok(ns, "ip", &["link", "show", "kube-ipvs0"]),
+        "kube-ipvs0 stays"
+    );
+    assert!(
+        !ok(ns, "nft", &["list", "table", "ip", "kube-proxy"]),
+        "nft table ip kube-proxy stays"
+    );
+}
+
+fn topology(hint: &str) -> Topology {
+    let mut t = TopologySpec::new(hint)
+        .local_pods(2)
+        .remote_pods(0)
+        .ipv6(false)
+        .build()
+        .unwrap();
+    t.serve_all().unwrap();
+    t
+}
+
+fn kproxy_cmd(ns: &Netns, args: &[String]) -> Command {
+    let mut c = ns.command(kproxy_bin().unwrap());
+    c.args(args);
+    c
+}
+
+fn inspect(ns: &Netns, args: &[String]) -> serde_json::Value {
+    let o = kproxy_cmd(ns, args)
+        .args(["inspect", "--output", "json"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "inspect failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn assert_inspect_web(v: &serde_json::Value, mode: &str, topo: &Topology) {
+    assert_eq!(v["mode"], mode, "{v:#}");
+    let svcs = v["services"].as_array().unwrap();
+    let web = svcs
+        .iter()
+        .find(|s| s["name"] == "default/web:http")
+        .unwrap_or_else(|| panic!("no default/web:http in {v:#}"));
+    let want: BTreeSet<String> = topo
+        .local_pods()
+        .map(|p| format!("{}:8080", p.ip))
+        .collect();
+    let backends: BTreeSet<String> = web["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            assert_eq!(b["ready"], true);
+            assert_eq!(b["local"], true);
+            b["address"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(backends, want);
+    let programmed: BTreeSet<String> = web["kernel_backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(programmed, want, "{web:#}");
+    assert!(!web["kernel"].as_array().unwrap().is_empty(), "{web:#}");
+}
+
+#[test]
+fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("am-caps");
+    let scratch = Scratch::new("am-caps");
+    let m = manifests(&topo, &scratch.0);
+    topo.node
+        .exec("nft", &["add", "table", "ip", "kube-proxy"])
+        .unwrap();
+    topo.node
+        .ip(&["link", "add", "kube-ipvs0", "type", "bridge"])
+        .unwrap();
+    let script = format!(
+        "exec {} --manifests={} --hostname-override={NODE} --metrics-bind-address=127.0.0.1:10249",
+        kproxy_bin().unwrap().display(),
+        m.display()
+    );
+    let mut cmd = topo.node.command("capsh");
+    cmd.args([
+        "--drop=cap_bpf,cap_sys_admin,cap_perfmon",
+        "--",
+        "-c",
+        &script,
+    ]);
+    let mut agent = Agent::start(cmd, scratch.0.join("kproxy.log"));
+    let pod0 = &topo.local_pods().next().unwrap().ns;
+    wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
+    assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "iptables");
+    // The iptables datapath reports its syncs into upstream's metrics.
+    let metrics = metrics_get(&topo.node, "/metrics");
+    let full_syncs = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+                && l.contains("IPv4")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert!(full_syncs >= Some(1.0), "no full sync counted:\n{metrics}");
+    let log = strip_ansi(&agent.log());
+    assert!(
+        log.lines()
+            .any(|l| l.contains("proxy mode rejected") && l.contains("mode=ebpf")),
+        "the log says why ebpf was rejected:\n{log}"
+    );
+    let names: Vec<String> = topo.local_pods().map(|p| p.name.clone()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let r = Probe::tcp(format!("{CLUSTER_IP}:80"), 40)
+        .run(pod0, None)
+        .unwrap();
+    assert_spread(&r, &names);
+    let r = Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 40)
+        .run(&topo.client, None)
+        .unwrap();
+    assert_spread(&r, &names);
+    // Leftovers of upstream's nftables and ipvs modes that need no CAP_SYS_ADMIN to remove.
+    assert!(!ok(
+        &topo.node,
+        "nft",
+        &["list", "table", "ip", "kube-proxy"]
+    ));
+    assert!(!ok(&topo.node, "ip", &["link", "show", "kube-ipvs0"]));
+}
+
+#[test]
+fn ebpf_detected_then_inspect_then_cleanup_leaves_nothing() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("am-ebpf");
+    let scratch = Scratch::new("am-ebpf");
+    let bpffs = Bpffs::new("am-ebpf-fs").unwrap();
+    let cg = TestCgroup::new("am-ebpf-cg").unwrap();
+    let m = manifests(&topo, &scratch.0);
+    seed_upstream_leftovers(&topo.node, true);
+    let common = vec![
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        format!("--bpffs={}", bpffs.path().display()),
+        format!("--bpf-cgroup={}", cg.path().display()),
+    ];
+    let mut cmd = kproxy_cmd(&topo.node, &common);
+    cmd.arg("--metrics-bind-address=127.0.0.1:10249");
+    let mut agent = Agent::start(cmd, scratch.0.join("kproxy.log"));
+    let pod0 = &topo.local_pods().next().unwrap().ns;
+    wait_serving(&mut agent, pod0, Some(&cg), &format!("{CLUSTER_IP}:80"));
+    assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "ebpf");
+    assert_no_upstream_leftovers(&topo.node, &agent, false);
+
+    let names: Vec<String> = topo.local_pods().map(|p| p.name.clone()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let r = Probe::tcp(format!("{CLUSTER_IP}:80"), 40)
+        .run(pod0, Some(&cg))
+        .unwrap();
+    assert_spread(&r, &names);
+    let r = Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 40)
+        .run(&topo.client, None)
+        .unwrap();
+    assert_spread(&r, &names);
+
+    let v = inspect(&topo.node, &common);
+    assert_inspect_web(&v, "ebpf", &topo);
+    let maps = v["maps"].as_array().unwrap();
+    assert!(
+        maps.iter()
+            .any(|m| m["map"] == "KP_SERVICES" && m["entries"].as_u64() > Some(0)),
+        "{v:#}"
+    );
+    let web = v["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "default/web:http")
+        .unwrap();
+    assert!(
+        web["ct_entries"].as_u64() > Some(0),
+        "NodePort flows went through the TC path's CT: {web:#}"
+    );
+
+    // The links kproxy pinned (socket LB on the cgroup, TC on the node's devices) and the
+    // programs behind them, while the agent runs.
+    let num_after = |json: &str, field: &str| -> Vec<u64> {
+        json.split(&format!("\"{field}\":"))
+            .skip(1)
+            .filter_map(|t| {
+                t.trim_start()
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|n| n.parse().ok())
+            })
+            .collect()
+    };
+    let link_dir = bpffs.path().join("kproxy/links");
+    let mut links = BTreeSet::new();
+    let mut progs = BTreeSet::new();
+    let mut tc_links = 0;
+    for e in std::fs::read_dir(&link_dir).unwrap() {
+        let p = e.unwrap().path();
+        tc_links += usize::from(p.file_name().unwrap().to_string_lossy().starts_with("tc-"));
+        let j = out(
+            &topo.node,
+            "bpftool",
+            &["-j", "link", "show", "pinned", &p.display().to_string()],
+        );
+        links.extend(num_after(&j, "id"));
+        progs.extend(num_after(&j, "prog_id"));
+    }
+    assert!(
+        links.len() >= 10 && tc_links >= 2,
+        "socket LB (8) + TC links: {links:?}"
+    );
+    let cg_path = cg.path().display().to_string();
+    assert_eq!(
+        num_after(
+            &out(&topo.node, "bpftool", &["-j", "cgroup", "show", &cg_path]),
+            "id"
+        )
+        .len(),
+        8,
+        "socket LB attached to the test cgroup"
+    );
+
+    agent.stop();
+    let st = kproxy_cmd(&topo.node, &common)
+        .arg("cleanup")
+        .status()
+        .unwrap();
+    assert!(st.success(), "kproxy cleanup failed");
+    assert_eq!(bpffs.entries().unwrap(), Vec::<String>::new());
+    assert_eq!(
+        num_after(
+            &out(&topo.node, "bpftool", &["-j", "cgroup", "show", &cg_path]),
+            "id"
+        ),
+        Vec::<u64>::new(),
+        "socket LB detached"
+    );
+    // Links and programs are freed once the pins are gone (asynchronously).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let all_links: BTreeSet<u64> =
+            num_after(&out(&topo.node, "bpftool", &["-j", "link", "show"]), "id")
+                .into_iter()
+                .collect();
+        let all_progs: BTreeSet<u64> =
+            num_after(&out(&topo.node, "bpftool", &["-j", "prog", "show"]), "id")
+                .into_iter()
+                .collect();
+        let l: Vec<&u64> = links.intersection(&all_links).collect();
+        let p: Vec<&u64> = progs.intersection(&all_progs).collect();
+        if l.is_empty() && p.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "links {l:?} / programs {p:?} still exist"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(kube_rules(&topo.node), Vec::<String>::new());
+    assert_eq!(ipsets(&topo.node), Vec::<String>::new());
+}
+
+#[test]
+fn iptables_forced_then_inspect_then_cleanup_leaves_nothing() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("am-ipt");
+    let scratch = Scratch::new("am-ipt");
+    let m = manifests(&topo, &scratch.0);
+    seed_upstream_leftovers(&topo.node, false);
+    let common = vec![
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        "--proxy-mode=iptables".to_string(),
+    ];
+    let mut agent = Agent::start(
+        kproxy_cmd(&topo.node, &common),
+        scratch.0.join("kproxy.log"),
+    );
+    let pod0 = &topo.local_pods().next().unwrap().ns;
+    wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
+    assert_no_upstream_leftovers(&topo.node, &agent, true);
+    let v = inspect(&topo.node, &common);
+    assert_inspect_web(&v, "iptables", &topo);
+
+    agent.stop();
+    let st = kproxy_cmd(&topo.node, &common)
+        .arg("cleanup")
+        .status()
+        .unwrap();
+    assert!(st.success(), "kproxy cleanup failed");
+    assert_eq!(kube_rules(&topo.node), Vec::<String>::new());
+    assert_eq!(ipsets(&topo.node), Vec::<String>::new());
+}

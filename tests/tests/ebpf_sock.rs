@@ -1,0 +1,731 @@
+//! Socket-level load balancing on this kernel: the real `EbpfDataplane` (pinned maps on a
+//! private bpffs, socket-LB programs on pinned links attached to a test cgroup) programmed from
+//! snapshots, and real clients in that cgroup connecting to service VIPs.
+//!
+//! Topology: the shared one (`kproxy_tests::topology`): pod `pod-l0` is the client, the other
+//! local pods and the pods of the second node are the backends (their `kp-probe serve` answers
+//! with the pod's name). Clients run inside `pod-l0`'s namespace and the test cgroup, so only
+//! they are translated. VIPs need no route: socket LB rewrites the destination before routing.
+//! The one check `kp-probe` cannot make (what `getpeername`/`recvfrom` report to the client) uses
+//! a few lines of `/usr/bin/python3`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::ebpf::planner::{decode_addr, encode_addr};
+use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::model::{
+    ChangedSet, Endpoint, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType, Snapshot,
+};
+use kproxy_common::service::{
+    AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
+    MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue,
+};
+use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
+use kproxy_tests::topology::{
+    POD_PORT, Pod, PodNode, Probe, ProbeResult, Topology, TopologySpec, assert_spread,
+};
+
+const PORT: u16 = 80;
+const VIP_V4: &str = "10.96.7.7";
+const VIP_V6: &str = "fd00:96::7";
+const CONNECTIONS: u32 = 300;
+const CLIENT_POD: &str = "pod-l0";
+
+/// `python3 -c PEERS FAMILY VIP PORT N`: N TCP connections and N UDP exchanges, each from a
+/// new socket, then N datagrams from one unconnected UDP socket; prints the distinct addresses
+/// `getpeername()` (TCP) and `recvfrom()` (UDP) reported and the backends that answered the
+/// one socket, one JSON object.
+const PEERS: &str = r#"
+import socket, sys, json
+fam, vip, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+af = socket.AF_INET if fam == '4' else socket.AF_INET6
+tcp, udp = set(), set()
+for i in range(n):
+    s = socket.socket(af, socket.SOCK_STREAM); s.settimeout(5)
+    s.connect((vip, port)); tcp.add('%s:%d' % s.getpeername()[:2]); s.recv(64); s.close()
+    s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5)
+    s.sendto(b'x\n', (vip, port)); _, src = s.recvfrom(256); udp.add('%s:%d' % src[:2]); s.close()
+s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5); same = set()
+for i in range(n):
+    s.sendto(b'x\n', (vip, port)); data, _ = s.recvfrom(256); same.add(data.decode().split(' ')[0])
+print(json.dumps({'tcp': sorted(tcp), 'udp': sorted(udp), 'same_socket': sorted(same)}))
+"#;
+
+/// The sandbox of one test: topology with servers, bpffs, cgroup.
+struct Rig {
+    topo: Topology,
+    cgroup: TestCgroup,
+    bpffs: Bpffs,
+}
+
+impl Rig {
+    fn new(test: &str) -> Rig {
+        let mut topo = TopologySpec::new(test)
+            .local_pods(3)
+            .remote_pods(2)
+            .ipv6(true)
+            .build()
+            .unwrap();
+        for pod in topo.pods.iter_mut().filter(|p| p.name != CLIENT_POD) {
+            pod.serve(&[]).unwrap();
+        }
+        Rig {
+            topo,
+            cgroup: TestCgroup::new(&format!("{test}-cg")).unwrap(),
+            bpffs: Bpffs::new(&format!("{test}-fs")).unwrap(),
+        }
+    }
+
+    fn config(&self) -> EbpfConfig {
+        config(&self.bpffs, &self.cgroup)
+    }
+
+    fn backends(&self) -> Vec<&Pod> {
+        self.topo
+            .pods
+            .iter()
+            .filter(|p| p.name != CLIENT_POD)
+            .collect()
+    }
+
+    fn backend_names(&self) -> Vec<&str> {
+        self.backends().iter().map(|p| p.name.as_str()).collect()
+    }
+
+    /// Endpoints of every backend pod, both families.
+    fn endpoints(&self) -> Vec<Endpoint> {
+        self.backends()
+            .iter()
+            .flat_map(|p| {
+                let local = p.on == PodNode::Local;
+                [IpAddr::V4(p.ip), IpAddr::V6(p.ip6.unwrap())]
+                    .into_iter()
+                    .map(move |ip| endpoint(ip, local))
+            })
+            .collect()
+    }
+
+    fn client_ns(&self) -> &kproxy_tests::netns::Netns {
+        &self.topo.pod(CLIENT_POD).ns
+    }
+
+    fn probe(&self, p: Probe) -> ProbeResult {
+        p.timeout(Duration::from_secs(5))
+            .run(self.client_ns(), Some(&self.cgroup))
+            .unwrap()
+    }
+
+    fn pod_name(&self, ip: IpAddr) -> String {
+        self.topo
+            .pods
+            .iter()
+            .find(|p| IpAddr::V4(p.ip) == ip || p.ip6.map(IpAddr::V6) == Some(ip))
+            .map(|p| p.name.clone())
+            .unwrap_or_else(|| ip.to_string())
+    }
+}
+
+fn config(bpffs: &Bpffs, cgroup: &TestCgroup) -> EbpfConfig {
+    EbpfConfig {
+        bpffs: bpffs.path().to_path_buf(),
+        cgroup: Some(cgroup.path().to_path_buf()),
+        map_sizes: MapSizes {
+            services: 8192,
+            backend_slots: 16384,
+            backends: 8192,
+            affinity: 1024,
+            source_ranges: 256,
+            sock_rev_nat: 4096,
+        },
+        ..EbpfConfig::default()
+    }
+}
+
+fn addr(vip: &str) -> String {
+    if vip.contains(':') {
+        format!("[{vip}]:{PORT}")
+    } else {
+        format!("{vip}:{PORT}")
+    }
+}
+
+/// Every entry of a pinned hash map, keyed by the key's bytes.
+fn dump_map<K: aya::Pod, V: aya::Pod>(bpffs: &Bpffs, name: &str) -> BTreeMap<Vec<u8>, V> {
+    let data = MapData::from_pin(bpffs.path().join("kproxy").join(name)).unwrap();
+    let map: BpfHashMap<MapData, K, V> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    map.iter()
+        .map(|kv| {
+            let (k, v) = kv.unwrap();
+            (pod_bytes(&k), v)
+        })
+        .collect()
+}
+
+fn pod_bytes<T: Copy>(v: &T) -> Vec<u8> {
+    // SAFETY: reading the bytes of a padding-free #[repr(C)] Pod value.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+}
+
+fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        namespace: "default".into(),
+        name: name.into(),
+        port: "p".into(),
+        protocol,
+    }
+}
+
+fn service(name: &str, protocol: Protocol, vips: &[&str], affinity: Option<u32>) -> ServicePort {
+    ServicePort {
+        name: port_name(name, protocol),
+        service_type: ServiceType::ClusterIp,
+        cluster_ips: vips.iter().map(|v| v.parse().unwrap()).collect(),
+        port: PORT,
+        protocol,
+        node_port: 0,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: 0,
+        session_affinity_timeout: affinity,
+    }
+}
+
+fn endpoint(ip: IpAddr, is_local: bool) -> Endpoint {
+    Endpoint {
+        ip,
+        port: POD_PORT,
+        ready: true,
+        serving: true,
+        terminating: false,
+        is_local,
+        node_name: Some(if is_local { "node" } else { "node2" }.into()),
+        zone: None,
+        zone_hints: BTreeSet::new(),
+        node_hints: BTreeSet::new(),
+    }
+}
+
+fn snapshot(services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
+    let mut snap = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "node".into(),
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for (svc, eps) in services {
+        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
+        snap.services.insert(svc.name.clone(), Arc::new(svc));
+    }
+    snap
+}
+
+fn sync(dp: &mut EbpfDataplane, snap: &Snapshot) {
+    let report = dp.sync(snap, &ChangedSet::default()).unwrap();
+    assert_eq!(report.failed_services, 0, "{report:?}");
+}
+
+fn check_family(proto: Protocol, vip: &str) {
+    let p = if proto == Protocol::Tcp { "tcp" } else { "udp" };
+    let v = if vip.contains(':') { 6 } else { 4 };
+    let rig = Rig::new(&format!("sock-{p}{v}"));
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![(
+        service("web", proto, &[VIP_V4, VIP_V6], None),
+        rig.endpoints(),
+    )]);
+    sync(&mut dp, &snap);
+    let probe = match proto {
+        Protocol::Tcp => Probe::tcp(addr(vip), CONNECTIONS),
+        _ => Probe::udp(addr(vip), CONNECTIONS),
+    };
+    let result = rig.probe(probe);
+    assert_eq!(result.total_answers(), u64::from(CONNECTIONS), "{result:?}");
+    assert_spread(&result, &rig.backend_names());
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn pod_to_cluster_ip_tcp_v4_reaches_every_endpoint() {
+    if !require_root() {
+        return;
+    }
+    check_family(Protocol::Tcp, VIP_V4);
+}
+
+#[test]
+fn pod_to_cluster_ip_tcp_v6_reaches_every_endpoint() {
+    if !require_root() {
+        return;
+    }
+    check_family(Protocol::Tcp, VIP_V6);
+}
+
+#[test]
+fn pod_to_cluster_ip_udp_v4_reaches_every_endpoint() {
+    if !require_root() {
+        return;
+    }
+    check_family(Protocol::Udp, VIP_V4);
+}
+
+#[test]
+fn pod_to_cluster_ip_udp_v6_reaches_every_endpoint() {
+    if !require_root() {
+        return;
+    }
+    check_family(Protocol::Udp, VIP_V6);
+}
+
+#[test]
+fn getpeername_and_recvfrom_report_the_vip_and_a_udp_socket_stays_on_one_backend() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-peer");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![
+        (
+            service("web", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
+            rig.endpoints(),
+        ),
+        (
+            service("web", Protocol::Udp, &[VIP_V4, VIP_V6], None),
+            rig.endpoints(),
+        ),
+    ]);
+    sync(&mut dp, &snap);
+    for (family, vip) in [("4", VIP_V4), ("6", VIP_V6)] {
+        let mut cmd = rig.client_ns().command("/usr/bin/python3");
+        cmd.args(["-c", PEERS, family, vip, &PORT.to_string(), "20"]);
+        rig.cgroup.enter_on_spawn(&mut cmd).unwrap();
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "python client: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let seen: BTreeMap<String, Vec<String>> = serde_json::from_slice(&out.stdout).unwrap();
+        let want = vec![format!("{vip}:{PORT}")];
+        assert_eq!(seen["tcp"], want, "getpeername over IPv{family}");
+        assert_eq!(seen["udp"], want, "recvfrom over IPv{family}");
+        assert_eq!(
+            seen["same_socket"].len(),
+            1,
+            "one unconnected UDP socket's datagrams went to several backends: {:?}",
+            seen["same_socket"]
+        );
+    }
+    dp.cleanup().unwrap();
+}
+
+/// Dumps `MAP_AFFINITY`.
+fn affinity_entries(bpffs: &Bpffs) -> Vec<(AffinityKey, AffinityValue)> {
+    let data = MapData::from_pin(bpffs.path().join("kproxy").join(MAP_AFFINITY)).unwrap();
+    let map: BpfHashMap<MapData, AffinityKey, AffinityValue> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    map.iter().filter_map(Result::ok).collect()
+}
+
+/// Backend id → address, from `MAP_BACKENDS`.
+fn backend_ids(bpffs: &Bpffs) -> BTreeMap<u32, IpAddr> {
+    dump_map::<u32, BackendValue>(bpffs, MAP_BACKENDS)
+        .into_iter()
+        .map(|(k, b)| {
+            (
+                u32::from_ne_bytes(k[..4].try_into().unwrap()),
+                decode_addr(b.addr),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn no_endpoints_refuses_connections_at_once() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-noep");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![
+        (
+            service("empty", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
+            vec![],
+        ),
+        (
+            service("empty", Protocol::Udp, &[VIP_V4, VIP_V6], None),
+            vec![],
+        ),
+    ]);
+    sync(&mut dp, &snap);
+    for vip in [VIP_V4, VIP_V6] {
+        for probe in [Probe::tcp(addr(vip), 3), Probe::udp(addr(vip), 3)] {
+            let what = format!("{} {vip}", probe.proto);
+            let result = rig.probe(probe);
+            assert_eq!(result.total_answers(), 0, "{what}: {result:?}");
+            assert_eq!(
+                result.errors,
+                BTreeMap::from([("ConnectionRefused".to_string(), 3)]),
+                "{what}: {result:?}"
+            );
+        }
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn affinity_holds_a_client_until_the_timeout() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-aff");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let snap = snapshot(vec![(
+        service("sticky", Protocol::Tcp, &[VIP_V4], Some(1)),
+        rig.endpoints(),
+    )]);
+    sync(&mut dp, &snap);
+
+    // Within the timeout every connection of the client lands on one backend.
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), 50));
+    assert_eq!(result.total_errors(), 0, "{result:?}");
+    assert_eq!(
+        result.answers.len(),
+        1,
+        "affinity broken: {:?}",
+        result.answers
+    );
+    let held = result.answers.keys().next().unwrap().clone();
+    let entries = affinity_entries(&rig.bpffs);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let ids = backend_ids(&rig.bpffs);
+    assert_eq!(rig.pod_name(ids[&entries[0].1.backend_id]), held);
+
+    // After the timeout the entry is expired: a sync removes it, and new connections are
+    // balanced again (each round waits out the timeout, so each is a fresh choice).
+    std::thread::sleep(Duration::from_millis(1500));
+    sync(&mut dp, &snap);
+    assert!(
+        affinity_entries(&rig.bpffs).is_empty(),
+        "expired entry left in the map"
+    );
+    let mut seen = BTreeSet::new();
+    for _ in 0..15 {
+        let r = rig.probe(Probe::tcp(addr(VIP_V4), 1));
+        assert_eq!(r.total_errors(), 0, "{r:?}");
+        seen.extend(r.answers.into_keys());
+        if seen.len() >= 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1100));
+    }
+    assert!(seen.len() >= 2, "only {seen:?} after expiries");
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn removed_endpoint_gets_no_new_flows_and_loses_its_affinity_entries() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-rm");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let sticky = service("shrink", Protocol::Tcp, &[VIP_V4], Some(600));
+    sync(&mut dp, &snapshot(vec![(sticky.clone(), rig.endpoints())]));
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), 5));
+    assert_eq!(result.answers.len(), 1, "{result:?}");
+    let victim = result.answers.keys().next().unwrap().clone();
+    let entries = affinity_entries(&rig.bpffs);
+    assert_eq!(entries.len(), 1);
+    let victim_id = entries[0].1.backend_id;
+    let victim_pod = rig.topo.pod(&victim);
+    let remaining: Vec<Endpoint> = rig
+        .endpoints()
+        .into_iter()
+        .filter(|e| {
+            e.ip != IpAddr::V4(victim_pod.ip) && Some(e.ip) != victim_pod.ip6.map(IpAddr::V6)
+        })
+        .collect();
+
+    // Remove the backend the client is held on: its affinity entry and backend go.
+    sync(&mut dp, &snapshot(vec![(sticky, remaining.clone())]));
+    assert!(
+        affinity_entries(&rig.bpffs)
+            .iter()
+            .all(|(_, v)| v.backend_id != victim_id),
+        "affinity entry of the removed backend survived"
+    );
+    assert!(!backend_ids(&rig.bpffs).contains_key(&victim_id));
+
+    // New flows (affinity off, to see the spread) avoid it and reach every other backend.
+    let plain = service("shrink", Protocol::Tcp, &[VIP_V4], None);
+    sync(&mut dp, &snapshot(vec![(plain, remaining)]));
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), CONNECTIONS));
+    assert!(!result.answers.contains_key(&victim), "{result:?}");
+    let rest: Vec<&str> = rig
+        .backend_names()
+        .into_iter()
+        .filter(|b| *b != victim)
+        .collect();
+    assert_spread(&result, &rest);
+    dp.cleanup().unwrap();
+}
+
+type Dump = (
+    BTreeMap<Vec<u8>, ServiceValue>,
+    BTreeMap<Vec<u8>, u32>,
+    BTreeMap<Vec<u8>, BackendValue>,
+);
+
+fn dump(bpffs: &Bpffs) -> Dump {
+    (
+        dump_map::<ServiceKey, ServiceValue>(bpffs, MAP_SERVICES),
+        dump_map::<BackendSlotKey, u32>(bpffs, MAP_BACKEND_SLOTS),
+        dump_map::<u32, BackendValue>(bpffs, MAP_BACKENDS),
+    )
+}
+
+fn changed_keys<V: PartialEq>(a: &BTreeMap<Vec<u8>, V>, b: &BTreeMap<Vec<u8>, V>) -> Vec<Vec<u8>> {
+    a.keys()
+        .chain(b.keys())
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn changing_one_of_1000_services_touches_only_its_entries() {
+    if !require_root() {
+        return;
+    }
+    // Maps only: no traffic, so no topology.
+    let bpffs = Bpffs::new("sock-1000-fs").unwrap();
+    let cgroup = TestCgroup::new("sock-1000-cg").unwrap();
+    let mut dp = EbpfDataplane::new(config(&bpffs, &cgroup)).unwrap();
+    let ip = |a: u8, i: u32| -> IpAddr {
+        format!("10.{a}.{}.{}", i / 250, i % 250 + 1)
+            .parse()
+            .unwrap()
+    };
+    let make = |changed: bool| {
+        let services = (0..1000u32)
+            .map(|i| {
+                let vip = ip(97, i).to_string();
+                let svc = service(&format!("s{i}"), Protocol::Tcp, &[vip.as_str()], None);
+                let mut eps = vec![endpoint(ip(211, i), true), endpoint(ip(212, i), false)];
+                if changed && i == 500 {
+                    eps[0] = endpoint("10.213.0.1".parse().unwrap(), true);
+                }
+                (svc, eps)
+            })
+            .collect();
+        snapshot(services)
+    };
+    sync(&mut dp, &make(false));
+    let before = dump(&bpffs);
+    assert_eq!(before.0.len(), 1000);
+    assert_eq!(before.1.len(), 2000);
+    assert_eq!(before.2.len(), 2000);
+    sync(&mut dp, &make(true));
+    let after = dump(&bpffs);
+
+    // Service 500's frontend keeps its key and value (same set id, 2 slots); only its slots
+    // changed; the old backend is gone and the new one is there. Nothing
+    // else differs.
+    let key = ServiceKey {
+        addr: encode_addr(ip(97, 500)),
+        port: PORT.to_be(),
+        proto: 6,
+        scope: 0,
+    };
+    let svc_id = after.0[&pod_bytes(&key)].svc_id;
+    assert!(
+        changed_keys(&before.0, &after.0).is_empty(),
+        "frontends changed"
+    );
+    let slots = changed_keys(&before.1, &after.1);
+    assert!(!slots.is_empty());
+    for k in &slots {
+        let id = u32::from_ne_bytes(k[0..4].try_into().unwrap());
+        assert_eq!(id, svc_id, "a slot of another set changed: {k:?}");
+    }
+    let backends = changed_keys(&before.2, &after.2);
+    let expected: BTreeSet<IpAddr> = [ip(211, 500), "10.213.0.1".parse().unwrap()].into();
+    let changed: BTreeSet<IpAddr> = backends
+        .iter()
+        .map(|k| decode_addr(before.2.get(k).or(after.2.get(k)).unwrap().addr))
+        .collect();
+    assert_eq!(changed, expected);
+    assert_eq!(backends.len(), 2);
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn restarted_agent_reuses_pinned_links_and_keeps_connections() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-restart");
+    let snap = snapshot(vec![(
+        service("web", Protocol::Tcp, &[VIP_V4], None),
+        rig.endpoints(),
+    )]);
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    sync(&mut dp, &snap);
+    let links: Vec<(&str, u32)> = dp.link_ids().to_vec();
+    assert_eq!(links.len(), kproxy_common::sock::PROGRAMS.len());
+
+    // A connection that exchanges a line every 100 ms for 4 s (exits 1 on any failure).
+    let mut cmd = rig
+        .client_ns()
+        .command(kproxy_tests::topology::target_bin("kp-probe").unwrap());
+    cmd.args([
+        "hold",
+        &addr(VIP_V4),
+        "--seconds",
+        "4",
+        "--interval-ms",
+        "100",
+    ]);
+    rig.cgroup.enter_on_spawn(&mut cmd).unwrap();
+    let mut hold = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(hold.stdout.take().unwrap()).lines();
+    let connected = lines.next().unwrap().unwrap();
+    assert!(connected.contains("connected"), "{connected}");
+    let before = dump(&rig.bpffs);
+
+    // kill -9 of the agent: the object is dropped without cleanup; a new one starts.
+    drop(dp);
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    assert_eq!(dp.link_ids(), links.as_slice(), "links were not reused");
+    sync(&mut dp, &snap);
+    assert_eq!(dump(&rig.bpffs), before, "the restart changed the maps");
+
+    // New connections work, and the long-lived one kept exchanging throughout.
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), 30));
+    assert_eq!(result.total_answers(), 30, "{result:?}");
+    let status = hold.wait().unwrap();
+    let last = lines.next().unwrap().unwrap();
+    assert!(status.success(), "long-lived connection broke: {last}");
+    assert!(last.contains("\"exchanges\""), "{last}");
+    dp.cleanup().unwrap();
+    assert!(
+        !Path::new(&rig.bpffs.path().join("kproxy")).exists(),
+        "cleanup left pins"
+    );
+}
+
+#[test]
+fn node_port_from_a_pod_uses_the_cluster_set_even_with_etp_local() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-np");
+    let mut dp = EbpfDataplane::new(EbpfConfig {
+        node_addresses: rig.topo.node_ips(),
+        ..rig.config()
+    })
+    .unwrap();
+    let mut port = service("np", Protocol::Tcp, &[VIP_V4, VIP_V6], None);
+    port.service_type = ServiceType::NodePort;
+    port.node_port = 30080;
+    port.external_policy_local = true;
+    port.external_ips = vec!["203.0.113.10".parse().unwrap()];
+    sync(&mut dp, &snapshot(vec![(port, rig.endpoints())]));
+    // Traffic from the node's pods to an external destination short-circuits to every
+    // endpoint (local and remote), like upstream.
+    for target in [
+        format!("{}:30080", kproxy_tests::topology::NODE_IP),
+        format!("[{}]:30080", kproxy_tests::topology::NODE_IP6),
+        format!("203.0.113.10:{PORT}"),
+    ] {
+        let result = rig.probe(Probe::tcp(target.clone(), CONNECTIONS));
+        assert_eq!(
+            result.total_answers(),
+            u64::from(CONNECTIONS),
+            "{target}: {result:?}"
+        );
+        assert_spread(&result, &rig.backend_names());
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn internal_traffic_policy_local_reaches_only_local_endpoints() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-itp");
+    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut port = service("itp", Protocol::Tcp, &[VIP_V4], None);
+    port.internal_policy_local = true;
+    sync(&mut dp, &snapshot(vec![(port, rig.endpoints())]));
+    let local: Vec<&str> = rig
+        .backends()
+        .iter()
+        .filter(|p| p.on == PodNode::Local)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(local.len(), 2);
+    let result = rig.probe(Probe::tcp(addr(VIP_V4), CONNECTIONS));
+    assert_eq!(result.total_answers(), u64::from(CONNECTIONS), "{result:?}");
+    assert_spread(&result, &local);
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn a_pinned_map_with_another_layout_is_refused_with_a_clear_error() {
+    if !require_root() {
+        return;
+    }
+    let bpffs = Bpffs::new("sock-layout-fs").unwrap();
+    let cgroup = TestCgroup::new("sock-layout-cg").unwrap();
+    let dir = bpffs.path().join("kproxy");
+    std::fs::create_dir_all(&dir).unwrap();
+    // What an older kproxy with a 4-byte service key would have left.
+    kproxy_tests::netns::run_checked(std::process::Command::new("bpftool").args([
+        "map",
+        "create",
+        dir.join(MAP_SERVICES).to_str().unwrap(),
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        "16",
+        "entries",
+        "16",
+        "name",
+        MAP_SERVICES,
+    ]))
+    .unwrap();
+    let err = EbpfDataplane::new(config(&bpffs, &cgroup))
+        .err()
+        .expect("an incompatible pinned map must be refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(MAP_SERVICES) && msg.contains("kproxy cleanup"),
+        "{msg}"
+    );
+    // Nothing was attached to the cgroup.
+    assert!(
+        !dir.join("links")
+            .join(kproxy_common::sock::PROGRAMS[0])
+            .exists()
+    );
+}

@@ -1,0 +1,581 @@
+//! The TC service path on this kernel, end to end: the real eBPF dataplane (planner + applier,
+//! pinned maps on a private bpffs, socket LB off) programs NodePort / ExternalIP / LB
+//! frontends from snapshots; `kp_tc_in`/`kp_tc_eg` are attached (pinned TCX links) to the
+//! devices the default rule selects inside the node namespace of the shared topology; the
+//! external client and pods talk through them with `kp-probe`, which reports who answered
+//! and the peer address each backend saw.
+//!
+//! Services: NodePort 30080 (TCP and UDP) on the node addresses, externalIP 203.0.113.10,
+//! LB VIP 203.0.113.20; backends pod-l0 (local, 10.244.1.2) and pod-r0 (on node2,
+//! 10.244.2.2), port 8080.
+
+mod ebpf_tc_support;
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aya::Ebpf;
+use aya::maps::HashMap as BpfHashMap;
+use aya::programs::links::{FdLink, PinnedLink};
+use ebpf_tc_support::ct_entries;
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::dataplane::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
+use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, ct, devices};
+use kproxy::model::{
+    ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeInfo, Protocol, ServicePort,
+    ServicePortName, ServiceType, Snapshot,
+};
+use kproxy_common::service::{BackendValue, MAP_BACKENDS};
+use kproxy_tests::netns::{Bpffs, require_root};
+use kproxy_tests::topology::{
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Probe, Topology, TopologySpec,
+};
+
+const NODE_PORT: u16 = 30080;
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+const POD_PORT: u16 = 8080;
+const LIVENESS: Duration = Duration::from_secs(10);
+
+struct Rig {
+    // Drop order: programs, dataplane, namespaces (devices and their links), bpffs.
+    tc: TcPath,
+    tc_ebpf: Arc<Mutex<Ebpf>>,
+    dp: Arc<Mutex<EbpfDataplane>>,
+    topo: Topology,
+    bpffs: Bpffs,
+}
+
+fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        namespace: "default".into(),
+        name: name.into(),
+        port: "p".into(),
+        protocol,
+    }
+}
+
+fn service(name: &str, protocol: Protocol) -> ServicePort {
+    ServicePort {
+        name: port_name(name, protocol),
+        service_type: ServiceType::NodePort,
+        cluster_ips: vec!["10.96.0.10".parse().unwrap()],
+        port: 80,
+        protocol,
+        node_port: NODE_PORT,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: 0,
+        session_affinity_timeout: None,
+    }
+}
+
+fn endpoint(ip: Ipv4Addr, local: bool) -> Endpoint {
+    Endpoint {
+        ip: IpAddr::V4(ip),
+        port: POD_PORT,
+        ready: true,
+        serving: true,
+        terminating: false,
+        is_local: local,
+        node_name: Some(if local { "node" } else { "node2" }.into()),
+        zone: None,
+        zone_hints: BTreeSet::new(),
+        node_hints: BTreeSet::new(),
+    }
+}
+
+fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
+    let mut snap = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "node".into(),
+            addresses: node_addrs,
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for (svc, eps) in services {
+        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
+        snap.services.insert(svc.name.clone(), Arc::new(svc));
+    }
+    snap
+}
+
+impl Rig {
+    fn new(test: &str) -> Rig {
+        let mut topo = TopologySpec::new(test)
+            .local_pods(1)
+            .remote_pods(1)
+            .ipv6(false)
+            .build()
+            .unwrap();
+        topo.serve_all().unwrap();
+        let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
+        let cfg = EbpfConfig {
+            bpffs: bpffs.path().to_path_buf(),
+            families: vec![IpFamily::V4],
+            socket_lb: false,
+            map_sizes: MapSizes {
+                services: 1024,
+                backend_slots: 1024,
+                backends: 1024,
+                affinity: 1024,
+                source_ranges: 256,
+                sock_rev_nat: 256,
+            },
+            ..EbpfConfig::default()
+        };
+        let dp = EbpfDataplane::new(cfg).unwrap();
+        let pins = bpffs.path().join("kproxy");
+        let config = TcConfig {
+            pin_dir: Some(pins.join("links")),
+            ct_entries: 8192,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &config).unwrap();
+        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+        // Default device selection, inside the node's namespace.
+        let ifaces = topo.node.run(scan).unwrap().unwrap();
+        let selected = devices::select(None, &ifaces).unwrap();
+        assert!(
+            selected.contains(&NODE_CLIENT_IF.to_string())
+                && selected.contains(&NODE_PEER_IF.to_string()),
+            "selected {selected:?}"
+        );
+        topo.node
+            .run(|| {
+                for dev in &selected {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
+        TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
+        Rig {
+            tc,
+            tc_ebpf: Arc::new(Mutex::new(ebpf)),
+            dp: Arc::new(Mutex::new(dp)),
+            topo,
+            bpffs,
+        }
+    }
+
+    /// An agent restart as the TC path sees it: a fresh object instance (reusing every pinned
+    /// map), programs loaded and attached again through the pinned links, then the old
+    /// instance dropped.
+    fn restart_tc(&mut self) {
+        let pins = self.bpffs.path().join("kproxy");
+        let config = TcConfig {
+            pin_dir: Some(pins.join("links")),
+            ct_entries: 8192,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &config).unwrap();
+        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+        let devices = self.tc.attached();
+        self.topo
+            .node
+            .run(|| {
+                for dev in &devices {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        self.tc = tc;
+        *self.tc_ebpf.lock().unwrap() = ebpf;
+    }
+
+    /// Ids of the pinned TC links.
+    fn link_ids(&self) -> Vec<u32> {
+        let dir = self.bpffs.path().join("kproxy/links");
+        let mut ids = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("tc-")
+            {
+                let link = PinnedLink::from_pin(&path).unwrap();
+                ids.push(FdLink::from(link).info().unwrap().id());
+            }
+        }
+        ids.sort();
+        ids
+    }
+
+    fn sync(&self, snap: &Snapshot) {
+        let report = self
+            .dp
+            .lock()
+            .unwrap()
+            .sync(snap, &ChangedSet::default())
+            .unwrap();
+        assert_eq!(report.failed_services, 0, "{report:?}");
+    }
+
+    fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
+        p.run(&self.topo.client, None).unwrap()
+    }
+}
+
+fn node_ips() -> Vec<IpAddr> {
+    vec![IpAddr::V4(NODE_IP), IpAddr::V4(NODE_LINK_IP)]
+}
+
+fn both_pods() -> Vec<Endpoint> {
+    vec![
+        endpoint(Ipv4Addr::new(10, 244, 1, 2), true),
+        endpoint(Ipv4Addr::new(10, 244, 2, 2), false),
+    ]
+}
+
+#[test]
+fn nodeport_from_outside_reaches_local_and_remote_backends() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-np");
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![
+            (service("web", Protocol::Tcp), both_pods()),
+            (service("web", Protocol::Udp), both_pods()),
+        ],
+    ));
+    for proto in ["tcp", "udp"] {
+        let addr = format!("{NODE_IP}:{NODE_PORT}");
+        let p = if proto == "tcp" {
+            Probe::tcp(addr, 40)
+        } else {
+            Probe::udp(addr, 40)
+        };
+        let r = rig.probe(p);
+        assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
+        assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
+        assert!(
+            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
+                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
+            "{proto}: both backends answer: {r:?}"
+        );
+        // eTP=Cluster: the remote backend's flows are SNATed to the node's address toward it
+        // (its replies come back through BPF reverse SNAT); the local one sees the client.
+        assert_eq!(
+            r.peer_ips("pod-r0"),
+            vec![NODE_LINK_IP.to_string()],
+            "{proto}"
+        );
+        assert_eq!(r.peer_ips("pod-l0"), vec![CLIENT_IP.to_string()], "{proto}");
+    }
+    // Attached to both node devices through pinned TCX links.
+    let attached = rig.tc.attached();
+    for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+        assert!(attached.contains(&dev.to_string()), "{attached:?}");
+        for dir in ["in", "eg"] {
+            let pin = rig
+                .bpffs
+                .path()
+                .join(format!("kproxy/links/tc-{dev}-{dir}"));
+            assert!(pin.exists(), "{} is not pinned", pin.display());
+        }
+    }
+    // The second node address answers too.
+    let r = rig.probe(Probe::tcp(format!("{NODE_LINK_IP}:{NODE_PORT}"), 10));
+    assert_eq!(r.total_answers(), 10, "{r:?}");
+    let stats = TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap();
+    assert!(
+        stats["new_flow"] >= 90 && stats["snat"] > 0 && stats["reply"] > 0,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn etp_local_keeps_the_client_address_and_drops_without_local_endpoints() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-local");
+    let mut local = service("local", Protocol::Tcp);
+    local.external_policy_local = true;
+    let mut remote_only = service("remote", Protocol::Tcp);
+    remote_only.external_policy_local = true;
+    remote_only.node_port = NODE_PORT + 1;
+    remote_only.cluster_ips = vec!["10.96.0.13".parse().unwrap()];
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![
+            (local, both_pods()),
+            (
+                remote_only,
+                vec![endpoint(Ipv4Addr::new(10, 244, 2, 2), false)],
+            ),
+        ],
+    ));
+    let r = rig.probe(Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 20));
+    assert_eq!(
+        r.answers.get("pod-l0"),
+        Some(&20),
+        "only the local endpoint: {r:?}"
+    );
+    assert_eq!(
+        r.peer_ips("pod-l0"),
+        vec![CLIENT_IP.to_string()],
+        "client IP preserved"
+    );
+
+    // No local endpoint: upstream drops (the client times out; nothing answers).
+    let r = rig.probe(
+        Probe::tcp(format!("{NODE_IP}:{}", NODE_PORT + 1), 2).timeout(Duration::from_millis(700)),
+    );
+    assert_eq!(r.total_answers(), 0, "{r:?}");
+    assert_eq!(r.errors.get("TimedOut"), Some(&2), "{r:?}");
+}
+
+#[test]
+fn external_ip_and_lb_vip_with_source_ranges() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-vips");
+    let mut ext = service("ext", Protocol::Tcp);
+    ext.service_type = ServiceType::ClusterIp;
+    ext.node_port = 0;
+    ext.external_ips = vec![IpAddr::V4(EXTERNAL_IP)];
+    let mut lb = service("lb", Protocol::Tcp);
+    lb.service_type = ServiceType::LoadBalancer;
+    lb.cluster_ips = vec!["10.96.0.11".parse().unwrap()];
+    lb.node_port = NODE_PORT + 2;
+    lb.load_balancer_ingress = vec![LoadBalancerIngress {
+        ip: IpAddr::V4(LB_IP),
+        ip_mode: IpMode::Vip,
+    }];
+    lb.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
+    let mut denied = lb.clone();
+    denied.name = port_name("denied", Protocol::Tcp);
+    denied.cluster_ips = vec!["10.96.0.12".parse().unwrap()];
+    denied.node_port = NODE_PORT + 3;
+    denied.port = 81;
+    denied.load_balancer_source_ranges = vec!["10.0.0.0/8".parse().unwrap()];
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(ext, both_pods()), (lb, both_pods()), (denied, both_pods())],
+    ));
+    for vip in [format!("{EXTERNAL_IP}:80"), format!("{LB_IP}:80")] {
+        let r = rig.probe(Probe::tcp(vip.clone(), 30));
+        assert_eq!(r.total_answers(), 30, "{vip}: {r:?}");
+        assert_eq!(r.answers.len(), 2, "{vip}: both backends: {r:?}");
+        assert_eq!(r.peer_ips("pod-r0"), vec![NODE_LINK_IP.to_string()]);
+    }
+    let r = rig.probe(Probe::tcp(format!("{LB_IP}:81"), 2).timeout(Duration::from_millis(700)));
+    assert_eq!(
+        r.total_answers(),
+        0,
+        "client outside the source ranges: {r:?}"
+    );
+    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["source_range_drop"] >= 2);
+}
+
+#[test]
+fn no_endpoints_is_refused_fast() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-noep");
+    let mut ext = service("ext", Protocol::Tcp);
+    ext.external_ips = vec![IpAddr::V4(EXTERNAL_IP)];
+    rig.sync(&snapshot(node_ips(), vec![(ext, vec![])]));
+    for addr in [
+        format!("{NODE_IP}:{NODE_PORT}"),
+        format!("{EXTERNAL_IP}:80"),
+    ] {
+        // A generous timeout: a RST must come long before it.
+        let r = rig.probe(Probe::tcp(addr.clone(), 3).timeout(Duration::from_secs(5)));
+        assert_eq!(r.errors.get("ConnectionRefused"), Some(&3), "{addr}: {r:?}");
+    }
+    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["no_endpoints"] >= 2);
+}
+
+#[test]
+fn hairpin_pod_reaches_its_own_service_through_the_nodeport() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-hairpin");
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(service("web", Protocol::Tcp), both_pods())],
+    ));
+    // pod-l0's traffic enters the node through vpod0, which holds the pod gateway address and
+    // is therefore a selected device.
+    let r = Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 30)
+        .run(&rig.topo.pod("pod-l0").ns, None)
+        .unwrap();
+    assert_eq!(r.total_errors(), 0, "{r:?}");
+    assert_eq!(r.total_answers(), 30, "{r:?}");
+    assert_eq!(r.answers.len(), 2, "itself and the remote pod: {r:?}");
+}
+
+#[test]
+fn a_node_address_added_at_run_time_answers_nodeports() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-addr");
+    let services = vec![(service("web", Protocol::Tcp), both_pods())];
+    rig.sync(&snapshot(node_ips(), services.clone()));
+    let new_ip = Ipv4Addr::new(192, 168, 77, 100);
+
+    // The agent's wiring: node addresses → NodePort frontends (planner) and SNAT sources.
+    let dp = Arc::clone(&rig.dp);
+    let ebpf = Arc::clone(&rig.tc_ebpf);
+    let _watcher = rig
+        .topo
+        .node
+        .run(move || {
+            AddressWatcher::spawn(None, Duration::from_millis(200), move |addrs| {
+                let snap = snapshot(addrs.all(), services.clone());
+                dp.lock()
+                    .unwrap()
+                    .sync(&snap, &ChangedSet::default())
+                    .unwrap();
+                TcPath::set_node_addresses(&mut ebpf.lock().unwrap(), &addrs.snat_v4()).unwrap();
+            })
+        })
+        .unwrap();
+
+    let quick =
+        |addr: &str| rig.probe(Probe::tcp(addr.to_string(), 1).timeout(Duration::from_millis(500)));
+    let target = format!("{new_ip}:{NODE_PORT}");
+    assert_eq!(quick(&target).total_answers(), 0, "not a node address yet");
+    rig.topo
+        .node
+        .ip(&[
+            "addr",
+            "add",
+            &format!("{new_ip}/24"),
+            "dev",
+            NODE_CLIENT_IF,
+        ])
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if quick(&target).total_answers() == 1 {
+            break;
+        }
+        assert!(start.elapsed() < LIVENESS, "{target} never answered");
+    }
+    let r = rig.probe(Probe::tcp(target, 10));
+    assert_eq!(r.total_answers(), 10, "{r:?}");
+}
+
+#[test]
+fn endpoint_removal_deletes_its_ct_entries() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-purge");
+    let svc = service("web", Protocol::Udp);
+    rig.sync(&snapshot(node_ips(), vec![(svc.clone(), both_pods())]));
+    let r = rig.probe(Probe::udp(format!("{NODE_IP}:{NODE_PORT}"), 30));
+    assert_eq!(r.total_answers(), 30, "{r:?}");
+    assert_eq!(r.answers.len(), 2, "{r:?}");
+
+    let backends = |dp: &Arc<Mutex<EbpfDataplane>>, bpffs: &Bpffs| -> BTreeSet<u32> {
+        let _ = dp;
+        let map =
+            aya::maps::MapData::from_pin(bpffs.path().join("kproxy").join(MAP_BACKENDS)).unwrap();
+        let m: BpfHashMap<_, u32, BackendValue> =
+            BpfHashMap::try_from(aya::maps::Map::HashMap(map)).unwrap();
+        m.keys().map(Result::unwrap).collect()
+    };
+    let before = backends(&rig.dp, &rig.bpffs);
+    // pod-r0 goes away.
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(svc, vec![endpoint(Ipv4Addr::new(10, 244, 1, 2), true)])],
+    ));
+    let after = backends(&rig.dp, &rig.bpffs);
+    let removed: Vec<u32> = before.difference(&after).copied().collect();
+    assert_eq!(removed.len(), 1, "before {before:?} after {after:?}");
+
+    let mut ebpf = rig.tc_ebpf.lock().unwrap();
+    let of_removed = |e: &Ebpf| {
+        ct_entries(e)
+            .iter()
+            .filter(|(_, v)| v.backend_id == removed[0])
+            .count()
+    };
+    let n = of_removed(&ebpf);
+    assert!(n > 0, "the removed backend had CT entries");
+    let survivors = ct_entries(&ebpf).len() - n;
+    assert_eq!(ct::purge_backends(&mut ebpf, &removed).unwrap(), n);
+    assert_eq!(of_removed(&ebpf), 0);
+    assert_eq!(ct_entries(&ebpf).len(), survivors, "other flows kept");
+    drop(ebpf);
+    // New flows go to the remaining backend only.
+    let r = rig.probe(Probe::udp(format!("{NODE_IP}:{NODE_PORT}"), 10));
+    assert_eq!(r.answers.get("pod-l0"), Some(&10), "{r:?}");
+}
+
+#[test]
+fn restart_reuses_pinned_links_and_keeps_established_flows() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("tc-restart");
+    // Remote backend only: the long-lived flow is DNATed, SNATed and reverse-translated.
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(
+            service("web", Protocol::Tcp),
+            vec![endpoint(Ipv4Addr::new(10, 244, 2, 2), false)],
+        )],
+    ));
+    let mut cmd = rig
+        .topo
+        .client
+        .command(kproxy_tests::topology::target_bin("kp-probe").unwrap());
+    cmd.args([
+        "hold",
+        &format!("{NODE_IP}:{NODE_PORT}"),
+        "--seconds",
+        "3",
+        "--interval-ms",
+        "100",
+    ]);
+    let mut hold = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(hold.stdout.take().unwrap()).lines();
+    let connected = lines.next().unwrap().unwrap();
+    assert!(connected.contains("pod-r0"), "{connected}");
+    let links = rig.link_ids();
+    assert_eq!(
+        links.len(),
+        2 * rig.tc.attached().len(),
+        "one ingress and one egress link per device"
+    );
+
+    rig.restart_tc();
+    assert_eq!(rig.link_ids(), links, "the restart replaced the links");
+
+    let r = rig.probe(Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 10));
+    assert_eq!(
+        r.total_answers(),
+        10,
+        "new connections after the restart: {r:?}"
+    );
+    let status = hold.wait().unwrap();
+    let last = lines.next().unwrap().unwrap();
+    assert!(status.success(), "long-lived connection broke: {last}");
+    assert!(last.contains("\"exchanges\""), "{last}");
+}
