@@ -19,7 +19,14 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
     build
-        .args(["build", "--release", "--package", "kproxy", "--package", "kproxy-tests"])
+        .args([
+            "build",
+            "--release",
+            "--package",
+            "kproxy",
+            "--package",
+            "kproxy-tests",
+        ])
         .arg("--bins")
         .current_dir(&root);
     println!("bench: $ {}", display(&build));
