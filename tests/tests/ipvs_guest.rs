@@ -1,8 +1,9 @@
 //! The IPVS proxier against a real kernel: these tests need IPVS, which the development hosts
 //! lack, so `cargo xtask guest` (part of `cargo xtask test`) runs this binary (the ordinary host
 //! build, with its shared libraries) inside a QEMU guest booting Debian's kernel (see
-//! xtask/src/guest.rs). On a host that has IPVS they run directly; elsewhere they print
-//! "skipped".
+//! xtask/src/guest.rs), with `--include-ignored`: on the host they are `#[ignore]`d, so a
+//! host run counts them as ignored rather than passed. On a host that has IPVS,
+//! `cargo test --test ipvs_guest -- --include-ignored` runs them directly.
 //!
 //! Topology per test (namespaces, unique names):
 //!
@@ -338,6 +339,7 @@ fn cluster_key() -> ServiceKey {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn cluster_ip_balances_across_two_backends() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -385,6 +387,7 @@ fn cluster_ip_balances_across_two_backends() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn node_port_reaches_both_backends() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -411,6 +414,7 @@ fn node_port_reaches_both_backends() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn client_ip_affinity_pins_one_backend() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -439,6 +443,7 @@ fn client_ip_affinity_pins_one_backend() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn removed_endpoint_drains_then_disappears() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -495,6 +500,7 @@ fn removed_endpoint_drains_then_disappears() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn restart_reconciles_without_disturbing_live_connections() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -555,6 +561,7 @@ fn restart_reconciles_without_disturbing_live_connections() -> anyhow::Result<()
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn cleanup_removes_everything() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -574,6 +581,7 @@ fn cleanup_removes_everything() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn cleanup_leftovers_removes_what_a_dead_instance_left() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -616,6 +624,7 @@ fn assert_clean(t: &Topo) -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn timeouts_and_sysctls_are_applied_at_creation() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -658,6 +667,7 @@ fn timeouts_and_sysctls_are_applied_at_creation() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn bad_config_is_refused_before_touching_the_kernel() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -676,6 +686,7 @@ fn bad_config_is_refused_before_touching_the_kernel() -> anyhow::Result<()> {
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn ipv6_cluster_ip_and_node_port_balance_across_two_backends() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -721,6 +732,7 @@ fn ipv6_cluster_ip_and_node_port_balance_across_two_backends() -> anyhow::Result
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
@@ -769,6 +781,7 @@ fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<
 }
 
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());

@@ -426,7 +426,7 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
     let quoted: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
     let run = format!(
         "export {IN_GUEST_ENV}=1 KPROXY_TESTS_REQUIRE_KERNEL=1 RUST_BACKTRACE=1\n\
-         exec /payload/{GUEST_TEST} --test-threads=1 {}\n",
+         exec /payload/{GUEST_TEST} --include-ignored --test-threads=1 {}\n",
         quoted.join(" ")
     );
     write_executable(&stage.join("payload/run.sh"), &run)?;

@@ -240,6 +240,52 @@ fn series_of(results: &Results, group: &str) -> Series {
     out
 }
 
+/// A short summary for README (`cargo xtask bench` splices it between README's
+/// `<!-- bench:start -->` / `<!-- bench:end -->` markers): every figure that has a baseline
+/// or a target, with its ratio and whether the target is met, plus the run's provenance.
+pub fn readme_section(results: &Results) -> String {
+    let mut md = format!(
+        "Measured by `cargo xtask bench{}` at commit `{}` on {} CPUs, kernel {} \
+         (full report: `bench/REPORT.md`).\n\n\
+         | figure | median | vs baseline | target | met |\n|---|---|---|---|---|\n",
+        if results.quick { " --quick" } else { "" },
+        &results.commit[..results.commit.len().min(12)],
+        results.machine.cpus,
+        results.machine.kernel
+    );
+    for f in &results.figures {
+        if f.baseline.is_none() && f.target.is_none() {
+            continue;
+        }
+        let median = Summary::of(&f.samples).median;
+        let r = ratio(results, f).map_or("—".into(), |r| format!("{r:.2}×"));
+        let t = f.target.as_ref().map_or("—".into(), |t| t.text.clone());
+        let met = match meets_target(results, f) {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "—",
+        };
+        let _ = writeln!(
+            md,
+            "| `{}` | {median:.2} {} | {r} | {t} | {met} |",
+            f.id, f.unit
+        );
+    }
+    if !results.unavailable.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nNot measured in that run: {}.",
+            results
+                .unavailable
+                .iter()
+                .map(|u| format!("`{}`", u.id))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    md
+}
+
 /// Writes `results.json`, `REPORT.md` and the plots into `dir`.
 pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -284,5 +330,6 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
         md.push('\n');
     }
     std::fs::write(dir.join("REPORT.md"), md)?;
+    std::fs::write(dir.join("README-section.md"), readme_section(results))?;
     Ok(())
 }
