@@ -834,6 +834,7 @@ fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()>
 /// `ProxyConfig` (flags), it balances a ClusterIP, and `factory::cleanup_all` (`kproxy
 /// cleanup`) removes everything.
 #[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::Result<()> {
     if !ipvs_available() {
         return Ok(());
