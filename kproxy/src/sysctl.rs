@@ -41,20 +41,8 @@ use std::time::Duration;
 use serde::Serialize;
 
 /// `KubeProxyConntrackConfiguration` (upstream semantics: zero means "leave the kernel's
-/// value"). Same fields and types as `config::ConntrackConfig` of the CLI work, so the agent
-/// can copy it field by field (or this type can become a re-export of that one).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ConntrackConfig {
-    /// Connections to track per CPU; 0 leaves `nf_conntrack_max` alone.
-    pub max_per_core: u32,
-    /// Lower bound of `nf_conntrack_max` when scaling by CPUs.
-    pub min: u32,
-    pub tcp_established_timeout: Duration,
-    pub tcp_close_wait_timeout: Duration,
-    pub tcp_be_liberal: bool,
-    pub udp_timeout: Duration,
-    pub udp_stream_timeout: Duration,
-}
+/// value"): the resolved configuration's own type.
+pub use crate::config::ConntrackConfig;
 
 impl ConntrackConfig {
     /// Upstream's defaults (v1alpha1 defaults.go): 32768 per core, min 131072, established

@@ -230,17 +230,8 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
 /// Sets the `conntrack:` sysctls (modes that DNAT through netfilter conntrack). Failures are
 /// warnings (see the module docs).
 fn apply_conntrack_sysctls(cfg: &ProxyConfig) {
-    let c = &cfg.conntrack;
     let sc = crate::sysctl::SysctlConfig {
-        conntrack: crate::sysctl::ConntrackConfig {
-            max_per_core: c.max_per_core,
-            min: c.min,
-            tcp_established_timeout: c.tcp_established_timeout,
-            tcp_close_wait_timeout: c.tcp_close_wait_timeout,
-            tcp_be_liberal: c.tcp_be_liberal,
-            udp_timeout: c.udp_timeout,
-            udp_stream_timeout: c.udp_stream_timeout,
-        },
+        conntrack: cfg.conntrack.clone(),
         // The iptables datapath sets route_localnet itself when it needs it.
         localhost_node_ports: false,
     };
