@@ -1,0 +1,420 @@
+//! Issue #3 test 6: the real `kproxy` binary in ebpf mode is killed with SIGKILL (`kill -9`)
+//! and started again over the same pins, while two long-lived TCP connections run:
+//!
+//! - the external client → NodePort on the node address → a backend on node2 (DNAT, BPF SNAT
+//!   and the reverse path, all through the TC programs and `KP_CT`);
+//! - a pod inside the socket-LB cgroup → ClusterIP → a local pod (socket LB).
+//!
+//! Asserted: both connections keep exchanging data across the kill and the restart (each
+//! `kp-probe hold` is still running once the new agent has synced, then finishes without an
+//! error); every pinned link (8 socket-LB links, 2 TC links per device) has the same id before
+//! and after; the NodePort flow's `KP_CT` entries (read from the pinned map) are the same
+//! before and after apart from their last-used time; new connections through both services
+//! work after the restart.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Stdio};
+use std::time::{Duration, Instant};
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::programs::links::{FdLink, PinnedLink};
+use kproxy_common::ct::{CT_F_CLOSING, CtEntry, CtKey, CtKind, MAP_CT};
+use kproxy_common::service::PROTO_TCP;
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root, unique_name};
+use kproxy_tests::topology::{
+    CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, kproxy_bin, target_bin,
+};
+
+const NODE: &str = "kpt-node";
+const CLUSTER_IP: &str = "10.96.0.20";
+const NODE_PORT: u16 = 30081;
+const LIVENESS: Duration = Duration::from_secs(30);
+/// How long each long-lived connection runs: the kill, the restart and the first sync of the
+/// new agent happen well inside it (asserted, not assumed).
+const HOLD_SECONDS: u64 = 25;
+
+fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
+    let local = topo.pod("pod-l1").ip;
+    let remote = topo.pod("pod-r0").ip;
+    let yaml = format!(
+        r#"apiVersion: v1
+kind: Node
+metadata: {{name: {NODE}}}
+spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
+status:
+  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.21
+  clusterIPs: ["10.96.0.21"]
+  ipFamilies: ["IPv4"]
+  ports:
+    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{{name: http, protocol: TCP, port: 8080}}]
+endpoints:
+  - addresses: ["{remote}"]
+    conditions: {{ready: true}}
+    nodeName: node2
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: api, namespace: default}}
+spec:
+  clusterIP: {CLUSTER_IP}
+  clusterIPs: ["{CLUSTER_IP}"]
+  ipFamilies: ["IPv4"]
+  ports:
+    - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: api-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: api}}
+addressType: IPv4
+ports: [{{name: http, protocol: TCP, port: 8080}}]
+endpoints:
+  - addresses: ["{local}"]
+    conditions: {{ready: true}}
+    nodeName: {NODE}
+"#
+    );
+    let path = dir.join("cluster.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+struct Scratch(PathBuf);
+impl Scratch {
+    fn new(hint: &str) -> Scratch {
+        let d = std::env::temp_dir().join(unique_name(hint));
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+}
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The agent process; SIGKILLed on drop.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(ns: &Netns, args: &[String], log: PathBuf) -> Agent {
+        let f = File::create(&log).unwrap();
+        let mut cmd = ns.command(kproxy_bin().unwrap());
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f);
+        let child = cmd.spawn().expect("spawning kproxy");
+        Agent { child, log }
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    /// `kill -9`: SIGKILL, no chance to clean up.
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `GET path` from the agent's metrics server (127.0.0.1:10249 inside `ns`); `None` while it
+/// does not answer.
+fn metrics_get(ns: &Netns, path: &str) -> Option<String> {
+    let path = path.to_string();
+    ns.run(move || {
+        let mut s = std::net::TcpStream::connect("127.0.0.1:10249").ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+    })
+    .unwrap()
+}
+
+/// Waits until the agent reports a successful sync programming both service ports.
+fn wait_synced(agent: &mut Agent, ns: &Netns) {
+    let deadline = Instant::now() + LIVENESS;
+    loop {
+        if let Ok(Some(st)) = agent.child.try_wait() {
+            panic!("kproxy exited ({st}):\n{}", agent.log());
+        }
+        let programmed = metrics_get(ns, "/metrics").and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("kproxy_programmed_services "))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        });
+        if programmed == Some(2.0) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent never synced; log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A `kp-probe hold` connection running in the background.
+struct Hold {
+    child: Child,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+    /// The backend that answered the greeting.
+    backend: String,
+    what: &'static str,
+}
+
+impl Hold {
+    fn start(ns: &Netns, cg: Option<&TestCgroup>, addr: &str, what: &'static str) -> Hold {
+        let mut cmd = ns.command(target_bin("kp-probe").unwrap());
+        cmd.args([
+            "hold",
+            addr,
+            "--seconds",
+            &HOLD_SECONDS.to_string(),
+            "--interval-ms",
+            "100",
+        ]);
+        if let Some(cg) = cg {
+            cg.enter_on_spawn(&mut cmd).unwrap();
+        }
+        let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let connected = lines.next().unwrap().unwrap();
+        let v: serde_json::Value = serde_json::from_str(&connected).unwrap();
+        let backend = v["connected"].as_str().unwrap_or_default().to_string();
+        Hold {
+            backend,
+            child,
+            lines,
+            what,
+        }
+    }
+
+    fn assert_running(&mut self) {
+        if let Some(st) = self.child.try_wait().unwrap() {
+            let last = self.lines.next().and_then(Result::ok).unwrap_or_default();
+            panic!(
+                "{}: the connection ended ({st}) before the restart was over: {last}",
+                self.what
+            );
+        }
+    }
+
+    /// Waits for the end of the hold period; returns the number of echoed exchanges.
+    fn finish(mut self) -> u64 {
+        let st = self.child.wait().unwrap();
+        let last = self.lines.next().and_then(Result::ok).unwrap_or_default();
+        assert!(
+            st.success(),
+            "{}: the long-lived connection broke: {last}",
+            self.what
+        );
+        let v: serde_json::Value = serde_json::from_str(&last).unwrap();
+        v["exchanges"].as_u64().unwrap()
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Link id of every pin under `<bpffs>/kproxy/links`, by pin name.
+fn link_ids(bpffs: &Bpffs) -> BTreeMap<String, u32> {
+    let dir = bpffs.path().join("kproxy/links");
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let path = e.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let link = PinnedLink::from_pin(&path).unwrap();
+            (name, FdLink::from(link).info().unwrap().id())
+        })
+        .collect()
+}
+
+/// The `KP_CT` entries of the open NodePort flow from the client (its `Service` entry and
+/// every entry sharing its flow identity: reverse DNAT, SNAT out/in), keyed by key, with
+/// `last_seen_ns` zeroed (it moves with every packet).
+fn nodeport_flow(bpffs: &Bpffs) -> BTreeMap<(u32, u32, u16, u16, u8, u8), CtEntry> {
+    let data = MapData::from_pin(bpffs.path().join("kproxy").join(MAP_CT)).unwrap();
+    let map: BpfHashMap<MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    let all: Vec<(CtKey, CtEntry)> = map.iter().map(Result::unwrap).collect();
+    let client = u32::from_ne_bytes(CLIENT_IP.octets());
+    let open: Vec<&(CtKey, CtEntry)> = all
+        .iter()
+        .filter(|(k, e)| {
+            k.kind == CtKind::Service as u8
+                && k.proto == PROTO_TCP
+                && k.saddr == client
+                && k.dport == NODE_PORT.to_be()
+                && e.flags & CT_F_CLOSING == 0
+        })
+        .collect();
+    assert_eq!(
+        open.len(),
+        1,
+        "exactly one open NodePort flow from the client: {all:#?}"
+    );
+    let (_, flow) = open[0];
+    all.iter()
+        .filter(|(k, e)| {
+            k.proto == PROTO_TCP
+                && e.svc_id == flow.svc_id
+                && e.backend_id == flow.backend_id
+                && e.created_ns == flow.created_ns
+        })
+        .map(|(k, e)| {
+            (
+                (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.kind),
+                CtEntry {
+                    last_seen_ns: 0,
+                    ..*e
+                },
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
+    if !require_root() {
+        return;
+    }
+    let mut topo = TopologySpec::new("ar-restart")
+        .local_pods(2)
+        .remote_pods(1)
+        .ipv6(false)
+        .build()
+        .unwrap();
+    topo.serve_all().unwrap();
+    let scratch = Scratch::new("ar-restart");
+    let bpffs = Bpffs::new("ar-restart-fs").unwrap();
+    let cg = TestCgroup::new("ar-restart-cg").unwrap();
+    let m = manifests(&topo, &scratch.0);
+    let args = vec![
+        "--proxy-mode=ebpf".to_string(),
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        format!("--bpffs={}", bpffs.path().display()),
+        format!("--bpf-cgroup={}", cg.path().display()),
+        "--metrics-bind-address=127.0.0.1:10249".to_string(),
+    ];
+    let mut agent = Agent::start(&topo.node, &args, scratch.0.join("kproxy-1.log"));
+    wait_synced(&mut agent, &topo.node);
+
+    let nodeport = format!("{NODE_IP}:{NODE_PORT}");
+    let cluster_ip = format!("{CLUSTER_IP}:80");
+    let pod0 = &topo.pod("pod-l0").ns;
+    let ext = Hold::start(&topo.client, None, &nodeport, "client → NodePort");
+    let int = Hold::start(pod0, Some(&cg), &cluster_ip, "pod → ClusterIP");
+    assert_eq!(ext.backend, "pod-r0");
+    assert_eq!(int.backend, "pod-l1");
+    // Let both exchange a few lines, so the CT entries are established ones.
+    std::thread::sleep(Duration::from_millis(500));
+
+    let links_before = link_ids(&bpffs);
+    let sock_links = links_before
+        .keys()
+        .filter(|n| !n.starts_with("tc-"))
+        .count();
+    let tc_links = links_before.keys().filter(|n| n.starts_with("tc-")).count();
+    assert_eq!(sock_links, 8, "socket-LB links: {links_before:?}");
+    assert!(tc_links >= 4, "TC links on eth0 and eth1: {links_before:?}");
+    let ct_before = nodeport_flow(&bpffs);
+    assert!(
+        ct_before.len() >= 3,
+        "the SNATed NodePort flow has service, reverse and SNAT entries: {ct_before:#?}"
+    );
+
+    agent.kill9();
+    // Service traffic never depended on the agent process: the connections are still up.
+    std::thread::sleep(Duration::from_secs(1));
+    let mut ext = ext;
+    let mut int = int;
+    ext.assert_running();
+    int.assert_running();
+
+    let mut agent = Agent::start(&topo.node, &args, scratch.0.join("kproxy-2.log"));
+    wait_synced(&mut agent, &topo.node);
+    // A sync after the restart has run (and a CT maintenance pass after it).
+    std::thread::sleep(Duration::from_secs(1));
+    ext.assert_running();
+    int.assert_running();
+
+    assert_eq!(
+        link_ids(&bpffs),
+        links_before,
+        "the restarted agent replaced pinned links; log:\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        nodeport_flow(&bpffs),
+        ct_before,
+        "the NodePort flow's conntrack entries changed across the restart"
+    );
+
+    // New connections through both services.
+    let r = Probe::tcp(&nodeport, 10)
+        .timeout(Duration::from_secs(2))
+        .run(&topo.client, None)
+        .unwrap();
+    assert_eq!(r.answers.get("pod-r0"), Some(&10), "{r:?}");
+    let r = Probe::tcp(&cluster_ip, 10)
+        .timeout(Duration::from_secs(2))
+        .run(pod0, Some(&cg))
+        .unwrap();
+    assert_eq!(r.answers.get("pod-l1"), Some(&10), "{r:?}");
+
+    // Both long-lived connections ran to their end, echoing all along (100 ms interval).
+    let ext_n = ext.finish();
+    let int_n = int.finish();
+    assert!(
+        ext_n > HOLD_SECONDS * 5 && int_n > HOLD_SECONDS * 5,
+        "exchanges: NodePort {ext_n}, ClusterIP {int_n}"
+    );
+    assert!(
+        !agent.log().contains("ERROR"),
+        "errors after the restart:\n{}",
+        agent.log()
+    );
+}
