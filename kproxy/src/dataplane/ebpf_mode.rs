@@ -12,6 +12,11 @@
 //!   `nodePortAddresses`).
 //! - After each sync: connection-table entries of removed backends are purged, idle flows
 //!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
+//! - SCTP service ports are not translated (neither socket LB nor the TC programs handle
+//!   SCTP; see `kproxy-ebpf/src/sock.rs`): each sync counts them in
+//!   `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` and logs a warning when the count
+//!   changes to a non-zero value. Upstream's iptables/ipvs modes do serve SCTP; run one of
+//!   them where SCTP services matter.
 //!
 //! Everything runs in the network namespace of the thread that calls [`EbpfMode::new`].
 
@@ -29,7 +34,7 @@ use super::ebpf_tc::attach::load_object;
 use super::ebpf_tc::{TcConfig, TcPath, ct, devices};
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::metrics::Metrics;
-use crate::model::{ChangedSet, Snapshot};
+use crate::model::{ChangedSet, Protocol, Snapshot};
 
 /// How often the node's addresses are re-read.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
@@ -80,6 +85,16 @@ pub struct EbpfMode {
     ct_entries: u32,
     ct_timeouts: ct::Timeouts,
     metrics: Option<Metrics>,
+    /// SCTP service ports counted by the last sync (to warn once per change).
+    skipped_sctp: usize,
+}
+
+/// Service ports of `snap` the eBPF datapath does not translate (SCTP ones).
+pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
+    snap.services
+        .values()
+        .filter(|s| s.protocol == Protocol::Sctp)
+        .count()
 }
 
 impl EbpfMode {
@@ -130,6 +145,7 @@ impl EbpfMode {
             ct_entries: cfg.ct_entries,
             ct_timeouts: cfg.ct_timeouts,
             metrics,
+            skipped_sctp: 0,
         })
     }
 
@@ -200,6 +216,18 @@ impl Dataplane for EbpfMode {
         let before: BTreeSet<u32> = self.sock.last_plan().backends.keys().copied().collect();
         let report = self.sock.sync(snap, changed)?;
         self.after_sync(&before);
+        let sctp = skipped_sctp_ports(snap);
+        if sctp != self.skipped_sctp && sctp > 0 {
+            tracing::warn!(
+                service_ports = sctp,
+                "SCTP service ports are not translated by the eBPF datapath (no socket-LB or TC \
+                 translation for SCTP); use --proxy-mode iptables or ipvs for SCTP services"
+            );
+        }
+        self.skipped_sctp = sctp;
+        if let Some(m) = &self.metrics {
+            m.set_bpf_skipped_service_ports("SCTP", sctp as i64);
+        }
         Ok(report)
     }
 

@@ -11,7 +11,9 @@
 //! - Datapaths report their own through the [`Metrics`] handle they are given at construction:
 //!   [`Metrics::iptables`] (iptables and ipvs modes only: rule counts, restore failures,
 //!   full/partial sync durations, nfacct packet counters), [`Metrics::conntrack`] (the
-//!   conntrack reconciler, every mode) and [`Metrics::set_bpf_map`] (eBPF map pressure).
+//!   conntrack reconciler, every mode), [`Metrics::set_bpf_map`] (eBPF map pressure) and
+//!   [`Metrics::set_bpf_skipped_service_ports`] (service ports the eBPF datapath cannot
+//!   translate: SCTP, see `kproxy-ebpf/src/sock.rs`).
 //!
 //! # Differences from upstream, on purpose
 //! - The exposition is OpenMetrics text (what `prometheus-client` writes): a counter's
@@ -95,6 +97,12 @@ pub struct CodeLabels {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct MapLabels {
     pub map: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `TCP`, `UDP` or `SCTP` (the Service's spelling).
+    pub protocol: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -258,6 +266,7 @@ pub(crate) struct Generic {
     pub programmed_endpoints: Gauge,
     pub bpf_map_entries: Family<MapLabels, Gauge>,
     pub bpf_map_capacity: Family<MapLabels, Gauge>,
+    pub bpf_skipped_service_ports: Family<ProtocolLabels, Gauge>,
 }
 
 type TriggerKey = (String, String, IpFamily);
@@ -328,6 +337,7 @@ impl Metrics {
             sync_errors: Family::default(),
             programmed_services: Gauge::default(),
             programmed_endpoints: Gauge::default(),
+            bpf_skipped_service_ports: Family::default(),
             bpf_map_entries: Family::default(),
             bpf_map_capacity: Family::default(),
         };
@@ -470,6 +480,12 @@ impl Metrics {
             g.bpf_map_capacity.clone(),
         );
         own.register(
+            "bpf_skipped_service_ports",
+            "Service ports of the last sync the eBPF datapath does not translate, by protocol \
+             (eBPF mode; SCTP has no socket-LB or TC translation)",
+            g.bpf_skipped_service_ports.clone(),
+        );
+        own.register(
             "sync_errors",
             "Syncs of the datapath that failed, by proxy mode",
             g.sync_errors.clone(),
@@ -489,6 +505,11 @@ impl Metrics {
         drop(g.sync_errors.get_or_create(&ModeLabels {
             mode: mode.as_str().into(),
         }));
+        if mode == ProxyMode::Ebpf {
+            drop(g.bpf_skipped_service_ports.get_or_create(&ProtocolLabels {
+                protocol: "SCTP".into(),
+            }));
+        }
         for code in ["200", "503"] {
             let l = CodeLabels { code: code.into() };
             drop(g.healthz.get_or_create(&l));
@@ -567,6 +588,18 @@ impl Metrics {
             .bpf_map_capacity
             .get_or_create(&l)
             .set(capacity);
+    }
+
+    /// `kproxy_bpf_skipped_service_ports{protocol}`: service ports of the last sync that the
+    /// eBPF datapath does not translate (set by the ebpf mode after every sync).
+    pub fn set_bpf_skipped_service_ports(&self, protocol: &str, ports: i64) {
+        self.inner
+            .generic
+            .bpf_skipped_service_ports
+            .get_or_create(&ProtocolLabels {
+                protocol: protocol.into(),
+            })
+            .set(ports);
     }
 
     /// Counts one `/healthz` (`livez == false`) or `/livez` answer.
@@ -757,5 +790,14 @@ mod tests {
         assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"200\"} 2\n"));
         assert!(text.contains("kubeproxy_proxy_livez_total{code=\"503\"} 1\n"));
         assert!(text.contains("kproxy_sync_errors_total{mode=\"ebpf\"} 0\n"));
+        // The SCTP series exists (0) before the first sync, then follows each sync's count.
+        assert!(text.contains("kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"} 0\n"));
+        m.set_bpf_skipped_service_ports("SCTP", 2);
+        assert!(
+            m.encode()
+                .contains("kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"} 2\n")
+        );
+        let ipt = Metrics::new(ProxyMode::Iptables).encode();
+        assert!(!ipt.contains("kproxy_bpf_skipped_service_ports{"), "{ipt}");
     }
 }
