@@ -4,7 +4,9 @@
 //! - **ebpf**: the BPF object is built in; the kernel has BTF (`/sys/kernel/btf/vmlinux`);
 //!   the object loads with its maps (under a throwaway pin directory of the configured
 //!   bpffs), the verifier accepts the socket-LB `connect4` program and the TC ingress
-//!   program, and `connect4` attaches to a throwaway child cgroup of the socket-LB cgroup.
+//!   program, and `connect4` attaches to a throwaway child cgroup of the socket-LB cgroup;
+//!   that cgroup is on cgroup2 and shows the host's hierarchy, not a private cgroup
+//!   namespace's own ([`super::ebpf_cgroup`]).
 //!   Without CAP_BPF/CAP_SYS_ADMIN (or with an old kernel) one of these fails and says why.
 //! - **ipvs**: [`super::ipvs::usable`] (the IPVS generic-netlink family resolves, ipset ≥ 6).
 //! - **iptables**: `iptables -t nat -S` works with one of the nft / legacy binaries (needs
@@ -66,6 +68,7 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         None => super::ebpf::loader::cgroup2_root()
             .ok_or("no cgroup2 mount for socket LB (pass --bpf-cgroup)")?,
     };
+    super::ebpf_cgroup::check(&cg_root).map_err(|e| e.to_string())?;
     super::ebpf::loader::ensure_bpffs(bpffs).map_err(|e| e.to_string())?;
     let tag = format!("kproxy-probe-{}", std::process::id());
     let pins = TempDir {

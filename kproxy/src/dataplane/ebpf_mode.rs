@@ -2,7 +2,9 @@
 //! ([`super::ebpf::EbpfDataplane`]) and the TC service path ([`super::ebpf_tc`]) on the node's
 //! devices, as one [`Dataplane`].
 //!
-//! - At construction: the socket-LB datapath loads (pinned maps under `<bpffs>/kproxy/`,
+//! - At construction: the socket-LB cgroup is checked ([`super::ebpf_cgroup`]: on cgroup2, and
+//!   showing the host's hierarchy rather than a private cgroup namespace's own), then the
+//!   socket-LB datapath loads (pinned maps under `<bpffs>/kproxy/`,
 //!   links on the cgroup), then a second object instance sharing those pinned maps loads the
 //!   TC programs and attaches them (pinned TCX links) to the devices `--bpf-devices` names or
 //!   the default rule picks ([`super::ebpf_tc::devices::select`]).
@@ -60,6 +62,8 @@ pub struct EbpfModeConfig {
 pub enum EbpfModeError {
     #[error("eBPF socket LB: {0}")]
     Sock(#[from] super::ebpf::loader::LoaderError),
+    #[error("eBPF socket LB: {0}")]
+    Cgroup(#[from] super::ebpf_cgroup::CgroupCheckError),
     #[error("eBPF TC path: {0}")]
     Tc(#[from] super::ebpf_tc::TcError),
     #[error("eBPF TC path: {0}")]
@@ -99,6 +103,18 @@ pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
 
 impl EbpfMode {
     pub fn new(cfg: EbpfModeConfig, metrics: Option<Metrics>) -> Result<Self, EbpfModeError> {
+        if cfg.ebpf.socket_lb {
+            // Refuse a cgroup where socket LB would silently cover nothing (a private cgroup
+            // namespace's own mount); see `super::ebpf_cgroup`.
+            if let Some(cg) = cfg
+                .ebpf
+                .cgroup
+                .clone()
+                .or_else(super::ebpf::loader::cgroup2_root)
+            {
+                super::ebpf_cgroup::check(&cg)?;
+            }
+        }
         let sock = EbpfDataplane::new(cfg.ebpf.clone())?;
         let addresses = Arc::new(Mutex::new(None));
         let tc = if cfg.tc {

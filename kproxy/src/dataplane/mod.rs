@@ -14,6 +14,7 @@ use crate::model::{ChangedSet, Snapshot};
 
 pub mod detect;
 pub mod ebpf;
+pub mod ebpf_cgroup;
 pub mod ebpf_mode;
 pub mod ebpf_tc;
 pub mod factory;
