@@ -17,7 +17,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use tokio::sync::{mpsc, watch};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::dataplane::Dataplane;
 use crate::events::Events;
@@ -61,6 +61,10 @@ pub struct AgentOptions {
     /// The metrics handle the datapath reports into (create it with [`Metrics::new`] for the
     /// datapath's mode before building the datapath); `None`: the agent creates one.
     pub metrics: Option<Metrics>,
+    /// `detectLocalMode: NodeCIDR`: the pod CIDRs the datapath was built with. When the Node's
+    /// `spec.podCIDRs` later differ, the process exits 1 so that it restarts with the new ones
+    /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
+    pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
 }
 
 impl AgentOptions {
@@ -77,6 +81,7 @@ impl AgentOptions {
             node_port_addresses: vec![],
             oom_score_adj: None,
             metrics: None,
+            exit_on_pod_cidr_change: None,
         }
     }
 
@@ -193,6 +198,7 @@ impl Agent {
                 metrics: metrics.clone(),
                 ips_tx,
                 node_tx,
+                pod_cidrs: opts.exit_on_pod_cidr_change.clone(),
             },
         ));
 
@@ -260,6 +266,7 @@ struct NodeTap {
     metrics: Metrics,
     ips_tx: watch::Sender<NodeIps>,
     node_tx: watch::Sender<Option<Arc<Node>>>,
+    pod_cidrs: Option<Vec<IpNet>>,
 }
 
 async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
@@ -270,6 +277,7 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
         metrics,
         ips_tx,
         node_tx,
+        pod_cidrs,
     } = tap;
     let mut announced = false;
     while let Some(ev) = rx.recv().await {
@@ -292,6 +300,18 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
             };
             if node.is_none_or(|n| n.metadata.name.as_deref() == Some(node_name.as_str())) {
                 health.node_seen(node);
+                if let (Some(fixed), Some(n)) = (&pod_cidrs, node) {
+                    let now = crate::model::tracker::node_info(n, &node_name).pod_cidrs;
+                    if !now.is_empty() && &now != fixed {
+                        error!(
+                            previous = ?fixed,
+                            current = ?now,
+                            "using NodeCIDR local-traffic detection, and the Node's podCIDRs \
+                             changed; exiting so that kproxy restarts with the new ones"
+                        );
+                        std::process::exit(1);
+                    }
+                }
                 let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
                 let changed = ips_tx.send_if_modified(|old| {
                     let changed = *old != ips;
@@ -320,6 +340,113 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
             return;
         }
     }
+}
+
+/// Upstream's `timeoutForNodePodCIDR`: how long `detectLocalMode: NodeCIDR` waits for the Node
+/// to get pod CIDRs before start-up fails.
+pub const NODE_POD_CIDR_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `detectLocalMode: NodeCIDR`: waits (polling every second, at most `timeout`) until the Node
+/// `node_name` has `spec.podCIDRs` (or the legacy `spec.podCIDR`), as upstream waits before it
+/// starts its proxier; returns them. From the API server (`spec`'s client) or, standalone,
+/// from the Node object in the manifests.
+pub async fn wait_for_pod_cidrs(
+    spec: &SourceSpec,
+    node_name: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<IpNet>> {
+    use kube::Api;
+    info!(
+        node = node_name,
+        "watching for the Node, awaiting podCIDR allocation"
+    );
+    let api: Option<Api<Node>> = match spec {
+        SourceSpec::Kube { kubeconfig, master } => Some(Api::all(
+            source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?,
+        )),
+        SourceSpec::Manifests(_) => None,
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last_error = String::from("the Node has no podCIDRs");
+    loop {
+        let found = match (&api, spec) {
+            (Some(api), _) => match api.get_opt(node_name).await {
+                Ok(Some(n)) => Some(crate::model::tracker::node_info(&n, node_name).pod_cidrs),
+                Ok(None) => {
+                    last_error = format!("Node {node_name:?} does not exist");
+                    None
+                }
+                Err(e) => {
+                    last_error = format!("getting Node {node_name:?}: {e}");
+                    None
+                }
+            },
+            (None, SourceSpec::Manifests(path)) => match snapshot_from_manifests(path, node_name) {
+                Ok((snap, _)) => Some(snap.node.pod_cidrs.clone()),
+                Err(e) => {
+                    last_error = e.to_string();
+                    None
+                }
+            },
+            (None, SourceSpec::Kube { .. }) => unreachable!("a kube source has a client"),
+        };
+        if let Some(cidrs) = found {
+            if !cidrs.is_empty() {
+                info!(node = node_name, pod_cidrs = ?cidrs, "NodeInfo");
+                return Ok(cidrs);
+            }
+            last_error = format!("Node {node_name:?} has no spec.podCIDRs yet");
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "timeout waiting for PodCIDR allocation to configure detect-local-mode NodeCIDR \
+                 ({last_error})"
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Lists Services and EndpointSlices (all namespaces, upstream's label selector
+/// [`source::PROXYABLE_LABEL_SELECTOR`]) and the Node `node_name` once from the API server,
+/// and builds the snapshot the agent's tracker would (for `kproxy inspect`). Returns the
+/// snapshot and the model's warnings.
+pub async fn snapshot_from_api(
+    kubeconfig: Option<&std::path::Path>,
+    master: Option<&str>,
+    node_name: &str,
+) -> anyhow::Result<(Arc<Snapshot>, Vec<String>)> {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::Api;
+    use kube::api::ListParams;
+    let client = source::kube::client(kubeconfig, master).await?;
+    let proxyable = ListParams::default().labels(source::PROXYABLE_LABEL_SELECTOR);
+    let services = Api::<Service>::all(client.clone())
+        .list(&proxyable)
+        .await
+        .map_err(|e| anyhow::anyhow!("listing Services: {e}"))?
+        .items;
+    let slices = Api::<EndpointSlice>::all(client.clone())
+        .list(&proxyable)
+        .await
+        .map_err(|e| anyhow::anyhow!("listing EndpointSlices: {e}"))?
+        .items;
+    let node = Api::<Node>::all(client)
+        .get_opt(node_name)
+        .await
+        .map_err(|e| anyhow::anyhow!("getting Node {node_name:?}: {e}"))?;
+    let mut tracker = Tracker::new(node_name);
+    let mut problems = vec![];
+    for ev in [
+        Event::Node(Delta::Replace(node.into_iter().collect())),
+        Event::Service(Delta::Replace(services)),
+        Event::EndpointSlice(Delta::Replace(slices)),
+    ] {
+        problems.extend(tracker.apply(ev).iter().map(ModelWarning::to_string));
+    }
+    let (snap, _) = tracker.snapshot();
+    Ok((snap, problems))
 }
 
 /// Reads manifests once and builds the snapshot they describe (for `kproxy render`).

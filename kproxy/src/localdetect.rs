@@ -13,10 +13,11 @@
 //! [`detectors`] picks one detector per IP family from `--detect-local-mode`:
 //! - `ClusterCIDR` (the default): the first `--cluster-cidr` of each family; a family without
 //!   one gets no detector;
-//! - `NodeCIDR`: the first of the Node's `spec.podCIDRs` of each family. Upstream waits for
-//!   the Node to get podCIDRs before it starts; in kproxy every snapshot carries them
-//!   (`snap.node.pod_cidrs`), so a datapath builds its detectors per sync and programs no
-//!   local-traffic rules until they are known ([`DetectLocalMode::needs_node_pod_cidrs`]);
+//! - `NodeCIDR`: the first of the Node's `spec.podCIDRs` of each family. As upstream, the
+//!   agent waits for the Node to get podCIDRs before it builds the datapath
+//!   (`agent::wait_for_pod_cidrs`, at most 5 minutes), hands them to the iptables/ipvs
+//!   datapaths (`dataplane::factory`), and exits to restart when they change later
+//!   ([`DetectLocalMode::needs_node_pod_cidrs`]);
 //! - `BridgeInterface`: `--pod-bridge-interface` for both families;
 //! - `InterfaceNamePrefix`: `--pod-interface-name-prefix` for both families.
 

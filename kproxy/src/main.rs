@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use kproxy::agent::{Agent, AgentOptions};
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
-use kproxy::config::{LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
+use kproxy::config::{DetectLocal, LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
 use kproxy::dataplane::factory;
 use kproxy::logging;
 use tracing::{info, warn};
@@ -132,6 +132,21 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         .build()
         .context("cannot start the tokio runtime")?;
     rt.block_on(async {
+        // NodeCIDR local-traffic detection needs the Node's podCIDRs before the datapath is
+        // built (upstream waits for them too).
+        let pod_cidrs = if cfg.detect_local == DetectLocal::NodeCidr {
+            Some(
+                kproxy::agent::wait_for_pod_cidrs(
+                    &cfg.source.spec(),
+                    &cfg.node_name,
+                    kproxy::agent::NODE_POD_CIDR_TIMEOUT,
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
+        // Signal handlers from here on (while waiting above, SIGTERM simply ends the process).
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
         let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
@@ -142,8 +157,8 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             };
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
-
-        let (dataplane, metrics) = factory::select(cfg.mode, cfg)?;
+        let (dataplane, metrics) =
+            factory::select(cfg.mode, cfg, pod_cidrs.as_deref().unwrap_or_default())?;
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
@@ -161,6 +176,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         };
         opts.oom_score_adj = Some(cfg.oom_score_adj);
         opts.metrics = Some(metrics);
+        opts.exit_on_pod_cidr_change = pod_cidrs;
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;

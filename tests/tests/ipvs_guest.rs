@@ -859,7 +859,7 @@ fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::R
     );
     let c = cfg.clone();
     let dp = t.node.run(move || -> anyhow::Result<_> {
-        let mut dp = factory::build(ProxyMode::Ipvs, &c, None)?;
+        let mut dp = factory::build(ProxyMode::Ipvs, &c, &[], None)?;
         let r = dp.sync(&snap, &ChangedSet::default())?;
         ensure!(r.services >= 1 && r.failed_services == 0, "{r:?}");
         Ok(dp)

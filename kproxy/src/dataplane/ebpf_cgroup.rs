@@ -35,8 +35,6 @@ use std::path::{Path, PathBuf};
 /// `PROC_CGROUP_INIT_INO` (include/linux/proc_ns.h): the inode of the initial cgroup
 /// namespace's `/proc/<pid>/ns/cgroup`.
 pub const PROC_CGROUP_INIT_INO: u64 = 0xEFFF_FFFB;
-/// `CGROUP2_SUPER_MAGIC` (include/uapi/linux/magic.h).
-pub const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
 /// One cgroup2 line of `/proc/self/mountinfo`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,7 +184,7 @@ pub fn facts(path: &Path) -> Result<Facts, CgroupCheckError> {
     };
     let canonical = fs::canonicalize(path).map_err(|e| unreadable(e.to_string()))?;
     let on_cgroup2 = nix::sys::statfs::statfs(&canonical)
-        .map(|s| s.filesystem_type().0 as i64 == CGROUP2_SUPER_MAGIC)
+        .map(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
         .map_err(|e| unreadable(format!("statfs: {e}")))?;
     let initial_namespace = {
         use std::os::unix::fs::MetadataExt;

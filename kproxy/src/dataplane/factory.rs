@@ -11,10 +11,14 @@
 //!   `nodePortAddresses`), conntrack cleanup and sysctls as iptables.
 //! - **ebpf**: [`EbpfMode`] (service maps + socket LB + the TC path on the node's devices).
 //!
+//! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
+//! for them before building the datapath, as upstream waits before starting its proxier); the
+//! iptables proxiers' detector and the ipvs proxiers' local CIDR are the first pod CIDR of
+//! their family.
+//!
 //! Knowingly different from upstream: a conntrack sysctl that cannot be written is logged as a
 //! warning instead of failing start-up (inside a network namespace most of them are
-//! read-only); `detectLocalMode: NodeCIDR` programs no local-traffic rules in iptables/ipvs
-//! mode (the Node's podCIDRs are not known when the datapath is built).
+//! read-only).
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -52,9 +56,13 @@ fn first_of(cidrs: &[IpNet], family: IpFamily) -> Option<IpNet> {
     cidrs.iter().copied().find(|c| family.matches(&c.addr()))
 }
 
-/// The local-traffic detector of `family`, chosen by [`crate::localdetect::detectors`] (see
-/// the module docs for NodeCIDR).
-pub fn local_detector(cfg: &ProxyConfig, family: IpFamily) -> LocalTrafficDetector {
+/// The local-traffic detector of `family`, chosen by [`crate::localdetect::detectors`];
+/// `node_pod_cidrs` are the Node's `spec.podCIDRs` (used by NodeCIDR only).
+pub fn local_detector(
+    cfg: &ProxyConfig,
+    family: IpFamily,
+    node_pod_cidrs: &[IpNet],
+) -> LocalTrafficDetector {
     use crate::localdetect::{DetectLocalConfig, DetectLocalMode, detectors};
     let mut dc = DetectLocalConfig {
         cluster_cidrs: cfg.cluster_cidrs.clone(),
@@ -72,7 +80,7 @@ pub fn local_detector(cfg: &ProxyConfig, family: IpFamily) -> LocalTrafficDetect
             DetectLocalMode::InterfaceNamePrefix
         }
     };
-    match detectors(&dc, IpFamily::V4, &[]) {
+    match detectors(&dc, IpFamily::V4, node_pod_cidrs) {
         Ok((d, warnings)) => {
             for w in warnings {
                 info!("{w}");
@@ -102,12 +110,18 @@ fn node_port_cidrs(cfg: &ProxyConfig) -> Vec<IpNet> {
     }
 }
 
-/// The iptables proxiers' configurations (one per family in `families`).
-pub fn iptables_configs(cfg: &ProxyConfig, families: &[IpFamily]) -> Vec<ipt::IptablesConfig> {
+/// The iptables proxiers' configurations (one per family in `families`); `node_pod_cidrs`
+/// as for [`local_detector`].
+pub fn iptables_configs(
+    cfg: &ProxyConfig,
+    families: &[IpFamily],
+    node_pod_cidrs: &[IpNet],
+) -> Vec<ipt::IptablesConfig> {
     families
         .iter()
         .map(|&family| {
-            let mut c = ipt::IptablesConfig::new(family, local_detector(cfg, family));
+            let mut c =
+                ipt::IptablesConfig::new(family, local_detector(cfg, family, node_pod_cidrs));
             c.node_ip = (!cfg.bind_address.is_unspecified() && family.matches(&cfg.bind_address))
                 .then_some(cfg.bind_address);
             c.masquerade_bit = cfg.masquerade_bit;
@@ -141,12 +155,15 @@ fn secs(d: Option<Duration>) -> u32 {
     d.map_or(0, |d| d.as_secs().min(u64::from(u32::MAX)) as u32)
 }
 
-/// The IPVS proxiers' configurations; `node_ips` gives the NodePort addresses of a family.
+/// The IPVS proxiers' configurations; `node_ips` gives the NodePort addresses of a family;
+/// the local CIDR is the first `--cluster-cidr` of the family, or with NodeCIDR the first of
+/// `node_pod_cidrs`.
 pub fn ipvs_configs(
     cfg: &ProxyConfig,
     families: &[IpFamily],
     node_ips: impl Fn(IpFamily) -> Vec<IpAddr>,
     flavor: Flavor,
+    node_pod_cidrs: &[IpNet],
 ) -> Vec<ipvs_mod::IpvsConfig> {
     families
         .iter()
@@ -160,7 +177,10 @@ pub fn ipvs_configs(
                 udp: secs(cfg.ipvs.udp_timeout),
             };
             c.masquerade_all = cfg.masquerade_all;
-            c.cluster_cidr = first_of(&cfg.cluster_cidrs, family);
+            c.cluster_cidr = match cfg.detect_local {
+                DetectLocal::NodeCidr => first_of(node_pod_cidrs, family),
+                _ => first_of(&cfg.cluster_cidrs, family),
+            };
             c.masquerade_bit = cfg.masquerade_bit;
             c.exclude_cidrs = cfg.ipvs.exclude_cidrs.clone();
             c.iptables_restore = restore_binary(family, flavor);
@@ -323,17 +343,19 @@ impl Dataplane for PerFamily {
 }
 
 /// Constructs the datapath of `mode`, reporting into `metrics`. Fails with a clear message
-/// when the mode cannot run here.
+/// when the mode cannot run here. `node_pod_cidrs`: the Node's `spec.podCIDRs` (what
+/// `detectLocalMode: NodeCIDR` detects local traffic by; ignored by the other modes).
 pub fn build(
     mode: ProxyMode,
     cfg: &ProxyConfig,
+    node_pod_cidrs: &[IpNet],
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
     let families = host_families();
     match mode {
         ProxyMode::Iptables => {
             apply_conntrack_sysctls(cfg);
-            let dp = IptablesDataplane::new(iptables_configs(cfg, &families))
+            let dp = IptablesDataplane::new(iptables_configs(cfg, &families, node_pod_cidrs))
                 .context("setting up the iptables proxier")?;
             Ok(match metrics {
                 Some(m) => Box::new(WithConntrackCleanup::new(
@@ -356,7 +378,8 @@ pub fn build(
                 Flavor::Legacy
             };
             let mut parts: Vec<Box<dyn Dataplane>> = vec![];
-            for c in ipvs_configs(cfg, &families, |f| ipvs_node_ips(cfg, f), flavor) {
+            let node_ips = |f| ipvs_node_ips(cfg, f);
+            for c in ipvs_configs(cfg, &families, node_ips, flavor, node_pod_cidrs) {
                 let family = c.family;
                 parts.push(Box::new(IpvsDataplane::new(c).with_context(|| {
                     format!("setting up the {family:?} IPVS proxier")
@@ -388,7 +411,7 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
         IpFamily::V6 => "# IPv6\n",
     };
     Ok(match mode {
-        ProxyMode::Iptables => iptables_configs(cfg, &families)
+        ProxyMode::Iptables => iptables_configs(cfg, &families, &snap.node.pod_cidrs)
             .iter()
             .map(|c| format!("{}{}", header(c.family), ipt::render(snap, c)))
             .collect(),
@@ -401,7 +424,7 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
                     .filter(|ip| f.matches(ip))
                     .collect()
             };
-            ipvs_configs(cfg, &families, node_ips, Flavor::Nft)
+            ipvs_configs(cfg, &families, node_ips, Flavor::Nft, &snap.node.pod_cidrs)
                 .iter()
                 .map(|c| format!("{}{}", header(c.family), ipvs_mod::render(snap, c)))
                 .collect()
@@ -418,14 +441,16 @@ pub const DETECT_ORDER: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, Prox
 /// ([`super::detect::probe`]) passes and that builds; logs why each earlier mode was
 /// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
 /// ([`cleanup_others`]). Returns the datapath and the metrics it reports into.
+/// `node_pod_cidrs` as for [`build`].
 pub fn select(
     choice: ModeChoice,
     cfg: &ProxyConfig,
+    node_pod_cidrs: &[IpNet],
 ) -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
     let attempt = |mode: ProxyMode| -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
         cleanup_others(mode, cfg);
         let metrics = Metrics::new(mode);
-        let dp = build(mode, cfg, Some(&metrics))?;
+        let dp = build(mode, cfg, node_pod_cidrs, Some(&metrics))?;
         Ok((dp, metrics))
     };
     match choice {
@@ -708,7 +733,7 @@ mod tests {
             "--iptables-masquerade-bit=12",
             "--nodeport-addresses=192.0.2.0/24",
         ]);
-        let v = iptables_configs(&c, &[IpFamily::V4, IpFamily::V6]);
+        let v = iptables_configs(&c, &[IpFamily::V4, IpFamily::V6], &[]);
         assert_eq!(v.len(), 2);
         assert_eq!(
             v[0].local_detector,
@@ -726,6 +751,33 @@ mod tests {
     }
 
     #[test]
+    fn node_cidr_mode_detects_local_traffic_by_the_nodes_pod_cidrs() {
+        let c = cfg(&["--cluster-cidr=10.0.0.0/8", "--detect-local-mode=NodeCIDR"]);
+        let pod_cidrs: Vec<IpNet> = vec![
+            "10.244.1.0/24".parse().unwrap(),
+            "fd00:244:1::/64".parse().unwrap(),
+        ];
+        let v = iptables_configs(&c, &[IpFamily::V4, IpFamily::V6], &pod_cidrs);
+        assert_eq!(
+            v[0].local_detector,
+            LocalTrafficDetector::Cidr(pod_cidrs[0])
+        );
+        assert_eq!(
+            v[1].local_detector,
+            LocalTrafficDetector::Cidr(pod_cidrs[1])
+        );
+        // Not known (yet): nothing is local, never the cluster CIDR.
+        let v = iptables_configs(&c, &[IpFamily::V4], &[]);
+        assert_eq!(v[0].local_detector, LocalTrafficDetector::NoOp);
+        let ip: IpAddr = "192.0.2.1".parse().unwrap();
+        let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Nft, &pod_cidrs);
+        assert_eq!(v[0].cluster_cidr, Some(pod_cidrs[0]));
+        let c = cfg(&["--cluster-cidr=10.0.0.0/8"]);
+        let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Nft, &pod_cidrs);
+        assert_eq!(v[0].cluster_cidr, Some("10.0.0.0/8".parse().unwrap()));
+    }
+
+    #[test]
     fn ipvs_configs_follow_the_proxy_config() {
         let c = cfg(&[
             "--cluster-cidr=10.244.0.0/16",
@@ -734,7 +786,7 @@ mod tests {
             "--ipvs-tcp-timeout=10s",
         ]);
         let ip: IpAddr = "192.0.2.1".parse().unwrap();
-        let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Legacy);
+        let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Legacy, &[]);
         assert_eq!(v[0].scheduler, "lc");
         assert!(v[0].strict_arp);
         assert_eq!(v[0].timeouts.tcp, 10);
