@@ -7,9 +7,11 @@
 //! - iptables: the nat-table rules carrying the service port's comment (`ns/name:port`);
 //! - ipvs: the virtual servers on the service's addresses and their real servers.
 //!
-//! The services come from `--manifests` (the API server is not read by `inspect`). The mode is
-//! `--proxy-mode`, else the one whose kernel objects exist (pins, then `kube-ipvs0`, then the
-//! iptables `KUBE-SERVICES` chain).
+//! The services come from `--manifests`, or else from the API server like the agent's
+//! (`--kubeconfig` / `--master`, else in-cluster): Services and EndpointSlices listed once,
+//! with upstream's label selector, and the Node of `--hostname-override`, built into the same
+//! snapshot the agent's tracker builds. The mode is `--proxy-mode`, else the one whose kernel
+//! objects exist (pins, then `kube-ipvs0`, then the iptables `KUBE-SERVICES` chain).
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -370,10 +372,21 @@ fn ipvs_view(snap: &Snapshot, out: &mut Report) -> anyhow::Result<()> {
 
 /// Builds the report (see the module docs).
 pub fn report(cfg: &ProxyConfig) -> anyhow::Result<Report> {
-    let SourceConfig::Manifests(path) = &cfg.source else {
-        bail!("inspect reads the services from --manifests PATH (the API server is not read)");
+    let (snap, _) = match &cfg.source {
+        SourceConfig::Manifests(path) => {
+            crate::agent::snapshot_from_manifests(path, &cfg.node_name)?
+        }
+        SourceConfig::Kube { kubeconfig, master } => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the tokio runtime")?
+            .block_on(crate::agent::snapshot_from_api(
+                kubeconfig.as_deref(),
+                master.as_deref(),
+                &cfg.node_name,
+            ))
+            .context("reading the services from the API server")?,
     };
-    let (snap, _) = crate::agent::snapshot_from_manifests(path, &cfg.node_name)?;
     let mode = match cfg.mode {
         ModeChoice::Forced(m) => m,
         ModeChoice::Detect => active_mode(cfg)?,
