@@ -107,10 +107,6 @@ pub struct IptablesConfig {
     pub partial_sync: bool,
     /// Which iptables binaries the applier runs.
     pub backend: IptablesBackend,
-    /// With the nf_tables backend, partial syncs also restore the nat table as a whole (when it
-    /// holds only our objects) once it has more than this many chains: iptables-nft
-    /// `--noflush` restores into a big table are superlinear (minutes at 10k services).
-    pub nft_whole_table_above_chains: usize,
     /// Run every iptables command in this network namespace (`nsenter --net=PATH`); `None` =
     /// the agent's own namespace. Used by tests; also usable for a node netns elsewhere.
     pub netns: Option<PathBuf>,
@@ -135,7 +131,6 @@ impl IptablesConfig {
             sync_period: Duration::from_secs(30),
             partial_sync: true,
             backend: IptablesBackend::Auto,
-            nft_whole_table_above_chains: 1000,
             netns: None,
         }
     }

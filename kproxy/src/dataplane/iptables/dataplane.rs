@@ -134,12 +134,7 @@ impl IptablesDataplane {
             }
             tracing::info!(family = ?cfg.family, ?flavor, random_fully = cfg.random_fully, "iptables proxier ready");
             let backend = ExecIptables::new(cfg.family, flavor, runner);
-            let above = cfg.nft_whole_table_above_chains;
-            let mut p = Proxier::new(cfg, backend);
-            if flavor == Flavor::Nft {
-                p.whole_table_partial_above = Some(above);
-            }
-            proxiers.push(p);
+            proxiers.push(Proxier::new(cfg, backend));
         }
         if proxiers.is_empty() {
             return Err(SetupError::NoFamily);

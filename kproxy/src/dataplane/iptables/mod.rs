@@ -5,6 +5,7 @@
 //! - [`plan`]: the pure planner, snapshot → filter + nat rules (structured by chain).
 //! - [`render`]: iptables-restore text and upstream's canonical sort.
 //! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
+//! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
 //! - [`backend`]: the kernel interface and an in-memory fake with restore semantics.
 //! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock).
 //! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
@@ -21,6 +22,7 @@ pub mod names;
 pub mod plan;
 pub mod proxier;
 pub mod render;
+pub mod written;
 
 pub use config::{
     IptablesBackend as BackendChoice, IptablesConfig, LocalTrafficDetector, NfacctCounters,

@@ -19,11 +19,20 @@
 //! programs' rules are never touched. The filter table is always restored with `--noflush`
 //! (it holds few of our chains and usually other programs' rules).
 //!
-//! With nf_tables, even a *partial* `--noflush` restore into a big nat table is pathological
-//! (a one-endpoint change at 10k services did not finish in 15 minutes here), so when
-//! [`Proxier::whole_table_partial_above`] is set (the dataplane sets it for nft) and nat holds
-//! more chains than that, partial syncs restore the (ours-only) nat table as a whole too; the
-//! logged/compared input stays upstream's partial one.
+//! ## What a partial sync actually restores
+//! A partial sync's input is upstream's (it re-declares and rewrites KUBE-SERVICES,
+//! KUBE-NODEPORTS, … with one rule per service, plus the changed services' chains). Applied
+//! as is, that is a chain flush and ~10k appends through iptables-nft `--noflush` at 10k
+//! services (seconds). The applier leaves out of the applied input every chain whose complete
+//! content equals what it wrote last time ([`KernelChains`]); a `--noflush` restore leaves an
+//! omitted chain as it is, so the kernel ends up exactly as after upstream's input. What the
+//! proxier logs and compares ([`Proxier::last_input`]) stays upstream's text. The knowledge is
+//! rebuilt by every full sync and dropped after any failure (the next sync is full). In
+//! large-cluster mode the stale per-service chains a cleanup deletes are taken from that
+//! knowledge (chains seen by the last full sync's `iptables-save` plus those written since)
+//! instead of an `iptables-save` of the whole (huge) nat table. Knowingly different from
+//! upstream: between full syncs an external edit of KUBE-SERVICES & co. that leaves the canary
+//! and the PREROUTING jump in place is repaired at the next full sync, not the next sync.
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
@@ -37,6 +46,7 @@ use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
 use super::names::{KUBE_PROXY_CANARY, is_service_chain};
 use super::plan::{Plan, jump_rules, plan, service_key};
 use super::render::{TableInput, render_tables};
+use super::written::KernelChains;
 
 /// Counters of the proxier (upstream's metrics of the same meaning).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,6 +59,10 @@ pub struct ProxierStats {
     pub partial_restore_failures: u64,
     /// Whole-table nat restores done instead of `--noflush` ones.
     pub whole_table_restores: u64,
+    /// Chains (both tables) the last sync's applied restore declared.
+    pub chains_written_last: usize,
+    /// Chains of upstream's input the last (partial) sync left out as unchanged.
+    pub chains_omitted_last: usize,
     /// nat rules written by the last sync (`sync_proxy_rules_iptables_last{table=nat}`).
     pub nat_rules_last: usize,
 }
@@ -70,9 +84,8 @@ pub struct Proxier<B: IptablesBackend> {
     last_cleanup: Option<Instant>,
     last_input: String,
     pub stats: ProxierStats,
-    /// Partial syncs may restore nat as a whole above this many existing nat chains (set for
-    /// the nf_tables backend; `None` = only full syncs do).
-    pub whole_table_partial_above: Option<usize>,
+    /// What the kernel is known to hold (see the module docs).
+    kernel: KernelChains,
 }
 
 /// Parsed `iptables-save` of one table.
@@ -117,7 +130,7 @@ impl<B: IptablesBackend> Proxier<B> {
             last_cleanup: None,
             last_input: String::new(),
             stats: ProxierStats::default(),
-            whole_table_partial_above: None,
+            kernel: KernelChains::default(),
         }
     }
 
@@ -183,6 +196,7 @@ impl<B: IptablesBackend> Proxier<B> {
             Err(e) => {
                 tracing::warn!(family = ?self.cfg.family, full, error = %e, "iptables sync failed; the next sync is a full one");
                 self.need_full_sync = true;
+                self.kernel.clear();
             }
         }
         r
@@ -213,12 +227,15 @@ impl<B: IptablesBackend> Proxier<B> {
         }
 
         // Stale per-service chains (and, on full syncs, whether nat holds only our objects).
+        // A partial sync in large-cluster mode takes the existing chains from what it knows
+        // instead of saving a huge table.
         let cleanup_due = !plan.large_cluster
             || self
                 .last_cleanup
                 .is_none_or(|t| t.elapsed() > self.cfg.sync_period);
+        let known_chains = !full && plan.large_cluster && !self.kernel.is_empty();
         let mut saved_nat = None;
-        if cleanup_due || full || self.whole_table_partial_above.is_some() {
+        if full || (cleanup_due && !known_chains) {
             match self.backend.save("nat") {
                 Ok(text) => saved_nat = Some(parse_save(&text)),
                 Err(e) => {
@@ -227,56 +244,98 @@ impl<B: IptablesBackend> Proxier<B> {
             }
         }
         let active = plan.active_nat_chains();
-        if cleanup_due && let Some(saved) = &saved_nat {
-            let stale: BTreeSet<&String> = saved
-                .chains
-                .iter()
-                .map(|(c, _)| c)
-                .filter(|c| is_service_chain(c) && !active.contains(*c))
-                .collect();
-            for c in stale {
-                nat.delete(c);
+        if cleanup_due {
+            let existing: Option<Vec<&str>> = match &saved_nat {
+                Some(saved) => Some(saved.chains.iter().map(|(c, _)| c.as_str()).collect()),
+                None if known_chains => Some(self.kernel.chains("nat").collect()),
+                None => None,
+            };
+            if let Some(existing) = existing {
+                let stale: BTreeSet<String> = existing
+                    .into_iter()
+                    .filter(|c| is_service_chain(c) && !active.contains(*c))
+                    .map(str::to_owned)
+                    .collect();
+                for c in &stale {
+                    nat.delete(c);
+                }
+                self.last_cleanup = Some(Instant::now());
             }
-            self.last_cleanup = Some(Instant::now());
         }
         self.last_input = render_tables(&[filter.clone(), nat.clone()]);
         self.stats.nat_rules_last = nat_rules;
 
-        let big_table = |s: &Saved| {
-            self.whole_table_partial_above
-                .is_some_and(|limit| s.chains.len() > limit)
-        };
-        let whole = match saved_nat.as_ref() {
-            Some(s) if full => self.whole_table_nat(s, &nat),
-            Some(s) if big_table(s) => {
-                // The whole table: every chain of the plan, not only the changed ones.
-                let mut all = TableInput::new("nat");
-                all.add(&plan.nat);
-                for t in plan.services.values() {
-                    all.add(t);
+        if !full {
+            // Only what differs from the kernel's known content.
+            let (filter, omitted_f) = self.kernel.without_unchanged(&filter);
+            let (nat, omitted_n) = self.kernel.without_unchanged(&nat);
+            self.stats.chains_omitted_last = omitted_f + omitted_n;
+            let tables: Vec<TableInput> = [filter, nat]
+                .into_iter()
+                .filter(|t| !t.chains.is_empty() || !t.deletes.is_empty())
+                .collect();
+            self.stats.chains_written_last = tables.iter().map(|t| t.chains.len()).sum();
+            if !tables.is_empty() {
+                let input = render_tables(&tables);
+                if let Err(e) = self.backend.restore(&input, RestoreMode::NoFlush) {
+                    return Err(self.restore_failed(e, full));
                 }
-                self.whole_table_nat(s, &all)
             }
-            _ => None,
-        };
+            for t in &tables {
+                self.kernel.record(t);
+            }
+            return Ok(SyncOutcome { full, plan });
+        }
+
+        self.stats.chains_omitted_last = 0;
+        self.stats.chains_written_last = filter.chains.len() + nat.chains.len();
+        let whole = saved_nat
+            .as_ref()
+            .and_then(|s| self.whole_table_nat(s, &nat));
         let result = match whole {
             Some(whole) => self
                 .backend
-                .restore(&render_tables(&[filter]), RestoreMode::NoFlush)
+                .restore(
+                    &render_tables(std::slice::from_ref(&filter)),
+                    RestoreMode::NoFlush,
+                )
                 .and_then(|()| {
                     self.stats.whole_table_restores += 1;
                     self.backend.restore(&whole, RestoreMode::WholeTable)
-                }),
-            None => self.backend.restore(&self.last_input, RestoreMode::NoFlush),
+                })
+                .map(|()| true),
+            None => self
+                .backend
+                .restore(&self.last_input, RestoreMode::NoFlush)
+                .map(|()| false),
         };
-        if let Err(e) = result {
-            self.stats.restore_failures += 1;
-            if !full {
-                self.stats.partial_restore_failures += 1;
+        match result {
+            Ok(whole) => {
+                // Rebuild the knowledge: after a whole-table restore nat holds exactly the
+                // declared chains (and the canary); else what the save showed plus the input.
+                self.kernel.clear();
+                match &saved_nat {
+                    Some(s) if !whole => {
+                        self.kernel
+                            .set_saved("nat", s.chains.iter().map(|(c, _)| c.as_str()));
+                    }
+                    _ => self.kernel.forget_table("nat"),
+                }
+                self.kernel.record(&filter);
+                self.kernel.record(&nat);
+                Ok(SyncOutcome { full, plan })
             }
-            return Err(e);
+            Err(e) => Err(self.restore_failed(e, full)),
         }
-        Ok(SyncOutcome { full, plan })
+    }
+
+    fn restore_failed(&mut self, e: IptablesError, full: bool) -> IptablesError {
+        self.stats.restore_failures += 1;
+        if !full {
+            self.stats.partial_restore_failures += 1;
+        }
+        self.kernel.clear();
+        e
     }
 
     /// The whole-table nat input equivalent to `nat` applied with `--noflush`, if the saved

@@ -131,18 +131,23 @@ pub fn canonical_sort(text: &str) -> String {
             let _ = writeln!(out, ":{c} - [0:0]");
         }
         // Chains named by rules but not declared go after the declared ones, sorted.
+        let mut by_chain: std::collections::HashMap<&str, Vec<&String>> =
+            std::collections::HashMap::new();
+        for r in &t.rules {
+            by_chain.entry(rule_chain(r)).or_default().push(r);
+        }
+        let declared: std::collections::HashSet<&str> = chains.iter().map(String::as_str).collect();
         let mut order = chains.clone();
-        let mut extra: Vec<String> = t
-            .rules
-            .iter()
-            .map(|r| rule_chain(r).to_string())
-            .filter(|c| !order.contains(c))
+        let mut extra: Vec<String> = by_chain
+            .keys()
+            .filter(|c| !declared.contains(*c))
+            .map(|c| c.to_string())
             .collect();
         extra.sort_by(|a, b| chain_rank(a).cmp(&chain_rank(b)));
         extra.dedup();
         order.extend(extra);
         for c in &order {
-            let mut rules: Vec<&String> = t.rules.iter().filter(|r| rule_chain(r) == c).collect();
+            let mut rules: Vec<&String> = by_chain.remove(c.as_str()).unwrap_or_default();
             if c == "KUBE-NODEPORTS" || c == "KUBE-SERVICES" {
                 let (last, mut others): (Vec<&String>, Vec<&String>) = if c == "KUBE-SERVICES" {
                     rules
@@ -151,7 +156,7 @@ pub fn canonical_sort(text: &str) -> String {
                 } else {
                     (vec![], rules)
                 };
-                others.sort_by_key(|r| rule_service(r));
+                others.sort_by_cached_key(|r| rule_service(r));
                 others.extend(last);
                 rules = others;
             }
