@@ -108,6 +108,16 @@ impl Applier {
         (&self.cache.services, &self.cache.backends)
     }
 
+    /// Backends some UDP frontend references, as the maps hold them now (see
+    /// [`super::sockdestroy`]).
+    pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
+        super::sockdestroy::udp_backends(
+            &self.cache.services,
+            &self.cache.slots,
+            &self.cache.backends,
+        )
+    }
+
     /// Entries and capacity of each map.
     pub fn pressure(&self) -> Vec<MapPressure> {
         vec![

@@ -8,6 +8,8 @@
 //!   deletes stale, failing only the service port whose write failed.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
 //! - [`loader`]: bpffs, the object with pinned maps, socket-LB programs on pinned links.
+//! - [`sockdestroy`] (with [`sockdiag`]): after a sync, UDP sockets socket LB connected to a
+//!   backend that left every UDP service are destroyed, so clients re-resolve at once.
 //!
 //! [`EbpfDataplane`] ties them together as a [`Dataplane`]. Every sync is planned in full (the
 //! `changed` set is not needed: planning 10k service ports is cheap and the applier writes only
@@ -17,6 +19,8 @@ pub mod applier;
 pub mod ids;
 pub mod loader;
 pub mod planner;
+pub mod sockdestroy;
+pub mod sockdiag;
 pub mod tables;
 #[cfg(test)]
 mod tests;
@@ -130,6 +134,7 @@ pub struct EbpfDataplane {
     applier: Applier,
     kernel: loader::Kernel,
     last_plan: Plan,
+    sock_destroyer: sockdestroy::SockDestroyer,
 }
 
 impl EbpfDataplane {
@@ -146,12 +151,16 @@ impl EbpfDataplane {
         for (id, b) in backends {
             ids.seed_backend((planner::decode_addr(b.addr), u16::from_be(b.port)), *id);
         }
+        let sock_destroyer = sockdestroy::SockDestroyer::new(
+            &loader::pin_dir(&cfg).join(kproxy_common::service::MAP_SOCK_REV_NAT),
+        );
         Ok(EbpfDataplane {
             cfg,
             ids,
             applier,
             kernel,
             last_plan: Plan::default(),
+            sock_destroyer,
         })
     }
 
@@ -189,10 +198,16 @@ impl Dataplane for EbpfDataplane {
 
     fn sync(&mut self, snap: &Snapshot, _changed: &ChangedSet) -> Result<SyncReport, SyncError> {
         let plan = plan(snap, &self.cfg, &mut self.ids);
+        let udp_before = self.applier.udp_backends();
         let outcome = self
             .applier
             .apply(&plan, monotonic_ns())
             .map_err(|e| SyncError::Kernel(e.to_string()))?;
+        if self.cfg.socket_lb {
+            let udp_after = self.applier.udp_backends();
+            let removed: Vec<_> = udp_before.difference(&udp_after).copied().collect();
+            self.sock_destroyer.destroy(&removed);
+        }
         for (name, reason) in &outcome.failed {
             tracing::warn!(service = %name, "{reason}");
         }

@@ -1,0 +1,208 @@
+//! Routed ClusterIP traffic on this kernel: a client that never passes a socket hook (outside
+//! the node, with a route to the service CIDR via the node) reaches a ClusterIP through the TC
+//! service path of the node's devices: `kp_tc_in` finds no external-scope frontend for the VIP,
+//! falls back to the ClusterIP's cluster-scope one, DNATs to a backend with the same
+//! connection table as NodePorts, and replies are translated back (source = the VIP), for local
+//! and remote backends.
+//!
+//! The agent's ebpf mode itself (`EbpfMode`: service maps, TC programs on the devices the
+//! default rule selects, socket LB off) runs in the node namespace of the shared topology;
+//! `kp-probe` in the external client namespace uses connected sockets, so an answer only counts
+//! if it came back from the VIP.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::ebpf::{EbpfConfig, MapSizes};
+use kproxy::dataplane::ebpf_mode::{EbpfMode, EbpfModeConfig};
+use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, CtKind, MAP_CT, ct};
+use kproxy::model::{
+    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
+    Snapshot,
+};
+use kproxy_tests::netns::{Bpffs, require_root};
+use kproxy_tests::topology::{
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, POD_PORT, Probe, TopologySpec,
+};
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const SERVICE_CIDR: &str = "10.96.0.0/12";
+const PORT: u16 = 80;
+const N: u32 = 40;
+
+fn service(protocol: Protocol) -> ServicePort {
+    ServicePort {
+        name: ServicePortName {
+            namespace: "default".into(),
+            name: "web".into(),
+            port: "p".into(),
+            protocol,
+        },
+        service_type: ServiceType::ClusterIp,
+        cluster_ips: vec![IpAddr::V4(VIP)],
+        port: PORT,
+        protocol,
+        node_port: 0,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: 0,
+        session_affinity_timeout: None,
+    }
+}
+
+fn endpoint(ip: Ipv4Addr, local: bool) -> Endpoint {
+    Endpoint {
+        ip: IpAddr::V4(ip),
+        port: POD_PORT,
+        ready: true,
+        serving: true,
+        terminating: false,
+        is_local: local,
+        node_name: Some(if local { "node" } else { "node2" }.into()),
+        zone: None,
+        zone_hints: BTreeSet::new(),
+        node_hints: BTreeSet::new(),
+    }
+}
+
+fn snapshot(node_addrs: Vec<IpAddr>, endpoints: Vec<Endpoint>) -> Snapshot {
+    let mut snap = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "node".into(),
+            addresses: node_addrs,
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let svc = service(proto);
+        snap.endpoints
+            .insert(svc.name.clone(), Arc::new(endpoints.clone()));
+        snap.services.insert(svc.name.clone(), Arc::new(svc));
+    }
+    snap
+}
+
+#[test]
+fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
+    if !require_root() {
+        return;
+    }
+    let mut topo = TopologySpec::new("routed")
+        .local_pods(1)
+        .remote_pods(1)
+        .ipv6(false)
+        .build()
+        .unwrap();
+    topo.serve_all().unwrap();
+    // The client reaches the service CIDR through the node (as a router or a VM host would
+    // send it), not through any socket hook.
+    topo.client
+        .ip(&["route", "add", SERVICE_CIDR, "via", &NODE_IP.to_string()])
+        .unwrap();
+    let bpffs = Bpffs::new("routed-fs").unwrap();
+    let cfg = EbpfModeConfig {
+        ebpf: EbpfConfig {
+            bpffs: bpffs.path().to_path_buf(),
+            families: vec![IpFamily::V4],
+            socket_lb: false,
+            map_sizes: MapSizes {
+                services: 256,
+                backend_slots: 256,
+                backends: 256,
+                affinity: 256,
+                source_ranges: 16,
+                sock_rev_nat: 256,
+            },
+            ..EbpfConfig::default()
+        },
+        devices: None,
+        tc: true,
+        ct_entries: 4096,
+        ct_timeouts: ct::Timeouts::default(),
+        node_port_cidrs: vec![],
+    };
+    let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
+    let devices = mode.tc_devices();
+    assert!(
+        devices.contains(&NODE_CLIENT_IF.to_string())
+            && devices.contains(&NODE_PEER_IF.to_string()),
+        "{devices:?}"
+    );
+    let node_ips = vec![IpAddr::V4(NODE_IP), IpAddr::V4(NODE_LINK_IP)];
+    let both = vec![
+        endpoint(topo.pod("pod-l0").ip, true),
+        endpoint(topo.pod("pod-r0").ip, false),
+    ];
+    let report = mode
+        .sync(&snapshot(node_ips.clone(), both), &ChangedSet::default())
+        .unwrap();
+    assert_eq!(report.failed_services, 0, "{report:?}");
+
+    for proto in ["tcp", "udp"] {
+        let addr = format!("{VIP}:{PORT}");
+        let p = if proto == "tcp" {
+            Probe::tcp(addr, N)
+        } else {
+            Probe::udp(addr, N)
+        };
+        let r = p.run(&topo.client, None).unwrap();
+        assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
+        assert_eq!(r.total_answers(), u64::from(N), "{proto}: {r:?}");
+        assert!(
+            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
+                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
+            "{proto}: both backends answer: {r:?}"
+        );
+        // Same rules as NodePorts: the remote backend's flows are SNATed to the node's
+        // address toward it (so replies return through this node), the local one sees the
+        // client.
+        assert_eq!(
+            r.peer_ips("pod-r0"),
+            vec![NODE_LINK_IP.to_string()],
+            "{proto}"
+        );
+        assert_eq!(r.peer_ips("pod-l0"), vec![CLIENT_IP.to_string()], "{proto}");
+    }
+
+    // The flows went through the TC connection table: one service entry per flow from the
+    // client to the VIP, for both protocols.
+    let data = MapData::from_pin(bpffs.path().join("kproxy").join(MAP_CT)).unwrap();
+    let table: BpfHashMap<MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    let vip_flows: Vec<CtKey> = table
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| {
+            k.kind == CtKind::Service as u8
+                && k.daddr == u32::from_ne_bytes(VIP.octets())
+                && k.saddr == u32::from_ne_bytes(CLIENT_IP.octets())
+        })
+        .collect();
+    for proto in [6u8, 17] {
+        assert!(
+            vip_flows.iter().any(|k| k.proto == proto),
+            "no CT entry of protocol {proto} for client -> VIP: {vip_flows:?}"
+        );
+    }
+
+    // Only the local backend left: every routed flow goes there.
+    let local = vec![endpoint(topo.pod("pod-l0").ip, true)];
+    mode.sync(&snapshot(node_ips, local), &ChangedSet::default())
+        .unwrap();
+    for p in [
+        Probe::tcp(format!("{VIP}:{PORT}"), 10),
+        Probe::udp(format!("{VIP}:{PORT}"), 10),
+    ] {
+        let r = p.run(&topo.client, None).unwrap();
+        assert_eq!(r.answers.get("pod-l0").copied(), Some(10), "{r:?}");
+    }
+    mode.cleanup().unwrap();
+}
