@@ -15,11 +15,13 @@
 //!   ranges, socket rev-NAT). Written by the agent (`kproxy::dataplane::ebpf`), read by socket
 //!   LB (`kproxy-ebpf/src/sock.rs`) and the TC programs; see the module for who writes what.
 //!   Conntrack/SNAT/NAT maps belong to the TC programs and live in their own module.
+//! - [`maglev`]: the Maglev tables (`--bpf-lb-algorithm maglev`) and the flow hash.
 //! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
 //!   device and counters (`kp_tc_in` / `kp_tc_eg`).
 #![no_std]
 
 pub mod counter;
 pub mod ct;
+pub mod maglev;
 pub mod service;
 pub mod sock;

@@ -14,6 +14,7 @@
 //! | [`MAP_SOURCE_RANGES`] | LPM trie | agent | TC (frontends with [`SVC_F_SOURCE_RANGES`]) |
 //! | [`MAP_SOCK_REV_NAT`] | LRU hash | socket LB (connect, sendmsg) | socket LB (recvmsg, getpeername) |
 //! | [`MAP_SOCK_FWD`] | LRU hash | socket LB (sendmsg) | socket LB (sendmsg) |
+//! | `KP_MAGLEV`, `KP_MAGLEV_REF` | array, hash | agent | TC (see [`crate::maglev`]) |
 //!
 //! Every map is pinned by name under `<bpffs>/kproxy/` (`PinningType::ByName`), so all programs
 //! of the object and a restarted agent share them.
@@ -37,7 +38,9 @@
 //! 2. with [`SVC_F_AFFINITY`]: [`AffinityKey`] `{svc_id, client}`; an entry younger than
 //!    `affinity_timeout` seconds (compared with `bpf_ktime_get_ns`) whose backend still exists
 //!    wins (refresh `last_used_ns`).
-//! 3. else slot `bpf_get_prandom_u32() % count`: [`BackendSlotKey`] `{svc_id, slot}` → backend
+//! 3. TC with [`SVC_F_MAGLEV`]: the set's Maglev table entry for the flow's hash
+//!    ([`crate::maglev`]);
+//! 4. else slot `bpf_get_prandom_u32() % count`: [`BackendSlotKey`] `{svc_id, slot}` → backend
 //!    id → [`MAP_BACKENDS`] → [`BackendValue`]; with affinity, record the choice.
 //!
 //! The agent writes backends → slots → service entry → deletes stale entries, so a reader never
@@ -69,7 +72,7 @@ pub const MAP_SOCK_REV_NAT: &str = "KP_SOCK_RNAT";
 pub const MAP_SOCK_FWD: &str = "KP_SOCK_FWD";
 
 /// Every service-map name, for checks that the object holds them all.
-pub const MAPS: [&str; 7] = [
+pub const MAPS: [&str; 9] = [
     MAP_SERVICES,
     MAP_BACKEND_SLOTS,
     MAP_BACKENDS,
@@ -77,6 +80,8 @@ pub const MAPS: [&str; 7] = [
     MAP_SOURCE_RANGES,
     MAP_SOCK_REV_NAT,
     MAP_SOCK_FWD,
+    crate::maglev::MAP_MAGLEV,
+    crate::maglev::MAP_MAGLEV_REF,
 ];
 
 /// Default `max_entries` of each map (the agent overrides them from `--bpf-map-sizes`).
@@ -117,6 +122,9 @@ pub const SVC_F_NODE_PORT: u32 = 1 << 5;
 pub const SVC_F_EXTERNAL_IP: u32 = 1 << 6;
 /// Frontend kind: a LoadBalancer ingress IP (ipMode VIP).
 pub const SVC_F_LOAD_BALANCER: u32 = 1 << 7;
+/// TC picks new flows' backends from the set's Maglev table ([`crate::maglev`]) instead of a
+/// random slot (`--bpf-lb-algorithm maglev`; external-scope frontends only).
+pub const SVC_F_MAGLEV: u32 = 1 << 8;
 
 /// The backend runs on this node.
 pub const BE_F_LOCAL: u8 = 1 << 0;

@@ -5,7 +5,10 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LpmTrie, LruHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap},
+};
+use kproxy_common::maglev::{
+    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAGLEV_MAP_FLAGS, MaglevRef, flow_hash,
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, DEFAULT_AFFINITY_MAX,
@@ -49,3 +52,36 @@ pub(crate) static KP_SOCK_RNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
 #[map]
 pub(crate) static KP_SOCK_FWD: LruHashMap<SockFwdKey, SockFwdValue> =
     LruHashMap::pinned(DEFAULT_SOCK_FWD_MAX, 0);
+
+/// `kproxy_common::maglev::MAP_MAGLEV`.
+#[map]
+static KP_MAGLEV: Array<u32> = Array::pinned(DEFAULT_MAGLEV_ENTRIES, MAGLEV_MAP_FLAGS);
+
+/// `kproxy_common::maglev::MAP_MAGLEV_REF`.
+#[map]
+static KP_MAGLEV_REF: HashMap<u32, MaglevRef> = HashMap::pinned(DEFAULT_MAGLEV_REF_MAX, 0);
+
+/// The backend id the Maglev table of set `svc_id` gives an IPv4 5-tuple (network order), or
+/// `None` when the set has no table yet (the caller falls back to a random slot). See
+/// `kproxy_common::maglev`.
+#[allow(dead_code)] // used by the TC programs only
+#[inline(always)]
+pub(crate) fn maglev_backend(
+    svc_id: u32,
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> Option<u32> {
+    // SAFETY: read by value right away.
+    let r = unsafe { KP_MAGLEV_REF.get(svc_id) }.copied()?;
+    if r.size == 0 {
+        // Never written by the agent; also lets the compiler drop the division-by-zero panic
+        // path, which the verifier would reject.
+        return None;
+    }
+    let h = flow_hash(saddr, daddr, sport, dport, proto);
+    let id = *KP_MAGLEV.get(r.base.wrapping_add(h % r.size))?;
+    (id != 0).then_some(id)
+}

@@ -24,11 +24,13 @@ use kproxy_common::ct::{
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, PROTO_TCP,
     PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
-    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES,
-    ServiceKey, SourceRangeKey, is_v4_mapped, v4_mapped,
+    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, SVC_F_NODE_PORT, SVC_F_REJECT,
+    SVC_F_SOURCE_RANGES, ServiceKey, SourceRangeKey, is_v4_mapped, v4_mapped,
 };
 
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
+use crate::service_maps::{
+    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES, maglev_backend,
+};
 
 /// `kproxy_common::ct::MAP_CT`.
 #[map]
@@ -328,6 +330,12 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     } else {
         None
     };
+    if backend.is_none() && svc.flags & SVC_F_MAGLEV != 0 {
+        backend_id =
+            maglev_backend(svc.svc_id, p.saddr, p.daddr, p.sport, p.dport, p.proto).unwrap_or(0);
+        // SAFETY: read by value right away.
+        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
+    }
     if backend.is_none() {
         // SAFETY: helper without arguments.
         let slot = unsafe { bpf_get_prandom_u32() } % svc.count;

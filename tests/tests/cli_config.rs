@@ -240,6 +240,7 @@ fn kproxy_extension_fields_have_their_defaults() {
     assert_eq!(s(at(&w, &["bpf", "bpffs"])), "/sys/fs/bpf");
     assert_eq!(s(at(&w, &["bpf", "xdp"])), "best-effort");
     assert_eq!(s(at(&w, &["bpf", "lbAlgorithm"])), "random");
+    assert_eq!(s(at(&w, &["bpf", "maglevTableSize"])), "16381");
     assert_eq!(s(at(&w, &["bpf", "cgroup"])), "");
 }
 
@@ -360,6 +361,13 @@ fn bad_flags_are_errors_naming_the_flag() {
         ),
         "{err}"
     );
+    let err = fails(&["--bpf-lb-maglev-table-size=16383"]);
+    assert!(
+        err.contains("bpf.maglevTableSize (--bpf-lb-maglev-table-size): 16383 must be a prime"),
+        "{err}"
+    );
+    let err = fails(&["--bpf-lb-maglev-table-size=big"]);
+    assert!(err.contains("\"--bpf-lb-maglev-table-size\" flag"), "{err}");
     let err = fails(&["--cluster-cidr=10.0.0.0/8,11.0.0.0/8"]);
     assert!(err.contains("clusterCIDR (--cluster-cidr)"), "{err}");
     // Unknown flags and stray arguments: a usage error (exit 2) naming them.
@@ -440,6 +448,7 @@ fn write_config_to_round_trips() {
         "--bpf-devices=eth0,eth1",
         "--bpf-map-sizes=ct=262144,services=8192",
         "--bpf-lb-algorithm=maglev",
+        "--bpf-lb-maglev-table-size=65521",
         "--hostname-override=node-a",
         "--logging-format=json",
         "--v=3",
@@ -468,6 +477,7 @@ fn write_config_to_round_trips() {
     assert_eq!(from_flags, from_file);
     assert_eq!(from_file.ipvs.scheduler, "wrr");
     assert_eq!(from_file.bpf.map_sizes.len(), 2);
+    assert_eq!(from_file.bpf.maglev_table_size, 65_521);
 }
 
 // ---------------------------------------------------------------------------------------------

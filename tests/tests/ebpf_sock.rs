@@ -144,6 +144,7 @@ fn config(bpffs: &Bpffs, cgroup: &TestCgroup) -> EbpfConfig {
             affinity: 1024,
             source_ranges: 256,
             sock_rev_nat: 4096,
+            ..MapSizes::default()
         },
         ..EbpfConfig::default()
     }

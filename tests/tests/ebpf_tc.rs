@@ -132,6 +132,7 @@ impl Rig {
                 affinity: 1024,
                 source_ranges: 256,
                 sock_rev_nat: 256,
+                ..MapSizes::default()
             },
             ..EbpfConfig::default()
         };

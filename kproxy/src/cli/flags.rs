@@ -745,7 +745,15 @@ pub const FLAGS: &[FlagSpec] = &[
         Implemented,
         Kproxy,
         Some("bpf.lbAlgorithm"),
-        "random (default) or maglev.",
+        "random (default) or maglev (TC path: Maglev consistent hashing for traffic from outside the node).",
+    ),
+    f(
+        "bpf-lb-maglev-table-size",
+        Value("M"),
+        Implemented,
+        Kproxy,
+        Some("bpf.maglevTableSize"),
+        "Maglev lookup table size per service, a prime in [251, 131071] (default 16381; use M > 100 × backends).",
     ),
     f(
         "output",

@@ -456,6 +456,12 @@ pub fn apply_flags(
             }
             "bpf-xdp" => cfg.bpf.xdp = s(),
             "bpf-lb-algorithm" => cfg.bpf.lb_algorithm = s(),
+            "bpf-lb-maglev-table-size" => {
+                let n: u32 = v
+                    .parse()
+                    .map_err(|_| flag_err(name, v, "expected a positive integer (a prime)"))?;
+                cfg.bpf.maglev_table_size = Some(n);
+            }
             // Boolean flags that take no value apart from being valid booleans, and the flags
             // handled by `load` / `main` (config, write-config-to, cleanup, init-only, version,
             // output), and ignored flags without a config field.

@@ -58,6 +58,8 @@ pub mod defaults {
     pub const BPF_XDP: &str = "best-effort";
     /// kproxy extension: backend selection.
     pub const BPF_LB_ALGORITHM: &str = "random";
+    /// kproxy extension: Maglev table size (Cilium's default).
+    pub const BPF_MAGLEV_TABLE_SIZE: u32 = kproxy_common::maglev::DEFAULT_TABLE_SIZE;
 }
 
 /// `KubeProxyConfiguration` v1alpha1 (+ kproxy's extensions), every field optional.
@@ -341,6 +343,9 @@ pub struct Bpf {
     /// `random` (default) or `maglev`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lb_algorithm: Option<String>,
+    /// Maglev table size per service (a prime, default 16381).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_table_size: Option<u32>,
 }
 
 /// Reading or decoding a config file failed.
@@ -550,6 +555,7 @@ impl KubeProxyConfiguration {
         bpf.map_sizes.get_or_insert_with(BTreeMap::new);
         set_if_empty(&mut bpf.xdp, BPF_XDP);
         set_if_empty(&mut bpf.lb_algorithm, BPF_LB_ALGORITHM);
+        bpf.maglev_table_size.get_or_insert(BPF_MAGLEV_TABLE_SIZE);
     }
 }
 

@@ -52,6 +52,7 @@ pub const BPF_MAP_NAMES: &[&str] = &[
     "revNat",
     "affinity",
     "sourceRanges",
+    "maglev",
 ];
 
 /// IPVS schedulers upstream accepts (`""` = the default, `rr`).
@@ -252,6 +253,9 @@ pub struct BpfConfig {
     pub xdp: XdpMode,
     /// `bpf.lbAlgorithm` / `--bpf-lb-algorithm`.
     pub lb_algorithm: LbAlgorithm,
+    /// `bpf.maglevTableSize` / `--bpf-lb-maglev-table-size`: entries per Maglev table, a
+    /// prime in `[MIN_TABLE_SIZE, MAX_TABLE_SIZE]` (`kproxy_common::maglev`).
+    pub maglev_table_size: u32,
 }
 
 /// XDP attachment policy.

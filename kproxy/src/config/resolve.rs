@@ -16,7 +16,8 @@
 //!   `ipvs.scheduler` a known scheduler; `portRange` empty or a port range;
 //!   `logging.format` `text` or `json`;
 //! - `mode` "", ebpf, ipvs or iptables (kproxy; see [`super`]);
-//! - kproxy's `bpf:` values (absolute paths, known map names, xdp / lbAlgorithm values).
+//! - kproxy's `bpf:` values (absolute paths, known map names, xdp / lbAlgorithm values, a
+//!   prime maglevTableSize).
 //!
 //! Fields kproxy accepts but does not act on produce warnings (not errors) when they differ
 //! from their defaults.
@@ -754,6 +755,24 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
             LbAlgorithm::Random
         }
     };
+    let maglev_table_size = b
+        .maglev_table_size
+        .unwrap_or(defaults::BPF_MAGLEV_TABLE_SIZE);
+    {
+        use crate::dataplane::ebpf::maglev::is_prime;
+        use kproxy_common::maglev::{MAX_TABLE_SIZE, MIN_TABLE_SIZE};
+        if !(MIN_TABLE_SIZE..=MAX_TABLE_SIZE).contains(&maglev_table_size)
+            || !is_prime(maglev_table_size)
+        {
+            cx.err(
+                "bpf.maglevTableSize",
+                format!(
+                    "{maglev_table_size} must be a prime in [{MIN_TABLE_SIZE}, {MAX_TABLE_SIZE}] \
+                     (e.g. 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071)"
+                ),
+            );
+        }
+    }
     BpfConfig {
         cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(cgroup)),
         bpffs: PathBuf::from(bpffs),
@@ -761,6 +780,7 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         map_sizes,
         xdp,
         lb_algorithm,
+        maglev_table_size,
     }
 }
 
@@ -1066,6 +1086,14 @@ mod tests {
             (
                 "bpf:\n  lbAlgorithm: rr\n",
                 "bpf.lbAlgorithm: \"rr\" is not supported",
+            ),
+            (
+                "bpf:\n  maglevTableSize: 16383\n",
+                "bpf.maglevTableSize: 16383 must be a prime in [251, 131071]",
+            ),
+            (
+                "bpf:\n  maglevTableSize: 131101\n",
+                "bpf.maglevTableSize: 131101 must be a prime in [251, 131071]",
             ),
             (
                 "bpf:\n  mapSizes: {bogus: 5}\n",

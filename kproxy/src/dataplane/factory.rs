@@ -203,9 +203,6 @@ fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
 
 /// The eBPF mode's configuration.
 pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfModeConfig> {
-    if cfg.bpf.lb_algorithm == LbAlgorithm::Maglev {
-        bail!("bpf.lbAlgorithm maglev is not implemented (use random)");
-    }
     if cfg.bpf.xdp == XdpMode::Native {
         bail!(
             "bpf.xdp native is not implemented: the eBPF datapath attaches at TC (use off or best-effort)"
@@ -220,6 +217,7 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         affinity: size("affinity", d.affinity),
         source_ranges: size("sourceRanges", d.source_ranges),
         sock_rev_nat: size("revNat", d.sock_rev_nat),
+        maglev: size("maglev", d.maglev),
     };
     let mut timeouts = super::ebpf_tc::ct::Timeouts::default();
     if !cfg.conntrack.tcp_established_timeout.is_zero() {
@@ -237,6 +235,11 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
             map_sizes,
             bpffs: cfg.bpf.bpffs.clone(),
             cgroup: cfg.bpf.cgroup.clone(),
+            lb_algorithm: match cfg.bpf.lb_algorithm {
+                LbAlgorithm::Random => super::ebpf::LbAlgorithm::Random,
+                LbAlgorithm::Maglev => super::ebpf::LbAlgorithm::Maglev,
+            },
+            maglev_table_size: cfg.bpf.maglev_table_size,
             ..EbpfConfig::default()
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
@@ -803,8 +806,17 @@ mod tests {
         assert_eq!(e.ebpf.map_sizes.services, 4096);
         assert_eq!(e.ct_entries, 1024);
         assert_eq!(e.ebpf.bpffs, std::path::PathBuf::from("/tmp/x"));
-        let c = cfg(&["--bpf-lb-algorithm=maglev"]);
+        let c = cfg(&[
+            "--bpf-lb-algorithm=maglev",
+            "--bpf-lb-maglev-table-size=1021",
+            "--bpf-map-sizes=maglev=8",
+        ]);
+        let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
+        assert_eq!(e.ebpf.lb_algorithm, super::super::ebpf::LbAlgorithm::Maglev);
+        assert_eq!(e.ebpf.maglev_table_size, 1021);
+        assert_eq!(e.ebpf.map_sizes.maglev, 8);
+        let c = cfg(&["--bpf-xdp=native"]);
         let err = ebpf_config(&c, &[IpFamily::V4]).err().unwrap().to_string();
-        assert!(err.contains("maglev is not implemented"), "{err}");
+        assert!(err.contains("xdp native is not implemented"), "{err}");
     }
 }

@@ -179,6 +179,7 @@ impl TcBench {
                 affinity: 1024,
                 source_ranges: 1024,
                 sock_rev_nat: 1024,
+                ..MapSizes::default()
             },
             ..EbpfConfig::default()
         };

@@ -5,17 +5,32 @@
 //! them), and per service port what it last programmed. One [`Applier::apply`]:
 //!
 //! 1. backends that are new or changed;
-//! 2. per service port: its slots and source ranges, then its frontends (so a frontend never
+//! 2. per service port: its slots, source ranges and Maglev tables, then its frontends (so a
+//!    frontend never
 //!    points at a slot that is not there yet; a growing set gets its new slots before the
 //!    larger `count`). A write that fails (e.g. a full map) fails that service port only: the
 //!    frontends it had just added are removed again and it keeps what it had before;
-//! 3. stale entries, in the reverse order: frontends, slots and source ranges, backends;
+//! 3. stale entries, in the reverse order: frontends, slots, source ranges and Maglev refs,
+//!    backends;
 //! 4. affinity entries whose set is gone, whose backend left the set, or that expired.
 //!
 //! Affinity entries are written by the BPF programs; the applier only deletes.
+//!
+//! Maglev ([`SetPlan::maglev`](super::planner::SetPlan::maglev)): a set's table is built
+//! ([`super::maglev::build`], from the backends' addresses) only when its backends differ from
+//! the last build, i.e. only services whose backend set changed are rebuilt (after a restart
+//! each table is rebuilt once, and writes nothing when the pinned one already matches). A new
+//! set gets a free table, filled before its [`MaglevRef`] and before the frontends carrying
+//! `SVC_F_MAGLEV`. A changed set's table is rewritten in place, entry by entry, only where it
+//! differs: a reader meanwhile sees, per entry, the old or the new backend id, both in the
+//! backends map (stale backends go in step 3), so only flows whose entry changes anyway can
+//! see the old choice. No free table (`--bpf-map-sizes maglev=N`) fails that service port; a
+//! table is freed in step 3 (after the frontends using it are gone), so it can be reused from
+//! the next sync on.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use kproxy_common::maglev::{MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES, SOURCE_RANGE_ALLOW, SVC_F_AFFINITY, ServiceKey,
@@ -23,8 +38,9 @@ use kproxy_common::service::{
 };
 use serde::Serialize;
 
+use super::ids::BackendAddr;
 use super::planner::{Plan, ServicePlan, SourceRangeEntry, describe_key};
-use super::tables::{Table, TableError};
+use super::tables::{MaglevStore, Table, TableError};
 use crate::model::ServicePortName;
 
 /// The five maps the applier manages.
@@ -34,6 +50,10 @@ pub struct Tables {
     pub backends: Box<dyn Table<u32, BackendValue>>,
     pub source_ranges: Box<dyn Table<SourceRangeEntry, u8>>,
     pub affinity: Box<dyn Table<AffinityKey, AffinityValue>>,
+    /// Set id → where its Maglev table is.
+    pub maglev_refs: Box<dyn Table<u32, MaglevRef>>,
+    /// The Maglev tables.
+    pub maglev: Box<dyn MaglevStore>,
 }
 
 /// Fill level of one map (for metrics and `kproxy inspect`).
@@ -58,6 +78,8 @@ pub struct ApplyOutcome {
     pub deletes: usize,
     /// Affinity entries deleted.
     pub affinity_deleted: usize,
+    /// Maglev tables built (new or changed backend sets).
+    pub maglev_rebuilt: usize,
 }
 
 #[derive(Debug, Default)]
@@ -66,6 +88,9 @@ struct Cache {
     slots: BTreeMap<BackendSlotKey, u32>,
     backends: BTreeMap<u32, BackendValue>,
     ranges: BTreeSet<SourceRangeEntry>,
+    maglev_refs: BTreeMap<u32, MaglevRef>,
+    /// Per set id, the `(address, id)` backends its table was last built from.
+    maglev_built: BTreeMap<u32, Vec<(BackendAddr, u32)>>,
 }
 
 /// Applies plans to a set of [`Tables`].
@@ -89,6 +114,8 @@ impl Applier {
                 .into_iter()
                 .map(|(k, _)| k)
                 .collect(),
+            maglev_refs: tables.maglev_refs.dump()?.into_iter().collect(),
+            maglev_built: BTreeMap::new(),
         };
         Ok(Applier {
             tables,
@@ -146,6 +173,16 @@ impl Applier {
                 entries: self.affinity_entries,
                 capacity: self.tables.affinity.capacity(),
             },
+            MapPressure {
+                map: MAP_MAGLEV,
+                entries: self.cache.maglev_refs.len() * self.tables.maglev.table_size() as usize,
+                capacity: self.tables.maglev.entries(),
+            },
+            MapPressure {
+                map: MAP_MAGLEV_REF,
+                entries: self.cache.maglev_refs.len(),
+                capacity: self.tables.maglev_refs.capacity(),
+            },
         ]
     }
 
@@ -177,7 +214,7 @@ impl Applier {
         for (name, sp) in &plan.services {
             let result = match sp.backend_ids().find_map(|id| failed_backends.get(&id)) {
                 Some(err) => Err(err.clone()),
-                None => self.apply_service(sp, &mut out),
+                None => self.apply_service(sp, &plan.backend_addrs, &mut out),
             };
             match result {
                 Ok(()) => {
@@ -252,6 +289,25 @@ impl Applier {
             self.cache.ranges.remove(&k);
             out.deletes += 1;
         }
+        let want_maglev: BTreeSet<u32> = final_state
+            .values()
+            .flat_map(|p| p.sets.iter())
+            .filter(|s| s.maglev && !s.backends.is_empty())
+            .map(|s| s.svc_id)
+            .collect();
+        let stale: Vec<u32> = self
+            .cache
+            .maglev_refs
+            .keys()
+            .filter(|k| !want_maglev.contains(k))
+            .copied()
+            .collect();
+        for k in stale {
+            self.tables.maglev_refs.delete(&k)?;
+            self.cache.maglev_refs.remove(&k);
+            self.cache.maglev_built.remove(&k);
+            out.deletes += 1;
+        }
         // Every backend a remaining slot points at (a failed service's slots may already hold
         // new backends).
         let want_backends: BTreeSet<u32> = self.cache.slots.values().copied().collect();
@@ -305,7 +361,96 @@ impl Applier {
         Ok(out)
     }
 
-    fn apply_service(&mut self, sp: &ServicePlan, out: &mut ApplyOutcome) -> Result<(), String> {
+    /// A ref that fits this build's table size and array (after a restart with another size the
+    /// loader recreated the maps; this guards against anything else).
+    fn valid_ref(&self, r: &MaglevRef) -> bool {
+        let m = self.tables.maglev.table_size();
+        r.size == m
+            && r.base.is_multiple_of(m)
+            && u64::from(r.base) + u64::from(m) <= u64::from(self.tables.maglev.entries())
+    }
+
+    /// Builds and writes the Maglev table of `set` if its backends changed (see the module
+    /// docs), allocating a table for a new set.
+    fn apply_maglev(
+        &mut self,
+        set: &super::planner::SetPlan,
+        addrs: &BTreeMap<u32, BackendAddr>,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), String> {
+        if !set.maglev || set.backends.is_empty() {
+            return Ok(());
+        }
+        let inputs: Vec<(BackendAddr, u32)> = set
+            .backends
+            .iter()
+            .map(|id| {
+                addrs
+                    .get(id)
+                    .map(|a| (*a, *id))
+                    .ok_or_else(|| format!("backend {id} has no address in the plan"))
+            })
+            .collect::<Result<_, _>>()?;
+        let current = self
+            .cache
+            .maglev_refs
+            .get(&set.svc_id)
+            .copied()
+            .filter(|r| self.valid_ref(r));
+        if current.is_some() && self.cache.maglev_built.get(&set.svc_id) == Some(&inputs) {
+            return Ok(());
+        }
+        let m = self.tables.maglev.table_size();
+        let r = match current {
+            Some(r) => r,
+            None => {
+                let used: BTreeSet<u32> = self
+                    .cache
+                    .maglev_refs
+                    .values()
+                    .filter(|r| self.valid_ref(r))
+                    .map(|r| r.base / m)
+                    .collect();
+                let tables = self.tables.maglev.tables();
+                let index = (0..tables).find(|i| !used.contains(i)).ok_or_else(|| {
+                    format!(
+                        "Maglev table of set {}: all {tables} tables are in use (raise \
+                         --bpf-map-sizes maglev=N)",
+                        set.svc_id
+                    )
+                })?;
+                MaglevRef {
+                    base: index * m,
+                    size: m,
+                }
+            }
+        };
+        let table = super::maglev::build(&inputs, m);
+        let written = self
+            .tables
+            .maglev
+            .write(r.base, &table)
+            .map_err(|e| format!("Maglev table of set {}: {e}", set.svc_id))?;
+        out.writes += written;
+        if self.cache.maglev_refs.get(&set.svc_id) != Some(&r) {
+            self.tables
+                .maglev_refs
+                .put(&set.svc_id, &r)
+                .map_err(|e| format!("Maglev table of set {}: {e}", set.svc_id))?;
+            self.cache.maglev_refs.insert(set.svc_id, r);
+            out.writes += 1;
+        }
+        self.cache.maglev_built.insert(set.svc_id, inputs);
+        out.maglev_rebuilt += 1;
+        Ok(())
+    }
+
+    fn apply_service(
+        &mut self,
+        sp: &ServicePlan,
+        addrs: &BTreeMap<u32, BackendAddr>,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), String> {
         for set in &sp.sets {
             for (slot, id) in set.backends.iter().enumerate() {
                 let key = BackendSlotKey {
@@ -322,6 +467,9 @@ impl Applier {
                 self.cache.slots.insert(key, *id);
                 out.writes += 1;
             }
+        }
+        for set in &sp.sets {
+            self.apply_maglev(set, addrs, out)?;
         }
         for range in &sp.source_ranges {
             if self.cache.ranges.contains(range) {

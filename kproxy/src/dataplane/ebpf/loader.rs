@@ -9,6 +9,12 @@
 //!   after kill -9) neither interrupts nor re-attaches; the programs behind those links read
 //!   the same pinned maps, which the new agent reconciles.
 //!
+//! The Maglev maps are the exception: their size follows the mode and table size
+//! (`tables × M` entries in maglev mode, one in random mode), so pinned ones of another size
+//! are removed before the load and created anew (the TC programs still attached keep the old
+//! ones until they are replaced; frontends carrying `SVC_F_MAGLEV` fall back to a random slot
+//! until the first sync writes the new tables).
+//!
 //! Pinned maps are reused as they are: a map whose key/value sizes differ from this build's is
 //! an error (naming `kproxy cleanup`), one whose `max_entries` differs from `--bpf-map-sizes`
 //! keeps its old size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
@@ -22,15 +28,18 @@ use aya::maps::MapData;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
+use kproxy_common::maglev::{
+    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAP_MAGLEV, MAP_MAGLEV_REF,
+};
 use kproxy_common::service::{
     MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
     MAP_SOURCE_RANGES,
 };
 use kproxy_common::sock;
 
-use super::EbpfConfig;
 use super::applier::Tables;
-use super::tables::{KernelLpmTable, KernelTable, TableError};
+use super::tables::{KernelLpmTable, KernelMaglev, KernelTable, TableError};
+use super::{EbpfConfig, LbAlgorithm};
 use crate::bpf::{BpfError, OBJECT};
 
 /// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
@@ -113,6 +122,8 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         reason: format!("creating {}: {e}", link_dir(&dir).display()),
     })?;
     let sizes = &cfg.map_sizes;
+    let (maglev_entries, maglev_refs) = maglev_sizes(cfg);
+    recreate_maglev_if_resized(&dir, maglev_entries)?;
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(&dir)
         .map_max_entries(MAP_SERVICES, sizes.services)
@@ -122,6 +133,8 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         .map_max_entries(MAP_SOURCE_RANGES, sizes.source_ranges)
         .map_max_entries(MAP_SOCK_REV_NAT, sizes.sock_rev_nat)
         .map_max_entries(MAP_SOCK_FWD, sizes.sock_rev_nat)
+        .map_max_entries(MAP_MAGLEV, maglev_entries)
+        .map_max_entries(MAP_MAGLEV_REF, maglev_refs)
         .load(OBJECT)
         .map_err(BpfError::from)?;
 
@@ -150,6 +163,12 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
             take(MAP_SOURCE_RANGES)?,
         )?),
         affinity: Box::new(KernelTable::new(MAP_AFFINITY, take(MAP_AFFINITY)?)?),
+        maglev_refs: Box::new(KernelTable::new(MAP_MAGLEV_REF, take(MAP_MAGLEV_REF)?)?),
+        maglev: Box::new(KernelMaglev::new(
+            MAP_MAGLEV,
+            take(MAP_MAGLEV)?,
+            cfg.maglev_table_size,
+        )?),
     };
 
     for (name, have, want) in [
@@ -191,6 +210,55 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         },
         tables,
     ))
+}
+
+/// `max_entries` of `KP_MAGLEV` and `KP_MAGLEV_REF`: `tables × M` and `tables` in maglev
+/// mode, the compiled defaults in random mode.
+pub fn maglev_sizes(cfg: &EbpfConfig) -> (u32, u32) {
+    match cfg.lb_algorithm {
+        LbAlgorithm::Maglev => (
+            cfg.map_sizes.maglev.saturating_mul(cfg.maglev_table_size),
+            cfg.map_sizes.maglev.max(1),
+        ),
+        LbAlgorithm::Random => (DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX),
+    }
+}
+
+/// Removes the pinned Maglev maps when the table array's size is not `entries` (see the
+/// module docs).
+fn recreate_maglev_if_resized(dir: &Path, entries: u32) -> Result<(), LoaderError> {
+    let pin = dir.join(MAP_MAGLEV);
+    if !pin.exists() {
+        return Ok(());
+    }
+    let have = MapData::from_pin(&pin)
+        .and_then(|m| m.info())
+        .map(|i| i.max_entries())
+        .map_err(|e| {
+            LoaderError::Table(TableError {
+                map: MAP_MAGLEV,
+                reason: format!("opening the pinned map: {e}"),
+                full: false,
+            })
+        })?;
+    if have == entries {
+        return Ok(());
+    }
+    tracing::info!(
+        pinned = have,
+        configured = entries,
+        "Maglev table array resized: recreating {MAP_MAGLEV} and {MAP_MAGLEV_REF}"
+    );
+    for name in [MAP_MAGLEV, MAP_MAGLEV_REF] {
+        let p = dir.join(name);
+        if p.exists() {
+            fs::remove_file(&p).map_err(|e| LoaderError::Bpffs {
+                path: p.clone(),
+                reason: format!("removing: {e}"),
+            })?;
+        }
+    }
+    Ok(())
 }
 
 fn attach_sock(

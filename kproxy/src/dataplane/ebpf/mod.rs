@@ -4,6 +4,7 @@
 //!   of the service maps (`kproxy_common::service` documents the layout and who reads what);
 //!   [`render`] prints it (`kproxy render --proxy-mode ebpf`).
 //! - [`ids`]: stable backend and set ids across syncs and restarts.
+//! - [`maglev`] (pure): the Maglev table of a set (`--bpf-lb-algorithm maglev`).
 //! - [`applier`]: diffs a plan against the maps and writes backends → slots → frontends →
 //!   deletes stale, failing only the service port whose write failed.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
@@ -18,6 +19,7 @@
 pub mod applier;
 pub mod ids;
 pub mod loader;
+pub mod maglev;
 pub mod planner;
 pub mod sockdestroy;
 pub mod sockdiag;
@@ -49,6 +51,9 @@ pub struct MapSizes {
     pub source_ranges: u32,
     /// Socket-LB per-socket maps (`KP_SOCK_RNAT` and `KP_SOCK_FWD`, LRU).
     pub sock_rev_nat: u32,
+    /// Maglev tables (`--bpf-map-sizes maglev=N`, maglev mode only): `KP_MAGLEV` holds
+    /// `N × table size` entries, `KP_MAGLEV_REF` `N`.
+    pub maglev: u32,
 }
 
 impl Default for MapSizes {
@@ -60,16 +65,23 @@ impl Default for MapSizes {
             affinity: DEFAULT_AFFINITY_MAX,
             source_ranges: DEFAULT_SOURCE_RANGES_MAX,
             sock_rev_nat: DEFAULT_SOCK_REV_NAT_MAX,
+            maglev: kproxy_common::maglev::DEFAULT_MAGLEV_TABLES,
         }
     }
 }
 
-/// Backend selection (`--bpf-lb-algorithm`). Only `random` is implemented.
+/// Backend selection (`--bpf-lb-algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LbAlgorithm {
     /// A uniformly random slot per new connection (or UDP datagram without affinity).
     #[default]
     Random,
+    /// Maglev consistent hashing ([`maglev`]) for new flows the TC path handles (traffic from
+    /// outside the node to NodePort / externalIP / LoadBalancer frontends). Socket LB (traffic
+    /// from the node and its pods) keeps the random choice per connect, as Cilium applies
+    /// Maglev to north-south traffic only: a connect has no 5-tuple yet, only the socket's
+    /// destination, and in-cluster clients gain nothing from consistent hashing.
+    Maglev,
 }
 
 /// What the eBPF datapath needs from the resolved configuration.
@@ -82,6 +94,8 @@ pub struct EbpfConfig {
     pub families: Vec<IpFamily>,
     pub map_sizes: MapSizes,
     pub lb_algorithm: LbAlgorithm,
+    /// Entries per Maglev table (`--bpf-lb-maglev-table-size`, a prime).
+    pub maglev_table_size: u32,
     /// bpffs mount (`--bpffs`, default `/sys/fs/bpf`, mounted if absent); pins go to
     /// `<bpffs>/kproxy/`.
     pub bpffs: PathBuf,
@@ -98,6 +112,7 @@ impl Default for EbpfConfig {
             families: vec![IpFamily::V4, IpFamily::V6],
             map_sizes: MapSizes::default(),
             lb_algorithm: LbAlgorithm::Random,
+            maglev_table_size: kproxy_common::maglev::DEFAULT_TABLE_SIZE,
             bpffs: PathBuf::from("/sys/fs/bpf"),
             cgroup: None,
             socket_lb: true,

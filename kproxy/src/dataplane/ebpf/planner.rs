@@ -13,6 +13,9 @@
 //!     external → the local set with eTP=Local, else the cluster set;
 //!   - `count == 0` sets [`SVC_F_REJECT`] only when the family has no usable endpoint at all
 //!     (upstream REJECT); otherwise an empty local set means DROP ("has no local endpoints").
+//! - with `--bpf-lb-algorithm maglev`, external-scope frontends get [`SVC_F_MAGLEV`] and the set
+//!   they point at [`SetPlan::maglev`] (the applier builds its table; socket LB, i.e. the
+//!   cluster-scope entries, keeps the random choice);
 //! - LB VIPs of a service with loadBalancerSourceRanges get [`SVC_F_SOURCE_RANGES`] on their
 //!   external-scope entry and one LPM entry per range of the family.
 //!
@@ -32,12 +35,12 @@ use ipnet::IpNet;
 use kproxy_common::service::{
     BE_F_LOCAL, BE_F_TERMINATING, BackendValue, SCOPE_CLUSTER, SCOPE_EXTERNAL,
     SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY, SVC_F_CLUSTER_IP, SVC_F_EXTERNAL_IP, SVC_F_LOAD_BALANCER,
-    SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceKey, ServiceValue,
-    SourceRangeKey, is_v4_mapped,
+    SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceKey,
+    ServiceValue, SourceRangeKey, is_v4_mapped,
 };
 
-use super::EbpfConfig;
 use super::ids::{BackendAddr, IdAllocator, SetKey, SetKind};
+use super::{EbpfConfig, LbAlgorithm};
 use crate::model::topology::categorize_endpoints;
 use crate::model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot};
 
@@ -93,6 +96,9 @@ pub struct SetPlan {
     pub family: IpFamily,
     /// Backend id of slot `i`.
     pub backends: Vec<u32>,
+    /// An external-scope frontend uses this set with `--bpf-lb-algorithm maglev`: the applier
+    /// gives it a Maglev table (built from the backends' addresses, see [`super::maglev`]).
+    pub maglev: bool,
 }
 
 /// Everything one service port puts into the maps.
@@ -182,6 +188,7 @@ pub fn plan(snap: &Snapshot, cfg: &EbpfConfig, ids: &mut IdAllocator) -> Plan {
                 &mut sp,
                 &mut out,
                 &mut claimed,
+                cfg.lb_algorithm == LbAlgorithm::Maglev,
             );
         }
         out.services.insert(name.clone(), sp);
@@ -212,6 +219,7 @@ fn plan_family(
     sp: &mut ServicePlan,
     out: &mut Plan,
     claimed: &mut BTreeMap<ServiceKey, ServicePortName>,
+    maglev: bool,
 ) {
     let eps: Vec<Endpoint> = snap
         .endpoints_of(&svc.name)
@@ -303,6 +311,7 @@ fn plan_family(
             kind,
             family,
             backends,
+            maglev: false,
         });
     }
 
@@ -321,6 +330,12 @@ fn plan_family(
             None => (0, 0),
         };
         flags |= aff;
+        if maglev && front.scope == SCOPE_EXTERNAL {
+            flags |= SVC_F_MAGLEV;
+            if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
+                set.maglev = true;
+            }
+        }
         if kind_flag == SVC_F_LOAD_BALANCER && front.scope == SCOPE_EXTERNAL && !ranges.is_empty() {
             flags |= SVC_F_SOURCE_RANGES;
             for net in &ranges {
@@ -378,6 +393,7 @@ fn describe_flags(flags: u32) -> String {
         (SVC_F_AFFINITY, "affinity"),
         (SVC_F_REJECT, "reject"),
         (SVC_F_SOURCE_RANGES, "sourceRanges"),
+        (SVC_F_MAGLEV, "maglev"),
     ];
     names
         .iter()

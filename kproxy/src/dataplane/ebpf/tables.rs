@@ -258,3 +258,187 @@ impl<K: Ord + Clone + Send, V: Clone + Send> Table<K, V> for SharedMem<K, V> {
         self.lock().expect("poisoned").capacity
     }
 }
+
+/// The Maglev table array (`KP_MAGLEV`, see `kproxy_common::maglev`): tables of
+/// [`MaglevStore::table_size`] backend ids back to back.
+pub trait MaglevStore: Send {
+    /// Entries per table (`M`).
+    fn table_size(&self) -> u32;
+    /// `max_entries` of the array.
+    fn entries(&self) -> u32;
+    /// Number of whole tables the array holds.
+    fn tables(&self) -> u32 {
+        self.entries() / self.table_size().max(1)
+    }
+    /// `len` entries from `base`.
+    fn read(&self, base: u32, len: u32) -> Vec<u32>;
+    /// Makes entries `base..base + table.len()` hold `table`, writing only those that differ
+    /// (each entry is one aligned 4-byte store, so a reader sees the old or the new backend id
+    /// of an entry, never a mix). Returns the number of entries written.
+    fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError>;
+}
+
+/// [`MaglevStore`] on the pinned `BPF_F_MMAPABLE` array, through a shared mapping: a table is
+/// rewritten with memory stores, not one `bpf(2)` call per entry.
+pub struct KernelMaglev {
+    _map: MapData,
+    ptr: std::ptr::NonNull<std::sync::atomic::AtomicU32>,
+    len: usize,
+    entries: u32,
+    table_size: u32,
+}
+
+// SAFETY: the mapping is owned by this value and only accessed through `&self`/`&mut self`
+// (entries are atomics; the kernel side only reads).
+unsafe impl Send for KernelMaglev {}
+
+impl KernelMaglev {
+    pub fn new(name: &'static str, data: MapData, table_size: u32) -> Result<Self, TableError> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let info = data.info().map_err(|e| TableError::from_map(name, e))?;
+        check_layout(name, &info, 4, 4)?;
+        let err = |reason: String| TableError {
+            map: name,
+            reason,
+            full: false,
+        };
+        if info.map_flags() & kproxy_common::maglev::MAGLEV_MAP_FLAGS == 0 {
+            return Err(err(
+                "the pinned map is not mmapable: created by another kproxy version; remove it \
+                 with `kproxy cleanup`"
+                    .into(),
+            ));
+        }
+        let entries = info.max_entries();
+        let len = (entries as usize * 4).max(1);
+        // SAFETY: a shared mapping of the map's fd (kernel-checked length and flags); the
+        // pointer is only dereferenced within `entries` below and unmapped on drop.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                data.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(err(format!("mmap: {}", std::io::Error::last_os_error())));
+        }
+        Ok(KernelMaglev {
+            _map: data,
+            ptr: std::ptr::NonNull::new(ptr.cast()).expect("mmap returned NULL"),
+            len,
+            entries,
+            table_size,
+        })
+    }
+
+    fn slot(&self, i: u32) -> &std::sync::atomic::AtomicU32 {
+        assert!(i < self.entries, "Maglev entry {i} out of {}", self.entries);
+        // SAFETY: `i` is within the mapping; AtomicU32 has u32's layout.
+        unsafe { &*self.ptr.as_ptr().add(i as usize) }
+    }
+}
+
+impl Drop for KernelMaglev {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+impl MaglevStore for KernelMaglev {
+    fn table_size(&self) -> u32 {
+        self.table_size
+    }
+    fn entries(&self) -> u32 {
+        self.entries
+    }
+    fn read(&self, base: u32, len: u32) -> Vec<u32> {
+        use std::sync::atomic::Ordering::Relaxed;
+        (base..base + len)
+            .map(|i| self.slot(i).load(Relaxed))
+            .collect()
+    }
+    fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError> {
+        use std::sync::atomic::Ordering::{Relaxed, Release};
+        if u64::from(base) + table.len() as u64 > u64::from(self.entries) {
+            return Err(TableError {
+                map: kproxy_common::maglev::MAP_MAGLEV,
+                reason: format!("table at {base} does not fit in {} entries", self.entries),
+                full: true,
+            });
+        }
+        let mut written = 0;
+        for (i, v) in table.iter().enumerate() {
+            let e = self.slot(base + i as u32);
+            if e.load(Relaxed) != *v {
+                e.store(*v, Relaxed);
+                written += 1;
+            }
+        }
+        // Entries before the ref / frontend written next (a syscall, itself a full barrier).
+        std::sync::atomic::fence(Release);
+        Ok(written)
+    }
+}
+
+/// An in-memory [`MaglevStore`] for the applier's tests.
+#[derive(Debug, Clone)]
+pub struct MemMaglev {
+    pub table_size: u32,
+    pub data: Vec<u32>,
+    /// Entries written so far.
+    pub writes: usize,
+}
+
+impl MemMaglev {
+    pub fn new(table_size: u32, tables: u32) -> Self {
+        MemMaglev {
+            table_size,
+            data: vec![0; (table_size * tables) as usize],
+            writes: 0,
+        }
+    }
+}
+
+impl MaglevStore for MemMaglev {
+    fn table_size(&self) -> u32 {
+        self.table_size
+    }
+    fn entries(&self) -> u32 {
+        self.data.len() as u32
+    }
+    fn read(&self, base: u32, len: u32) -> Vec<u32> {
+        self.data[base as usize..(base + len) as usize].to_vec()
+    }
+    fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError> {
+        let mut written = 0;
+        for (i, v) in table.iter().enumerate() {
+            let e = &mut self.data[base as usize + i];
+            if *e != *v {
+                *e = *v;
+                written += 1;
+            }
+        }
+        self.writes += written;
+        Ok(written)
+    }
+}
+
+impl MaglevStore for std::sync::Arc<std::sync::Mutex<MemMaglev>> {
+    fn table_size(&self) -> u32 {
+        self.lock().expect("poisoned").table_size
+    }
+    fn entries(&self) -> u32 {
+        self.lock().expect("poisoned").entries()
+    }
+    fn read(&self, base: u32, len: u32) -> Vec<u32> {
+        self.lock().expect("poisoned").read(base, len)
+    }
+    fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError> {
+        self.lock().expect("poisoned").write(base, table)
+    }
+}

@@ -9,7 +9,7 @@ use kproxy_common::service::*;
 use super::applier::{Applier, Tables};
 use super::ids::{IdAllocator, SetKind};
 use super::planner::{Plan, decode_addr, encode_addr, plan, render};
-use super::tables::{MemTable, SharedMem};
+use super::tables::{MaglevStore, MemMaglev, MemTable, SharedMem};
 use super::{EbpfConfig, MapSizes};
 use crate::model::*;
 
@@ -410,12 +410,17 @@ fn render_lists_frontends_sets_and_backends() {
 
 // ---- applier ----
 
+/// Maglev table size of the in-memory applier tests.
+const MAGLEV_M: u32 = 251;
+
 struct Mem {
     services: SharedMem<ServiceKey, ServiceValue>,
     slots: SharedMem<BackendSlotKey, u32>,
     backends: SharedMem<u32, BackendValue>,
     ranges: SharedMem<super::planner::SourceRangeEntry, u8>,
     affinity: SharedMem<AffinityKey, AffinityValue>,
+    maglev_refs: SharedMem<u32, kproxy_common::maglev::MaglevRef>,
+    maglev: Arc<Mutex<MemMaglev>>,
 }
 
 fn shared<K: Ord, V>(name: &'static str, cap: u32) -> SharedMem<K, V> {
@@ -430,6 +435,8 @@ impl Mem {
             backends: shared(MAP_BACKENDS, sizes.backends),
             ranges: shared(MAP_SOURCE_RANGES, sizes.source_ranges),
             affinity: shared(MAP_AFFINITY, sizes.affinity),
+            maglev_refs: shared(kproxy_common::maglev::MAP_MAGLEV_REF, sizes.maglev),
+            maglev: Arc::new(Mutex::new(MemMaglev::new(MAGLEV_M, sizes.maglev))),
         }
     }
     fn tables(&self) -> Tables {
@@ -439,6 +446,8 @@ impl Mem {
             backends: Box::new(self.backends.clone()),
             source_ranges: Box::new(self.ranges.clone()),
             affinity: Box::new(self.affinity.clone()),
+            maglev_refs: Box::new(self.maglev_refs.clone()),
+            maglev: Box::new(self.maglev.clone()),
         }
     }
     fn services(&self) -> BTreeMap<ServiceKey, ServiceValue> {
@@ -687,4 +696,260 @@ fn affinity_entries_of_removed_backends_and_expired_ones_are_deleted() {
         .collect();
     assert_eq!(left.len(), 1);
     assert_ne!(left[0].backend_id, removed);
+}
+
+// ---- Maglev ----
+
+fn maglev_cfg() -> EbpfConfig {
+    EbpfConfig {
+        families: vec![IpFamily::V4],
+        lb_algorithm: super::LbAlgorithm::Maglev,
+        maglev_table_size: MAGLEV_M,
+        ..EbpfConfig::default()
+    }
+}
+
+/// NodePort services `lb-<i>` with `eps[i]` endpoints 10.<i>.0.<1..>, plus a ClusterIP-only
+/// service `internal` with 2 endpoints.
+fn nodeport_services(eps: &[usize]) -> Snapshot {
+    let mut items = Vec::new();
+    for (i, n) in eps.iter().enumerate() {
+        let mut port = svc(&format!("lb-{i}"), &[&format!("10.96.1.{}", i + 1)]);
+        port.service_type = ServiceType::NodePort;
+        port.node_port = 30_000 + i as u16;
+        items.push((
+            port,
+            (0..*n)
+                .map(|j| ep(&format!("10.{}.0.{}", i + 1, j + 1), j % 2 == 0))
+                .collect(),
+        ));
+    }
+    items.push((
+        svc("internal", &["10.96.2.1"]),
+        vec![ep("10.9.0.1", true), ep("10.9.0.2", false)],
+    ));
+    snap(items)
+}
+
+/// The table the applier wrote for set `svc_id` (via its ref).
+fn written_table(mem: &Mem, svc_id: u32) -> Vec<u32> {
+    let r = mem.maglev_refs.lock().unwrap().entries[&svc_id];
+    assert_eq!(r.size, MAGLEV_M);
+    mem.maglev.lock().unwrap().read(r.base, r.size)
+}
+
+#[test]
+fn maglev_flags_external_frontends_only() {
+    let p = plan(
+        &nodeport_services(&[3]),
+        &maglev_cfg(),
+        &mut IdAllocator::new(),
+    );
+    let sp = &p.services[&name("lb-0")];
+    let ext = sp.frontends[&key("192.168.0.1", 30_000, SCOPE_EXTERNAL)];
+    assert_eq!(ext.flags, SVC_F_NODE_PORT | SVC_F_MAGLEV);
+    let inner = sp.frontends[&key("192.168.0.1", 30_000, SCOPE_CLUSTER)];
+    assert_eq!(inner.flags & SVC_F_MAGLEV, 0, "socket LB keeps random");
+    let cip = sp.frontends[&key("10.96.1.1", 80, SCOPE_CLUSTER)];
+    assert_eq!(cip.flags & SVC_F_MAGLEV, 0);
+    assert!(sp.sets.iter().all(|s| s.maglev == (s.svc_id == ext.svc_id)));
+    let internal = &p.services[&name("internal")];
+    assert!(internal.sets.iter().all(|s| !s.maglev));
+    // Random mode: no flag anywhere.
+    let p = plan(&nodeport_services(&[3]), &cfg(), &mut IdAllocator::new());
+    assert!(
+        p.services
+            .values()
+            .flat_map(|sp| sp.frontends.values())
+            .all(|v| v.flags & SVC_F_MAGLEV == 0)
+    );
+    assert!(render(&nodeport_services(&[3]), &maglev_cfg()).contains("nodePort,maglev"));
+}
+
+#[test]
+fn maglev_tables_are_written_before_frontends_and_hold_the_built_table() {
+    let mem = Mem::new(&MapSizes {
+        maglev: 4,
+        ..MapSizes::default()
+    });
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let p = plan(&nodeport_services(&[3, 5]), &maglev_cfg(), &mut ids);
+    let out = applier.apply(&p, 0).unwrap();
+    assert!(out.failed.is_empty(), "{:?}", out.failed);
+    assert_eq!(out.maglev_rebuilt, 2);
+    for i in 0..2 {
+        let sp = &p.services[&name(&format!("lb-{i}"))];
+        let set = sp.sets.iter().find(|s| s.maglev).unwrap();
+        let want = super::maglev::build(
+            &set.backends
+                .iter()
+                .map(|id| (p.backend_addrs[id], *id))
+                .collect::<Vec<_>>(),
+            MAGLEV_M,
+        );
+        assert_eq!(written_table(&mem, set.svc_id), want);
+        let members: BTreeSet<u32> = set.backends.iter().copied().collect();
+        assert!(want.iter().all(|id| members.contains(id)));
+    }
+    assert_eq!(mem.maglev_refs.lock().unwrap().entries.len(), 2);
+    let pressure = applier.pressure();
+    let mg = pressure
+        .iter()
+        .find(|p| p.map == kproxy_common::maglev::MAP_MAGLEV)
+        .unwrap();
+    assert_eq!(
+        (mg.entries, mg.capacity),
+        (2 * MAGLEV_M as usize, 4 * MAGLEV_M)
+    );
+
+    // Nothing changed: nothing rebuilt, nothing written.
+    let out = applier
+        .apply(
+            &plan(&nodeport_services(&[3, 5]), &maglev_cfg(), &mut ids),
+            0,
+        )
+        .unwrap();
+    assert_eq!((out.maglev_rebuilt, out.writes, out.deletes), (0, 0, 0));
+}
+
+#[test]
+fn only_the_service_whose_backends_changed_is_rebuilt_and_only_its_share_moves() {
+    let mem = Mem::new(&MapSizes {
+        maglev: 4,
+        ..MapSizes::default()
+    });
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let p1 = plan(&nodeport_services(&[3, 5]), &maglev_cfg(), &mut ids);
+    applier.apply(&p1, 0).unwrap();
+    let set_of = |p: &Plan, i: usize| {
+        p.services[&name(&format!("lb-{i}"))]
+            .sets
+            .iter()
+            .find(|s| s.maglev)
+            .unwrap()
+            .clone()
+    };
+    let before0 = written_table(&mem, set_of(&p1, 0).svc_id);
+    let before1 = written_table(&mem, set_of(&p1, 1).svc_id);
+    let writes_before = mem.maglev.lock().unwrap().writes;
+
+    // lb-1 loses one of its 5 backends (the last: the planner drops it).
+    let p2 = plan(&nodeport_services(&[3, 4]), &maglev_cfg(), &mut ids);
+    let out = applier.apply(&p2, 0).unwrap();
+    assert!(out.failed.is_empty());
+    assert_eq!(out.maglev_rebuilt, 1, "only lb-1");
+    assert_eq!(written_table(&mem, set_of(&p2, 0).svc_id), before0);
+    let after1 = written_table(&mem, set_of(&p2, 1).svc_id);
+    let removed: BTreeSet<u32> = set_of(&p1, 1)
+        .backends
+        .iter()
+        .copied()
+        .filter(|id| !set_of(&p2, 1).backends.contains(id))
+        .collect();
+    assert_eq!(removed.len(), 1);
+    let changed = before1.iter().zip(&after1).filter(|(a, b)| a != b).count();
+    let of_removed = before1.iter().filter(|id| removed.contains(id)).count();
+    assert!(after1.iter().all(|id| !removed.contains(id)));
+    assert!(
+        changed >= of_removed && changed as f64 <= 1.5 * of_removed as f64,
+        "{changed} entries changed, {of_removed} were the removed backend's"
+    );
+    assert_eq!(
+        mem.maglev.lock().unwrap().writes - writes_before,
+        changed,
+        "only differing entries are written"
+    );
+}
+
+#[test]
+fn maglev_tables_are_freed_with_their_service_and_a_full_array_fails_only_the_new_one() {
+    let mem = Mem::new(&MapSizes {
+        maglev: 2,
+        ..MapSizes::default()
+    });
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    applier
+        .apply(
+            &plan(&nodeport_services(&[2, 2]), &maglev_cfg(), &mut ids),
+            0,
+        )
+        .unwrap();
+    // A third NodePort service: no table left.
+    let p = plan(&nodeport_services(&[2, 2, 2]), &maglev_cfg(), &mut ids);
+    let out = applier.apply(&p, 0).unwrap();
+    assert_eq!(out.failed.len(), 1);
+    let reason = &out.failed[&name("lb-2")];
+    assert!(
+        reason.contains("all 2 tables are in use") && reason.contains("--bpf-map-sizes maglev=N"),
+        "{reason}"
+    );
+    assert!(
+        !mem.services()
+            .contains_key(&key("192.168.0.1", 30_002, SCOPE_EXTERNAL)),
+        "no frontend without its table"
+    );
+    assert!(
+        mem.services()
+            .contains_key(&key("192.168.0.1", 30_001, SCOPE_EXTERNAL))
+    );
+    // lb-1 goes: its table is freed once its frontends are gone (end of that sync), and lb-2
+    // gets it at the next sync (the runner retries failed syncs).
+    let mut s = nodeport_services(&[2, 2, 2]);
+    s.services.remove(&name("lb-1"));
+    s.endpoints.remove(&name("lb-1"));
+    let out = applier
+        .apply(&plan(&s, &maglev_cfg(), &mut ids), 0)
+        .unwrap();
+    assert!(
+        out.failed.keys().all(|n| *n == name("lb-2")),
+        "{:?}",
+        out.failed
+    );
+    assert_eq!(mem.maglev_refs.lock().unwrap().entries.len(), 1);
+    let out = applier
+        .apply(&plan(&s, &maglev_cfg(), &mut ids), 0)
+        .unwrap();
+    assert!(out.failed.is_empty(), "{:?}", out.failed);
+    assert_eq!(mem.maglev_refs.lock().unwrap().entries.len(), 2);
+    assert!(
+        mem.services()
+            .contains_key(&key("192.168.0.1", 30_002, SCOPE_EXTERNAL))
+    );
+}
+
+#[test]
+fn a_restarted_applier_rebuilds_maglev_tables_without_writing_them() {
+    let sizes = MapSizes {
+        maglev: 4,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut ids = IdAllocator::new();
+    let p = plan(&nodeport_services(&[3, 4]), &maglev_cfg(), &mut ids);
+    Applier::new(mem.tables()).unwrap().apply(&p, 0).unwrap();
+    let writes = mem.maglev.lock().unwrap().writes;
+    let refs = mem.maglev_refs.lock().unwrap().entries.clone();
+
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut ids = IdAllocator::new();
+    let (svcs, bes) = applier.existing();
+    for (k, v) in svcs {
+        ids.hint_set(*k, v.svc_id);
+    }
+    for (id, b) in bes {
+        ids.seed_backend((decode_addr(b.addr), u16::from_be(b.port)), *id);
+    }
+    let out = applier
+        .apply(
+            &plan(&nodeport_services(&[3, 4]), &maglev_cfg(), &mut ids),
+            0,
+        )
+        .unwrap();
+    assert_eq!(out.maglev_rebuilt, 2, "rebuilt once after the restart");
+    assert_eq!(out.writes, 0, "…into identical tables: nothing written");
+    assert_eq!(mem.maglev.lock().unwrap().writes, writes);
+    assert_eq!(mem.maglev_refs.lock().unwrap().entries, refs);
 }
