@@ -14,7 +14,7 @@ use crate::fakeapi::FakeApi;
 use crate::netns::{Bpffs, Netns, TestCgroup};
 use crate::topology::TopologySpec;
 
-use super::agent::{AgentSpec, ScratchDir, Source};
+use super::agent::{AgentSpec, ScratchDir, Source, check_backend, iptables_backend};
 use super::services::ServiceSet;
 use super::{Figure, Plan, Results, Target};
 
@@ -132,7 +132,15 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         )
         .map_err(anyhow::Error::msg)?;
     let cold = answered.duration_since(agent.started)?.as_secs_f64();
-    let (max_cold, max_change) = if ebpf { (1.0, 10.0) } else { (5.0, 150.0) };
+    if let Some(backend) = iptables_backend(mode) {
+        check_backend(&topo.node, backend)?;
+    }
+    // The targets: ebpf and iptables (either backend); none for ipvs.
+    let targets = match mode {
+        "ebpf" => Some((1.0, 10.0)),
+        m if iptables_backend(m).is_some() => Some((5.0, 150.0)),
+        _ => None,
+    };
     results.push(Figure {
         id: format!("cold-start/{mode}/{n}"),
         group: "cold-start".into(),
@@ -141,7 +149,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         unit: "s".into(),
         samples: vec![cold],
         baseline: None,
-        target: (n >= 10_000).then(|| Target {
+        target: targets.filter(|_| n >= 10_000).map(|(max_cold, _)| Target {
             max_ratio: None,
             max_value: Some(max_cold),
             text: format!("cold 10k×5 ≤ {max_cold} s ({mode})"),
@@ -177,11 +185,13 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         unit: "ms".into(),
         samples: changes,
         baseline: None,
-        target: (n >= 10_000).then(|| Target {
-            max_ratio: None,
-            max_value: Some(max_change),
-            text: format!("one change ≤ {max_change} ms ({mode})"),
-        }),
+        target: targets
+            .filter(|_| n >= 10_000)
+            .map(|(_, max_change)| Target {
+                max_ratio: None,
+                max_value: Some(max_change),
+                text: format!("one change ≤ {max_change} ms ({mode})"),
+            }),
     });
     for (what, unit, value, target) in [
         ("rss", "MB", agent.peak_rss_mb()?, Some(60.0)),
