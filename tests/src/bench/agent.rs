@@ -229,6 +229,61 @@ impl RunningAgent {
     }
 }
 
+/// A `kp-probe wait` already polling (every millisecond) for `name` behind an address, started
+/// before the change it waits for so that process start-up is not part of the measured delay.
+pub struct Waiter {
+    child: Child,
+}
+
+impl Waiter {
+    /// Starts polling `addr` from `client` (inside `cgroup` when given) until `name` answers or
+    /// `timeout`; returns once the poller runs (its process image is `kp-probe`).
+    pub fn start(
+        client: &Netns,
+        cgroup: Option<&TestCgroup>,
+        addr: &str,
+        name: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<Waiter> {
+        let mut cmd = client.command(target_bin("kp-probe")?);
+        cmd.args(["wait", addr, "--name", name, "--interval-ms", "1"])
+            .args(["--timeout-ms", &timeout.as_millis().to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some(cg) = cgroup {
+            cg.enter_on_spawn(&mut cmd)?;
+        }
+        let child = cmd.spawn().with_context(|| format!("spawning {cmd:?}"))?;
+        let waiter = Waiter { child };
+        // nsenter execs kp-probe in place: once the image is kp-probe, it is polling (give its
+        // first connect a moment).
+        let comm = format!("/proc/{}/comm", waiter.child.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "kp-probe" {
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "kp-probe wait did not start within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(waiter)
+    }
+
+    /// The wall clock of the first answer from the awaited name.
+    pub fn finish(self) -> anyhow::Result<SystemTime> {
+        let out = self.child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(text.trim())
+            .with_context(|| format!("kp-probe wait said {text:?}"))?;
+        let ns = v
+            .get("at_unix_ns")
+            .and_then(|t| t.as_u64())
+            .with_context(|| format!("no answer: {text}"))?;
+        Ok(SystemTime::UNIX_EPOCH + Duration::from_nanos(ns))
+    }
+}
+
 impl Drop for RunningAgent {
     fn drop(&mut self) {
         let _ = self.child.kill();
