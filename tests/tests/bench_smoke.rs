@@ -48,27 +48,52 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
             );
         }
     }
-    // The datapaths this kernel runs are measured (ipvs needs a kernel with IPVS).
-    for id in [
-        "connect/ebpf/1".to_string(),
-        "connect/iptables/1".to_string(),
+    // The datapaths this kernel runs are measured: ebpf, and iptables on each backend.
+    let n = plan.cold_services;
+    let mut measured = vec![
         "packet/tc-service/new-flow/1".to_string(),
         "packet/tc-service/established/1".to_string(),
         "packet/tc-service/miss/1".to_string(),
         "packet/tc-service/reverse-nat/1".to_string(),
         format!("packet/tc-service/established/{}", plan.packet_scales[1]),
-    ] {
-        assert!(
-            results.figure(&id).is_some(),
-            "{id} not measured: {:?}",
-            results.unavailable
+    ];
+    for mode in ["ebpf", "iptables-nft", "iptables-legacy"] {
+        for &scale in &plan.connect_scales {
+            measured.push(format!("connect/{mode}/{scale}"));
+            measured.push(format!("rps-keepalive/{mode}/{scale}"));
+            measured.push(format!("rps-short/{mode}/{scale}"));
+        }
+        for what in ["cold-start", "change", "rss", "cpu"] {
+            measured.push(format!("{what}/{mode}/{n}"));
+        }
+    }
+    for id in &measured {
+        let f = results.figure(id);
+        assert!(f.is_some(), "{id} not measured: {:?}", results.unavailable);
+        assert_eq!(
+            f.unwrap().samples.len(),
+            plan.expected_samples(f.unwrap()),
+            "{id}"
         );
     }
-    // Every mode × figure is either measured or explained.
-    for mode in &plan.modes {
+    assert_eq!(
+        results
+            .figure(&format!("connect/iptables-legacy/{n}"))
+            .map(|f| f.samples.len()),
+        Some(plan.connects as usize)
+    );
+    assert_eq!(
+        results
+            .figure(&format!("change/iptables-nft/{n}"))
+            .map(|f| f.samples.len()),
+        Some(plan.changes as usize)
+    );
+    // Every mode × figure is either measured or explained (ipvs needs a kernel with IPVS;
+    // without it, `--ipvs-guest` measures it in a QEMU guest).
+    for mode in plan.modes.iter().map(String::as_str).chain(["ipvs"]) {
         for id in [
             format!("connect/{mode}/1"),
-            format!("cold-start/{mode}/{}", plan.cold_services),
+            format!("cold-start/{mode}/{n}"),
         ] {
             let measured = results.figure(&id).is_some();
             let explained = results
@@ -78,9 +103,18 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
             assert!(measured || explained, "{id} neither measured nor explained");
         }
     }
+    for group in ["packet", "connect", "control"] {
+        assert!(
+            results.group_seconds.get(group).is_some_and(|s| *s > 0.0),
+            "no wall time for {group}: {:?}",
+            results.group_seconds
+        );
+    }
     let report = std::fs::read_to_string(out.join("REPORT.md")).unwrap();
     assert!(
-        report.contains("0123abc") && report.contains("packet/counter-xdp"),
+        report.contains("0123abc")
+            && report.contains("packet/counter-xdp")
+            && report.contains("| | ebpf | iptables-nft | iptables-legacy"),
         "{report}"
     );
     assert!(out.join("connect-latency.svg").is_file());

@@ -3,6 +3,12 @@
 //! measures is documented in `kproxy_tests::bench`). Needs root. Writes `REPORT.md`,
 //! `results.json` and SVG plots into DIR (default `bench/`). `--quick` finishes in under
 //! 3 minutes; the full run in under 15 on 2 cores.
+//!
+//! `cargo xtask bench --ipvs-guest [--out DIR]`: the ipvs figures, which need a kernel with
+//! IPVS: boots the QEMU guest of `cargo xtask guest` ([`crate::guest::run_payload`]) with the
+//! release `kp-bench`, `kproxy` and `kp-probe`, runs `kp-bench --in-guest` there and merges
+//! its figures into DIR's `results.json` / `REPORT.md` (run it after the host run; rerunning
+//! it replaces the previous guest figures).
 
 use std::process::{Command, ExitCode};
 
@@ -14,6 +20,12 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if !is_root() {
         bail!("`cargo xtask bench` needs root (network namespaces, BPF, netfilter)");
     }
+    let ipvs_guest = args.iter().any(|a| a == "--ipvs-guest");
+    let args: Vec<String> = args
+        .iter()
+        .filter(|a| *a != "--ipvs-guest")
+        .cloned()
+        .collect();
     crate::setup::run()?;
     let root = crate::workspace_root();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -37,8 +49,11 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     {
         bail!("release build failed");
     }
+    if ipvs_guest {
+        return run_guest(&root, &args);
+    }
     let mut bench = Command::new(root.join("target/release/kp-bench"));
-    bench.args(args).current_dir(&root);
+    bench.args(&args).current_dir(&root);
     println!("bench: $ {}", display(&bench));
     let status = bench
         .status()
@@ -49,6 +64,53 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(
         status.code().map_or(1, |c| u8::try_from(c).unwrap_or(1)),
     ))
+}
+
+/// `--ipvs-guest`: the ipvs figures measured in the QEMU guest, merged into the host report.
+fn run_guest(root: &std::path::Path, args: &[String]) -> anyhow::Result<ExitCode> {
+    let out = match args {
+        [] => "bench".to_string(),
+        [flag, dir] if flag == "--out" => dir.clone(),
+        other => bail!("--ipvs-guest takes only --out DIR, got {other:?}"),
+    };
+    let release = root.join("target/release");
+    let files: Vec<_> = ["kp-bench", "kproxy", "kp-probe"]
+        .iter()
+        .map(|b| release.join(b))
+        .collect();
+    let commit = crate::process::output(Command::new("git").args(["rev-parse", "HEAD"]))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let script = format!(
+        "export RUST_BACKTRACE=1 RUST_LOG=warn\n\
+         exec /payload/kp-bench --in-guest --commit {commit}\n"
+    );
+    let start = std::time::Instant::now();
+    let (outcome, output) = crate::guest::run_payload(&files, &script)?;
+    let seconds = start.elapsed().as_secs_f64();
+    // kp-bench finds its results JSON in the guest's output (between its markers).
+    let file = root.join("target/guest/bench-output.log");
+    std::fs::write(&file, output).with_context(|| format!("writing {}", file.display()))?;
+    let mut merge = Command::new(release.join("kp-bench"));
+    merge
+        .arg("--merge-guest")
+        .arg(&file)
+        .args(["--accel", outcome.accel])
+        .args(["--guest-seconds", &format!("{seconds:.1}")])
+        .args(["--out", &out])
+        .current_dir(root);
+    println!("bench: $ {}", display(&merge));
+    if !merge.status().context("spawning kp-bench")?.success() {
+        bail!(
+            "merging the guest results failed (guest run {}; its output: {})",
+            if outcome.passed { "passed" } else { "failed" },
+            file.display()
+        );
+    }
+    if out == "bench" {
+        update_readme(root)?;
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 const START: &str = "<!-- bench:start -->";

@@ -149,12 +149,28 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 /// Builds everything, boots the guest, prints its output and timings.
 pub fn run_suite(args: &[String]) -> anyhow::Result<GuestOutcome> {
     let root = crate::workspace_root();
+    let test_bin = build_test(&root)?;
+    let quoted: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
+    let script = format!(
+        "export {IN_GUEST_ENV}=1 KPROXY_TESTS_REQUIRE_KERNEL=1 RUST_BACKTRACE=1\n\
+         exec /payload/{GUEST_TEST} --include-ignored --test-threads=1 {}\n",
+        quoted.join(" ")
+    );
+    let (outcome, _) = run_payload(&[test_bin], &script)?;
+    Ok(outcome)
+}
+
+/// Boots the guest with `files` copied into `/payload/` (stripped of debug info, with their
+/// shared libraries) beside the [`PAYLOAD_TOOLS`], running `script` as `/payload/run.sh`;
+/// prints its output and timings and returns them (the output port's text too).
+/// `cargo xtask bench --ipvs-guest` uses it for the benchmark binaries.
+pub fn run_payload(files: &[PathBuf], script: &str) -> anyhow::Result<(GuestOutcome, String)> {
+    let root = crate::workspace_root();
     let work = root.join("target/guest");
     fs::create_dir_all(&work)?;
-    let test_bin = build_test(&root)?;
     let kernel = Kernel::ensure(&work.join("kernel"))?;
     let base = base_initramfs(&work, &kernel)?;
-    let payload = payload_cpio(&work, &test_bin, args)?;
+    let payload = payload_cpio(&work, files, script)?;
     let initrd = work.join("initrd.img");
     concat_aligned(&base, &payload, &initrd)?;
     let outcome = boot(&work, &kernel, &initrd)?;
@@ -168,7 +184,8 @@ pub fn run_suite(args: &[String]) -> anyhow::Result<GuestOutcome> {
         )),
         outcome.total.as_secs_f64()
     );
-    Ok(outcome)
+    let output = fs::read_to_string(work.join("output.log")).unwrap_or_default();
+    Ok((outcome, output))
 }
 
 /// `cargo test --no-run` with exactly the host suite's selection, profile and environment
@@ -372,27 +389,33 @@ fn base_initramfs(work: &Path, kernel: &Kernel) -> anyhow::Result<PathBuf> {
     Ok(out)
 }
 
-/// The test binary, the tools with their libraries, and `/payload/run.sh`.
-fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result<PathBuf> {
+/// `files` (into `/payload/`), the tools with their libraries, and `/payload/run.sh`.
+fn payload_cpio(work: &Path, files: &[PathBuf], script: &str) -> anyhow::Result<PathBuf> {
     let stage = work.join("payload-stage");
     let _ = fs::remove_dir_all(&stage);
     fs::create_dir_all(stage.join("payload"))?;
-    // A copy: the one in target/ keeps its debug info (and cargo's freshness).
-    let bin = stage.join("payload").join(GUEST_TEST);
-    fs::copy(test_bin, &bin).with_context(|| format!("copying {}", test_bin.display()))?;
-    // Debug info is ≈ 90 % of the binary and the guest loads the initrd slowly under TCG;
-    // panic locations survive (they are not debug info), only backtraces lose line numbers.
-    match Command::new("strip")
-        .arg("--strip-debug")
-        .arg(&bin)
-        .status()
-    {
-        Ok(s) if s.success() => {}
-        other => println!("guest: strip --strip-debug failed ({other:?}); using the full binary"),
+    let mut libs: BTreeSet<PathBuf> = BTreeSet::new();
+    for file in files {
+        // A copy: the one in target/ keeps its debug info (and cargo's freshness).
+        let bin = stage
+            .join("payload")
+            .join(file.file_name().context("payload file without a name")?);
+        fs::copy(file, &bin).with_context(|| format!("copying {}", file.display()))?;
+        // Debug info is ≈ 90 % of a test binary and the guest loads the initrd slowly under
+        // TCG; panic locations survive (they are not debug info), only backtraces lose lines.
+        match Command::new("strip")
+            .arg("--strip-debug")
+            .arg(&bin)
+            .status()
+        {
+            Ok(s) if s.success() => {}
+            other => {
+                println!("guest: strip --strip-debug failed ({other:?}); using the full binary")
+            }
+        }
+        // Dynamically linked: its libraries and loader (PT_INTERP) come along.
+        libs.extend(shared_libraries(file)?);
     }
-
-    // The test binary is dynamically linked: its libraries and loader (PT_INTERP) come along.
-    let mut libs: BTreeSet<PathBuf> = shared_libraries(test_bin)?.into_iter().collect();
     for tool in PAYLOAD_TOOLS {
         copy_into(&stage, Path::new(tool))?;
         libs.extend(shared_libraries(Path::new(tool))?);
@@ -423,13 +446,7 @@ fn payload_cpio(work: &Path, test_bin: &Path, args: &[String]) -> anyhow::Result
             std::os::unix::fs::symlink("xtables-legacy-multi", sbin.join(name))?;
         }
     }
-    let quoted: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
-    let run = format!(
-        "export {IN_GUEST_ENV}=1 KPROXY_TESTS_REQUIRE_KERNEL=1 RUST_BACKTRACE=1\n\
-         exec /payload/{GUEST_TEST} --include-ignored --test-threads=1 {}\n",
-        quoted.join(" ")
-    );
-    write_executable(&stage.join("payload/run.sh"), &run)?;
+    write_executable(&stage.join("payload/run.sh"), script)?;
     let out = work.join("payload.cpio");
     write_cpio(&stage, &out)?;
     fs::remove_dir_all(&stage)?;

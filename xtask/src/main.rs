@@ -33,7 +33,9 @@ commands:
   guest [ARGS] run the IPVS test suite in a QEMU guest (Debian's kernel); ARGS go to the test binary
   demo         run the demo topology
   bench [--quick] [--out DIR] [--only packet,connect,control]
-               build in release mode and run the benchmarks (needs root); report in bench/";
+               build in release mode and run the benchmarks (needs root); report in bench/
+  bench --ipvs-guest [--out DIR]
+               the ipvs figures in the QEMU guest, merged into the report of the run above";
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {

@@ -29,8 +29,55 @@ pub struct RunningAgent {
     log: PathBuf,
 }
 
+/// The agent's `--proxy-mode` for a benchmark mode name: `iptables-nft` and `iptables-legacy`
+/// are the iptables mode on one backend each.
+pub fn proxy_mode(mode: &str) -> &str {
+    match mode {
+        "iptables-nft" | "iptables-legacy" => "iptables",
+        m => m,
+    }
+}
+
+/// The iptables backend (`nft` / `legacy`) a benchmark mode runs on, if it names one.
+pub fn iptables_backend(mode: &str) -> Option<&'static str> {
+    match mode {
+        "iptables-nft" => Some("nft"),
+        "iptables-legacy" => Some("legacy"),
+        _ => None,
+    }
+}
+
+/// Makes the agent pick `backend` the way it (like upstream's iptables-wrapper) detects it in
+/// a real node: kubelet's hint chain `KUBE-IPTABLES-HINT` in the mangle table of that backend,
+/// created in the node namespace before the agent starts. No agent flag is involved.
+pub fn plant_backend_hint(node: &Netns, backend: &str) -> anyhow::Result<()> {
+    let mut cmd = node.command(format!("iptables-{backend}"));
+    cmd.args(["-w", "5", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
+    crate::netns::run_checked(&mut cmd)
+        .with_context(|| format!("hint chain in iptables-{backend}"))?;
+    Ok(())
+}
+
+/// Fails unless the agent programmed its service chains into `backend` and none into the
+/// other one (the bench measures the backend it claims to).
+pub fn check_backend(node: &Netns, backend: &str) -> anyhow::Result<()> {
+    let has_services = |b: &str| -> anyhow::Result<bool> {
+        let mut cmd = node.command(format!("iptables-{b}-save"));
+        cmd.args(["-t", "nat"]);
+        let out = crate::netns::run_checked(&mut cmd)?;
+        Ok(out.lines().any(|l| l.starts_with(":KUBE-SERVICES ")))
+    };
+    let other = if backend == "nft" { "legacy" } else { "nft" };
+    anyhow::ensure!(
+        has_services(backend)? && !has_services(other)?,
+        "the agent did not program iptables-{backend} alone (hint chain not honoured)"
+    );
+    Ok(())
+}
+
 /// How the agent of `mode` is started (mode-specific flags included).
 pub struct AgentSpec<'a> {
+    /// Benchmark mode: `ebpf`, `ipvs`, `iptables-nft`, `iptables-legacy`.
     pub mode: &'a str,
     pub node: &'a Netns,
     pub source: Source,
@@ -46,7 +93,7 @@ impl AgentSpec<'_> {
     /// The agent's command line (after the binary).
     pub fn args(&self) -> Vec<String> {
         let mut a: Vec<String> = vec![
-            format!("--proxy-mode={}", self.mode),
+            format!("--proxy-mode={}", proxy_mode(self.mode)),
             format!("--hostname-override={NODE_NAME}"),
             // Programming delay is what is measured: no rate limit between syncs.
             "--min-sync-period=0s".into(),
@@ -70,6 +117,9 @@ impl AgentSpec<'_> {
     }
 
     pub fn start(&self) -> anyhow::Result<RunningAgent> {
+        if let Some(backend) = iptables_backend(self.mode) {
+            plant_backend_hint(self.node, backend)?;
+        }
         let log =
             File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
         let mut cmd = self.node.command(kproxy_bin()?);
@@ -176,6 +226,61 @@ impl RunningAgent {
                 return Ok(SystemTime::UNIX_EPOCH + Duration::from_nanos(ns));
             }
         }
+    }
+}
+
+/// A `kp-probe wait` already polling (every millisecond) for `name` behind an address, started
+/// before the change it waits for so that process start-up is not part of the measured delay.
+pub struct Waiter {
+    child: Child,
+}
+
+impl Waiter {
+    /// Starts polling `addr` from `client` (inside `cgroup` when given) until `name` answers or
+    /// `timeout`; returns once the poller runs (its process image is `kp-probe`).
+    pub fn start(
+        client: &Netns,
+        cgroup: Option<&TestCgroup>,
+        addr: &str,
+        name: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<Waiter> {
+        let mut cmd = client.command(target_bin("kp-probe")?);
+        cmd.args(["wait", addr, "--name", name, "--interval-ms", "1"])
+            .args(["--timeout-ms", &timeout.as_millis().to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some(cg) = cgroup {
+            cg.enter_on_spawn(&mut cmd)?;
+        }
+        let child = cmd.spawn().with_context(|| format!("spawning {cmd:?}"))?;
+        let waiter = Waiter { child };
+        // nsenter execs kp-probe in place: once the image is kp-probe, it is polling (give its
+        // first connect a moment).
+        let comm = format!("/proc/{}/comm", waiter.child.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "kp-probe" {
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "kp-probe wait did not start within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(waiter)
+    }
+
+    /// The wall clock of the first answer from the awaited name.
+    pub fn finish(self) -> anyhow::Result<SystemTime> {
+        let out = self.child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: serde_json::Value = serde_json::from_str(text.trim())
+            .with_context(|| format!("kp-probe wait said {text:?}"))?;
+        let ns = v
+            .get("at_unix_ns")
+            .and_then(|t| t.as_u64())
+            .with_context(|| format!("no answer: {text}"))?;
+        Ok(SystemTime::UNIX_EPOCH + Duration::from_nanos(ns))
     }
 }
 

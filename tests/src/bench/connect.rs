@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use crate::netns::{Bpffs, Netns, TestCgroup, run_checked};
 use crate::topology::{Topology, TopologySpec, target_bin};
 
-use super::agent::{AgentSpec, ScratchDir, Source};
+use super::agent::{AgentSpec, ScratchDir, Source, check_backend, iptables_backend};
 use super::services::ServiceSet;
 use super::{Figure, Plan, Results, Target};
 
@@ -90,12 +90,13 @@ fn figure(
 }
 
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
+    let direct_id = &plan.direct;
     for &n in &plan.connect_scales {
         let topo = topology("bench-conn")?;
         let client = &topo.pod("pod-l0").ns;
         let direct = topo.pod("pod-l1").addr(false);
         results.push(figure(
-            format!("connect/direct/{n}"),
+            format!("connect/{direct_id}/{n}"),
             "connect",
             "baseline",
             n,
@@ -106,7 +107,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             let kind = if short { "short" } else { "keepalive" };
             let v = rps(client, None, &direct, plan.rps_seconds, short)?;
             results.push(figure(
-                format!("rps-{kind}/direct/{n}"),
+                format!("rps-{kind}/{direct_id}/{n}"),
                 "rps",
                 "baseline",
                 n,
@@ -166,6 +167,9 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
             Duration::from_secs(180),
         )
         .map_err(anyhow::Error::msg)?;
+    if let Some(backend) = iptables_backend(mode) {
+        check_backend(&topo.node, backend)?;
+    }
     let mut f = figure(
         format!("connect/{mode}/{n}"),
         "connect",
@@ -174,7 +178,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
         "us",
         latency_us(client, cgroup.as_ref(), &vip, plan.connects)?,
     );
-    f.baseline = Some(format!("connect/direct/{n}"));
+    f.baseline = Some(format!("connect/{}/{n}", plan.direct));
     if ebpf && n >= 10_000 {
         f.target = Some(Target {
             max_ratio: Some(1.05),
@@ -194,7 +198,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
             "req/s",
             vec![v],
         );
-        f.baseline = Some(format!("rps-{kind}/direct/{n}"));
+        f.baseline = Some(format!("rps-{kind}/{}/{n}", plan.direct));
         results.push(f);
     }
     agent.check_alive().map_err(anyhow::Error::msg)?;

@@ -36,6 +36,29 @@ pub struct Results {
     pub machine: Machine,
     pub figures: Vec<Figure>,
     pub unavailable: Vec<Unavailable>,
+    /// Wall seconds per group of this run (`packet`, `connect`, `control`, `ipvs-guest`).
+    #[serde(default)]
+    pub group_seconds: std::collections::BTreeMap<String, f64>,
+    /// The figures measured in the QEMU guest (`cargo xtask bench --ipvs-guest`), if merged.
+    #[serde(default)]
+    pub guest: Option<GuestRun>,
+}
+
+/// A run of the ipvs figures inside the TCG guest (the host kernel has no IPVS), merged into
+/// the host run's results: its figures sit beside the host's, compared only with the baseline
+/// measured in the same guest.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct GuestRun {
+    pub commit: String,
+    pub kernel: String,
+    pub accel: String,
+    /// Wall seconds of the whole `--ipvs-guest` run (build excluded, boot included).
+    pub duration_s: f64,
+    /// Ids of the figures measured in the guest.
+    pub figure_ids: Vec<String>,
+    /// Service count of the guest's cold start / one change (reduced when TCG is too slow for
+    /// 10k in the time budget).
+    pub cold_services: u32,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -80,7 +103,60 @@ pub struct Unavailable {
     pub reason: String,
 }
 
+/// Lines around the results JSON a guest run prints on its output port.
+pub const GUEST_JSON_BEGIN: &str = "kp-bench-guest-json-begin";
+pub const GUEST_JSON_END: &str = "kp-bench-guest-json-end";
+
+/// The JSON between [`GUEST_JSON_BEGIN`] and [`GUEST_JSON_END`] in a guest's output.
+pub fn guest_json(output: &str) -> Option<&str> {
+    let start = output.find(GUEST_JSON_BEGIN)? + GUEST_JSON_BEGIN.len();
+    let end = output[start..].find(GUEST_JSON_END)? + start;
+    Some(output[start..end].trim())
+}
+
 impl Results {
+    /// Adds a guest run's figures (replacing an earlier guest run's, and the host's
+    /// "unavailable" entries for the modes the guest measured).
+    pub fn merge_guest(&mut self, guest: Results, accel: &str, seconds: f64) {
+        if let Some(old) = self.guest.take() {
+            self.figures.retain(|f| !old.figure_ids.contains(&f.id));
+        }
+        let mode_of = |id: &str| id.split('/').nth(1).unwrap_or_default().to_string();
+        let guest_modes: Vec<String> = guest
+            .figures
+            .iter()
+            .map(|f| f.mode.clone())
+            .filter(|m| m != "baseline")
+            .chain(guest.unavailable.iter().map(|u| mode_of(&u.id)))
+            .collect();
+        self.unavailable
+            .retain(|u| !guest_modes.contains(&mode_of(&u.id)));
+        let figure_ids = guest.figures.iter().map(|f| f.id.clone()).collect();
+        let cold_services = guest
+            .figures
+            .iter()
+            .find(|f| f.group == "cold-start")
+            .map_or(0, |f| f.services);
+        self.figures.extend(guest.figures);
+        self.unavailable.extend(guest.unavailable);
+        self.group_seconds.insert("ipvs-guest".into(), seconds);
+        self.guest = Some(GuestRun {
+            commit: guest.commit,
+            kernel: guest.machine.kernel,
+            accel: accel.into(),
+            duration_s: seconds,
+            figure_ids,
+            cold_services,
+        });
+    }
+
+    /// Whether `id` was measured in the guest.
+    pub fn in_guest(&self, id: &str) -> bool {
+        self.guest
+            .as_ref()
+            .is_some_and(|g| g.figure_ids.iter().any(|x| x == id))
+    }
+
     pub fn figure(&self, id: &str) -> Option<&Figure> {
         self.figures.iter().find(|f| f.id == id)
     }
@@ -115,13 +191,20 @@ pub struct Plan {
     /// Services (× 5 endpoints) of the cold start; endpoint changes measured.
     pub cold_services: u32,
     pub changes: u32,
-    /// Modes to run the agent in.
+    /// Modes to run the agent in: `ebpf`, `iptables-nft`, `iptables-legacy` (the iptables
+    /// mode on each backend), `ipvs`.
     pub modes: Vec<String>,
+    /// Name of the direct-connect baseline in figure ids: `direct` on the host,
+    /// `direct-guest` in the guest.
+    pub direct: String,
 }
 
 impl Plan {
     pub fn new(quick: bool) -> Plan {
-        let modes = vec!["ebpf".to_string(), "iptables".to_string()];
+        let modes = ["ebpf", "iptables-nft", "iptables-legacy"]
+            .map(String::from)
+            .to_vec();
+        let direct = "direct".to_string();
         if quick {
             Plan {
                 quick,
@@ -134,6 +217,7 @@ impl Plan {
                 cold_services: 1_000,
                 changes: 10,
                 modes,
+                direct,
             }
         } else {
             Plan {
@@ -147,7 +231,27 @@ impl Plan {
                 cold_services: 10_000,
                 changes: 50,
                 modes,
+                direct,
             }
+        }
+    }
+
+    /// The ipvs figures inside the QEMU TCG guest (`cargo xtask bench --ipvs-guest`): connect
+    /// at 1 and 10k services with the sample counts, but cold start / one change at
+    /// 1k services × 5 (TCG is ≈ 5–10× slower than the host; 10k does not fit the budget).
+    pub fn ipvs_guest() -> Plan {
+        Plan {
+            quick: false,
+            packet_scales: vec![],
+            packet_repeat: 0,
+            packet_samples: 0,
+            connect_scales: vec![1, 10_000],
+            connects: 2_000,
+            rps_seconds: 2,
+            cold_services: 1_000,
+            changes: 50,
+            modes: vec!["ipvs".into()],
+            direct: "direct-guest".into(),
         }
     }
 
@@ -162,5 +266,125 @@ impl Plan {
             "resources" => 1,
             _ => 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fig(id: &str, group: &str, mode: &str, baseline: Option<&str>, v: f64) -> Figure {
+        Figure {
+            id: id.into(),
+            group: group.into(),
+            mode: mode.into(),
+            services: id.rsplit('/').next().unwrap().parse().unwrap_or(0),
+            unit: "us".into(),
+            samples: vec![v, v],
+            baseline: baseline.map(String::from),
+            target: None,
+        }
+    }
+
+    fn host() -> Results {
+        let mut r = Results {
+            commit: "host".into(),
+            ..Default::default()
+        };
+        r.figures
+            .push(fig("connect/direct/1", "connect", "baseline", None, 10.0));
+        r.figures.push(fig(
+            "connect/iptables-nft/1",
+            "connect",
+            "iptables-nft",
+            Some("connect/direct/1"),
+            12.0,
+        ));
+        r.unavailable("connect/ipvs/1", "no IPVS here");
+        r.unavailable("cold-start/ipvs/1000", "no IPVS here");
+        r.unavailable("connect/ebpf/1", "something else");
+        r
+    }
+
+    fn guest(v: f64) -> Results {
+        let mut g = Results {
+            commit: "guest".into(),
+            machine: Machine {
+                kernel: "6.1.0-guest".into(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        g.figures.push(fig(
+            "connect/direct-guest/1",
+            "connect",
+            "baseline",
+            None,
+            100.0,
+        ));
+        g.figures.push(fig(
+            "connect/ipvs/1",
+            "connect",
+            "ipvs",
+            Some("connect/direct-guest/1"),
+            v,
+        ));
+        g.unavailable("cold-start/ipvs/1000", "guest too slow");
+        g
+    }
+
+    #[test]
+    fn guest_figures_replace_the_hosts_ipvs_gaps_and_an_earlier_guest_run() {
+        let mut r = host();
+        r.merge_guest(guest(110.0), "tcg", 300.0);
+        let ids: Vec<&str> = r.figures.iter().map(|f| f.id.as_str()).collect();
+        assert_eq!(
+            ids,
+            [
+                "connect/direct/1",
+                "connect/iptables-nft/1",
+                "connect/direct-guest/1",
+                "connect/ipvs/1"
+            ]
+        );
+        let gaps: Vec<(&str, &str)> = r
+            .unavailable
+            .iter()
+            .map(|u| (u.id.as_str(), u.reason.as_str()))
+            .collect();
+        assert_eq!(
+            gaps,
+            [
+                ("connect/ebpf/1", "something else"),
+                ("cold-start/ipvs/1000", "guest too slow")
+            ]
+        );
+        assert!(r.in_guest("connect/ipvs/1") && !r.in_guest("connect/direct/1"));
+        let g = r.guest.clone().unwrap();
+        assert_eq!(
+            (g.kernel.as_str(), g.accel.as_str()),
+            ("6.1.0-guest", "tcg")
+        );
+        assert_eq!(r.group_seconds["ipvs-guest"], 300.0);
+        let ratio = report::ratio(&r, r.figure("connect/ipvs/1").unwrap()).unwrap();
+        assert!((ratio - 1.1).abs() < 1e-9, "{ratio}");
+
+        // A second guest run replaces the first one's figures.
+        r.merge_guest(guest(150.0), "tcg", 200.0);
+        assert_eq!(r.figures.len(), 4);
+        assert_eq!(r.figure("connect/ipvs/1").unwrap().samples, [150.0, 150.0]);
+        assert_eq!(r.unavailable.len(), 2);
+
+        let md = report::markdown(&r);
+        assert!(md.contains("`connect/ipvs/1` †"), "{md}");
+        assert!(md.contains("| | iptables-nft | ipvs |"), "{md}");
+        assert!(md.contains("QEMU guest (tcg), kernel 6.1.0-guest"), "{md}");
+    }
+
+    #[test]
+    fn guest_json_is_found_between_the_markers() {
+        let out = format!("boot\n{GUEST_JSON_BEGIN}\n{{\"a\":1}}\n{GUEST_JSON_END}\nbye\n");
+        assert_eq!(guest_json(&out), Some("{\"a\":1}"));
+        assert_eq!(guest_json("no markers"), None);
     }
 }

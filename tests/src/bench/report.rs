@@ -42,6 +42,171 @@ pub fn meets_target(results: &Results, f: &Figure) -> Option<bool> {
     Some(by_ratio.unwrap_or(true) && by_value.unwrap_or(true))
 }
 
+/// How far the figure is from its target: its median over the allowed value (or its ratio to
+/// the baseline over the allowed ratio); ≤ 1 meets it.
+pub fn of_target(results: &Results, f: &Figure) -> Option<f64> {
+    let t = f.target.as_ref()?;
+    let median = Summary::of(&f.samples).median;
+    let by_value = t.max_value.map(|m| median / m);
+    let by_ratio = t.max_ratio.and_then(|m| ratio(results, f).map(|r| r / m));
+    match (by_value, by_ratio) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The figure's id as shown, marked † when it was measured in the guest.
+fn shown_id(results: &Results, f: &Figure) -> String {
+    if results.in_guest(&f.id) {
+        format!("`{}` †", f.id)
+    } else {
+        format!("`{}`", f.id)
+    }
+}
+
+const GUEST_NOTE: &str = "† measured inside the QEMU guest (`cargo xtask bench --ipvs-guest`; \
+    the host kernel has no IPVS): under TCG emulation absolute times are many times the host's \
+    and not comparable with host figures; the ratio to the baseline measured in the same guest \
+    (`direct-guest`) is the result.";
+
+/// Agent modes of the run (connect and control figures), in summary order.
+fn modes(results: &Results) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for f in &results.figures {
+        let agent = matches!(
+            f.group.as_str(),
+            "connect" | "cold-start" | "change" | "resources"
+        );
+        if agent && f.mode != "baseline" && !out.contains(&f.mode) {
+            out.push(f.mode.clone());
+        }
+    }
+    let order = [
+        "ebpf",
+        "iptables-nft",
+        "iptables-legacy",
+        "iptables",
+        "ipvs",
+    ];
+    out.sort_by_key(|m| order.iter().position(|o| o == m).unwrap_or(order.len()));
+    out
+}
+
+/// One table, modes side by side: connect latency at each scale (ratio to direct), cold
+/// start, one change p50/p99, RSS, CPU.
+pub fn summary(results: &Results) -> String {
+    let modes = modes(results);
+    if modes.is_empty() {
+        return String::new();
+    }
+    let find = |group: &str, mode: &str| -> Vec<&Figure> {
+        results
+            .figures
+            .iter()
+            .filter(|f| f.group == group && f.mode == mode)
+            .collect()
+    };
+    let mark = |f: &Figure| if results.in_guest(&f.id) { " †" } else { "" };
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut scales: Vec<u32> = results
+        .figures
+        .iter()
+        .filter(|f| f.group == "connect" && f.mode != "baseline")
+        .map(|f| f.services)
+        .collect();
+    scales.sort_unstable();
+    scales.dedup();
+    for n in scales {
+        for (group, label) in [
+            ("connect", "connect median, vs direct"),
+            ("rps", "req/s keep-alive, vs direct"),
+        ] {
+            let cells = modes
+                .iter()
+                .map(|m| {
+                    find(group, m)
+                        .into_iter()
+                        .find(|f| {
+                            f.services == n
+                                && (group != "rps" || f.id.starts_with("rps-keepalive/"))
+                        })
+                        .map_or("—".into(), |f| {
+                            let med = Summary::of(&f.samples).median;
+                            let r =
+                                ratio(results, f).map_or(String::new(), |r| format!(" ({r:.2}×)"));
+                            format!("{med:.1} {}{r}{}", f.unit, mark(f))
+                        })
+                })
+                .collect();
+            rows.push((format!("{label}, {n} services"), cells));
+        }
+    }
+    let value = |group: &str, what: &str, m: &str, fmt: &dyn Fn(&Figure) -> String| -> String {
+        find(group, m)
+            .into_iter()
+            .find(|f| what.is_empty() || f.id.starts_with(what))
+            .map_or("—".into(), |f| format!("{}{}", fmt(f), mark(f)))
+    };
+    let with_target = |f: &Figure, v: f64| -> String {
+        let t = of_target(results, f).map_or(String::new(), |t| format!(" ({:.2}× target)", t));
+        format!("{v:.2} {}{t}", f.unit)
+    };
+    rows.push((
+        "cold start (services × 5)".into(),
+        modes
+            .iter()
+            .map(|m| {
+                value("cold-start", "", m, &|f| {
+                    format!(
+                        "{} @{}",
+                        with_target(f, Summary::of(&f.samples).median),
+                        f.services
+                    )
+                })
+            })
+            .collect(),
+    ));
+    rows.push((
+        "one change p50 / p99".into(),
+        modes
+            .iter()
+            .map(|m| {
+                value("change", "", m, &|f| {
+                    let s = Summary::of(&f.samples);
+                    format!(
+                        "{} / {:.1} ms @{}",
+                        with_target(f, s.median),
+                        s.p99,
+                        f.services
+                    )
+                })
+            })
+            .collect(),
+    ));
+    for (what, label) in [("rss/", "agent peak RSS"), ("cpu/", "agent CPU seconds")] {
+        rows.push((
+            label.into(),
+            modes
+                .iter()
+                .map(|m| {
+                    value("resources", what, m, &|f| {
+                        with_target(f, Summary::of(&f.samples).median)
+                    })
+                })
+                .collect(),
+        ));
+    }
+    let mut md = format!(
+        "| | {} |\n|---|{}\n",
+        modes.join(" | "),
+        "---|".repeat(modes.len())
+    );
+    for (label, cells) in rows {
+        let _ = writeln!(md, "| {label} | {} |", cells.join(" | "));
+    }
+    md
+}
+
 pub fn markdown(results: &Results) -> String {
     let mut md = String::new();
     let m = &results.machine;
@@ -57,11 +222,48 @@ pub fn markdown(results: &Results) -> String {
         m.memory_gib,
         m.kernel
     );
+    if !results.group_seconds.is_empty() {
+        let parts: Vec<String> = results
+            .group_seconds
+            .iter()
+            .map(|(g, s)| format!("{g} {s:.0} s"))
+            .collect();
+        let _ = writeln!(md, "- wall time per group: {}\n", parts.join(", "));
+    }
+    if let Some(g) = &results.guest {
+        let _ = writeln!(
+            md,
+            "- ipvs (†): QEMU guest ({}), kernel {}, commit `{}`, {:.0} s including boot; cold \
+             start and one change at {} services × 5{}\n",
+            g.accel,
+            g.kernel,
+            g.commit,
+            g.duration_s,
+            g.cold_services,
+            if g.cold_services < 10_000 {
+                " (reduced from 10k: TCG is too slow for 10k in the time budget)"
+            } else {
+                ""
+            }
+        );
+    }
     let _ = writeln!(
         md,
         "Each figure is compared with its baseline measured in the same run; ratios are of \
-         medians. Absolute numbers on a shared 2-core machine are noise, ratios are the result.\n"
+         medians. Absolute numbers on a shared 2-core machine are noise, ratios are the result. \
+         The agent runs with every min sync period set to 0 (`--min-sync-period=0s` and the \
+         per-mode ones), so one change is programmed as soon as the previous sync ends. \
+         iptables runs once per backend (`iptables-nft`, `iptables-legacy`), chosen the way \
+         the agent detects it on a real node: kubelet's `KUBE-IPTABLES-HINT` chain in that \
+         backend's mangle table, created in the node namespace before the agent starts.\n"
     );
+    let table = summary(results);
+    if !table.is_empty() {
+        let _ = writeln!(md, "## Summary, modes side by side\n\n{table}");
+        if results.guest.is_some() {
+            let _ = writeln!(md, "{GUEST_NOTE}\n");
+        }
+    }
     for (group, title) in GROUPS {
         let figs: Vec<&Figure> = results
             .figures
@@ -82,12 +284,13 @@ pub fn markdown(results: &Results) -> String {
         if !figs.is_empty() {
             let _ = writeln!(
                 md,
-                "| figure | n | median | p90 | p99 | unit | vs baseline | target | met |\n|---|---|---|---|---|---|---|---|---|"
+                "| figure | n | median | p90 | p99 | unit | vs baseline | target | vs target | met |\n|---|---|---|---|---|---|---|---|---|---|"
             );
-            for f in figs {
+            for f in &figs {
                 let s = Summary::of(&f.samples);
                 let r = ratio(results, f).map_or("—".into(), |r| format!("{r:.2}×"));
                 let t = f.target.as_ref().map_or("—".into(), |t| t.text.clone());
+                let of = of_target(results, f).map_or("—".into(), |x| format!("{x:.2}×"));
                 let met = match meets_target(results, f) {
                     Some(true) => "yes",
                     Some(false) => "**no**",
@@ -95,11 +298,19 @@ pub fn markdown(results: &Results) -> String {
                 };
                 let _ = writeln!(
                     md,
-                    "| `{}` | {} | {:.2} | {:.2} | {:.2} | {} | {r} | {t} | {met} |",
-                    f.id, s.n, s.median, s.p90, s.p99, f.unit
+                    "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {r} | {t} | {of} | {met} |",
+                    shown_id(results, f),
+                    s.n,
+                    s.median,
+                    s.p90,
+                    s.p99,
+                    f.unit
                 );
             }
             md.push('\n');
+            if figs.iter().any(|f| results.in_guest(&f.id)) {
+                let _ = writeln!(md, "{GUEST_NOTE}\n");
+            }
         }
         for u in missing {
             let _ = writeln!(md, "- `{}` not measured: {}", u.id, u.reason);
@@ -233,7 +444,12 @@ fn esc(s: &str) -> String {
 fn series_of(results: &Results, group: &str) -> Series {
     let mut out = Series::new();
     for f in results.figures.iter().filter(|f| f.group == group) {
-        out.entry(f.mode.clone())
+        let mode = if results.in_guest(&f.id) {
+            format!("{} (guest)", f.mode)
+        } else {
+            f.mode.clone()
+        };
+        out.entry(mode)
             .or_default()
             .push((f.services.to_string(), Summary::of(&f.samples).median));
     }
@@ -247,11 +463,13 @@ pub fn readme_section(results: &Results) -> String {
     let mut md = format!(
         "Measured by `cargo xtask bench{}` at commit `{}` on {} CPUs, kernel {} \
          (full report: `bench/REPORT.md`).\n\n\
-         | figure | median | vs baseline | target | met |\n|---|---|---|---|---|\n",
+         Modes side by side:\n\n{}\n\
+         | figure | median | vs baseline | target | vs target | met |\n|---|---|---|---|---|---|\n",
         if results.quick { " --quick" } else { "" },
         &results.commit[..results.commit.len().min(12)],
         results.machine.cpus,
-        results.machine.kernel
+        results.machine.kernel,
+        summary(results),
     );
     for f in &results.figures {
         if f.baseline.is_none() && f.target.is_none() {
@@ -260,6 +478,7 @@ pub fn readme_section(results: &Results) -> String {
         let median = Summary::of(&f.samples).median;
         let r = ratio(results, f).map_or("—".into(), |r| format!("{r:.2}×"));
         let t = f.target.as_ref().map_or("—".into(), |t| t.text.clone());
+        let of = of_target(results, f).map_or("—".into(), |x| format!("{x:.2}×"));
         let met = match meets_target(results, f) {
             Some(true) => "yes",
             Some(false) => "no",
@@ -267,9 +486,13 @@ pub fn readme_section(results: &Results) -> String {
         };
         let _ = writeln!(
             md,
-            "| `{}` | {median:.2} {} | {r} | {t} | {met} |",
-            f.id, f.unit
+            "| {} | {median:.2} {} | {r} | {t} | {of} | {met} |",
+            shown_id(results, f),
+            f.unit
         );
+    }
+    if results.guest.is_some() {
+        let _ = writeln!(md, "\n{GUEST_NOTE}");
     }
     if !results.unavailable.is_empty() {
         let _ = writeln!(
