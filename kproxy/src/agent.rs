@@ -465,3 +465,50 @@ pub fn snapshot_from_manifests(
     let (snap, _) = tracker.snapshot();
     Ok((snap, problems))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(dir: &std::path::Path, spec: &str) -> PathBuf {
+        let path = dir.join("node.yaml");
+        std::fs::write(
+            &path,
+            format!("apiVersion: v1\nkind: Node\nmetadata: {{name: n1}}\nspec: {spec}\n"),
+        )
+        .unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn waiting_for_pod_cidrs_returns_them_or_times_out_naming_why() {
+        let dir = std::env::temp_dir().join(format!("kproxy-podcidr-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let with = manifest(&dir, "{podCIDRs: [10.244.1.0/24, \"fd00:244:1::/64\"]}");
+        let got = wait_for_pod_cidrs(&SourceSpec::Manifests(with), "n1", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                "10.244.1.0/24".parse::<IpNet>().unwrap(),
+                "fd00:244:1::/64".parse().unwrap()
+            ]
+        );
+        let without = manifest(&dir, "{}");
+        let err = wait_for_pod_cidrs(
+            &SourceSpec::Manifests(without),
+            "n1",
+            Duration::from_millis(1500),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("timeout waiting for PodCIDR allocation")
+                && err.contains("\"n1\" has no spec.podCIDRs"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -157,3 +157,61 @@ fn agent_log_contains(scratch: &Scratch, what: &str) -> Option<()> {
     let log = std::fs::read_to_string(scratch.0.join("kproxy.log")).unwrap_or_default();
     log.contains(what).then_some(())
 }
+
+/// `kproxy render --proxy-mode iptables --detect-local-mode NodeCIDR` renders the Node's pod
+/// CIDR into the rules in upstream's exact form (as in upstream's iptables expectations:
+/// `… --dport 80 ! -s 10.0.0.0/8 -j KUBE-MARK-MASQ`).
+#[test]
+fn render_uses_the_manifest_nodes_pod_cidr_in_upstreams_form() {
+    let scratch = Scratch::new("nc-render");
+    let path = scratch.0.join("cluster.yaml");
+    let docs: Vec<String> = [
+        serde_json::to_value(node(&[POD_CIDR])).unwrap(),
+        serde_json::to_value(service()).unwrap(),
+        serde_json::to_value(slice()).unwrap(),
+    ]
+    .into_iter()
+    .zip(["v1/Node", "v1/Service", "discovery.k8s.io/v1/EndpointSlice"])
+    .map(|(mut v, kind)| {
+        let (api, kind) = kind.rsplit_once('/').unwrap();
+        v["apiVersion"] = api.into();
+        v["kind"] = kind.into();
+        serde_yaml::to_string(&v).unwrap()
+    })
+    .collect();
+    std::fs::write(&path, docs.join("---\n")).unwrap();
+    let o = std::process::Command::new(kproxy_tests::topology::kproxy_bin().unwrap())
+        .args([
+            "render",
+            "--proxy-mode=iptables",
+            "--detect-local-mode=NodeCIDR",
+            "--cluster-cidr=10.0.0.0/8",
+            &format!("--manifests={}", path.display()),
+            &format!("--hostname-override={NODE}"),
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let masq = rule(&out, "default/web:http cluster IP", "KUBE-MARK-MASQ")
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        masq.ends_with(&format!(
+            "-m tcp -p tcp -d 10.96.0.30 --dport 80 ! -s {POD_CIDR} -j KUBE-MARK-MASQ"
+        )),
+        "{masq}"
+    );
+    let pod = rule(
+        &out,
+        "pod traffic for default/web:http external destinations",
+        "KUBE-SVC-",
+    )
+    .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        pod.contains(&format!(
+            "external destinations\" -s {POD_CIDR} -j KUBE-SVC-"
+        )),
+        "{pod}"
+    );
+    assert!(!out.contains("10.0.0.0/8"), "{out}");
+}
