@@ -17,9 +17,12 @@
 //!   Conntrack/SNAT/NAT maps belong to the TC programs and live in their own module.
 //! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
 //!   device and counters (`kp_tc_in` / `kp_tc_eg`).
+//! - [`layout`]: each pinned map's layout (type, sizes, version) and the pinned record of
+//!   them, so an upgraded agent reuses, carries over or replaces pins deliberately.
 #![no_std]
 
 pub mod counter;
 pub mod ct;
+pub mod layout;
 pub mod service;
 pub mod sock;
