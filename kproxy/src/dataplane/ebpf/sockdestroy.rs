@@ -346,6 +346,23 @@ mod tests {
     }
 
     #[test]
+    fn a_destroyer_that_cannot_work_says_why_once_and_stops() {
+        let mut d = SockDestroyer::new(Path::new("/nonexistent/kproxy/KP_SOCK_RNAT"));
+        assert_eq!(d.destroy(&[]), DestroyOutcome::default());
+        assert!(d.disabled().is_none(), "nothing to do is not a failure");
+        let target: SocketAddr = "10.0.0.1:53".parse().unwrap();
+        assert_eq!(d.destroy(&[target]), DestroyOutcome::default());
+        let reason = d.disabled().expect("disabled").to_string();
+        assert!(
+            reason.contains("/nonexistent/kproxy/KP_SOCK_RNAT"),
+            "{reason}"
+        );
+        // Later calls return at once.
+        assert_eq!(d.destroy(&[target]), DestroyOutcome::default());
+        assert_eq!(d.disabled(), Some(reason.as_str()));
+    }
+
+    #[test]
     fn the_own_namespace_comes_first_and_once() {
         let all = network_namespaces();
         assert_eq!(all[0], PathBuf::from("/proc/thread-self/ns/net"));
