@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
@@ -31,6 +31,53 @@ const PORT: u16 = 80;
 /// What the previous build's connection-table value was: this build's minus its last field
 /// (`last_seen_ns`), i.e. a build before that field was appended.
 const OLD_CT_VALUE: usize = size_of::<CtEntry>() - 8;
+
+/// What the code under test logged on this thread (INFO and above, plain text).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
+impl Logs {
+    /// Captures this thread's logs until the guard is dropped.
+    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .finish();
+        (logs.clone(), tracing::subscriber::set_default(subscriber))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Asserts that one logged line holds every piece of `parts`.
+    fn assert_line(&self, parts: &[&str]) {
+        let text = self.text();
+        assert!(
+            text.lines().any(|l| parts.iter().all(|p| l.contains(p))),
+            "no log line with {parts:?} in:\n{text}"
+        );
+    }
+}
 
 struct Rig {
     topo: Topology,
@@ -238,7 +285,11 @@ fn connection_entries_of_a_previous_layout_are_carried_over() {
     }
 
     // This build starts over them.
+    let (logs, guard) = Logs::capture();
     let mut dp = rig.start();
+    drop(guard);
+    logs.assert_line(&["carried the pinned map's entries over", MAP_CT, "entries=3"]);
+    logs.assert_line(&["detached a program of the previous map layout"]);
     assert_eq!(action(&dp, MAP_CT), Action::Migrate);
     assert_eq!(dp.layout_report().carried.get(MAP_CT), Some(&3));
     assert_eq!(action(&dp, MAP_SERVICES), Action::Reuse);
@@ -304,7 +355,17 @@ fn incompatible_pins_are_replaced_and_never_reused() {
     // ... and wrote affinity entries in a layout newer than this build knows (a downgrade).
     rig.set_record(MAP_AFFINITY, |r| r.version += 5);
 
+    let (logs, guard) = Logs::capture();
     let mut dp = rig.start();
+    drop(guard);
+    logs.assert_line(&["WARN", "replacing the pinned map", MAP_SERVICES, "key 4 B"]);
+    logs.assert_line(&[
+        "WARN",
+        "replacing the pinned map",
+        MAP_AFFINITY,
+        "newer kproxy",
+    ]);
+    logs.assert_line(&["detached a program of the previous map layout"]);
     let report = dp.layout_report().clone();
     match action(&dp, MAP_SERVICES) {
         Action::Replace(reason) => assert!(reason.contains("key 4 B"), "{reason}"),
