@@ -214,7 +214,22 @@ fn walk(
             continue;
         }
         out.namespaces += 1;
-        let mut sock = DiagSocket::open()?;
+        let mut sock = match DiagSocket::open() {
+            Ok(s) => s,
+            Err(e) if unsupported(&e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("opening a sock_diag socket: {e} (needs CONFIG_INET_DIAG)"),
+                ));
+            }
+            Err(e) => {
+                out.errors.push(format!(
+                    "opening a sock_diag socket in {}: {e}",
+                    path.display()
+                ));
+                continue;
+            }
+        };
         for family in &families {
             let found = match sock.connected_udp(*family, targets) {
                 Ok(f) => f,
