@@ -3,7 +3,7 @@
 //! service path of the node's devices: `kp_tc_in` finds no external-scope frontend for the VIP,
 //! falls back to the ClusterIP's cluster-scope one, DNATs to a backend with the same
 //! connection table as NodePorts, and replies are translated back (source = the VIP), for local
-//! and remote backends.
+//! and remote backends. The same holds for a pod of the node outside the socket-LB cgroup.
 //!
 //! The agent's ebpf mode itself (`EbpfMode`: service maps, TC programs on the devices the
 //! default rule selects, socket LB off) runs in the node namespace of the shared topology;
@@ -96,7 +96,7 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
         return;
     }
     let mut topo = TopologySpec::new("routed")
-        .local_pods(1)
+        .local_pods(2)
         .remote_pods(1)
         .ipv6(false)
         .build()
@@ -120,6 +120,7 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
                 affinity: 256,
                 source_ranges: 16,
                 sock_rev_nat: 256,
+                ..MapSizes::default()
             },
             ..EbpfConfig::default()
         },
@@ -170,6 +171,31 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
             "{proto}"
         );
         assert_eq!(r.peer_ips("pod-l0"), vec![CLIENT_IP.to_string()], "{proto}");
+    }
+
+    // A pod of this node outside the socket-LB cgroup (no socket hook either): its packets
+    // enter the node through its veth, which holds the pod gateway address and so carries the
+    // TC programs too.
+    let outsider = topo.pod("pod-l1");
+    for proto in ["tcp", "udp"] {
+        let addr = format!("{VIP}:{PORT}");
+        let p = if proto == "tcp" {
+            Probe::tcp(addr, N)
+        } else {
+            Probe::udp(addr, N)
+        };
+        let r = p.run(&outsider.ns, None).unwrap();
+        assert_eq!(r.total_answers(), u64::from(N), "{proto} from a pod: {r:?}");
+        assert!(
+            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
+                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
+            "{proto} from a pod: both backends answer: {r:?}"
+        );
+        assert_eq!(
+            r.peer_ips("pod-l0"),
+            vec![outsider.ip.to_string()],
+            "{proto} from a pod"
+        );
     }
 
     // The flows went through the TC connection table: one service entry per flow from the

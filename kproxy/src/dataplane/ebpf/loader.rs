@@ -9,17 +9,18 @@
 //!   after kill -9) neither interrupts nor re-attaches; the programs behind those links read
 //!   the same pinned maps, which the new agent reconciles.
 //!
+//! Before loading, [`super::layout::reconcile`] makes every pinned map this build's layout
+//! (reused, carried over or replaced, recorded in `KP_LAYOUT`; socket-LB links of a previous
+//! layout are dropped). A map whose `max_entries` differs from `--bpf-map-sizes` keeps its old
+//! size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
+//! `kproxy cleanup` (which removes the pins) and a start. The link's cgroup is not compared
+//! with `--bpf-cgroup` on reuse.
+//!
 //! The Maglev maps are the exception: their size follows the mode and table size
 //! (`tables × M` entries in maglev mode, one in random mode), so pinned ones of another size
 //! are removed before the load and created anew (the TC programs still attached keep the old
 //! ones until they are replaced; frontends carrying `SVC_F_MAGLEV` fall back to a random slot
 //! until the first sync writes the new tables).
-//!
-//! Pinned maps are reused as they are: a map whose key/value sizes differ from this build's is
-//! an error (naming `kproxy cleanup`), one whose `max_entries` differs from `--bpf-map-sizes`
-//! keeps its old size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
-//! `kproxy cleanup` (which removes the pins) and a start. The link's cgroup is not compared
-//! with `--bpf-cgroup` on reuse.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -58,6 +59,8 @@ pub enum LoaderError {
     Program { name: &'static str, reason: String },
     #[error(transparent)]
     Table(#[from] TableError),
+    #[error(transparent)]
+    Layout(#[from] super::layout::LayoutError),
 }
 
 /// Makes sure `path` is a bpffs (mounting one if it is not).
@@ -99,6 +102,8 @@ pub struct Kernel {
     pin_dir: PathBuf,
     /// `(program, link id)` of each attached socket-LB program.
     pub links: Vec<(&'static str, u32)>,
+    /// What was done with the maps pinned by a previous agent.
+    pub layout: super::layout::LayoutReport,
 }
 
 /// `<bpffs>/kproxy`.
@@ -121,6 +126,11 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         path: dir.clone(),
         reason: format!("creating {}: {e}", link_dir(&dir).display()),
     })?;
+    let sock_links: Vec<PathBuf> = sock::PROGRAMS
+        .iter()
+        .map(|p| link_dir(&dir).join(p))
+        .collect();
+    let layout = super::layout::reconcile(&dir, &sock_links)?;
     let sizes = &cfg.map_sizes;
     let (maglev_entries, maglev_refs) = maglev_sizes(cfg);
     recreate_maglev_if_resized(&dir, maglev_entries)?;
@@ -207,6 +217,7 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
             _ebpf: ebpf,
             pin_dir: dir,
             links,
+            layout,
         },
         tables,
     ))

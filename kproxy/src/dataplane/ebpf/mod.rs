@@ -9,6 +9,8 @@
 //!   deletes stale, failing only the service port whose write failed.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
 //! - [`loader`]: bpffs, the object with pinned maps, socket-LB programs on pinned links.
+//! - [`layout`]: maps pinned by another kproxy version are reused, carried over or replaced
+//!   deliberately before the object loads.
 //! - [`sockdestroy`] (with [`sockdiag`]): after a sync, UDP sockets socket LB connected to a
 //!   backend that left every UDP service are destroyed, so clients re-resolve at once.
 //!
@@ -18,6 +20,7 @@
 
 pub mod applier;
 pub mod ids;
+pub mod layout;
 pub mod loader;
 pub mod maglev;
 pub mod planner;
@@ -182,6 +185,11 @@ impl EbpfDataplane {
     /// `(program, link id)` of the attached socket-LB links.
     pub fn link_ids(&self) -> &[(&'static str, u32)] {
         &self.kernel.links
+    }
+
+    /// What was done at start with the maps a previous agent pinned.
+    pub fn layout_report(&self) -> &layout::LayoutReport {
+        &self.kernel.layout
     }
 
     /// Entries and capacity of each service map.

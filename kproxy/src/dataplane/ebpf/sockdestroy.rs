@@ -214,7 +214,22 @@ fn walk(
             continue;
         }
         out.namespaces += 1;
-        let mut sock = DiagSocket::open()?;
+        let mut sock = match DiagSocket::open() {
+            Ok(s) => s,
+            Err(e) if unsupported(&e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("opening a sock_diag socket: {e} (needs CONFIG_INET_DIAG)"),
+                ));
+            }
+            Err(e) => {
+                out.errors.push(format!(
+                    "opening a sock_diag socket in {}: {e}",
+                    path.display()
+                ));
+                continue;
+            }
+        };
         for family in &families {
             let found = match sock.connected_udp(*family, targets) {
                 Ok(f) => f,
@@ -343,6 +358,23 @@ mod tests {
             .map(|s| s.parse().unwrap())
             .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_destroyer_that_cannot_work_says_why_once_and_stops() {
+        let mut d = SockDestroyer::new(Path::new("/nonexistent/kproxy/KP_SOCK_RNAT"));
+        assert_eq!(d.destroy(&[]), DestroyOutcome::default());
+        assert!(d.disabled().is_none(), "nothing to do is not a failure");
+        let target: SocketAddr = "10.0.0.1:53".parse().unwrap();
+        assert_eq!(d.destroy(&[target]), DestroyOutcome::default());
+        let reason = d.disabled().expect("disabled").to_string();
+        assert!(
+            reason.contains("/nonexistent/kproxy/KP_SOCK_RNAT"),
+            "{reason}"
+        );
+        // Later calls return at once.
+        assert_eq!(d.destroy(&[target]), DestroyOutcome::default());
+        assert_eq!(d.disabled(), Some(reason.as_str()));
     }
 
     #[test]
