@@ -146,6 +146,7 @@ fn check(family: &str) {
             affinity: 256,
             source_ranges: 16,
             sock_rev_nat: 1024,
+            ..MapSizes::default()
         },
         ..EbpfConfig::default()
     };
