@@ -116,6 +116,7 @@ impl Rig {
                 affinity: 256,
                 source_ranges: 16,
                 sock_rev_nat: 256,
+                ..MapSizes::default()
             },
             ..EbpfConfig::default()
         })
