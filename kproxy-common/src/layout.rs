@@ -26,6 +26,7 @@ use core::mem::size_of;
 use crate::ct::{
     CtEntry, CtKey, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4,
 };
+use crate::maglev::{MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
@@ -103,7 +104,7 @@ const fn layout(
 }
 
 /// Every map the BPF object pins, with its layout.
-pub const LAYOUTS: [MapLayout; 11] = [
+pub const LAYOUTS: [MapLayout; 13] = [
     layout(
         MAP_SERVICES,
         MAP_TYPE_HASH,
@@ -142,6 +143,23 @@ pub const LAYOUTS: [MapLayout; 11] = [
         MAP_TYPE_LPM_TRIE,
         4 + size_of::<SourceRangeKey>(),
         size_of::<u8>(),
+        1,
+        None,
+    ),
+    // Maglev tables are rebuilt by the agent from the snapshot: replaced, never carried.
+    layout(
+        MAP_MAGLEV,
+        MAP_TYPE_ARRAY,
+        size_of::<u32>(),
+        size_of::<u32>(),
+        1,
+        None,
+    ),
+    layout(
+        MAP_MAGLEV_REF,
+        MAP_TYPE_HASH,
+        size_of::<u32>(),
+        size_of::<MaglevRef>(),
         1,
         None,
     ),
