@@ -28,7 +28,7 @@ use crate::metrics::{Metrics, SyncMetrics};
 use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
 use crate::nodeip::{NodeIps, detect_node_ips, node_ips_of};
 use crate::source::{self, Delta, Event};
-use crate::sync::{Runner, RunnerConfig, RunnerStatus};
+use crate::sync::{Runner, RunnerConfig, RunnerStatus, SyncRequester};
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone)]
@@ -61,6 +61,9 @@ pub struct AgentOptions {
     /// The metrics handle the datapath reports into (create it with [`Metrics::new`] for the
     /// datapath's mode before building the datapath); `None`: the agent creates one.
     pub metrics: Option<Metrics>,
+    /// The requester the datapath was built with (syncs it asks for on its own, e.g. the
+    /// iptables canary monitor's); `None`: only source changes and the period trigger syncs.
+    pub resync: Option<SyncRequester>,
 }
 
 impl AgentOptions {
@@ -77,6 +80,7 @@ impl AgentOptions {
             node_port_addresses: vec![],
             oom_score_adj: None,
             metrics: None,
+            resync: None,
         }
     }
 
@@ -199,6 +203,9 @@ impl Agent {
         let health_checks =
             ServiceHealthServers::start(health.clone(), events, opts.node_port_addresses.clone());
         let mut runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        if let Some(r) = &opts.resync {
+            runner.set_requester(r.clone());
+        }
         runner.observe(Arc::new(health.clone()));
         runner.observe(Arc::new(SyncMetrics::new(metrics.clone())));
         runner.observe(Arc::new(health_checks.observer()));

@@ -143,7 +143,8 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
 
-        let (dataplane, metrics) = factory::select(cfg.mode, cfg)?;
+        let resync = kproxy::sync::SyncRequester::default();
+        let (dataplane, metrics) = factory::select(cfg.mode, cfg, &resync)?;
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
@@ -161,6 +162,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         };
         opts.oom_score_adj = Some(cfg.oom_score_adj);
         opts.metrics = Some(metrics);
+        opts.resync = Some(resync);
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;
