@@ -28,7 +28,7 @@ use crate::metrics::{Metrics, SyncMetrics};
 use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
 use crate::nodeip::{NodeIps, detect_node_ips, node_ips_of};
 use crate::source::{self, Delta, Event};
-use crate::sync::{Runner, RunnerConfig, RunnerStatus};
+use crate::sync::{Runner, RunnerConfig, RunnerStatus, SyncRequester};
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone)]
@@ -65,6 +65,9 @@ pub struct AgentOptions {
     /// `spec.podCIDRs` later differ, the process exits 1 so that it restarts with the new ones
     /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
     pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
+    /// The requester the datapath was built with (syncs it asks for on its own, e.g. the
+    /// iptables canary monitor's); `None`: only source changes and the period trigger syncs.
+    pub resync: Option<SyncRequester>,
 }
 
 impl AgentOptions {
@@ -82,6 +85,7 @@ impl AgentOptions {
             oom_score_adj: None,
             metrics: None,
             exit_on_pod_cidr_change: None,
+            resync: None,
         }
     }
 
@@ -205,6 +209,9 @@ impl Agent {
         let health_checks =
             ServiceHealthServers::start(health.clone(), events, opts.node_port_addresses.clone());
         let mut runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        if let Some(r) = &opts.resync {
+            runner.set_requester(r.clone());
+        }
         runner.observe(Arc::new(health.clone()));
         runner.observe(Arc::new(SyncMetrics::new(metrics.clone())));
         runner.observe(Arc::new(health_checks.observer()));

@@ -157,8 +157,13 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             };
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
-        let (dataplane, metrics) =
-            factory::select(cfg.mode, cfg, pod_cidrs.as_deref().unwrap_or_default())?;
+        let resync = kproxy::sync::SyncRequester::default();
+        let (dataplane, metrics) = factory::select(
+            cfg.mode,
+            cfg,
+            pod_cidrs.as_deref().unwrap_or_default(),
+            &resync,
+        )?;
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
@@ -177,6 +182,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         opts.oom_score_adj = Some(cfg.oom_score_adj);
         opts.metrics = Some(metrics);
         opts.exit_on_pod_cidr_change = pod_cidrs;
+        opts.resync = Some(resync);
         info!(%mode, node = %opts.node_name, "kproxy starting");
         let agent = Agent::start(opts, dataplane, shutdown).await?;
         agent.wait().await?;

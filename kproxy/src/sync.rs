@@ -13,6 +13,10 @@
 //! kproxy backs off exponentially (1 s, 2 s, 4 s … capped at `syncPeriod`), so a datapath that
 //! fails persistently is not hammered while a transient failure is repaired quickly.
 //!
+//! A datapath can ask for a sync outside of source changes (the iptables canary monitor after
+//! an external flush) through a [`SyncRequester`] handed to [`Runner::set_requester`]; such a
+//! request is rate-limited like a change.
+//!
 //! The schedule is pure (it takes `now` as an argument) and unit-tested; [`Runner::run`] is
 //! the thin async loop around it.
 //!
@@ -31,6 +35,18 @@ use crate::dataplane::{Dataplane, SyncReport};
 use crate::model::tracker::Pending;
 use crate::model::{ChangedSet, Snapshot, Tracker};
 use crate::source::{Delta, Event};
+
+/// Asks the sync loop for a sync as soon as the rate limit allows (upstream
+/// `BoundedFrequencyRunner.Run()`); cheap to clone, callable from any thread.
+#[derive(Debug, Clone, Default)]
+pub struct SyncRequester(Arc<tokio::sync::Notify>);
+
+impl SyncRequester {
+    /// Requests a sync (requests before the loop looks are merged into one).
+    pub fn request(&self) {
+        self.0.notify_one();
+    }
+}
 
 /// Timing of the sync loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,6 +251,7 @@ pub struct Runner {
     /// Changes of failed syncs, handed again to the next one.
     carried: ChangedSet,
     observers: Vec<Arc<dyn SyncObserver>>,
+    requests: SyncRequester,
 }
 
 impl Runner {
@@ -247,7 +264,13 @@ impl Runner {
             status,
             carried: ChangedSet::default(),
             observers: vec![],
+            requests: SyncRequester::default(),
         }
+    }
+
+    /// Makes `requester` trigger this loop's syncs.
+    pub fn set_requester(&mut self, requester: SyncRequester) {
+        self.requests = requester;
     }
 
     /// Adds an observer of the loop's progress.
@@ -274,6 +297,7 @@ impl Runner {
             o.loop_started(started);
         }
         tokio::pin!(shutdown);
+        let requests = self.requests.0.clone();
         let mut events_open = true;
         loop {
             let now = Instant::now();
@@ -298,6 +322,10 @@ impl Runner {
                         debug!("all sources stopped");
                     }
                 },
+                _ = requests.notified() => {
+                    debug!("sync requested by the datapath");
+                    schedule.request();
+                }
                 _ = tokio::time::sleep_until(wake.into()) => {}
             }
             // Sources gone (tests, or a fatal source error): finish the pending sync, then stop.

@@ -3,7 +3,8 @@
 //! sync, then one endpoint change (a partial sync) and one service removal: after each, the
 //! kernel's nat table equals what a plain restore of upstream's full ruleset gives, and the
 //! partial syncs applied only the chains that changed. Prints how long each sync took (no
-//! timing is asserted; `KPROXY_IPT_SERVICES=10000` gives the figures).
+//! timing is asserted). For figures: `KPROXY_IPT_SERVICES=10000 … -- --test-threads=1
+//! --nocapture` (CPU times are per process, so one test at a time), ideally `--release`.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -22,6 +23,31 @@ use serde::Deserialize;
 use serde_json::json;
 
 const ENDPOINTS: usize = 5;
+
+/// CPU time (user + system) of this process and of its waited-for children so far: the wall
+/// time of a sync on a loaded machine says little, its CPU time does.
+fn cpu() -> (Duration, Duration) {
+    let get = |who| {
+        // SAFETY: getrusage fills the struct it is given.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(who, &mut u) };
+        let tv = |t: libc::timeval| {
+            Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+        };
+        tv(u.ru_utime) + tv(u.ru_stime)
+    };
+    (get(libc::RUSAGE_SELF), get(libc::RUSAGE_CHILDREN))
+}
+
+/// Times `f`: wall, own CPU, children's CPU (the iptables binaries).
+fn timed<T>(f: impl FnOnce() -> T) -> (T, [Duration; 3]) {
+    let (s0, c0) = cpu();
+    let t = Instant::now();
+    let r = f();
+    let wall = t.elapsed();
+    let (s1, c1) = cpu();
+    (r, [wall, s1 - s0, c1 - c0])
+}
 
 fn services() -> usize {
     std::env::var("KPROXY_IPT_SERVICES")
@@ -168,9 +194,9 @@ fn run(choice: Choice, flavor: &str) {
 
     let (services, slices) = objects(n, None);
     let (snap, changed) = feed(&mut tracker, &services, &slices);
-    let t = Instant::now();
-    dp.sync(&snap, &changed).expect("cold full sync");
-    figures.push(("cold full sync", t.elapsed()));
+    let (r, d) = timed(|| dp.sync(&snap, &changed));
+    r.expect("cold full sync");
+    figures.push(("cold full sync", d));
     let want = reference(
         flavor,
         &kproxy::dataplane::iptables::render(&snap, &expected_cfg),
@@ -184,9 +210,9 @@ fn run(choice: Choice, flavor: &str) {
     let (services, slices) = objects(n, Some(moved));
     let (snap, changed) = feed(&mut tracker, &services, &slices);
     assert_eq!(changed.services.len(), 1);
-    let t = Instant::now();
-    dp.sync(&snap, &changed).expect("partial sync");
-    figures.push(("one endpoint changed", t.elapsed()));
+    let (r, d) = timed(|| dp.sync(&snap, &changed));
+    r.expect("partial sync");
+    figures.push(("one endpoint changed", d));
     let stats = dp.proxiers()[0].stats;
     assert_eq!(stats.partial_syncs, 1, "{stats:?}");
     assert!(
@@ -221,10 +247,9 @@ fn run(choice: Choice, flavor: &str) {
     // due: force it with a full sync afterwards).
     let (services, slices) = objects(n - 1, Some(moved));
     let (snap, changed) = feed(&mut tracker, &services, &slices);
-    let t = Instant::now();
-    dp.sync(&snap, &changed)
-        .expect("partial sync (service removed)");
-    figures.push(("one service removed", t.elapsed()));
+    let (r, d) = timed(|| dp.sync(&snap, &changed));
+    r.expect("partial sync (service removed)");
+    figures.push(("one service removed", d));
     let stats = dp.proxiers()[0].stats;
     assert_eq!(stats.partial_syncs, 2, "{stats:?}");
     let got = save();
@@ -243,14 +268,21 @@ fn run(choice: Choice, flavor: &str) {
         node: true,
         ..Default::default()
     };
-    let t = Instant::now();
-    dp.sync(&snap, &changed).expect("forced full sync");
-    figures.push(("forced full resync", t.elapsed()));
+    let (r, d) = timed(|| dp.sync(&snap, &changed));
+    r.expect("forced full sync");
+    figures.push(("forced full resync", d));
     assert_kernel_matches("after a full resync", &save(), &want);
 
     let line: Vec<String> = figures
         .iter()
-        .map(|(what, d)| format!("{what} {:.3} s", d.as_secs_f64()))
+        .map(|(what, [wall, own, children])| {
+            format!(
+                "{what} {:.3} s (CPU: kproxy {:.3} s, iptables {:.3} s)",
+                wall.as_secs_f64(),
+                own.as_secs_f64(),
+                children.as_secs_f64()
+            )
+        })
         .collect();
     println!(
         "iptables-{flavor}: {n} services x {ENDPOINTS} endpoints: {}",

@@ -39,6 +39,7 @@ use crate::config::{
 };
 use crate::metrics::Metrics;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
+use crate::sync::SyncRequester;
 
 /// The IP families this host can program: IPv4, and IPv6 unless the kernel has it disabled.
 pub fn host_families() -> Vec<IpFamily> {
@@ -354,12 +355,28 @@ pub fn build(
     node_pod_cidrs: &[IpNet],
     metrics: Option<&Metrics>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
+    build_with_resync(mode, cfg, node_pod_cidrs, metrics, None)
+}
+
+/// [`build`] for the agent: `resync` is the sync loop's requester, which the datapath calls
+/// when it needs a sync without a service change (the iptables canary monitor after an
+/// external flush).
+pub fn build_with_resync(
+    mode: ProxyMode,
+    cfg: &ProxyConfig,
+    node_pod_cidrs: &[IpNet],
+    metrics: Option<&Metrics>,
+    resync: Option<&SyncRequester>,
+) -> anyhow::Result<Box<dyn Dataplane>> {
     let families = host_families();
     match mode {
         ProxyMode::Iptables => {
             apply_conntrack_sysctls(cfg);
             let dp = IptablesDataplane::new(iptables_configs(cfg, &families, node_pod_cidrs))
                 .context("setting up the iptables proxier")?;
+            if let Some(r) = resync.cloned() {
+                dp.set_resync_callback(std::sync::Arc::new(move || r.request()));
+            }
             Ok(match metrics {
                 Some(m) => Box::new(WithConntrackCleanup::new(
                     IptablesWithMetrics {
@@ -443,17 +460,19 @@ pub const DETECT_ORDER: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, Prox
 /// Builds the forced mode, or the first mode of [`DETECT_ORDER`] whose probe
 /// ([`super::detect::probe`]) passes and that builds; logs why each earlier mode was
 /// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
-/// ([`cleanup_others`]). Returns the datapath and the metrics it reports into.
+/// ([`cleanup_others`]). Returns the datapath and the metrics it reports into; the datapath
+/// asks `resync` for syncs it needs on its own (hand it to the sync loop too).
 /// `node_pod_cidrs` as for [`build`].
 pub fn select(
     choice: ModeChoice,
     cfg: &ProxyConfig,
     node_pod_cidrs: &[IpNet],
+    resync: &SyncRequester,
 ) -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
     let attempt = |mode: ProxyMode| -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
         cleanup_others(mode, cfg);
         let metrics = Metrics::new(mode);
-        let dp = build(mode, cfg, node_pod_cidrs, Some(&metrics))?;
+        let dp = build_with_resync(mode, cfg, node_pod_cidrs, Some(&metrics), Some(resync))?;
         Ok((dp, metrics))
     };
     match choice {

@@ -9,7 +9,9 @@
 //! checks that the nat `PREROUTING → KUBE-SERVICES` jump still exists and the canary exists in
 //! every table. When either check fails it marks the next sync full and calls the
 //! `on_resync` callback (the agent wires it to the sync runner's `request()`), once per
-//! incident.
+//! incident. It checks every `sync_period` but at least every [`MONITOR_INTERVAL_MAX`]
+//! (upstream: every `syncPeriod`): the checks are four cheap commands, and the repair should
+//! not wait for a long sync period.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,6 +39,9 @@ pub enum SetupError {
     #[error("setting sysctl {key}: {reason}")]
     Sysctl { key: String, reason: String },
 }
+
+/// The canary monitor checks at least this often.
+pub const MONITOR_INTERVAL_MAX: Duration = Duration::from_secs(5);
 
 /// Called by the monitor when the rules need a full resync.
 pub type ResyncCallback = Arc<dyn Fn() + Send + Sync>;
@@ -84,7 +89,7 @@ impl IptablesDataplane {
     /// Sets up one proxier per config (one per family): picks the backend, reads
     /// `nf_conntrack_tcp_be_liberal`, sets `route_localnet` when localhost NodePorts are in
     /// effect, checks `bridge-nf-call-iptables`, and starts the canary monitors (checking
-    /// every `sync_period`).
+    /// every `sync_period`, at most [`MONITOR_INTERVAL_MAX`] apart).
     pub fn new(cfgs: impl IntoIterator<Item = IptablesConfig>) -> Result<Self, SetupError> {
         let mut proxiers = vec![];
         let mut seen = vec![];
@@ -162,7 +167,10 @@ impl IptablesDataplane {
         for p in &self.proxiers {
             let mut backend = p.backend.clone();
             let force = p.force_full_flag();
-            let interval = p.cfg.sync_period.max(Duration::from_millis(100));
+            let interval = p
+                .cfg
+                .sync_period
+                .clamp(Duration::from_millis(100), MONITOR_INTERVAL_MAX);
             let stop = Arc::new(AtomicBool::new(false));
             let stop2 = stop.clone();
             let cb = self.on_resync.clone();

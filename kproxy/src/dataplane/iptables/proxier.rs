@@ -23,7 +23,8 @@
 //! A partial sync's input is upstream's (it re-declares and rewrites KUBE-SERVICES,
 //! KUBE-NODEPORTS, … with one rule per service, plus the changed services' chains). Applied
 //! as is, that is a chain flush and ~10k appends through iptables-nft `--noflush` at 10k
-//! services (seconds). The applier leaves out of the applied input every chain whose complete
+//! services (≈ 1 s of iptables CPU, 3–4 s wall on a loaded machine; the restore of only the
+//! changed service's chains takes ≈ 0.05 s). The applier leaves out of the applied input every chain whose complete
 //! content equals what it wrote last time ([`KernelChains`]); a `--noflush` restore leaves an
 //! omitted chain as it is, so the kernel ends up exactly as after upstream's input. What the
 //! proxier logs and compares ([`Proxier::last_input`]) stays upstream's text. The knowledge is
@@ -33,6 +34,10 @@
 //! instead of an `iptables-save` of the whole (huge) nat table. Knowingly different from
 //! upstream: between full syncs an external edit of KUBE-SERVICES & co. that leaves the canary
 //! and the PREROUTING jump in place is repaired at the next full sync, not the next sync.
+//!
+//! With iptables-legacy the kernel API replaces a whole table per commit: every restore, even
+//! of one chain, reads the whole nat table from the kernel and writes it back, so the cost of
+//! any sync grows with the total number of rules (the bound of that backend).
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;

@@ -1,0 +1,201 @@
+//! A long-lived UDP flow through the iptables proxier (real packets, the shared topology): a
+//! client keeps one socket (one 5-tuple) to a ClusterIP; its endpoint is removed from the
+//! service while its server keeps answering.
+//!
+//! - With the proxier's conntrack cleanup (`WithConntrackCleanup`, as the agent builds it):
+//!   the conntrack entry to the removed endpoint existed before the sync and is gone after it,
+//!   and the flow's next datagrams reach the remaining endpoint.
+//! - Without it (the bare `IptablesDataplane`): the entry stays and the flow keeps reaching the
+//!   removed endpoint — what the cleanup is for.
+
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane, LocalTrafficDetector};
+use kproxy::dataplane::with_conntrack::WithConntrackCleanup;
+use kproxy::model::{IpFamily, Tracker};
+use kproxy_tests::iptables_corpus::feed;
+use kproxy_tests::netns::require_root;
+use kproxy_tests::topology::{NODE_IP, POD_PORT, Pod, Topology, TopologySpec};
+use serde::Deserialize;
+use serde_json::json;
+
+const NODE_NAME: &str = "node";
+const CLUSTER_IP: &str = "10.96.0.20";
+const PORT: u16 = 53;
+
+fn service() -> Service {
+    Service::deserialize(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "dns", "namespace": "default"},
+        "spec": {"clusterIP": CLUSTER_IP,
+                 "ports": [{"name": "udp", "port": PORT, "protocol": "UDP"}]},
+    }))
+    .expect("service")
+}
+
+fn slice(pods: &[&Pod]) -> EndpointSlice {
+    let endpoints: Vec<_> = pods
+        .iter()
+        .map(|p| {
+            json!({"addresses": [p.ip.to_string()], "conditions": {"ready": true},
+                   "nodeName": NODE_NAME})
+        })
+        .collect();
+    EndpointSlice::deserialize(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "dns-1", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "dns"}},
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+        "ports": [{"name": "udp", "port": POD_PORT, "protocol": "UDP"}],
+    }))
+    .expect("slice")
+}
+
+/// One datagram on the flow; the name of the pod that answered.
+fn exchange(sock: &UdpSocket) -> String {
+    sock.send(b"hello\n").expect("send");
+    let mut buf = [0u8; 512];
+    let n = sock.recv(&mut buf).expect("an answer");
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    text.split_whitespace().next().unwrap_or("").to_string()
+}
+
+/// `conntrack -L` lines (node namespace) of the flow from source port `sport` whose reply
+/// comes from `backend`.
+fn entries(topo: &Topology, sport: u16, backend: &Pod) -> Vec<String> {
+    let out = topo
+        .node
+        .command("conntrack")
+        .args(["-L", "-p", "udp", "--orig-dst", CLUSTER_IP])
+        .output()
+        .expect("conntrack -L");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| {
+            l.contains(&format!("sport={sport} ")) && l.contains(&format!("src={} ", backend.ip))
+        })
+        .map(String::from)
+        .collect()
+}
+
+fn run(with_cleanup: bool) {
+    let hint = if with_cleanup {
+        "ipt-udp-ct"
+    } else {
+        "ipt-udp-no"
+    };
+    let mut topo = TopologySpec::new(hint)
+        .local_pods(2)
+        .remote_pods(0)
+        .ipv6(false)
+        .build()
+        .expect("topology");
+    topo.serve_all().expect("servers");
+    let mut cfg = IptablesConfig::new(
+        IpFamily::V4,
+        LocalTrafficDetector::Cidr("10.244.0.0/16".parse().unwrap()),
+    );
+    cfg.node_ip = Some(NODE_IP.into());
+    cfg.netns = Some(topo.node.path());
+    cfg.sync_period = Duration::from_secs(3600);
+    let ipt = IptablesDataplane::new([cfg]).expect("dataplane");
+    let mut dp: Box<dyn Dataplane> = if with_cleanup {
+        Box::new(WithConntrackCleanup::new(ipt, &[IpFamily::V4], None))
+    } else {
+        Box::new(ipt)
+    };
+    let mut tracker = Tracker::new(NODE_NAME);
+    let both: Vec<&Pod> = topo.local_pods().collect();
+    let (snap, changed) = feed(&mut tracker, &[service()], &[slice(&both)]);
+    // Syncs run inside the node namespace: the conntrack cleanup talks netlink there.
+    topo.node
+        .run(|| dp.sync(&snap, &changed))
+        .expect("netns")
+        .expect("first sync");
+
+    // The client's flow: one connected socket, so one source port for every datagram.
+    let sock = topo
+        .client
+        .run(|| {
+            let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+            s.connect(format!("{CLUSTER_IP}:{PORT}")).expect("connect");
+            s
+        })
+        .expect("netns");
+    let sport = sock.local_addr().expect("local addr").port();
+    let first = exchange(&sock);
+    for _ in 0..5 {
+        assert_eq!(exchange(&sock), first, "one flow, one backend (conntrack)");
+    }
+    let removed = topo.pod(&first);
+    let remaining: &Pod = both
+        .iter()
+        .copied()
+        .find(|p| p.name != first)
+        .expect("the other pod");
+    assert_eq!(
+        entries(&topo, sport, removed).len(),
+        1,
+        "the flow's conntrack entry to {first} before the removal"
+    );
+
+    // The endpoint the flow uses is removed from the service (its server keeps answering).
+    let (snap, changed) = feed(&mut tracker, &[service()], &[slice(&[remaining])]);
+    assert_eq!(changed.services.len(), 1);
+    topo.node
+        .run(|| dp.sync(&snap, &changed))
+        .expect("netns")
+        .expect("sync after the removal");
+
+    if with_cleanup {
+        assert_eq!(
+            entries(&topo, sport, removed),
+            Vec::<String>::new(),
+            "the cleanup deleted the stale entry to {first}"
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                exchange(&sock),
+                remaining.name,
+                "the flow moved to the remaining endpoint"
+            );
+        }
+        assert_eq!(entries(&topo, sport, remaining).len(), 1);
+    } else {
+        assert_eq!(
+            entries(&topo, sport, removed).len(),
+            1,
+            "without the cleanup the entry to {first} stays"
+        );
+        for _ in 0..5 {
+            assert_eq!(
+                exchange(&sock),
+                first,
+                "without the cleanup the flow sticks to the removed endpoint"
+            );
+        }
+    }
+}
+
+#[test]
+fn udp_flow_moves_after_the_conntrack_cleanup() {
+    if !require_root() {
+        return;
+    }
+    run(true);
+}
+
+#[test]
+fn udp_flow_sticks_to_a_removed_endpoint_without_the_cleanup() {
+    if !require_root() {
+        return;
+    }
+    run(false);
+}
