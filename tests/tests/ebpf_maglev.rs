@@ -101,6 +101,10 @@ fn client(i: u32) -> (Ipv4Addr, u16) {
 /// The backend address the userspace table names for flow `i` (the plan's backends of the
 /// Maglev set, built with `maglev::build`, indexed by the shared flow hash).
 fn expected(dp: &EbpfDataplane, i: u32) -> Ipv4Addr {
+    expected_m(dp, i, M)
+}
+
+fn expected_m(dp: &EbpfDataplane, i: u32, m: u32) -> Ipv4Addr {
     let plan = dp.last_plan();
     let set = plan
         .services
@@ -113,10 +117,10 @@ fn expected(dp: &EbpfDataplane, i: u32) -> Ipv4Addr {
         .iter()
         .map(|id| (plan.backend_addrs[id], *id))
         .collect();
-    let table = maglev::build(&inputs, M);
+    let table = maglev::build(&inputs, m);
     let (cip, cport) = client(i);
     let h = flow_hash(ip4(cip), ip4(NODE), cport.to_be(), NODE_PORT.to_be(), TCP);
-    match plan.backend_addrs[&table[(h % M) as usize]].0 {
+    match plan.backend_addrs[&table[(h % m) as usize]].0 {
         IpAddr::V4(a) => a,
         other => panic!("unexpected backend {other}"),
     }
@@ -217,5 +221,107 @@ fn tc_picks_the_userspace_table_backend_and_a_removal_moves_only_its_share() {
     assert!(
         moved * 2 <= of_removed * 3,
         "{moved} flows moved, {of_removed} were on the removed backend"
+    );
+}
+
+fn config(bpffs: &Bpffs, algorithm: LbAlgorithm, m: u32) -> EbpfConfig {
+    EbpfConfig {
+        bpffs: bpffs.path().to_path_buf(),
+        families: vec![IpFamily::V4],
+        socket_lb: false,
+        node_addresses: vec![IpAddr::V4(NODE)],
+        lb_algorithm: algorithm,
+        maglev_table_size: m,
+        map_sizes: MapSizes {
+            maglev: 4,
+            ..MapSizes::default()
+        },
+        ..EbpfConfig::default()
+    }
+}
+
+/// The TC programs, loaded as a second object over the pinned maps (as the ebpf mode does).
+fn tc_object(bpffs: &Bpffs) -> (Ebpf, TcPath) {
+    let tc_cfg = TcConfig {
+        ct_entries: 8192,
+        ..TcConfig::default()
+    };
+    let mut ebpf = load_object(&bpffs.path().join("kproxy"), &tc_cfg).unwrap();
+    let tc = TcPath::load(&mut ebpf, tc_cfg).unwrap();
+    TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
+    (ebpf, tc)
+}
+
+fn maglev_map_id(bpffs: &Bpffs) -> (u32, u32) {
+    let info = aya::maps::MapData::from_pin(
+        bpffs
+            .path()
+            .join("kproxy")
+            .join(kproxy_common::maglev::MAP_MAGLEV),
+    )
+    .unwrap()
+    .info()
+    .unwrap();
+    (info.id(), info.max_entries())
+}
+
+/// A restarted agent keeps the pinned tables (same map, same choices); another table size or
+/// random mode recreates the Maglev maps at the right size.
+#[test]
+fn a_restart_keeps_the_tables_and_a_new_size_recreates_them() {
+    if !require_root() {
+        return;
+    }
+    let bpffs = Bpffs::new("mglv-restart").unwrap();
+    let backends: Vec<usize> = (0..5).collect();
+    let snap = snapshot(&backends);
+
+    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
+    dp.sync(&snap, &ChangedSet::default()).unwrap();
+    let (id1, max1) = maglev_map_id(&bpffs);
+    assert_eq!(max1, (4 * 1021u32).div_ceil(2));
+    let (mut ebpf, tc) = tc_object(&bpffs);
+    let before = run_flows(&mut ebpf);
+    for (i, got) in before.iter().enumerate() {
+        assert_eq!(*got, expected_m(&dp, i as u32, 1021), "flow {i}");
+    }
+    drop((ebpf, tc, dp));
+
+    // Restart, same configuration: the same pinned array, the same choices.
+    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
+    assert_eq!(maglev_map_id(&bpffs).0, id1, "the pinned tables are reused");
+    dp.sync(&snap, &ChangedSet::default()).unwrap();
+    let pressure = dp.map_pressure();
+    let mg = pressure
+        .iter()
+        .find(|p| p.map == kproxy_common::maglev::MAP_MAGLEV)
+        .unwrap();
+    assert_eq!((mg.entries, mg.capacity), (1021, 4 * 1021));
+    let (mut ebpf, tc) = tc_object(&bpffs);
+    assert_eq!(run_flows(&mut ebpf), before);
+    drop((ebpf, tc, dp));
+
+    // Another table size: new maps, tables of the new size.
+    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 251)).unwrap();
+    let (id2, max2) = maglev_map_id(&bpffs);
+    assert_ne!(id2, id1);
+    assert_eq!(max2, (4 * 251u32).div_ceil(2));
+    dp.sync(&snap, &ChangedSet::default()).unwrap();
+    let (mut ebpf, tc) = tc_object(&bpffs);
+    for (i, got) in run_flows(&mut ebpf).iter().enumerate() {
+        assert_eq!(*got, expected_m(&dp, i as u32, 251), "flow {i} with M=251");
+    }
+    drop((ebpf, tc, dp));
+
+    // Random mode: the array shrinks to its compiled single element.
+    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Random, 251)).unwrap();
+    assert_eq!(maglev_map_id(&bpffs).1, 1);
+    dp.sync(&snap, &ChangedSet::default()).unwrap();
+    assert!(
+        dp.last_plan()
+            .services
+            .values()
+            .flat_map(|sp| sp.frontends.values())
+            .all(|v| v.flags & kproxy_common::service::SVC_F_MAGLEV == 0)
     );
 }
