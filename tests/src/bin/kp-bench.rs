@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Instant, SystemTime};
 
 use anyhow::Context as _;
-use kproxy_tests::bench::{Machine, Plan, Results, connect, control, packet, report};
+use kproxy_tests::bench::{Machine, Plan, Results, connect, control, maglev, packet, report};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -44,6 +44,9 @@ fn main() -> anyhow::Result<()> {
     }
     if wanted("control") {
         control::run(&plan, &mut results)?;
+    }
+    if wanted("maglev") {
+        maglev::run(&plan, &mut results)?;
     }
     results.duration_s = start.elapsed().as_secs_f64();
     report::write(&results, &out)?;
