@@ -26,7 +26,7 @@ use core::mem::size_of;
 use crate::ct::{
     CtEntry, CtKey, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4,
 };
-use crate::maglev::{MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
+use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
@@ -151,7 +151,7 @@ pub const LAYOUTS: [MapLayout; 13] = [
         MAP_MAGLEV,
         MAP_TYPE_ARRAY,
         size_of::<u32>(),
-        size_of::<u32>(),
+        size_of::<[u32; IDS_PER_ELEM as usize]>(),
         1,
         None,
     ),

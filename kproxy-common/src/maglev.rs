@@ -5,14 +5,17 @@
 //!
 //! | map | kind | written by | read by |
 //! |---|---|---|---|
-//! | [`MAP_MAGLEV`] | array of `u32` (`BPF_F_MMAPABLE`) | agent (mmap) | TC |
+//! | [`MAP_MAGLEV`] | array of `[u32; 2]` (`BPF_F_MMAPABLE`) | agent (mmap) | TC |
 //! | [`MAP_MAGLEV_REF`] | hash `svc_id` → [`MaglevRef`] | agent | TC |
 //!
-//! Every table of the node lives in one big array: table `t` is entries `t·M .. t·M + M` (`M`
-//! = the table size, a prime, `--bpf-lb-maglev-table-size`), each a backend id of
-//! `kproxy_common::service::MAP_BACKENDS`. [`MAP_MAGLEV_REF`] says where the table of a set
-//! (`svc_id`) starts and how long it is. The array's `max_entries` is `tables × M`, set by the
-//! agent at load time (the compiled default is one entry: random mode needs no table).
+//! Every table of the node lives in one big array of backend ids
+//! (`kproxy_common::service::MAP_BACKENDS` keys): table `t` is ids `t·M .. t·M + M` (`M` = the
+//! table size, a prime, `--bpf-lb-maglev-table-size`). [`MAP_MAGLEV_REF`] says where the table
+//! of a set (`svc_id`) starts and how long it is. The kernel rounds array elements up to 8
+//! bytes, so each element packs [`IDS_PER_ELEM`] ids: id `e` is half `e & 1` of element
+//! `e >> 1`, and the mmapped array reads as a flat `u32` array. Its `max_entries` is
+//! `⌈tables × M / 2⌉`, set by the agent at load time (the compiled default is one element:
+//! random mode needs no table).
 //!
 //! Why one array rather than a map of maps (Cilium's `HASH_OF_MAPS` with one inner array per
 //! service): aya-ebpf 0.2 declares maps of maps only as BTF maps, which this object does not
@@ -22,12 +25,12 @@
 //!
 //! # Lookup (TC, new flows of a frontend with [`crate::service::SVC_F_MAGLEV`])
 //!
-//! `r = MAP_MAGLEV_REF[svc_id]`, `h = `[`flow_hash`]`(5-tuple)`, backend id =
-//! `MAP_MAGLEV[r.base + h % r.size]`. A missing ref or entry 0 falls back to the random slot
+//! `r = MAP_MAGLEV_REF[svc_id]`, `h = `[`flow_hash`]`(5-tuple)`, `e = r.base + h % r.size`,
+//! backend id = `MAP_MAGLEV[e >> 1][e & 1]`. A missing ref or entry 0 falls back to the random slot
 //! (never happens once the agent has programmed the set: it writes the table and its ref
 //! before the frontend that carries the flag, see `kproxy::dataplane::ebpf::applier`).
 
-/// `Array<u32>`: every Maglev table, back to back.
+/// `Array<[u32; 2]>`: every Maglev table, back to back.
 pub const MAP_MAGLEV: &str = "KP_MAGLEV";
 /// `HashMap<u32, MaglevRef>`: set id → where its table is.
 pub const MAP_MAGLEV_REF: &str = "KP_MAGLEV_REF";
@@ -35,6 +38,14 @@ pub const MAP_MAGLEV_REF: &str = "KP_MAGLEV_REF";
 /// `map_flags` of [`MAP_MAGLEV`]: `BPF_F_MMAPABLE`, so the agent writes tables through a
 /// shared mapping (kernel ≥ 5.5).
 pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
+
+/// Backend ids per [`MAP_MAGLEV`] element (`[u32; 2]`: array elements are 8-byte aligned).
+pub const IDS_PER_ELEM: u32 = 2;
+
+/// `max_entries` of [`MAP_MAGLEV`] holding `ids` backend ids.
+pub const fn maglev_elems(ids: u32) -> u32 {
+    ids.div_ceil(IDS_PER_ELEM)
+}
 
 /// Compiled `max_entries` of [`MAP_MAGLEV`] (random mode: no table). The agent sets
 /// `tables × M` in maglev mode.

@@ -8,7 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap},
 };
 use kproxy_common::maglev::{
-    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAGLEV_MAP_FLAGS, MaglevRef, flow_hash,
+    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, IDS_PER_ELEM, MAGLEV_MAP_FLAGS, MaglevRef,
+    flow_hash,
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, DEFAULT_AFFINITY_MAX,
@@ -55,7 +56,8 @@ pub(crate) static KP_SOCK_FWD: LruHashMap<SockFwdKey, SockFwdValue> =
 
 /// `kproxy_common::maglev::MAP_MAGLEV`.
 #[map]
-static KP_MAGLEV: Array<u32> = Array::pinned(DEFAULT_MAGLEV_ENTRIES, MAGLEV_MAP_FLAGS);
+static KP_MAGLEV: Array<[u32; IDS_PER_ELEM as usize]> =
+    Array::pinned(DEFAULT_MAGLEV_ENTRIES, MAGLEV_MAP_FLAGS);
 
 /// `kproxy_common::maglev::MAP_MAGLEV_REF`.
 #[map]
@@ -82,6 +84,8 @@ pub(crate) fn maglev_backend(
         return None;
     }
     let h = flow_hash(saddr, daddr, sport, dport, proto);
-    let id = *KP_MAGLEV.get(r.base.wrapping_add(h % r.size))?;
+    let e = r.base.wrapping_add(h % r.size);
+    let pair = KP_MAGLEV.get(e / IDS_PER_ELEM)?;
+    let id = pair[(e % IDS_PER_ELEM) as usize];
     (id != 0).then_some(id)
 }

@@ -729,7 +729,7 @@ pub const FLAGS: &[FlagSpec] = &[
         Implemented,
         Kproxy,
         Some("bpf.mapSizes"),
-        "BPF map size overrides (services, backendSlots, backends, ct, revNat, affinity, sourceRanges).",
+        "BPF map size overrides (services, backendSlots, backends, ct, revNat, affinity, sourceRanges, maglev = number of Maglev tables).",
     ),
     f(
         "bpf-xdp",

@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
+//! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
 //!
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
@@ -18,6 +19,7 @@
 pub mod agent;
 pub mod connect;
 pub mod control;
+pub mod maglev;
 pub mod packet;
 pub mod report;
 pub mod services;
@@ -264,6 +266,7 @@ impl Plan {
             "cold-start" => 1,
             "change" => self.changes as usize,
             "resources" => 1,
+            "maglev" => maglev::samples(self),
             _ => 0,
         }
     }

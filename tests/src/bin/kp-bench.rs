@@ -16,8 +16,8 @@ use std::time::{Instant, SystemTime};
 
 use anyhow::Context as _;
 use kproxy_tests::bench::{
-    GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json, packet,
-    report,
+    GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json, maglev,
+    packet, report,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -114,6 +114,9 @@ fn main() -> anyhow::Result<()> {
     }
     group("connect", &mut results, &connect::run)?;
     group("control", &mut results, &control::run)?;
+    if !in_guest {
+        group("maglev", &mut results, &maglev::run)?;
+    }
     results.duration_s = start.elapsed().as_secs_f64();
     if in_guest {
         // The guest has no way back but its output port.

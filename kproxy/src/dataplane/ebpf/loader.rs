@@ -17,7 +17,7 @@
 //! with `--bpf-cgroup` on reuse.
 //!
 //! The Maglev maps are the exception: their size follows the mode and table size
-//! (`tables × M` entries in maglev mode, one in random mode), so pinned ones of another size
+//! (`tables × M` ids in maglev mode, one element in random mode), so pinned ones of another size
 //! are removed before the load and created anew (the TC programs still attached keep the old
 //! ones until they are replaced; frontends carrying `SVC_F_MAGLEV` fall back to a random slot
 //! until the first sync writes the new tables).
@@ -30,7 +30,7 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use kproxy_common::maglev::{
-    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAP_MAGLEV, MAP_MAGLEV_REF,
+    DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAP_MAGLEV, MAP_MAGLEV_REF, maglev_elems,
 };
 use kproxy_common::service::{
     MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
@@ -223,12 +223,12 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
     ))
 }
 
-/// `max_entries` of `KP_MAGLEV` and `KP_MAGLEV_REF`: `tables × M` and `tables` in maglev
+/// `max_entries` of `KP_MAGLEV` and `KP_MAGLEV_REF`: `⌈tables × M / 2⌉` and `tables` in maglev
 /// mode, the compiled defaults in random mode.
 pub fn maglev_sizes(cfg: &EbpfConfig) -> (u32, u32) {
     match cfg.lb_algorithm {
         LbAlgorithm::Maglev => (
-            cfg.map_sizes.maglev.saturating_mul(cfg.maglev_table_size),
+            maglev_elems(cfg.map_sizes.maglev.saturating_mul(cfg.maglev_table_size)),
             cfg.map_sizes.maglev.max(1),
         ),
         LbAlgorithm::Random => (DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX),

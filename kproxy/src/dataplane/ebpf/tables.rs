@@ -264,7 +264,7 @@ impl<K: Ord + Clone + Send, V: Clone + Send> Table<K, V> for SharedMem<K, V> {
 pub trait MaglevStore: Send {
     /// Entries per table (`M`).
     fn table_size(&self) -> u32;
-    /// `max_entries` of the array.
+    /// Backend ids the array holds.
     fn entries(&self) -> u32;
     /// Number of whole tables the array holds.
     fn tables(&self) -> u32 {
@@ -296,7 +296,8 @@ impl KernelMaglev {
     pub fn new(name: &'static str, data: MapData, table_size: u32) -> Result<Self, TableError> {
         use std::os::fd::{AsFd, AsRawFd};
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
-        check_layout(name, &info, 4, 4)?;
+        let elem = 4 * kproxy_common::maglev::IDS_PER_ELEM as usize;
+        check_layout(name, &info, 4, elem)?;
         let err = |reason: String| TableError {
             map: name,
             reason,
@@ -309,7 +310,10 @@ impl KernelMaglev {
                     .into(),
             ));
         }
-        let entries = info.max_entries();
+        // Elements of `elem` bytes hold IDS_PER_ELEM ids each: the mapping is a flat u32 array.
+        let entries = info
+            .max_entries()
+            .saturating_mul(kproxy_common::maglev::IDS_PER_ELEM);
         let len = (entries as usize * 4).max(1);
         // SAFETY: a shared mapping of the map's fd (kernel-checked length and flags); the
         // pointer is only dereferenced within `entries` below and unmapped on drop.
