@@ -15,8 +15,8 @@ use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
 use kproxy_common::ct::{CT_F_SNAT, NodeAddr4};
 use kproxy_common::service::{
-    BE_F_LOCAL, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT,
-    SVC_F_SOURCE_RANGES, ServiceValue,
+    BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT,
+    SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, require_root};
 
@@ -43,7 +43,9 @@ struct Fixture {
 }
 
 /// One NodePort frontend NODE:NODE_PORT/proto (svc 1, `flags`) with the given backends
-/// (`(id, addr, flags)`, port BPORT).
+/// (`(id, addr, flags)`, port BPORT): its external-scope entry and, like the eBPF planner
+/// writes for every external frontend, its cluster-scope twin (the TC program's "is this a
+/// frontend at all" lookup).
 fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) -> Fixture {
     let bpffs = Bpffs::new(test).unwrap();
     let (mut ebpf, _tc) = load(
@@ -62,19 +64,14 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) 
         1,
         &backends.iter().map(|b| b.0).collect::<Vec<_>>(),
     );
-    frontend(
-        &mut ebpf,
-        NODE,
-        NODE_PORT,
-        proto,
-        SCOPE_EXTERNAL,
-        ServiceValue {
-            svc_id: 1,
-            count: backends.len() as u32,
-            flags: flags | SVC_F_NODE_PORT,
-            affinity_timeout: 0,
-        },
-    );
+    let value = ServiceValue {
+        svc_id: 1,
+        count: backends.len() as u32,
+        flags: flags | SVC_F_NODE_PORT,
+        affinity_timeout: 0,
+    };
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
     TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
     Fixture {
         _bpffs: bpffs,
