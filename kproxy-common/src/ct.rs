@@ -183,7 +183,9 @@ pub enum TcStat {
     SnatExhausted = 4,
     /// Packets dropped by `loadBalancerSourceRanges`.
     SourceRangeDrop = 5,
-    /// Connections rejected because the service has no endpoints (TCP RST sent / UDP dropped).
+    /// New flows to a frontend without endpoints: TCP answered with a RST, UDP to an
+    /// ExternalIP/LB VIP with ICMP port unreachable (to a NodePort: left to the node's stack,
+    /// which answers the same), or dropped (eTP/iTP=Local without local endpoints).
     NoEndpoints = 6,
     /// ICMP errors translated.
     IcmpError = 7,

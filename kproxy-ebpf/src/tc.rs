@@ -47,7 +47,7 @@ use kproxy_common::service::{
 
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
-    parse,
+    fold, parse,
 };
 use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
 
@@ -73,6 +73,7 @@ const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 const NS_PER_SEC: u64 = 1_000_000_000;
@@ -370,12 +371,11 @@ fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdi
             return Ok(tcp_reset(ctx, p).unwrap_or(DROP));
         }
         // UDP: a NodePort is a node address with nothing listening on the port, so the
-        // node's stack answers ICMP port unreachable itself; other frontends are dropped.
-        return Ok(if svc.flags & SVC_F_NODE_PORT != 0 {
-            NEXT
-        } else {
-            DROP
-        });
+        // node's stack answers ICMP port unreachable itself; other frontends get it from here.
+        if svc.flags & SVC_F_NODE_PORT != 0 {
+            return Ok(NEXT);
+        }
+        return Ok(udp_unreachable(ctx, p).unwrap_or(DROP));
     }
     let ts = now();
     let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
@@ -625,6 +625,93 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         let ifindex = (*ctx.skb.skb).ifindex;
         Ok(bpf_redirect(ifindex, 0) as i32)
     }
+}
+
+/// Bytes of the ICMP port-unreachable reply [`udp_unreachable`] builds: Ethernet, IPv4, ICMP
+/// header, then the client's IPv4 header and the first 8 bytes of its UDP datagram
+/// (RFC 1812 §4.3.2.3 asks for as much as fits; RFC 792's minimum is what Linux's UDP error
+/// handling reads).
+const UNREACH_LEN: usize = ETH_HLEN + 20 + 8 + 20 + 8;
+
+/// Answers a UDP datagram to a frontend without endpoints with an ICMP destination
+/// unreachable / port unreachable from the frontend address, sent back out of the device it
+/// came in on — what upstream's `REJECT --reject-with icmp-port-unreachable` rule does for
+/// services without endpoints. Datagrams with IP options are dropped instead.
+///
+/// The reply is built in place: Ethernet and IPv4 headers where they were, the ICMP header
+/// where the UDP header was, the quote after it (the frame is resized to exactly that). Both
+/// checksums are computed in full. Keeping the ICMP header where the UDP header was keeps a
+/// CHECKSUM_PARTIAL skb (a datagram from a local veth peer) correct too: its checksum start
+/// then points at the ICMP header and the offset at the zero "unused" word, so a device (or
+/// the stack) finishing the checksum writes `~sum` of an already valid message there, 0.
+/// Unlike the kernel's own ICMP errors these are not rate limited; a reply is 70 bytes and
+/// goes only to the datagram's source.
+#[inline(always)]
+fn udp_unreachable(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    if p.l4 != IP_OFF + 20 {
+        return Ok(DROP);
+    }
+    if ctx.len() as usize != UNREACH_LEN {
+        // SAFETY: the context pointer is valid for the program's run.
+        if unsafe { bpf_skb_change_tail(ctx.skb.skb, UNREACH_LEN as u32, 0) } != 0 {
+            return Ok(DROP);
+        }
+    }
+    if ctx.data() + UNREACH_LEN > ctx.data_end() {
+        ctx.pull_data(UNREACH_LEN as u32).map_err(|_| ())?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let frame = at::<[u16; UNREACH_LEN / 2]>(data, end, 0).ok_or(())?;
+    // SAFETY: bounds-checked by `at`; read by value.
+    let old = unsafe { *frame };
+    let mut new = [0u16; UNREACH_LEN / 2];
+    // Ethernet: back to where it came from.
+    let mut i = 0;
+    while i < 3 {
+        new[i] = old[3 + i];
+        new[3 + i] = old[i];
+        i += 1;
+    }
+    new[6] = old[6];
+    // IPv4 (word 7 = byte 14): version/IHL, length, no fragmentation, TTL 64, ICMP, from the
+    // frontend to the client.
+    let ip = IP_OFF / 2;
+    new[ip] = u16::from_ne_bytes([0x45, 0]);
+    new[ip + 1] = ((UNREACH_LEN - ETH_HLEN) as u16).to_be();
+    new[ip + 4] = u16::from_ne_bytes([64, PROTO_ICMP]);
+    new[ip + 6] = old[ip + 8];
+    new[ip + 7] = old[ip + 9];
+    new[ip + 8] = old[ip + 6];
+    new[ip + 9] = old[ip + 7];
+    // ICMP header (type 3 code 3, "unused" zero), then the quote: the client's IPv4 header and
+    // UDP header as they arrived.
+    let icmp = ip + 10;
+    new[icmp] = u16::from_ne_bytes([ICMP_DEST_UNREACH, ICMP_PORT_UNREACH]);
+    i = 0;
+    while i < 14 {
+        new[icmp + 4 + i] = old[ip + i];
+        i += 1;
+    }
+    let mut s = 0u32;
+    i = ip;
+    while i < icmp {
+        s += u32::from(new[i]);
+        i += 1;
+    }
+    new[ip + 5] = !fold(s);
+    s = 0;
+    i = icmp;
+    while i < UNREACH_LEN / 2 {
+        s += u32::from(new[i]);
+        i += 1;
+    }
+    new[icmp + 1] = !fold(s);
+    // SAFETY: bounds-checked by `at` (no helper call since).
+    unsafe { *frame = new };
+    // SAFETY: the context pointer is valid for the program's run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: helper with plain arguments.
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
 
 /// The quoted packet of an ICMP error: offsets and its tuple (network order).

@@ -407,6 +407,28 @@ fn no_endpoints_is_refused_fast() {
 }
 
 #[test]
+fn udp_without_endpoints_is_refused_fast() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-noep-udp");
+    let mut ext = service("ext", Protocol::Udp);
+    ext.external_ips = vec![IpAddr::V4(EXTERNAL_IP)];
+    rig.sync(&snapshot(node_ips(), vec![(ext, vec![])]));
+    // The ExternalIP gets ICMP port unreachable from the TC program, the NodePort from the
+    // node's stack; a connected UDP socket reports either as ECONNREFUSED. A generous
+    // timeout: the error must come long before it.
+    for addr in [
+        format!("{EXTERNAL_IP}:80"),
+        format!("{NODE_IP}:{NODE_PORT}"),
+    ] {
+        let r = rig.probe(Probe::udp(addr.clone(), 3).timeout(Duration::from_secs(5)));
+        assert_eq!(r.errors.get("ConnectionRefused"), Some(&3), "{addr}: {r:?}");
+    }
+    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["no_endpoints"] >= 3);
+}
+
+#[test]
 fn hairpin_pod_reaches_its_own_service_through_the_nodeport() {
     if !require_root() {
         return;

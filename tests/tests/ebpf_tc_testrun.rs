@@ -15,8 +15,8 @@ use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
 use kproxy_common::ct::{CT_F_SNAT, NodeAddr4};
 use kproxy_common::service::{
-    BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT,
-    SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
+    BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
+    SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, require_root};
 
@@ -505,4 +505,54 @@ fn expiry_removes_idle_flows_whole() {
     };
     assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 4);
     assert!(ct_entries(&f.ebpf).is_empty());
+}
+
+#[test]
+fn udp_to_an_external_ip_without_endpoints_gets_port_unreachable() {
+    if !require_root() {
+        return;
+    }
+    let mut f = fixture("tctr-unreach", UDP, SVC_F_REJECT, &[]);
+    let ext = Ipv4Addr::new(203, 0, 113, 5);
+    let value = ServiceValue {
+        svc_id: 2,
+        count: 0,
+        flags: SVC_F_EXTERNAL_IP | SVC_F_REJECT,
+        affinity_timeout: 0,
+    };
+    frontend(&mut f.ebpf, ext, 80, UDP, SCOPE_EXTERNAL, value);
+    frontend(&mut f.ebpf, ext, 80, UDP, SCOPE_CLUSTER, value);
+    // A short datagram (the frame grows into the reply) and a long one (it shrinks).
+    for payload in [&b"hi"[..], &[7u8; 300][..]] {
+        let frame = udp_frame((CLIENT, CPORT), (ext, 80), payload);
+        let out = run_in(&mut f, &frame);
+        assert_eq!(
+            out.verdict, REDIRECT,
+            "sent back out of the device it came in on"
+        );
+        assert_eq!(out.frame.len(), 14 + 20 + 8 + 20 + 8);
+        assert_eq!(&out.frame[0..6], &MAC_A, "destination MAC is the sender's");
+        assert_eq!(&out.frame[6..12], &MAC_B);
+        // Verifies the IPv4 and ICMP checksums.
+        let p = parse_checked(&out.frame);
+        assert_eq!((p.src, p.dst, p.proto), (ext, CLIENT, ICMP));
+        assert_eq!(
+            &p.l4[..2],
+            &[3, 3],
+            "destination unreachable, port unreachable"
+        );
+        assert_eq!(&p.l4[4..8], &[0; 4], "unused word");
+        assert_eq!(
+            &p.l4[8..36],
+            &frame[14..42],
+            "quotes the datagram's IPv4 and UDP headers as they arrived"
+        );
+    }
+    assert!(ct_entries(&f.ebpf).is_empty());
+
+    // A UDP NodePort without endpoints is left to the node's stack (nothing listens there, so
+    // it answers port unreachable itself).
+    let frame = udp_frame((CLIENT, CPORT), (NODE, NODE_PORT), b"x");
+    let out = run_in(&mut f, &frame);
+    assert_eq!((out.verdict, &out.frame), (NEXT, &frame));
 }
