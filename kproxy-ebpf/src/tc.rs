@@ -9,9 +9,8 @@
 //! hash lookup before it is translated or passed on:
 //! 1. destination port inside the SNAT port range (an array read): maybe the reply of a
 //!    SNATed flow, `SnatIn` lookup;
-//! 2. `KP_SERVICES` with the cluster scope: every frontend has a cluster-scope entry (the
-//!    external-scope entry of a NodePort/ExternalIP/LB has a cluster-scope twin), so a miss
-//!    here means "not for a service" and the packet goes on untouched;
+//! 2. `KP_SERVICES` with the cluster scope ([`crate::frontend`], shared with the XDP
+//!    program): a miss means "not for a service" and the packet goes on untouched;
 //! 3. the `KP_CT` `Service` entry: an established flow;
 //! 4. otherwise a new flow (only now is the external-scope entry read).
 //!
@@ -31,7 +30,7 @@ use aya_ebpf::{
         bpf_skb_change_tail,
     },
     macros::{classifier, map},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
 use kproxy_common::ct::{
@@ -40,20 +39,20 @@ use kproxy_common::ct::{
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
-    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
-    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES,
-    ServiceKey, ServiceValue, SourceRangeKey, is_v4_mapped, v4_mapped,
+    PROTO_TCP, PROTO_UDP, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT,
+    ServiceValue, is_v4_mapped, v4_mapped,
 };
 
+use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
     fold, parse,
 };
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
+use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS};
 
 /// `kproxy_common::ct::MAP_CT`.
 #[map]
-static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
+pub(crate) static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
 
 /// `kproxy_common::ct::MAP_NAT_CONFIG`.
 #[map]
@@ -83,7 +82,7 @@ const NEXT: Verdict = TC_ACT_UNSPEC;
 const DROP: Verdict = TC_ACT_SHOT;
 
 #[inline(always)]
-fn key(p: &Packet, kind: CtKind) -> CtKey {
+pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
     CtKey {
         saddr: p.saddr,
         daddr: p.daddr,
@@ -260,14 +259,7 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         return Ok(NEXT);
     }
     // Not a frontend: not ours (one lookup; see the module docs).
-    let mut svc_key = ServiceKey {
-        addr: v4_mapped(p.daddr),
-        port: p.dport,
-        proto: p.proto,
-        scope: SCOPE_CLUSTER,
-    };
-    // SAFETY: read by value right away.
-    let Some(cluster) = (unsafe { KP_SERVICES.get(svc_key) }).copied() else {
+    let Some(cluster) = cluster_entry(p) else {
         return Ok(NEXT);
     };
     // An established flow keeps its backend.
@@ -279,17 +271,8 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    // A new flow: a ClusterIP reached from outside the node uses its cluster set; every other
-    // frontend its external entry.
-    let svc = if cluster.flags & SVC_F_CLUSTER_IP != 0 {
-        cluster
-    } else {
-        svc_key.scope = SCOPE_EXTERNAL;
-        // SAFETY: read by value right away.
-        match unsafe { KP_SERVICES.get(svc_key) } {
-            Some(s) => *s,
-            None => return Ok(NEXT),
-        }
+    let Some(svc) = new_flow_entry(p, &cluster) else {
+        return Ok(NEXT);
     };
     new_flow(ctx, p, &svc)
 }
@@ -349,18 +332,9 @@ fn choose_backend(svc: &ServiceValue, p: &Packet, ts: u64) -> Option<(u32, Backe
 
 #[inline(always)]
 fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdict, ()> {
-    if svc.flags & SVC_F_SOURCE_RANGES != 0 {
-        let k = Key::new(
-            SOURCE_RANGE_ID_BITS + 128,
-            SourceRangeKey {
-                svc_id: svc.svc_id,
-                addr: v4_mapped(p.saddr),
-            },
-        );
-        if KP_SRC_RANGES.get(&k).is_none() {
-            stat(TcStat::SourceRangeDrop);
-            return Ok(DROP);
-        }
+    if !source_allowed(svc, p.saddr) {
+        stat(TcStat::SourceRangeDrop);
+        return Ok(DROP);
     }
     if svc.count == 0 {
         stat(TcStat::NoEndpoints);

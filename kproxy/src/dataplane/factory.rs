@@ -25,6 +25,7 @@ use tracing::{info, warn};
 
 use super::ebpf::{EbpfConfig, MapSizes};
 use super::ebpf_mode::{EbpfMode, EbpfModeConfig};
+use super::ebpf_tc::xdp::XdpPolicy;
 use super::iptables::exec::{ExecIptables, Flavor, Runner, detect_flavor};
 use super::iptables::{self as ipt, IptablesDataplane, LocalTrafficDetector};
 use super::ipvs::{self as ipvs_mod, IpvsDataplane};
@@ -186,11 +187,6 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
     if cfg.bpf.lb_algorithm == LbAlgorithm::Maglev {
         bail!("bpf.lbAlgorithm maglev is not implemented (use random)");
     }
-    if cfg.bpf.xdp == XdpMode::Native {
-        bail!(
-            "bpf.xdp native is not implemented: the eBPF datapath attaches at TC (use off or best-effort)"
-        );
-    }
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
     let map_sizes = MapSizes {
@@ -221,6 +217,11 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
         tc: true,
+        xdp: match cfg.bpf.xdp {
+            XdpMode::Off => XdpPolicy::Off,
+            XdpMode::BestEffort => XdpPolicy::BestEffort,
+            XdpMode::Native => XdpPolicy::Native,
+        },
         ct_entries: size("ct", kproxy_common::ct::DEFAULT_CT_ENTRIES),
         ct_timeouts: timeouts,
         node_port_cidrs: node_port_cidrs(cfg),

@@ -15,7 +15,10 @@
 //! - [`attach`]: [`TcPath`], loading the programs, writing the NAT config and attaching to
 //!   devices through TCX links pinned under the bpffs, so a restarted agent replaces the
 //!   program in place instead of detaching (established flows survive).
-//! - [`testrun`]: `BPF_PROG_TEST_RUN` of the TC programs on a crafted frame (tests, benches).
+//! - [`xdp`]: [`xdp::XdpPath`], the XDP program (`--bpf-xdp`): early drop of new flows the TC
+//!   ingress program would drop (source ranges, no endpoints without reject).
+//! - [`testrun`]: `BPF_PROG_TEST_RUN` of the TC and XDP programs on a crafted frame (tests,
+//!   benches).
 //!
 //! Differences from upstream kube-proxy, on purpose:
 //! - eTP=Cluster traffic to a *local* backend keeps the client address (upstream masquerades
@@ -32,9 +35,10 @@ pub mod attach;
 pub mod ct;
 pub mod devices;
 pub mod testrun;
+pub mod xdp;
 
 pub use attach::{TcConfig, TcError, TcPath};
 pub use kproxy_common::ct::{
     CtEntry, CtKey, CtKind, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig,
-    NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, TcStat,
+    NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, PROG_XDP, TcStat, XdpStat,
 };
