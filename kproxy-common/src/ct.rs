@@ -44,10 +44,22 @@ pub const MAP_TC_STATS: &str = "KP_TC_STATS";
 pub const PROG_TC_INGRESS: &str = "kp_tc_in";
 /// TC classifier for the egress of node devices (SNAT, reverse DNAT of replies).
 pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
-/// Every TC service-path program.
-pub const PROGRAMS: [&str; 2] = [PROG_TC_INGRESS, PROG_TC_EGRESS];
-/// Every map the TC service path owns.
-pub const MAPS: [&str; 4] = [MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS];
+/// XDP program on node devices (`--bpf-xdp`): drops, before the stack, new flows the TC
+/// ingress program would drop anyway (loadBalancerSourceRanges denials, frontends without
+/// endpoints whose packets are dropped rather than rejected); passes everything else to TC.
+pub const PROG_XDP: &str = "kp_xdp";
+/// Per-CPU array of `u64` counters indexed by [`XdpStat`].
+pub const MAP_XDP_STATS: &str = "KP_XDP_STATS";
+/// Every node-device service-path program.
+pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
+/// Every map the node-device service path owns.
+pub const MAPS: [&str; 5] = [
+    MAP_CT,
+    MAP_NAT_CONFIG,
+    MAP_NODE_ADDR4,
+    MAP_TC_STATS,
+    MAP_XDP_STATS,
+];
 
 /// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses four).
 pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
@@ -183,7 +195,9 @@ pub enum TcStat {
     SnatExhausted = 4,
     /// Packets dropped by `loadBalancerSourceRanges`.
     SourceRangeDrop = 5,
-    /// Connections rejected because the service has no endpoints (TCP RST sent / UDP dropped).
+    /// New flows to a frontend without endpoints: TCP answered with a RST, UDP to an
+    /// ExternalIP/LB VIP with ICMP port unreachable (to a NodePort: left to the node's stack,
+    /// which answers the same), or dropped (eTP/iTP=Local without local endpoints).
     NoEndpoints = 6,
     /// ICMP errors translated.
     IcmpError = 7,
@@ -210,6 +224,27 @@ impl TcStat {
 
 /// Entries of [`MAP_TC_STATS`].
 pub const TC_STATS: u32 = TcStat::ALL.len() as u32;
+
+/// Counters in [`MAP_XDP_STATS`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum XdpStat {
+    /// Packets dropped by `loadBalancerSourceRanges`.
+    SourceRangeDrop = 0,
+    /// Packets to a frontend without endpoints that is not rejected (eTP/iTP=Local without
+    /// local endpoints), dropped.
+    NoEndpointsDrop = 1,
+}
+
+impl XdpStat {
+    pub const ALL: [XdpStat; 2] = [XdpStat::SourceRangeDrop, XdpStat::NoEndpointsDrop];
+    pub const fn index(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Entries of [`MAP_XDP_STATS`].
+pub const XDP_STATS: u32 = XdpStat::ALL.len() as u32;
 
 // SAFETY (all four): `#[repr(C)]`, `Copy`, every bit pattern valid, and no implicit padding
 // (explicit `_pad` fields; sizes checked by the tests below).
@@ -259,6 +294,9 @@ mod tests {
     #[test]
     fn stats_index_densely() {
         for (i, s) in TcStat::ALL.iter().enumerate() {
+            assert_eq!(s.index() as usize, i);
+        }
+        for (i, s) in XdpStat::ALL.iter().enumerate() {
             assert_eq!(s.index() as usize, i);
         }
     }

@@ -24,7 +24,8 @@
 use core::mem::size_of;
 
 use crate::ct::{
-    CtEntry, CtKey, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4,
+    CtEntry, CtKey, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, MAP_XDP_STATS, NatConfig,
+    NodeAddr4,
 };
 use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
@@ -104,7 +105,7 @@ const fn layout(
 }
 
 /// Every map the BPF object pins, with its layout.
-pub const LAYOUTS: [MapLayout; 13] = [
+pub const LAYOUTS: [MapLayout; 14] = [
     layout(
         MAP_SERVICES,
         MAP_TYPE_HASH,
@@ -205,6 +206,14 @@ pub const LAYOUTS: [MapLayout; 13] = [
     ),
     layout(
         MAP_TC_STATS,
+        MAP_TYPE_PERCPU_ARRAY,
+        size_of::<u32>(),
+        size_of::<u64>(),
+        1,
+        None,
+    ),
+    layout(
+        MAP_XDP_STATS,
         MAP_TYPE_PERCPU_ARRAY,
         size_of::<u32>(),
         size_of::<u64>(),

@@ -7,6 +7,10 @@
 //! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
 //! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
 //!   SNAT, conntrack, reverse NAT, ICMP errors).
+//! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop.
+//! - [`frontend`]: the frontend lookups TC and XDP share.
+//! - [`packet`]: direct packet access (bounds-checked pointers), the IPv4 parser and checksum
+//!   arithmetic the service-path programs share.
 //! - [`service_maps`]: the service maps shared by socket LB and the TC programs.
 //! - [`sock`]: socket-level load balancing (cgroup connect/sendmsg/recvmsg/getpeername).
 //!
@@ -14,9 +18,12 @@
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
 mod counter;
+mod frontend;
+mod packet;
 mod service_maps;
 mod sock;
 mod tc;
+mod xdp;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -4,17 +4,33 @@
 //! (egress) SNATs flows that need it to the device's node address and undoes DNAT on replies.
 //! Entry kinds and the reason for this split: `kproxy_common::ct`.
 //!
-//! Every rewrite updates checksums with the kernel helpers (`l3_csum_replace`,
-//! `l4_csum_replace` with `BPF_F_PSEUDO_HDR` for addresses), which are correct for
-//! CHECKSUM_PARTIAL skbs too. Packets that are not ours go on unchanged with `TC_ACT_UNSPEC`
-//! (TCX "next"). No logging on this path. Not handled (passed unchanged): IPv6, VLAN tags, IP
-//! options on the quoted header of ICMP errors, non-first fragments.
+//! Per-packet cost (issue #3): headers are read and rewritten by direct packet access
+//! ([`crate::packet`]), and the ingress order of lookups makes every common packet cost one
+//! hash lookup before it is translated or passed on:
+//! 1. destination port inside the SNAT port range (an array read): maybe the reply of a
+//!    SNATed flow, `SnatIn` lookup;
+//! 2. `KP_SERVICES` with the cluster scope ([`crate::frontend`], shared with the XDP
+//!    program): a miss means "not for a service" and the packet goes on untouched;
+//! 3. the `KP_CT` `Service` entry: an established flow;
+//! 4. otherwise a new flow (only now is the external-scope entry read).
+//!
+//! A consequence of 2: packets of a flow whose frontend was deleted are no longer translated
+//! (the agent purges such flows with their backends anyway).
+//!
+//! L4 checksums are updated with the kernel helper (`l4_csum_replace`, `BPF_F_PSEUDO_HDR` for
+//! addresses), which is correct for CHECKSUM_PARTIAL skbs too; the IPv4 header checksum is
+//! updated in place (RFC 1624). Packets that are not ours go on unchanged with
+//! `TC_ACT_UNSPEC` (TCX "next"). No logging on this path. Not handled (passed unchanged):
+//! IPv6, VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail},
+    helpers::{
+        bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns, bpf_redirect,
+        bpf_skb_change_tail,
+    },
     macros::{classifier, map},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
 use kproxy_common::ct::{
@@ -22,19 +38,21 @@ use kproxy_common::ct::{
     NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, PROTO_ICMP, SNAT_PORT_TRIES, TC_STATS, TcStat,
 };
 use kproxy_common::service::{
-    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, PROTO_TCP,
-    PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
-    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, SVC_F_NODE_PORT, SVC_F_REJECT,
-    SVC_F_SOURCE_RANGES, ServiceKey, SourceRangeKey, is_v4_mapped, v4_mapped,
+    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
+    PROTO_TCP, PROTO_UDP, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, SVC_F_NODE_PORT,
+    SVC_F_REJECT, ServiceValue, is_v4_mapped, v4_mapped,
 };
 
-use crate::service_maps::{
-    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES, maglev_backend,
+use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
+use crate::packet::{
+    ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
+    fold, parse,
 };
+use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, maglev_backend};
 
 /// `kproxy_common::ct::MAP_CT`.
 #[map]
-static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
+pub(crate) static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
 
 /// `kproxy_common::ct::MAP_NAT_CONFIG`.
 #[map]
@@ -48,18 +66,13 @@ static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIE
 #[map]
 static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::pinned(TC_STATS, 0);
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const IP_OFF: usize = ETH_HLEN;
-const IP_CSUM: usize = IP_OFF + 10;
-const IP_SADDR: usize = IP_OFF + 12;
-const IP_DADDR: usize = IP_OFF + 16;
 const IP_OFFSET_MASK: u16 = 0x1fff;
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 const NS_PER_SEC: u64 = 1_000_000_000;
@@ -68,41 +81,26 @@ type Verdict = i32;
 const NEXT: Verdict = TC_ACT_UNSPEC;
 const DROP: Verdict = TC_ACT_SHOT;
 
-/// An IPv4 packet's 5-tuple and where its headers are. Addresses and ports in network order.
-struct Packet {
-    saddr: u32,
-    daddr: u32,
-    sport: u16,
-    dport: u16,
-    proto: u8,
-    /// TCP flags (0 for others).
-    tcp_flags: u8,
-    /// Offset of the L4 header.
-    l4: usize,
+#[inline(always)]
+pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
+    CtKey {
+        saddr: p.saddr,
+        daddr: p.daddr,
+        sport: p.sport,
+        dport: p.dport,
+        proto: p.proto,
+        kind: kind as u8,
+        _pad: [0; 2],
+    }
 }
 
-impl Packet {
-    #[inline(always)]
-    fn key(&self, kind: CtKind) -> CtKey {
-        CtKey {
-            saddr: self.saddr,
-            daddr: self.daddr,
-            sport: self.sport,
-            dport: self.dport,
-            proto: self.proto,
-            kind: kind as u8,
-            _pad: [0; 2],
-        }
-    }
-
-    /// Offset of the L4 checksum, and the `l4_csum_replace` flags it needs.
-    #[inline(always)]
-    fn l4_csum(&self) -> (usize, u64) {
-        if self.proto == PROTO_TCP {
-            (self.l4 + 16, 0)
-        } else {
-            (self.l4 + 6, BPF_F_MARK_MANGLED_0 as u64)
-        }
+/// Offset of the L4 checksum, and the `l4_csum_replace` flags it needs.
+#[inline(always)]
+fn l4_csum(p: &Packet) -> (usize, u64) {
+    if p.proto == PROTO_TCP {
+        (p.l4 + 16, 0)
+    } else {
+        (p.l4 + 6, BPF_F_MARK_MANGLED_0 as u64)
     }
 }
 
@@ -114,58 +112,44 @@ fn stat(s: TcStat) {
     }
 }
 
+/// CLOCK_MONOTONIC ns, precise: stamps new entries (their creation time also tells flows
+/// apart, see `kproxy::dataplane::ebpf_tc::ct`).
 #[inline(always)]
 fn now() -> u64 {
     // SAFETY: helper without arguments.
     unsafe { bpf_ktime_get_ns() }
 }
 
-/// Parses Ethernet + IPv4 (+ TCP/UDP ports, ICMP). `None`: not an IPv4 packet we handle.
+/// CLOCK_MONOTONIC ns at tick resolution: refreshes `last_seen_ns` on the per-packet path
+/// (expiry works in seconds; the coarse clock is cheaper and changes once per tick, so most
+/// packets leave the entry's cache line clean).
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Packet> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
-    if ethertype != ETH_P_IP {
-        return None;
-    }
-    let vihl: u8 = ctx.load(IP_OFF).ok()?;
-    if vihl >> 4 != 4 {
-        return None;
-    }
-    let ihl = ((vihl & 0x0f) as usize) * 4;
-    if ihl < 20 {
-        return None;
-    }
-    let frag = u16::from_be(ctx.load::<u16>(IP_OFF + 6).ok()?);
-    if frag & IP_OFFSET_MASK != 0 {
-        // Non-first fragment: no L4 header to look at.
-        return None;
-    }
-    let proto: u8 = ctx.load(IP_OFF + 9).ok()?;
-    let saddr: u32 = ctx.load(IP_SADDR).ok()?;
-    let daddr: u32 = ctx.load(IP_DADDR).ok()?;
-    let l4 = IP_OFF + ihl;
-    let (sport, dport, tcp_flags) = match proto {
-        PROTO_TCP => (
-            ctx.load::<u16>(l4).ok()?,
-            ctx.load::<u16>(l4 + 2).ok()?,
-            ctx.load::<u8>(l4 + 13).ok()?,
-        ),
-        PROTO_UDP => (ctx.load::<u16>(l4).ok()?, ctx.load::<u16>(l4 + 2).ok()?, 0),
-        PROTO_ICMP => (0, 0, 0),
-        _ => return None,
-    };
-    Some(Packet {
-        saddr,
-        daddr,
-        sport,
-        dport,
-        proto,
-        tcp_flags,
-        l4,
-    })
+fn now_coarse() -> u64 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
-/// Rewrites the destination (`dst == true`) or source address and port, with checksums.
+/// Parses the packet by direct access; when its headers are not all in the linear area, pulls
+/// them in once ([`PARSE_LEN`] bytes, or the whole packet if shorter) and parses again.
+/// `None`: not an IPv4 packet we handle.
+#[inline(always)]
+fn parse_tc(ctx: &TcContext) -> Option<Packet> {
+    match parse(ctx.data(), ctx.data_end()) {
+        Parsed::Packet(p) => return Some(p),
+        Parsed::Other => return None,
+        Parsed::Short => {}
+    }
+    let len = ctx.len().min(PARSE_LEN);
+    ctx.pull_data(len).ok()?;
+    match parse(ctx.data(), ctx.data_end()) {
+        Parsed::Packet(p) => Some(p),
+        _ => None,
+    }
+}
+
+/// Rewrites the destination (`dst == true`) or source address and port, with checksums: the
+/// L4 one by the kernel helper (CHECKSUM_PARTIAL-aware), the IPv4 header's and the fields
+/// themselves in place.
 #[inline(always)]
 fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> Result<(), ()> {
     let (old_addr, old_port, addr_off, port_off) = if dst {
@@ -173,8 +157,10 @@ fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> 
     } else {
         (p.saddr, p.sport, IP_SADDR, p.l4)
     };
-    if p.proto == PROTO_TCP || p.proto == PROTO_UDP {
-        let (csum, flags) = p.l4_csum();
+    let l4 = p.proto == PROTO_TCP || p.proto == PROTO_UDP;
+    let ports = l4 && old_port != port;
+    if l4 {
+        let (csum, flags) = l4_csum(p);
         if old_addr != addr {
             ctx.l4_csum_replace(
                 csum,
@@ -184,16 +170,26 @@ fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> 
             )
             .map_err(|_| ())?;
         }
-        if old_port != port {
+        if ports {
             ctx.l4_csum_replace(csum, old_port as u64, port as u64, flags | 2)
                 .map_err(|_| ())?;
-            ctx.store(port_off, &port, 0).map_err(|_| ())?;
         }
     }
+    // The helpers above invalidated every packet pointer: derive them again.
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if ports {
+        let pp = at::<u16>(data, end, port_off).ok_or(())?;
+        // SAFETY: bounds-checked by `at`.
+        unsafe { *pp = port };
+    }
     if old_addr != addr {
-        ctx.l3_csum_replace(IP_CSUM, old_addr as u64, addr as u64, 4)
-            .map_err(|_| ())?;
-        ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
+        let check = at::<u16>(data, end, IP_CSUM).ok_or(())?;
+        let a = at::<u32>(data, end, addr_off).ok_or(())?;
+        // SAFETY: bounds-checked by `at`.
+        unsafe {
+            *check = csum_replace4(*check, old_addr, addr);
+            *a = addr;
+        }
     }
     Ok(())
 }
@@ -204,8 +200,11 @@ fn touch(entry: *mut CtEntry, tcp_flags: u8) {
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
     unsafe {
-        (*entry).last_seen_ns = now();
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        let t = now_coarse();
+        if (*entry).last_seen_ns != t {
+            (*entry).last_seen_ns = t;
+        }
+        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
             (*entry).flags |= CT_F_CLOSING;
         }
     }
@@ -214,7 +213,7 @@ fn touch(entry: *mut CtEntry, tcp_flags: u8) {
 /// `kproxy_common::ct::PROG_TC_INGRESS`.
 #[classifier]
 pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
-    let Some(p) = parse(&ctx) else {
+    let Some(p) = parse_tc(&ctx) else {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
@@ -226,7 +225,7 @@ pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
 /// `kproxy_common::ct::PROG_TC_EGRESS`.
 #[classifier]
 pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
-    let Some(p) = parse(&ctx) else {
+    let Some(p) = parse_tc(&ctx) else {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
@@ -235,10 +234,23 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
     egress(&mut ctx, &p).unwrap_or(DROP)
 }
 
+/// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
+/// a reply to a SNATed flow.
+#[inline(always)]
+fn in_snat_range(port: u16) -> bool {
+    let Some(cfg) = KP_NAT_CFG.get(0) else {
+        return false;
+    };
+    let port = u16::from_be(port);
+    port >= cfg.snat_port_min && port <= cfg.snat_port_max
+}
+
 #[inline(always)]
 fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     // A reply to a SNATed flow: give it back its client as destination.
-    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::SnatIn)) {
+    if in_snat_range(p.dport)
+        && let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::SnatIn))
+    {
         touch(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
@@ -246,8 +258,12 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
+    // Not a frontend: not ours (one lookup; see the module docs).
+    let Some(cluster) = cluster_entry(p) else {
+        return Ok(NEXT);
+    };
     // An established flow keeps its backend.
-    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::Service)) {
+    if let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::Service)) {
         touch(e, p.tcp_flags);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
@@ -255,59 +271,17 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    new_flow(ctx, p)
+    let Some(svc) = new_flow_entry(p, &cluster) else {
+        return Ok(NEXT);
+    };
+    new_flow(ctx, p, &svc)
 }
 
+/// The backend a new flow of `svc` from `p`'s client goes to: the client's affinity entry
+/// when the service has ClientIP affinity and it is fresh, else a random slot. Records the
+/// choice for affinity. `None`: no backend (slot or backend entry missing, or not IPv4).
 #[inline(always)]
-fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    let mut key = ServiceKey {
-        addr: v4_mapped(p.daddr),
-        port: p.dport,
-        proto: p.proto,
-        scope: SCOPE_EXTERNAL,
-    };
-    // SAFETY: read by value right away.
-    let svc = match unsafe { KP_SERVICES.get(key) } {
-        Some(s) => *s,
-        None => {
-            // A ClusterIP reached from outside the node: the cluster set.
-            key.scope = SCOPE_CLUSTER;
-            match unsafe { KP_SERVICES.get(key) } {
-                Some(s) if s.flags & SVC_F_CLUSTER_IP != 0 => *s,
-                _ => return Ok(NEXT),
-            }
-        }
-    };
-    if svc.flags & SVC_F_SOURCE_RANGES != 0 {
-        let k = Key::new(
-            SOURCE_RANGE_ID_BITS + 128,
-            SourceRangeKey {
-                svc_id: svc.svc_id,
-                addr: v4_mapped(p.saddr),
-            },
-        );
-        if KP_SRC_RANGES.get(&k).is_none() {
-            stat(TcStat::SourceRangeDrop);
-            return Ok(DROP);
-        }
-    }
-    if svc.count == 0 {
-        stat(TcStat::NoEndpoints);
-        if svc.flags & SVC_F_REJECT == 0 {
-            return Ok(DROP);
-        }
-        if p.proto == PROTO_TCP {
-            return Ok(tcp_reset(ctx, p).unwrap_or(DROP));
-        }
-        // UDP: a NodePort is a node address with nothing listening on the port, so the
-        // node's stack answers ICMP port unreachable itself; other frontends are dropped.
-        return Ok(if svc.flags & SVC_F_NODE_PORT != 0 {
-            NEXT
-        } else {
-            DROP
-        });
-    }
-    let ts = now();
+fn choose_backend(svc: &ServiceValue, p: &Packet, ts: u64) -> Option<(u32, BackendValue)> {
     let aff_key = AffinityKey {
         client: v4_mapped(p.saddr),
         svc_id: svc.svc_id,
@@ -343,17 +317,13 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             svc_id: svc.svc_id,
             slot,
         };
-        backend_id = match unsafe { KP_BE_SLOTS.get(slot_key) } {
-            Some(id) => *id,
-            None => return Ok(DROP),
-        };
+        // SAFETY: read by value right away.
+        backend_id = *unsafe { KP_BE_SLOTS.get(slot_key) }?;
         backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
     }
-    let Some(be) = backend else {
-        return Ok(DROP);
-    };
+    let be = backend?;
     if !is_v4_mapped(&be.addr) {
-        return Ok(DROP);
+        return None;
     }
     if svc.flags & SVC_F_AFFINITY != 0 {
         let v = AffinityValue {
@@ -363,6 +333,34 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         };
         let _ = KP_AFFINITY.insert(aff_key, v, 0);
     }
+    Some((backend_id, be))
+}
+
+#[inline(always)]
+fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdict, ()> {
+    if !source_allowed(svc, p.saddr) {
+        stat(TcStat::SourceRangeDrop);
+        return Ok(DROP);
+    }
+    if svc.count == 0 {
+        stat(TcStat::NoEndpoints);
+        if svc.flags & SVC_F_REJECT == 0 {
+            return Ok(DROP);
+        }
+        if p.proto == PROTO_TCP {
+            return Ok(tcp_reset(ctx, p).unwrap_or(DROP));
+        }
+        // UDP: a NodePort is a node address with nothing listening on the port, so the
+        // node's stack answers ICMP port unreachable itself; other frontends get it from here.
+        if svc.flags & SVC_F_NODE_PORT != 0 {
+            return Ok(NEXT);
+        }
+        return Ok(udp_unreachable(ctx, p).unwrap_or(DROP));
+    }
+    let ts = now();
+    let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
+        return Ok(DROP);
+    };
     let be_addr = be.addr[3];
     let local = be.flags & BE_F_LOCAL != 0;
     // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
@@ -386,7 +384,7 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         created_ns: ts,
         last_seen_ns: ts,
     };
-    let fwd = p.key(CtKind::Service);
+    let fwd = key(p, CtKind::Service);
     let rev = CtKey {
         saddr: be_addr,
         daddr: p.saddr,
@@ -427,7 +425,7 @@ fn new_flow(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
 #[inline(always)]
 fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     // A reply from a backend: its source becomes the frontend again.
-    if let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::RevDnat)) {
+    if let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::RevDnat)) {
         touch(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
@@ -435,7 +433,7 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    let Some(e) = KP_CT.get_ptr_mut(p.key(CtKind::SnatOut)) else {
+    let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::SnatOut)) else {
         return Ok(NEXT);
     };
     touch(e, p.tcp_flags);
@@ -607,6 +605,93 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         let ifindex = (*ctx.skb.skb).ifindex;
         Ok(bpf_redirect(ifindex, 0) as i32)
     }
+}
+
+/// Bytes of the ICMP port-unreachable reply [`udp_unreachable`] builds: Ethernet, IPv4, ICMP
+/// header, then the client's IPv4 header and the first 8 bytes of its UDP datagram
+/// (RFC 1812 §4.3.2.3 asks for as much as fits; RFC 792's minimum is what Linux's UDP error
+/// handling reads).
+const UNREACH_LEN: usize = ETH_HLEN + 20 + 8 + 20 + 8;
+
+/// Answers a UDP datagram to a frontend without endpoints with an ICMP destination
+/// unreachable / port unreachable from the frontend address, sent back out of the device it
+/// came in on — what upstream's `REJECT --reject-with icmp-port-unreachable` rule does for
+/// services without endpoints. Datagrams with IP options are dropped instead.
+///
+/// The reply is built in place: Ethernet and IPv4 headers where they were, the ICMP header
+/// where the UDP header was, the quote after it (the frame is resized to exactly that). Both
+/// checksums are computed in full. Keeping the ICMP header where the UDP header was keeps a
+/// CHECKSUM_PARTIAL skb (a datagram from a local veth peer) correct too: its checksum start
+/// then points at the ICMP header and the offset at the zero "unused" word, so a device (or
+/// the stack) finishing the checksum writes `~sum` of an already valid message there, 0.
+/// Unlike the kernel's own ICMP errors these are not rate limited; a reply is 70 bytes and
+/// goes only to the datagram's source.
+#[inline(always)]
+fn udp_unreachable(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
+    if p.l4 != IP_OFF + 20 {
+        return Ok(DROP);
+    }
+    if ctx.len() as usize != UNREACH_LEN {
+        // SAFETY: the context pointer is valid for the program's run.
+        if unsafe { bpf_skb_change_tail(ctx.skb.skb, UNREACH_LEN as u32, 0) } != 0 {
+            return Ok(DROP);
+        }
+    }
+    if ctx.data() + UNREACH_LEN > ctx.data_end() {
+        ctx.pull_data(UNREACH_LEN as u32).map_err(|_| ())?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let frame = at::<[u16; UNREACH_LEN / 2]>(data, end, 0).ok_or(())?;
+    // SAFETY: bounds-checked by `at`; read by value.
+    let old = unsafe { *frame };
+    let mut new = [0u16; UNREACH_LEN / 2];
+    // Ethernet: back to where it came from.
+    let mut i = 0;
+    while i < 3 {
+        new[i] = old[3 + i];
+        new[3 + i] = old[i];
+        i += 1;
+    }
+    new[6] = old[6];
+    // IPv4 (word 7 = byte 14): version/IHL, length, no fragmentation, TTL 64, ICMP, from the
+    // frontend to the client.
+    let ip = IP_OFF / 2;
+    new[ip] = u16::from_ne_bytes([0x45, 0]);
+    new[ip + 1] = ((UNREACH_LEN - ETH_HLEN) as u16).to_be();
+    new[ip + 4] = u16::from_ne_bytes([64, PROTO_ICMP]);
+    new[ip + 6] = old[ip + 8];
+    new[ip + 7] = old[ip + 9];
+    new[ip + 8] = old[ip + 6];
+    new[ip + 9] = old[ip + 7];
+    // ICMP header (type 3 code 3, "unused" zero), then the quote: the client's IPv4 header and
+    // UDP header as they arrived.
+    let icmp = ip + 10;
+    new[icmp] = u16::from_ne_bytes([ICMP_DEST_UNREACH, ICMP_PORT_UNREACH]);
+    i = 0;
+    while i < 14 {
+        new[icmp + 4 + i] = old[ip + i];
+        i += 1;
+    }
+    let mut s = 0u32;
+    i = ip;
+    while i < icmp {
+        s += u32::from(new[i]);
+        i += 1;
+    }
+    new[ip + 5] = !fold(s);
+    s = 0;
+    i = icmp;
+    while i < UNREACH_LEN / 2 {
+        s += u32::from(new[i]);
+        i += 1;
+    }
+    new[icmp + 1] = !fold(s);
+    // SAFETY: bounds-checked by `at` (no helper call since).
+    unsafe { *frame = new };
+    // SAFETY: the context pointer is valid for the program's run.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: helper with plain arguments.
+    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
 
 /// The quoted packet of an ICMP error: offsets and its tuple (network order).

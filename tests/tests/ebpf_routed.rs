@@ -129,6 +129,7 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
         ct_entries: 4096,
         ct_timeouts: ct::Timeouts::default(),
         node_port_cidrs: vec![],
+        xdp: kproxy::dataplane::ebpf_tc::xdp::XdpPolicy::Off,
     };
     let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
     let devices = mode.tc_devices();

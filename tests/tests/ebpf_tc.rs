@@ -26,6 +26,7 @@ use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::dataplane::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy};
 use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, ct, devices};
 use kproxy::model::{
     ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeInfo, Protocol, ServicePort,
@@ -388,6 +389,58 @@ fn external_ip_and_lb_vip_with_source_ranges() {
 }
 
 #[test]
+fn xdp_drops_source_range_denials_before_tc() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-xdp");
+    let mut lb = service("lb", Protocol::Tcp);
+    lb.service_type = ServiceType::LoadBalancer;
+    lb.load_balancer_ingress = vec![LoadBalancerIngress {
+        ip: IpAddr::V4(LB_IP),
+        ip_mode: IpMode::Vip,
+    }];
+    lb.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
+    let mut denied = lb.clone();
+    denied.name = port_name("denied", Protocol::Tcp);
+    denied.cluster_ips = vec!["10.96.0.12".parse().unwrap()];
+    denied.node_port = NODE_PORT + 3;
+    denied.port = 81;
+    denied.load_balancer_source_ranges = vec!["10.0.0.0/8".parse().unwrap()];
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(lb, both_pods()), (denied, both_pods())],
+    ));
+    let devices = rig.tc.attached();
+    let mut xdp = XdpPath::load(&mut rig.tc_ebpf.lock().unwrap()).unwrap();
+    rig.topo
+        .node
+        .run(|| {
+            let mut ebpf = rig.tc_ebpf.lock().unwrap();
+            for dev in &devices {
+                // veth takes native XDP.
+                assert!(xdp.attach(&mut ebpf, dev, XdpPolicy::Native).unwrap());
+            }
+        })
+        .unwrap();
+    assert_eq!(xdp.attached(), devices);
+    // Allowed: passed by XDP, translated by TC.
+    let r = rig.probe(Probe::tcp(format!("{LB_IP}:80"), 20));
+    assert_eq!(r.total_answers(), 20, "{r:?}");
+    assert_eq!(r.answers.len(), 2, "both backends: {r:?}");
+    // Denied: dropped by XDP, so TC never sees the SYNs.
+    let r = rig.probe(Probe::tcp(format!("{LB_IP}:81"), 2).timeout(Duration::from_millis(700)));
+    assert_eq!(
+        r.total_answers(),
+        0,
+        "client outside the source ranges: {r:?}"
+    );
+    let ebpf = rig.tc_ebpf.lock().unwrap();
+    assert!(XdpPath::stats(&ebpf).unwrap()["source_range_drop"] >= 2);
+    assert_eq!(TcPath::stats(&ebpf).unwrap()["source_range_drop"], 0);
+}
+
+#[test]
 fn no_endpoints_is_refused_fast() {
     if !require_root() {
         return;
@@ -405,6 +458,28 @@ fn no_endpoints_is_refused_fast() {
         assert_eq!(r.errors.get("ConnectionRefused"), Some(&3), "{addr}: {r:?}");
     }
     assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["no_endpoints"] >= 2);
+}
+
+#[test]
+fn udp_without_endpoints_is_refused_fast() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-noep-udp");
+    let mut ext = service("ext", Protocol::Udp);
+    ext.external_ips = vec![IpAddr::V4(EXTERNAL_IP)];
+    rig.sync(&snapshot(node_ips(), vec![(ext, vec![])]));
+    // The ExternalIP gets ICMP port unreachable from the TC program, the NodePort from the
+    // node's stack; a connected UDP socket reports either as ECONNREFUSED. A generous
+    // timeout: the error must come long before it.
+    for addr in [
+        format!("{EXTERNAL_IP}:80"),
+        format!("{NODE_IP}:{NODE_PORT}"),
+    ] {
+        let r = rig.probe(Probe::udp(addr.clone(), 3).timeout(Duration::from_secs(5)));
+        assert_eq!(r.errors.get("ConnectionRefused"), Some(&3), "{addr}: {r:?}");
+    }
+    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["no_endpoints"] >= 3);
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! The TC service path programs (`kp_tc_in` / `kp_tc_eg`) on crafted frames through
 //! `BPF_PROG_TEST_RUN`: DNAT of a new flow, SNAT at egress, reverse SNAT and reverse DNAT of
-//! replies, ICMP errors about translated flows, TCP RST for a service without endpoints,
-//! source ranges, eTP=Local, and CT purge — each checking the rewritten headers and that every
-//! checksum (IP, TCP/UDP with pseudo header, ICMP, quoted IP) is right.
+//! replies, ICMP errors about translated flows, TCP RST / ICMP port unreachable for a service
+//! without endpoints, source ranges, eTP=Local, CT purge, and the XDP early drop — each
+//! checking the rewritten headers and that every checksum (IP, TCP/UDP with pseudo header,
+//! ICMP, quoted IP) is right.
 
 mod ebpf_tc_support;
 
@@ -11,12 +12,13 @@ use std::net::Ipv4Addr;
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::*;
-use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
+use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run, run_xdp};
+use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
 use kproxy_common::ct::{CT_F_SNAT, NodeAddr4};
 use kproxy_common::service::{
-    BE_F_LOCAL, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT,
-    SVC_F_SOURCE_RANGES, ServiceValue,
+    BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
+    SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, require_root};
 
@@ -43,7 +45,9 @@ struct Fixture {
 }
 
 /// One NodePort frontend NODE:NODE_PORT/proto (svc 1, `flags`) with the given backends
-/// (`(id, addr, flags)`, port BPORT).
+/// (`(id, addr, flags)`, port BPORT): its external-scope entry and, like the eBPF planner
+/// writes for every external frontend, its cluster-scope twin (the TC program's "is this a
+/// frontend at all" lookup).
 fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) -> Fixture {
     let bpffs = Bpffs::new(test).unwrap();
     let (mut ebpf, _tc) = load(
@@ -62,19 +66,14 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) 
         1,
         &backends.iter().map(|b| b.0).collect::<Vec<_>>(),
     );
-    frontend(
-        &mut ebpf,
-        NODE,
-        NODE_PORT,
-        proto,
-        SCOPE_EXTERNAL,
-        ServiceValue {
-            svc_id: 1,
-            count: backends.len() as u32,
-            flags: flags | SVC_F_NODE_PORT,
-            affinity_timeout: 0,
-        },
-    );
+    let value = ServiceValue {
+        svc_id: 1,
+        count: backends.len() as u32,
+        flags: flags | SVC_F_NODE_PORT,
+        affinity_timeout: 0,
+    };
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
     TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
     Fixture {
         _bpffs: bpffs,
@@ -508,4 +507,113 @@ fn expiry_removes_idle_flows_whole() {
     };
     assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 4);
     assert!(ct_entries(&f.ebpf).is_empty());
+}
+
+#[test]
+fn udp_to_an_external_ip_without_endpoints_gets_port_unreachable() {
+    if !require_root() {
+        return;
+    }
+    let mut f = fixture("tctr-unreach", UDP, SVC_F_REJECT, &[]);
+    let ext = Ipv4Addr::new(203, 0, 113, 5);
+    let value = ServiceValue {
+        svc_id: 2,
+        count: 0,
+        flags: SVC_F_EXTERNAL_IP | SVC_F_REJECT,
+        affinity_timeout: 0,
+    };
+    frontend(&mut f.ebpf, ext, 80, UDP, SCOPE_EXTERNAL, value);
+    frontend(&mut f.ebpf, ext, 80, UDP, SCOPE_CLUSTER, value);
+    // A short datagram (the frame grows into the reply) and a long one (it shrinks).
+    for payload in [&b"hi"[..], &[7u8; 300][..]] {
+        let frame = udp_frame((CLIENT, CPORT), (ext, 80), payload);
+        let out = run_in(&mut f, &frame);
+        assert_eq!(
+            out.verdict, REDIRECT,
+            "sent back out of the device it came in on"
+        );
+        assert_eq!(out.frame.len(), 14 + 20 + 8 + 20 + 8);
+        assert_eq!(&out.frame[0..6], &MAC_A, "destination MAC is the sender's");
+        assert_eq!(&out.frame[6..12], &MAC_B);
+        // Verifies the IPv4 and ICMP checksums.
+        let p = parse_checked(&out.frame);
+        assert_eq!((p.src, p.dst, p.proto), (ext, CLIENT, ICMP));
+        assert_eq!(
+            &p.l4[..2],
+            &[3, 3],
+            "destination unreachable, port unreachable"
+        );
+        assert_eq!(&p.l4[4..8], &[0; 4], "unused word");
+        assert_eq!(
+            &p.l4[8..36],
+            &frame[14..42],
+            "quotes the datagram's IPv4 and UDP headers as they arrived"
+        );
+    }
+    assert!(ct_entries(&f.ebpf).is_empty());
+
+    // A UDP NodePort without endpoints is left to the node's stack (nothing listens there, so
+    // it answers port unreachable itself).
+    let frame = udp_frame((CLIENT, CPORT), (NODE, NODE_PORT), b"x");
+    let out = run_in(&mut f, &frame);
+    assert_eq!((out.verdict, &out.frame), (NEXT, &frame));
+}
+
+const XDP_DROP: i32 = 1;
+const XDP_PASS: i32 = 2;
+
+fn run_xdp_once(f: &mut Fixture, frame: &[u8]) -> i32 {
+    let out = run_xdp(&mut f.ebpf, frame, 1).unwrap();
+    assert_eq!(out.frame, frame, "XDP never rewrites");
+    out.verdict
+}
+
+#[test]
+fn xdp_drops_only_new_flows_tc_would_drop() {
+    if !require_root() {
+        return;
+    }
+    // A frontend with an established flow from CLIENT, then restricted to 203.0.113.0/24.
+    let mut f = fixture("tctr-xdp", TCP, 0, &[(1, BACKEND, BE_F_LOCAL)]);
+    XdpPath::load(&mut f.ebpf).unwrap();
+    assert_eq!(run_in(&mut f, &syn((CLIENT, CPORT))).verdict, NEXT);
+    let restricted = ServiceValue {
+        svc_id: 1,
+        count: 1,
+        flags: SVC_F_NODE_PORT | SVC_F_SOURCE_RANGES,
+        affinity_timeout: 0,
+    };
+    for scope in [SCOPE_EXTERNAL, SCOPE_CLUSTER] {
+        frontend(&mut f.ebpf, NODE, NODE_PORT, TCP, scope, restricted);
+    }
+    allow_range(&mut f.ebpf, 1, Ipv4Addr::new(203, 0, 113, 0), 24);
+
+    let ack = tcp_frame((CLIENT, CPORT), (NODE, NODE_PORT), 1001, 1, ACK, &[], &[]);
+    assert_eq!(run_xdp_once(&mut f, &ack), XDP_PASS, "established flow");
+    let denied = syn((CLIENT, CPORT + 1));
+    assert_eq!(run_xdp_once(&mut f, &denied), XDP_DROP, "new flow, denied");
+    assert_eq!(run_in(&mut f, &denied).verdict, DROP, "TC agrees");
+    let allowed = syn((Ipv4Addr::new(203, 0, 113, 9), CPORT));
+    assert_eq!(
+        run_xdp_once(&mut f, &allowed),
+        XDP_PASS,
+        "new flow, allowed"
+    );
+    let miss = tcp_frame((CLIENT, CPORT), (NODE, 22), 1000, 0, SYN, &[], &[]);
+    assert_eq!(run_xdp_once(&mut f, &miss), XDP_PASS, "not a frontend");
+    let stats = XdpPath::stats(&f.ebpf).unwrap();
+    assert_eq!(
+        (stats["source_range_drop"], stats["no_endpoints_drop"]),
+        (1, 0)
+    );
+
+    // No endpoints: dropped early unless the frontend rejects (TC answers with a RST).
+    let mut f = fixture("tctr-xdp-noep", TCP, 0, &[]);
+    XdpPath::load(&mut f.ebpf).unwrap();
+    assert_eq!(run_xdp_once(&mut f, &syn((CLIENT, CPORT))), XDP_DROP);
+    assert_eq!(XdpPath::stats(&f.ebpf).unwrap()["no_endpoints_drop"], 1);
+    let mut f = fixture("tctr-xdp-rej", TCP, SVC_F_REJECT, &[]);
+    XdpPath::load(&mut f.ebpf).unwrap();
+    assert_eq!(run_xdp_once(&mut f, &syn((CLIENT, CPORT))), XDP_PASS);
+    assert_eq!(run_in(&mut f, &syn((CLIENT, CPORT))).verdict, REDIRECT);
 }

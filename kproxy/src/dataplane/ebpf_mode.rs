@@ -7,7 +7,8 @@
 //!   socket-LB datapath loads (pinned maps under `<bpffs>/kproxy/`,
 //!   links on the cgroup), then a second object instance sharing those pinned maps loads the
 //!   TC programs and attaches them (pinned TCX links) to the devices `--bpf-devices` names or
-//!   the default rule picks ([`super::ebpf_tc::devices::select`]).
+//!   the default rule picks ([`super::ebpf_tc::devices::select`]); with `bpf.xdp` not off,
+//!   the XDP early-drop program goes on the same devices ([`super::ebpf_tc::xdp`]).
 //! - A background watcher follows the node's addresses: it rewrites the per-device SNAT
 //!   sources (`KP_NODE_ADDR4`) at once, and the NodePort frontends at the next sync
 //!   (NodePorts are programmed on every node address, or on those inside
@@ -33,6 +34,7 @@ use ipnet::IpNet;
 use super::ebpf::{EbpfConfig, EbpfDataplane};
 use super::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
 use super::ebpf_tc::attach::load_object;
+use super::ebpf_tc::xdp::{XdpPath, XdpPolicy};
 use super::ebpf_tc::{TcConfig, TcPath, ct, devices};
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::metrics::Metrics;
@@ -49,6 +51,8 @@ pub struct EbpfModeConfig {
     pub devices: Option<Vec<String>>,
     /// Attach the TC service path (NodePort/ExternalIP/LB from outside the node).
     pub tc: bool,
+    /// `bpf.xdp`: where the XDP early-drop program goes beside TC (TC path only).
+    pub xdp: XdpPolicy,
     /// `max_entries` of the TC connection table (`bpf.mapSizes.ct`).
     pub ct_entries: u32,
     /// Idle timeouts of the TC connection table.
@@ -76,6 +80,7 @@ struct Tc {
     // Drop order: watcher first (it holds a clone of `ebpf`).
     _watcher: AddressWatcher,
     path: TcPath,
+    xdp: XdpPath,
     ebpf: Arc<Mutex<Ebpf>>,
 }
 
@@ -131,6 +136,10 @@ impl EbpfMode {
             for dev in &selected {
                 path.attach(&mut ebpf, dev)?;
             }
+            let mut xdp = XdpPath::load(&mut ebpf)?;
+            for dev in &selected {
+                xdp.attach(&mut ebpf, dev, cfg.xdp)?;
+            }
             let now = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
             TcPath::set_node_addresses(&mut ebpf, &now.snat_v4())?;
             *addresses.lock().expect("poisoned") = Some(now);
@@ -148,6 +157,7 @@ impl EbpfMode {
             Some(Tc {
                 _watcher: watcher,
                 path,
+                xdp,
                 ebpf,
             })
         } else {
@@ -168,6 +178,14 @@ impl EbpfMode {
     /// The socket-LB / service-map datapath.
     pub fn sock(&self) -> &EbpfDataplane {
         &self.sock
+    }
+
+    /// Devices the XDP early-drop program is attached to.
+    pub fn xdp_devices(&self) -> Vec<String> {
+        self.tc
+            .as_ref()
+            .map(|t| t.xdp.attached())
+            .unwrap_or_default()
     }
 
     /// Devices the TC path is attached to.

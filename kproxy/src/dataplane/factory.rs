@@ -29,6 +29,7 @@ use tracing::{info, warn};
 
 use super::ebpf::{EbpfConfig, MapSizes};
 use super::ebpf_mode::{EbpfMode, EbpfModeConfig};
+use super::ebpf_tc::xdp::XdpPolicy;
 use super::iptables::exec::{ExecIptables, Flavor, Runner, detect_flavor};
 use super::iptables::{self as ipt, IptablesDataplane, LocalTrafficDetector};
 use super::ipvs::{self as ipvs_mod, IpvsDataplane};
@@ -204,11 +205,6 @@ fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
 
 /// The eBPF mode's configuration.
 pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfModeConfig> {
-    if cfg.bpf.xdp == XdpMode::Native {
-        bail!(
-            "bpf.xdp native is not implemented: the eBPF datapath attaches at TC (use off or best-effort)"
-        );
-    }
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
     let map_sizes = MapSizes {
@@ -245,6 +241,11 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
         tc: true,
+        xdp: match cfg.bpf.xdp {
+            XdpMode::Off => XdpPolicy::Off,
+            XdpMode::BestEffort => XdpPolicy::BestEffort,
+            XdpMode::Native => XdpPolicy::Native,
+        },
         ct_entries: size("ct", kproxy_common::ct::DEFAULT_CT_ENTRIES),
         ct_timeouts: timeouts,
         node_port_cidrs: node_port_cidrs(cfg),
@@ -819,7 +820,7 @@ mod tests {
     }
 
     #[test]
-    fn ebpf_config_maps_sizes_and_rejects_unimplemented_options() {
+    fn ebpf_config_maps_sizes_lb_algorithm_and_xdp() {
         let c = cfg(&["--bpf-map-sizes=services=4096,ct=1024", "--bpffs=/tmp/x"]);
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
         assert_eq!(e.ebpf.map_sizes.services, 4096);
@@ -835,7 +836,7 @@ mod tests {
         assert_eq!(e.ebpf.maglev_table_size, 1021);
         assert_eq!(e.ebpf.map_sizes.maglev, 8);
         let c = cfg(&["--bpf-xdp=native"]);
-        let err = ebpf_config(&c, &[IpFamily::V4]).err().unwrap().to_string();
-        assert!(err.contains("xdp native is not implemented"), "{err}");
+        let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
+        assert_eq!(e.xdp, XdpPolicy::Native);
     }
 }

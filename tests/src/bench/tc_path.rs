@@ -2,12 +2,31 @@
 //! `BPF_PROG_TEST_RUN`, with N services programmed by the real eBPF planner + applier
 //! ([`EbpfDataplane`], socket LB off) on a private bpffs.
 //!
-//! Services: `bench/sI:p`, TCP, externalIP `100.64.0.0 + I` port 80, two remote endpoints each
-//! (so new flows are SNATed at egress). 256 flows rotate over the services. Cases:
-//! - `new-flow`: a SYN of a flow the connection table has not seen (one run per frame);
-//! - `established`: an ACK of a flow already translated;
-//! - `miss`: a packet to a node port that is no service;
-//! - `reverse-nat`: a backend's reply to the SNAT address (reverse SNAT at ingress).
+//! Services: `bench/sI`, ClusterIP `10.96.0.0 + I`, externalIP `100.64.0.0 + I`, two TCP
+//! ports whose single (remote) endpoints are each other's frontends: port `a` (80) → the
+//! ClusterIP's port 8081, port `b` (8081) → the externalIP's port 80. So a packet of an
+//! established flow to `ext:80`, once DNATed (address and port, both checksums), is a packet of
+//! the established flow to `cip:8081`, which translates it back: a test run with `repeat = R`
+//! then times R established-flow translations. (The kernel runs every repetition of a test run
+//! on the *same* skb, so a program that rewrites the packet sees its own output from the
+//! second repetition on; with ordinary backends an established ACK would be a miss from then
+//! on and the figure would time the miss path.)
+//!
+//! 256 flows rotate over the services (flow `j` goes to service `j · 7919 mod N`), each frame
+//! run in turn. Cases:
+//! - `established`: the ACK of an established flow, `repeat` runs per test run (odd, so every
+//!   run's output is checked to be DNATed);
+//! - `miss`: a packet to a node port that is no service (never rewritten), `repeat` runs per
+//!   test run;
+//! - `new-flow`: the SYN of a flow the table has not seen: only the first run of a test run
+//!   is a new flow, so one run per test run;
+//! - `reverse-nat`: a backend's reply to the SNAT address (reverse SNAT at ingress), one run
+//!   per test run (its output is not a translated packet again).
+//!
+//! One-run-per-test-run figures include the test-run timer's own cost; each figure names the
+//! counter-program figure measured the same way as its baseline ([`baseline`]). Every run's
+//! output is checked (DNATed, reverse-translated or untouched), so a figure never times a
+//! path it does not name.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
@@ -42,8 +61,22 @@ fn ext_ip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(100, 64, 0, 0)) + i)
 }
 
-fn backend_ip(i: u32, k: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + 2 * i + k)
+fn cluster_ip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i)
+}
+
+/// Whether `case` is measured one run per test run (else `repeat` runs per test run).
+pub fn single_run(case: &str) -> bool {
+    matches!(case, "new-flow" | "reverse-nat")
+}
+
+/// The counter-program figure measured the way `case` is.
+pub fn baseline(case: &str) -> &'static str {
+    if single_run(case) {
+        super::packet::BASELINE_SINGLE
+    } else {
+        super::packet::BASELINE
+    }
 }
 
 fn snapshot(services: u32) -> Snapshot {
@@ -57,33 +90,36 @@ fn snapshot(services: u32) -> Snapshot {
         ..Snapshot::default()
     };
     for i in 0..services {
-        let name = ServicePortName {
-            namespace: "bench".into(),
-            name: format!("s{i}"),
-            port: "p".into(),
-            protocol: Protocol::Tcp,
-        };
-        let sp = ServicePort {
-            name: name.clone(),
-            service_type: ServiceType::ClusterIp,
-            cluster_ips: vec![IpAddr::V4(Ipv4Addr::from(
-                u32::from(Ipv4Addr::new(10, 96, 0, 0)) + i,
-            ))],
-            port: 80,
-            protocol: Protocol::Tcp,
-            node_port: 0,
-            external_ips: vec![IpAddr::V4(ext_ip(i))],
-            load_balancer_ingress: vec![],
-            load_balancer_source_ranges: vec![],
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: 0,
-            session_affinity_timeout: None,
-        };
-        let eps = (0..2)
-            .map(|k| Endpoint {
-                ip: IpAddr::V4(backend_ip(i, k)),
-                port: 8080,
+        // Port a (80) → cip:8081, port b (8081) → ext:80: each port's endpoint is the other
+        // port's frontend (module docs).
+        for (port_name, port, ep_ip, ep_port) in [
+            ("a", 80u16, cluster_ip(i), 8081u16),
+            ("b", 8081, ext_ip(i), 80),
+        ] {
+            let name = ServicePortName {
+                namespace: "bench".into(),
+                name: format!("s{i}"),
+                port: port_name.into(),
+                protocol: Protocol::Tcp,
+            };
+            let sp = ServicePort {
+                name: name.clone(),
+                service_type: ServiceType::ClusterIp,
+                cluster_ips: vec![IpAddr::V4(cluster_ip(i))],
+                port,
+                protocol: Protocol::Tcp,
+                node_port: 0,
+                external_ips: vec![IpAddr::V4(ext_ip(i))],
+                load_balancer_ingress: vec![],
+                load_balancer_source_ranges: vec![],
+                external_policy_local: false,
+                internal_policy_local: false,
+                health_check_node_port: 0,
+                session_affinity_timeout: None,
+            };
+            let eps = vec![Endpoint {
+                ip: IpAddr::V4(ep_ip),
+                port: ep_port,
                 ready: true,
                 serving: true,
                 terminating: false,
@@ -92,10 +128,10 @@ fn snapshot(services: u32) -> Snapshot {
                 zone: None,
                 zone_hints: BTreeSet::new(),
                 node_hints: BTreeSet::new(),
-            })
-            .collect();
-        snap.endpoints.insert(name.clone(), Arc::new(eps));
-        snap.services.insert(name, Arc::new(sp));
+            }];
+            snap.endpoints.insert(name.clone(), Arc::new(eps));
+            snap.services.insert(name, Arc::new(sp));
+        }
     }
     snap
 }
@@ -173,7 +209,8 @@ impl TcBench {
             socket_lb: false,
             node_addresses: vec![IpAddr::V4(NODE)],
             map_sizes: MapSizes {
-                services: (4 * n + 1024).next_power_of_two(),
+                // Per service: 2 ports × (ClusterIP + externalIP in two scopes).
+                services: (6 * n + 1024).next_power_of_two(),
                 backend_slots: (2 * n + 1024).next_power_of_two(),
                 backends: (2 * n + 1024).next_power_of_two(),
                 affinity: 1024,
@@ -193,6 +230,9 @@ impl TcBench {
         let pins = bpffs.path().join("kproxy");
         let tc_cfg = TcConfig {
             ct_entries,
+            // Every reverse-NAT flow of a sample may go to one backend (one service): a
+            // range wide enough that port allocation never nears exhaustion.
+            snat_ports: 1024..=65_535,
             ..TcConfig::default()
         };
         let mut ebpf = load_object(&pins, &tc_cfg)?;
@@ -221,51 +261,90 @@ impl TcBench {
             .collect()
     }
 
-    /// ns per run, `repeat` runs spread over `frames`.
+    /// Average ns per run of `prog` run once on each frame, `passes` times over all frames;
+    /// `check` sees every run's output frame and says whether the run did what the case names.
+    fn single_runs(
+        &mut self,
+        prog: &'static str,
+        frames: &[Vec<u8>],
+        passes: u32,
+        check: impl Fn(&[u8]) -> bool,
+    ) -> anyhow::Result<f64> {
+        let mut total = 0.0;
+        let mut runs = 0u32;
+        for _ in 0..passes.max(1) {
+            for f in frames {
+                let out = run(&mut self.ebpf, prog, f, 1)?;
+                if !check(&out.frame) {
+                    bail!("{prog}: unexpected output for {:?}", addrs(f));
+                }
+                total += out.duration.as_nanos() as f64;
+                runs += 1;
+            }
+        }
+        Ok(total / f64::from(runs))
+    }
+
+    /// Average ns per run of `prog` run `repeat` times per test run on each frame, `passes`
+    /// times over all frames.
     fn repeated(
         &mut self,
         prog: &'static str,
         frames: &[Vec<u8>],
         repeat: u32,
+        check: impl Fn(&[u8]) -> bool,
     ) -> anyhow::Result<f64> {
-        let per = (repeat / frames.len() as u32).max(1);
         let mut total = 0.0;
         for f in frames {
-            total += run(&mut self.ebpf, prog, f, per)?.duration.as_nanos() as f64;
+            let out = run(&mut self.ebpf, prog, f, repeat)?;
+            if !check(&out.frame) {
+                bail!("{prog}: unexpected output for {:?}", addrs(f));
+            }
+            total += out.duration.as_nanos() as f64;
         }
         Ok(total / frames.len() as f64)
     }
 
-    /// One sample of `case` (see the module docs).
-    pub fn sample(&mut self, case: &str, repeat: u32) -> anyhow::Result<f64> {
+    /// One sample of `case` (see the module docs): about `runs` program runs in all.
+    pub fn sample(&mut self, case: &str, runs: u32) -> anyhow::Result<f64> {
+        // One test run per frame per pass; an odd repeat count so that an established flow's
+        // output is the DNATed packet.
+        let passes = (runs / FLOWS).max(1);
+        let repeat = (runs / FLOWS).max(1) | 1;
+        let dnated = |f: &[u8]| addrs(f).1.1 == 8081;
         match case {
             "new-flow" => {
-                let frames = self.flow_frames(SYN);
+                // Each SYN opens a new flow only once: fresh flows for every pass, at most 8
+                // passes per sample (keeps the table far from LRU eviction).
+                let passes = passes.min(8);
                 let mut total = 0.0;
-                for f in &frames {
-                    let out = run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
-                    if addrs(&out.frame).1.1 != 8080 {
-                        bail!("a new flow was not DNATed to a backend");
-                    }
-                    total += out.duration.as_nanos() as f64;
+                for _ in 0..passes {
+                    let frames = self.flow_frames(SYN);
+                    total += self.single_runs(PROG_TC_INGRESS, &frames, 1, dnated)?;
                 }
-                Ok(total / frames.len() as f64)
+                Ok(total / f64::from(passes))
             }
             "established" => {
                 let syns = self.flow_frames(SYN);
                 let mut acks = vec![];
                 for f in &syns {
-                    run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    // Two runs: the flow to ext:80, then (its output) the flow to cip:8081.
+                    let out = run(&mut self.ebpf, PROG_TC_INGRESS, f, 2)?;
+                    if addrs(&out.frame).1 != addrs(f).1 {
+                        bail!("a SYN was not DNATed there and back");
+                    }
                     let (src, dst) = addrs(f);
                     acks.push(tcp_frame(src, dst, ACK));
                 }
-                self.repeated(PROG_TC_INGRESS, &acks, repeat)
+                self.repeated(PROG_TC_INGRESS, &acks, repeat, dnated)
             }
             "miss" => {
                 let frames: Vec<Vec<u8>> = (0..FLOWS)
                     .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
                     .collect();
-                self.repeated(PROG_TC_INGRESS, &frames, repeat)
+                self.repeated(PROG_TC_INGRESS, &frames, repeat, |f| {
+                    addrs(f).1 == (NODE, 22)
+                })
             }
             "reverse-nat" => {
                 let syns = self.flow_frames(SYN);
@@ -279,7 +358,10 @@ impl TcBench {
                     }
                     replies.push(tcp_frame(dst, src, SYN | ACK));
                 }
-                self.repeated(PROG_TC_INGRESS, &replies, repeat)
+                self.single_runs(PROG_TC_INGRESS, &replies, passes, |f| {
+                    // Back to a client (all in CLIENT's /24), never to the SNAT address.
+                    u32::from(addrs(f).1.0) & 0xffff_ff00 == u32::from(CLIENT) & 0xffff_ff00
+                })
             }
             other => bail!("unknown TC case {other}"),
         }

@@ -51,3 +51,26 @@ pub fn run(
         duration: result.duration,
     })
 }
+
+/// Runs the XDP program `kp_xdp` (loaded, see [`super::xdp::XdpPath::load`]) `repeat` times
+/// on `frame`; the verdict is the `XDP_*` action (1 drop, 2 pass).
+pub fn run_xdp(ebpf: &mut Ebpf, frame: &[u8], repeat: u32) -> Result<TestRunOutcome, TcError> {
+    let prog = super::xdp::program(ebpf)?;
+    let mut out = vec![0u8; frame.len() + 256];
+    let opts = TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(&mut out),
+        repeat: repeat.max(1),
+        ..TestRunOptions::default()
+    };
+    let result = prog.test_run(opts).map_err(|error| TcError::Program {
+        name: kproxy_common::ct::PROG_XDP,
+        error,
+    })?;
+    out.truncate(result.data_size_out as usize);
+    Ok(TestRunOutcome {
+        verdict: result.return_value as i32,
+        frame: out,
+        duration: result.duration,
+    })
+}

@@ -1,0 +1,146 @@
+//! Direct packet access for the service-path programs (TC now, XDP later): bounds-checked
+//! pointers into `[data, data_end)`, the IPv4 header parser and checksum arithmetic. Reading
+//! headers through pointers the verifier has bounds-checked costs a load each; the
+//! `bpf_skb_load_bytes` helper this replaces cost a helper call per field.
+//!
+//! Pointers are only valid until the next helper that may move packet data
+//! (`l3/l4_csum_replace`, `skb_store_bytes`, `skb_pull_data`, `skb_change_tail`,
+//! `skb_adjust_room`, …): the verifier forgets them and callers re-derive them from the
+//! context.
+
+use core::mem::size_of;
+
+use kproxy_common::ct::PROTO_ICMP;
+use kproxy_common::service::{PROTO_TCP, PROTO_UDP};
+
+pub const ETH_HLEN: usize = 14;
+/// `ETH_P_IP` as the frame carries it (network order, read as a native `u16`).
+const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
+pub const IP_OFF: usize = ETH_HLEN;
+pub const IP_CSUM: usize = IP_OFF + 10;
+pub const IP_SADDR: usize = IP_OFF + 12;
+pub const IP_DADDR: usize = IP_OFF + 16;
+const IP_OFFSET_MASK: u16 = 0x1fff;
+/// Bytes of every header the parser reads, at most (Ethernet + IPv4 with options + the TCP
+/// bytes up to the flags): what a TC program pulls into the linear area when it is short.
+pub const PARSE_LEN: u32 = (ETH_HLEN + 60 + 20) as u32;
+
+/// `T` at `data + off`, if it lies inside the packet.
+#[inline(always)]
+pub fn at<T>(data: usize, end: usize, off: usize) -> Option<*mut T> {
+    let p = data + off;
+    if p + size_of::<T>() > end {
+        return None;
+    }
+    Some(p as *mut T)
+}
+
+/// An IPv4 packet's 5-tuple and where its headers are. Addresses and ports in network order.
+pub struct Packet {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// TCP flags (0 for others).
+    pub tcp_flags: u8,
+    /// Offset of the L4 header.
+    pub l4: usize,
+}
+
+/// What [`parse`] found.
+pub enum Parsed {
+    Packet(Packet),
+    /// The headers end beyond `data_end`: not in the linear area (or a truncated packet).
+    Short,
+    /// Not an IPv4 TCP/UDP/ICMP packet we translate (other ethertype or protocol,
+    /// non-first fragment).
+    Other,
+}
+
+/// Parses Ethernet + IPv4 (+ TCP/UDP ports, ICMP) by direct access.
+#[inline(always)]
+pub fn parse(data: usize, end: usize) -> Parsed {
+    let Some(eth) = at::<[u16; 7]>(data, end, 0) else {
+        return Parsed::Short;
+    };
+    // SAFETY: bounds-checked above.
+    if unsafe { (*eth)[6] } != ETH_P_IP_BE {
+        return Parsed::Other;
+    }
+    let Some(ip) = at::<[u32; 5]>(data, end, IP_OFF) else {
+        return Parsed::Short;
+    };
+    // SAFETY: bounds-checked above; the header's bytes are read as raw network-order words.
+    let (w0, w1, w2, saddr, daddr) = unsafe { ((*ip)[0], (*ip)[1], (*ip)[2], (*ip)[3], (*ip)[4]) };
+    let vihl = w0 as u8;
+    if vihl >> 4 != 4 {
+        return Parsed::Other;
+    }
+    let ihl = ((vihl & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return Parsed::Other;
+    }
+    // Flags + fragment offset are bytes 6–7 (the high half of word 1 in memory order).
+    let frag = u16::from_be((w1 >> 16) as u16);
+    if frag & IP_OFFSET_MASK != 0 {
+        // Non-first fragment: no L4 header to look at.
+        return Parsed::Other;
+    }
+    let proto = (w2 >> 8) as u8;
+    let l4 = IP_OFF + ihl;
+    let (sport, dport, tcp_flags) = match proto {
+        PROTO_TCP => {
+            let Some(t) = at::<[u16; 7]>(data, end, l4) else {
+                return Parsed::Short;
+            };
+            // SAFETY: bounds-checked above.
+            unsafe { ((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
+        }
+        PROTO_UDP => {
+            let Some(u) = at::<[u16; 4]>(data, end, l4) else {
+                return Parsed::Short;
+            };
+            // SAFETY: bounds-checked above.
+            unsafe { ((*u)[0], (*u)[1], 0) }
+        }
+        PROTO_ICMP => {
+            if at::<[u16; 4]>(data, end, l4).is_none() {
+                return Parsed::Short;
+            }
+            (0, 0, 0)
+        }
+        _ => return Parsed::Other,
+    };
+    Parsed::Packet(Packet {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto,
+        tcp_flags,
+        l4,
+    })
+}
+
+/// Folds a 32-bit one's-complement sum to 16 bits.
+#[inline(always)]
+pub fn fold(mut s: u32) -> u16 {
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s as u16
+}
+
+/// The checksum field `check` after a 32-bit word of the data it covers changed from `old`
+/// to `new` (RFC 1624 eq. 3, `HC' = ~(~HC + ~m + m')`). Every value is the raw memory word
+/// (network order read natively); one's-complement sums do not depend on byte order as long
+/// as all words are read the same way.
+#[inline(always)]
+pub fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
+    let s = u32::from(!check)
+        + u32::from(!(old as u16))
+        + u32::from(!((old >> 16) as u16))
+        + (new & 0xffff)
+        + (new >> 16);
+    !fold(s)
+}
