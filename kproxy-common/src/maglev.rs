@@ -23,6 +23,10 @@
 //! instead of `M` syscalls (16381 per table at the default size). The cost is that the
 //! capacity (`--bpf-map-sizes maglev=N` tables) is preallocated: `N × M × 4` bytes.
 //!
+//! Only the TC path reads the tables (north-south traffic, as in Cilium); socket LB picks a
+//! random slot per connect (no 5-tuple exists yet at connect time). IPv4 only, like the TC
+//! path.
+//!
 //! # Lookup (TC, new flows of a frontend with [`crate::service::SVC_F_MAGLEV`])
 //!
 //! `r = MAP_MAGLEV_REF[svc_id]`, `h = `[`flow_hash`]`(5-tuple)`, `e = r.base + h % r.size`,

@@ -13,9 +13,10 @@
 //!     external → the local set with eTP=Local, else the cluster set;
 //!   - `count == 0` sets [`SVC_F_REJECT`] only when the family has no usable endpoint at all
 //!     (upstream REJECT); otherwise an empty local set means DROP ("has no local endpoints").
-//! - with `--bpf-lb-algorithm maglev`, external-scope frontends get [`SVC_F_MAGLEV`] and the set
-//!   they point at [`SetPlan::maglev`] (the applier builds its table; socket LB, i.e. the
-//!   cluster-scope entries, keeps the random choice);
+//! - with `--bpf-lb-algorithm maglev`, IPv4 external-scope frontends get [`SVC_F_MAGLEV`] and
+//!   the set they point at [`SetPlan::maglev`] (the applier builds its table; socket LB, i.e.
+//!   the cluster-scope entries, keeps the random choice; IPv6 sets get no table while the TC
+//!   path, the only reader, handles IPv4 only);
 //! - LB VIPs of a service with loadBalancerSourceRanges get [`SVC_F_SOURCE_RANGES`] on their
 //!   external-scope entry and one LPM entry per range of the family.
 //!
@@ -330,7 +331,7 @@ fn plan_family(
             None => (0, 0),
         };
         flags |= aff;
-        if maglev && front.scope == SCOPE_EXTERNAL {
+        if maglev && front.scope == SCOPE_EXTERNAL && family == IpFamily::V4 {
             flags |= SVC_F_MAGLEV;
             if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
                 set.maglev = true;

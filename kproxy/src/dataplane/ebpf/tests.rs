@@ -755,6 +755,27 @@ fn maglev_flags_external_frontends_only() {
     assert!(sp.sets.iter().all(|s| s.maglev == (s.svc_id == ext.svc_id)));
     let internal = &p.services[&name("internal")];
     assert!(internal.sets.iter().all(|s| !s.maglev));
+    // Dual-stack: the IPv6 external frontend gets no table (the TC path is IPv4-only).
+    let mut c = maglev_cfg();
+    c.families = vec![IpFamily::V4, IpFamily::V6];
+    let mut port = svc("ds", &["10.96.3.1", "fd00::3:1"]);
+    port.service_type = ServiceType::NodePort;
+    port.node_port = 30_100;
+    let s = snap(vec![(
+        port,
+        vec![ep("10.3.0.1", false), ep("fd00::3:2", false)],
+    )]);
+    let p = plan(&s, &c, &mut IdAllocator::new());
+    let sp = &p.services[&name("ds")];
+    assert_ne!(
+        sp.frontends[&key("192.168.0.1", 30_100, SCOPE_EXTERNAL)].flags & SVC_F_MAGLEV,
+        0
+    );
+    assert_eq!(
+        sp.frontends[&key("fd00::1", 30_100, SCOPE_EXTERNAL)].flags & SVC_F_MAGLEV,
+        0
+    );
+    assert_eq!(sp.sets.iter().filter(|s| s.maglev).count(), 1);
     // Random mode: no flag anywhere.
     let p = plan(&nodeport_services(&[3]), &cfg(), &mut IdAllocator::new());
     assert!(
