@@ -6,7 +6,8 @@
 //! scale of the plan. Established and miss are timed over `repeat` runs per test run like the
 //! counter ([`BASELINE`]); new flow and reverse NAT can only be timed one run per test run
 //! (see [`super::tc_path`]), which adds the test-run timer's own cost, so their baseline is
-//! the counter measured that way too ([`BASELINE_SINGLE`]).
+//! the counter measured that way too ([`BASELINE_SINGLE`]). The XDP early-drop program
+//! (`kp_xdp`: new flow, established, miss; it never rewrites) is timed at every scale too.
 
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
 use kproxy::bpf::{CounterSlot, PacketCounter};
@@ -182,6 +183,12 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                         format!("{e:#}"),
                     );
                 }
+                for case in super::tc_path::XDP_CASES {
+                    results.unavailable(
+                        format!("packet/xdp-early-drop/{case}/{scale}"),
+                        format!("{e:#}"),
+                    );
+                }
                 continue;
             }
         };
@@ -206,6 +213,25 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                     unit: "ns".into(),
                     samples,
                     baseline: Some(super::tc_path::baseline(case).into()),
+                    target: Some(target()),
+                }),
+                Err(e) => results.unavailable(id, format!("{e:#}")),
+            }
+        }
+        for case in super::tc_path::XDP_CASES {
+            let id = format!("packet/xdp-early-drop/{case}/{scale}");
+            let samples = (0..plan.packet_samples)
+                .map(|_| bench.xdp_sample(case, plan.packet_repeat))
+                .collect::<anyhow::Result<Vec<f64>>>();
+            match samples {
+                Ok(samples) => results.push(Figure {
+                    id,
+                    group: "packet".into(),
+                    mode: "ebpf".into(),
+                    services: scale,
+                    unit: "ns".into(),
+                    samples,
+                    baseline: Some(BASELINE.into()),
                     target: Some(target()),
                 }),
                 Err(e) => results.unavailable(id, format!("{e:#}")),

@@ -37,7 +37,8 @@ use aya::Ebpf;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
-use kproxy::dataplane::ebpf_tc::testrun::run;
+use kproxy::dataplane::ebpf_tc::testrun::{run, run_xdp};
+use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
 use kproxy::model::{
     ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
@@ -48,6 +49,12 @@ use crate::netns::Bpffs;
 
 /// The cases measured, in report order.
 pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
+
+/// The cases of the XDP early-drop program (`kp_xdp`), which never rewrites a packet, so every
+/// case is timed over `repeat` runs per test run: `new-flow` (a SYN of a flow the table has
+/// not seen, allowed: passed after the full new-flow classification), `established` (an ACK
+/// of an established flow: passed), `miss` (not a frontend: passed after one lookup).
+pub const XDP_CASES: [&str; 3] = ["new-flow", "established", "miss"];
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
@@ -237,6 +244,7 @@ impl TcBench {
         };
         let mut ebpf = load_object(&pins, &tc_cfg)?;
         let tc = TcPath::load(&mut ebpf, tc_cfg)?;
+        XdpPath::load(&mut ebpf)?;
         TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)])?;
         Ok(TcBench {
             ebpf,
@@ -299,6 +307,44 @@ impl TcBench {
             let out = run(&mut self.ebpf, prog, f, repeat)?;
             if !check(&out.frame) {
                 bail!("{prog}: unexpected output for {:?}", addrs(f));
+            }
+            total += out.duration.as_nanos() as f64;
+        }
+        Ok(total / frames.len() as f64)
+    }
+
+    /// One sample of the XDP program's `case` ([`XDP_CASES`]), `runs` runs in all.
+    pub fn xdp_sample(&mut self, case: &str, runs: u32) -> anyhow::Result<f64> {
+        const XDP_PASS: i32 = 2;
+        // An XDP test run swaps the program into the XDP dispatcher and out again, each with
+        // an RCU grace period (milliseconds of wall time, outside the timed runs): fewer
+        // frames per sample, more runs each. The frames still rotate over services (every
+        // sample takes the next flows).
+        const FRAMES: usize = 32;
+        let repeat = (runs / FRAMES as u32).max(1);
+        let frames = match case {
+            "new-flow" => self.flow_frames(SYN),
+            "established" => {
+                let syns = self.flow_frames(SYN);
+                let mut acks = vec![];
+                for f in &syns {
+                    run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    let (src, dst) = addrs(f);
+                    acks.push(tcp_frame(src, dst, ACK));
+                }
+                acks
+            }
+            "miss" => (0..FLOWS)
+                .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
+                .collect(),
+            other => bail!("unknown XDP case {other}"),
+        };
+        let frames = &frames[..FRAMES];
+        let mut total = 0.0;
+        for f in frames {
+            let out = run_xdp(&mut self.ebpf, f, repeat)?;
+            if out.verdict != XDP_PASS || out.frame != *f {
+                bail!("kp_xdp did not pass {:?} unchanged", addrs(f));
             }
             total += out.duration.as_nanos() as f64;
         }
