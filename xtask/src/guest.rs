@@ -150,10 +150,16 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 pub fn run_suite(args: &[String]) -> anyhow::Result<GuestOutcome> {
     let root = crate::workspace_root();
     let test_bin = build_test(&root)?;
+    // The payload keeps the file's name (cargo's `ipvs_guest-<hash>`).
+    let name = test_bin
+        .file_name()
+        .context("test binary without a name")?
+        .to_string_lossy()
+        .into_owned();
     let quoted: Vec<String> = args.iter().map(|a| shell_quote(a)).collect();
     let script = format!(
         "export {IN_GUEST_ENV}=1 KPROXY_TESTS_REQUIRE_KERNEL=1 RUST_BACKTRACE=1\n\
-         exec /payload/{GUEST_TEST} --include-ignored --test-threads=1 {}\n",
+         exec /payload/{name} --include-ignored --test-threads=1 {}\n",
         quoted.join(" ")
     );
     let (outcome, _) = run_payload(&[test_bin], &script)?;
