@@ -138,7 +138,10 @@ pub fn summary(results: &Results) -> String {
                         })
                 })
                 .collect();
-            rows.push((format!("{label}, {n} service{}", if n == 1 { "" } else { "s" }), cells));
+            rows.push((
+                format!("{label}, {n} service{}", if n == 1 { "" } else { "s" }),
+                cells,
+            ));
         }
     }
     let value = |group: &str, what: &str, m: &str, fmt: &dyn Fn(&Figure) -> String| -> String {
