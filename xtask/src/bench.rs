@@ -28,8 +28,9 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
         .collect();
     crate::setup::run()?;
     let root = crate::workspace_root();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut build = Command::new(cargo);
+    // Without `cargo run`'s variables: with them, ring's build script reruns and the release
+    // build recompiles everything above it (see `crate::process::cargo`).
+    let mut build = crate::process::cargo();
     build
         .args([
             "build",

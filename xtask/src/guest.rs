@@ -436,6 +436,12 @@ fn payload_cpio(work: &Path, files: &[PathBuf], script: &str) -> anyhow::Result<
     }
     // ipset and iptables resolve protocol names (`tcp`) through it.
     copy_into(&stage, Path::new("/etc/protocols"))?;
+    // The agent's API client (rustls) refuses to start without a system CA store, even for
+    // a plain-HTTP API server (the benchmarks' fake one).
+    let ca = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    if ca.exists() {
+        copy_into(&stage, ca)?;
+    }
     // The names the tests call.
     let sbin = stage.join("usr/sbin");
     for link in [

@@ -125,6 +125,7 @@ impl AgentSpec<'_> {
         let mut cmd = self.node.command(kproxy_bin()?);
         cmd.args(self.args())
             .env("RUST_LOG", "warn")
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -155,7 +156,7 @@ impl RunningAgent {
 
     /// The last lines of the agent's log.
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let text = strip_ansi(&std::fs::read_to_string(&self.log).unwrap_or_default());
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(5)..].join(" | ")
     }
@@ -291,6 +292,24 @@ impl Drop for RunningAgent {
     }
 }
 
+/// `text` without terminal colour sequences (`ESC [ … m`).
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A fresh scratch directory under the temp dir (removed by the caller's [`ScratchDir`]).
 pub struct ScratchDir(pub PathBuf);
 
@@ -322,4 +341,15 @@ pub fn check_reachable(
         return Err(format!("{} is not reachable: {r:?}", probe.addr));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn colour_sequences_are_stripped_from_the_agent_log() {
+        assert_eq!(
+            super::strip_ansi("\u{1b}[2m2026\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m x"),
+            "2026 ERROR x"
+        );
+    }
 }

@@ -238,16 +238,17 @@ impl Plan {
         }
     }
 
-    /// The ipvs figures inside the QEMU TCG guest (`cargo xtask bench --ipvs-guest`): connect
-    /// at 1 and 10k services with the sample counts, but cold start / one change at
-    /// 1k services × 5 (TCG is ≈ 5–10× slower than the host; 10k does not fit the budget).
+    /// The ipvs figures inside the QEMU TCG guest (`cargo xtask bench --ipvs-guest`): the
+    /// issue's sample counts (2,000 connects, 50 changes) but at 1 and 1k services × 5, not
+    /// 10k: under TCG the agent did not finish programming 10k services into IPVS within
+    /// 180 s (measured), which does not fit the time budget.
     pub fn ipvs_guest() -> Plan {
         Plan {
             quick: false,
             packet_scales: vec![],
             packet_repeat: 0,
             packet_samples: 0,
-            connect_scales: vec![1, 10_000],
+            connect_scales: vec![1, 1_000],
             connects: 2_000,
             rps_seconds: 2,
             cold_services: 1_000,
