@@ -189,6 +189,38 @@ impl ExecIptables {
         Ok((ok, err))
     }
 
+    /// Runs an existence check (`-C`, `-n -L chain`): exit 0 = exists, 1 (no such rule/chain)
+    /// or 2 (legacy: `-j` target chain unknown) = absent; anything else, e.g. 4 when the
+    /// xtables lock was not free within the wait, is an error — not "absent" (else a check
+    /// during a long restore would look like a flush).
+    fn exists(&self, table: &str, args: &[&str]) -> Result<bool, IptablesError> {
+        let prog = tool(self.family, self.flavor, "");
+        let mut all = vec!["-w", LOCK_WAIT_SECONDS, "-t", table];
+        all.extend_from_slice(args);
+        let op = || format!("{prog} {}", all.join(" "));
+        let out = self
+            .runner
+            .command(&prog)
+            .args(&all)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| IptablesError::new(op(), e.to_string()))?;
+        match out.status.code() {
+            Some(0) => Ok(true),
+            Some(1 | 2) => Ok(false),
+            _ => Err(IptablesError::new(
+                op(),
+                format!(
+                    "{}: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            )),
+        }
+    }
+
     fn check(&self, table: &str, args: &[&str]) -> Result<(), IptablesError> {
         let (ok, err) = self.iptables(table, args)?;
         if ok {
@@ -258,7 +290,7 @@ impl IptablesBackend for ExecIptables {
     }
 
     fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, IptablesError> {
-        Ok(self.iptables(table, &["-n", "-L", chain])?.0)
+        self.exists(table, &["-n", "-L", chain])
     }
 
     fn ensure_rule_prepend(
@@ -284,7 +316,7 @@ impl IptablesBackend for ExecIptables {
     ) -> Result<bool, IptablesError> {
         let mut a = vec!["-C", chain];
         a.extend(strs(args));
-        Ok(self.iptables(table, &a)?.0)
+        self.exists(table, &a)
     }
 
     fn delete_rule(
