@@ -1,5 +1,6 @@
 //! Support code for kproxy's integration tests.
 //!
+//! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests.
 //! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
@@ -11,6 +12,7 @@
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
 
+pub mod agentproc;
 pub mod bench;
 pub mod fakeapi;
 pub mod fixtures;

@@ -9,31 +9,14 @@
 //!   alone: the inherited mount's root is above the namespace root), ebpf runs: the rule is
 //!   about what the mount shows, not about the namespace alone.
 
-use std::fs::File;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
-use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root, unique_name};
+use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get, strip_ansi};
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::topology::kproxy_bin;
 
-const LIVENESS: Duration = Duration::from_secs(30);
 const REFUSAL: &str = "private cgroup namespace";
-
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(hint: &str) -> Scratch {
-        let d = std::env::temp_dir().join(unique_name(hint));
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn manifests(dir: &Path) -> PathBuf {
     let path = dir.join("node.yaml");
@@ -44,20 +27,6 @@ fn manifests(dir: &Path) -> PathBuf {
     )
     .unwrap();
     path
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::new();
-    let mut esc = false;
-    for c in s.chars() {
-        match (esc, c) {
-            (false, '\u{1b}') => esc = true,
-            (true, 'm') => esc = false,
-            (true, _) => {}
-            (false, c) => out.push(c),
-        }
-    }
-    out
 }
 
 /// `unshare --cgroup [--mount …] sh -c SCRIPT` inside `ns`, started inside `cg` (so the new
@@ -83,64 +52,11 @@ fn own_mount_script(dir: &Path, args: &[String]) -> String {
     )
 }
 
-/// The agent process; killed on drop.
-struct Agent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Agent {
-    fn start(mut cmd: Command, log: PathBuf) -> Agent {
-        let f = File::create(&log).unwrap();
-        cmd.stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f);
-        Agent {
-            child: cmd.spawn().expect("spawning kproxy"),
-            log,
-        }
-    }
-    fn log(&self) -> String {
-        strip_ansi(&std::fs::read_to_string(&self.log).unwrap_or_default())
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `GET /proxyMode` from the agent's metrics server inside `ns`, once it answers.
-fn proxy_mode(agent: &mut Agent, ns: &Netns) -> String {
-    let deadline = Instant::now() + LIVENESS;
-    loop {
-        if let Ok(Some(st)) = agent.child.try_wait() {
-            panic!("kproxy exited ({st}):\n{}", agent.log());
-        }
-        let body = ns
-            .run(|| -> Option<String> {
-                let mut s = std::net::TcpStream::connect("127.0.0.1:10249").ok()?;
-                s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-                s.write_all(b"GET /proxyMode HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                    .ok()?;
-                let mut out = String::new();
-                s.read_to_string(&mut out).ok()?;
-                out.split_once("\r\n\r\n")
-                    .map(|(_, b)| b.trim().to_string())
-            })
-            .unwrap();
-        if let Some(mode) = body {
-            return mode;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the metrics server never answered; log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+fn proxy_mode(agent: &mut AgentProcess, ns: &Netns) -> String {
+    agent.wait_for("the metrics server", || {
+        http_get(ns, 10249, "/proxyMode").map(|(_, b)| b.trim().to_string())
+    })
 }
 
 fn common_args(m: &Path, bpffs: &Bpffs) -> Vec<String> {
@@ -161,7 +77,7 @@ fn forced_ebpf_in_a_private_cgroup_namespace_fails_naming_the_cgroup() {
     let ns = Netns::new("ac-forced").unwrap();
     let cg = TestCgroup::new("ac-forced-cg").unwrap();
     let bpffs = Bpffs::new("ac-forced-fs").unwrap();
-    let scratch = Scratch::new("ac-forced");
+    let scratch = ScratchDir::new("ac-forced").unwrap();
     let mnt = scratch.0.join("cgroup");
     let mut args = common_args(&manifests(&scratch.0), &bpffs);
     args.push("--proxy-mode=ebpf".into());
@@ -187,10 +103,10 @@ fn detection_in_a_private_cgroup_namespace_falls_back_and_logs_why() {
     let ns = Netns::new("ac-detect").unwrap();
     let cg = TestCgroup::new("ac-detect-cg").unwrap();
     let bpffs = Bpffs::new("ac-detect-fs").unwrap();
-    let scratch = Scratch::new("ac-detect");
+    let scratch = ScratchDir::new("ac-detect").unwrap();
     let mnt = scratch.0.join("cgroup");
     let args = common_args(&manifests(&scratch.0), &bpffs);
-    let mut agent = Agent::start(
+    let mut agent = AgentProcess::spawn(
         in_cgroup_namespace(&ns, &cg, true, &own_mount_script(&mnt, &args)),
         scratch.0.join("kproxy.log"),
     );
@@ -219,7 +135,7 @@ fn a_cgroup_namespace_that_sees_the_hosts_hierarchy_runs_ebpf() {
     let ns = Netns::new("ac-host").unwrap();
     let cg = TestCgroup::new("ac-host-cg").unwrap();
     let bpffs = Bpffs::new("ac-host-fs").unwrap();
-    let scratch = Scratch::new("ac-host");
+    let scratch = ScratchDir::new("ac-host").unwrap();
     let mut args = common_args(&manifests(&scratch.0), &bpffs);
     args.push("--proxy-mode=ebpf".into());
     args.push(format!("--bpf-cgroup={}", cg.path().display()));
@@ -228,7 +144,7 @@ fn a_cgroup_namespace_that_sees_the_hosts_hierarchy_runs_ebpf() {
         kproxy_bin().unwrap().display(),
         args.join(" ")
     );
-    let mut agent = Agent::start(
+    let mut agent = AgentProcess::spawn(
         in_cgroup_namespace(&ns, &cg, false, &script),
         scratch.0.join("kproxy.log"),
     );

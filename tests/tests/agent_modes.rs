@@ -12,13 +12,12 @@
 //! IPVS cannot run on this host kernel (no ip_vs); its cleanup is covered by the guest suite.
 
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root, unique_name};
+use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get, strip_ansi};
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::topology::{
     NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, assert_spread, kproxy_bin,
 };
@@ -26,7 +25,6 @@ use kproxy_tests::topology::{
 const NODE: &str = "kpt-node";
 const CLUSTER_IP: &str = "10.96.0.10";
 const NODE_PORT: u16 = 30080;
-const LIVENESS: Duration = Duration::from_secs(30);
 
 fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
     let eps: String = topo
@@ -73,90 +71,20 @@ endpoints:
     path
 }
 
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(hint: &str) -> Scratch {
-        let d = std::env::temp_dir().join(unique_name(hint));
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The agent process; killed on drop.
-struct Agent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Agent {
-    fn start(mut cmd: Command, log: PathBuf) -> Agent {
-        let f = File::create(&log).unwrap();
-        cmd.stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f);
-        let child = cmd.spawn().expect("spawning kproxy");
-        Agent { child, log }
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// Waits until `probe` from `ns` gets an answer; panics with the agent's log otherwise.
-fn wait_serving(agent: &mut Agent, ns: &Netns, cg: Option<&TestCgroup>, addr: &str) {
-    let deadline = Instant::now() + LIVENESS;
-    loop {
-        if let Ok(Some(st)) = agent.child.try_wait() {
-            panic!("kproxy exited ({st}):\n{}", agent.log());
-        }
-        let r = Probe::tcp(addr, 1)
+/// Waits until `addr` answers from `ns` (in `cg`); panics with the agent's log otherwise.
+fn wait_serving(agent: &mut AgentProcess, ns: &Netns, cg: Option<&TestCgroup>, addr: &str) {
+    agent.wait_for(&format!("{addr} to answer"), || {
+        Probe::tcp(addr, 1)
             .timeout(Duration::from_millis(500))
-            .run(ns, cg);
-        if r.is_ok_and(|r| r.total_answers() == 1) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{addr} never answered; kproxy log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+            .run(ns, cg)
+            .ok()
+            .filter(|r| r.total_answers() == 1)
+    });
 }
 
-/// `GET path` from the metrics server at 127.0.0.1:10249 inside `ns`.
+/// `GET path` from the metrics server at 127.0.0.1:10249 inside `ns`: the body.
 fn metrics_get(ns: &Netns, path: &str) -> String {
-    let path = path.to_string();
-    ns.run(move || {
-        let mut s = std::net::TcpStream::connect("127.0.0.1:10249").expect("metrics server");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default()
-    })
-    .unwrap()
+    http_get(ns, 10249, path).expect("metrics server").1
 }
 
 fn out(ns: &Netns, program: &str, args: &[&str]) -> String {
@@ -196,20 +124,6 @@ fn ipsets(ns: &Netns) -> Vec<String> {
         .lines()
         .map(String::from)
         .collect()
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::new();
-    let mut esc = false;
-    for c in s.chars() {
-        match (esc, c) {
-            (false, '\u{1b}') => esc = true,
-            (true, 'm') => esc = false,
-            (true, _) => {}
-            (false, c) => out.push(c),
-        }
-    }
-    out
 }
 
 /// What upstream kube-proxy (iptables + ipvs + nftables modes) would leave behind (this host
@@ -253,7 +167,7 @@ fn seed_upstream_leftovers(ns: &Netns, iptables_chains: bool) {
         .unwrap();
 }
 
-fn assert_no_upstream_leftovers(ns: &Netns, agent: &Agent, iptables_mode: bool) {
+fn assert_no_upstream_leftovers(ns: &Netns, agent: &AgentProcess, iptables_mode: bool) {
     if !iptables_mode {
         assert_eq!(kube_rules(ns), Vec::<String>::new(), "{}", agent.log());
     } else {
@@ -342,7 +256,7 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
         return;
     }
     let topo = topology("am-caps");
-    let scratch = Scratch::new("am-caps");
+    let scratch = ScratchDir::new("am-caps").unwrap();
     let m = manifests(&topo, &scratch.0);
     topo.node
         .exec("nft", &["add", "table", "ip", "kube-proxy"])
@@ -362,7 +276,7 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
         "-c",
         &script,
     ]);
-    let mut agent = Agent::start(cmd, scratch.0.join("kproxy.log"));
+    let mut agent = AgentProcess::spawn(cmd, scratch.0.join("kproxy.log"));
     let pod0 = &topo.local_pods().next().unwrap().ns;
     wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
     assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "iptables");
@@ -376,7 +290,7 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
         })
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
     assert!(full_syncs >= Some(1.0), "no full sync counted:\n{metrics}");
-    let log = strip_ansi(&agent.log());
+    let log = agent.log();
     assert!(
         log.lines()
             .any(|l| l.contains("proxy mode rejected") && l.contains("mode=ebpf")),
@@ -407,7 +321,7 @@ fn ebpf_detected_then_inspect_then_cleanup_leaves_nothing() {
         return;
     }
     let topo = topology("am-ebpf");
-    let scratch = Scratch::new("am-ebpf");
+    let scratch = ScratchDir::new("am-ebpf").unwrap();
     let bpffs = Bpffs::new("am-ebpf-fs").unwrap();
     let cg = TestCgroup::new("am-ebpf-cg").unwrap();
     let m = manifests(&topo, &scratch.0);
@@ -420,7 +334,7 @@ fn ebpf_detected_then_inspect_then_cleanup_leaves_nothing() {
     ];
     let mut cmd = kproxy_cmd(&topo.node, &common);
     cmd.arg("--metrics-bind-address=127.0.0.1:10249");
-    let mut agent = Agent::start(cmd, scratch.0.join("kproxy.log"));
+    let mut agent = AgentProcess::spawn(cmd, scratch.0.join("kproxy.log"));
     let pod0 = &topo.local_pods().next().unwrap().ns;
     wait_serving(&mut agent, pod0, Some(&cg), &format!("{CLUSTER_IP}:80"));
     assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "ebpf");
@@ -499,7 +413,7 @@ fn ebpf_detected_then_inspect_then_cleanup_leaves_nothing() {
         "socket LB attached to the test cgroup"
     );
 
-    agent.stop();
+    agent.kill();
     let st = kproxy_cmd(&topo.node, &common)
         .arg("cleanup")
         .status()
@@ -546,7 +460,7 @@ fn iptables_forced_then_inspect_then_cleanup_leaves_nothing() {
         return;
     }
     let topo = topology("am-ipt");
-    let scratch = Scratch::new("am-ipt");
+    let scratch = ScratchDir::new("am-ipt").unwrap();
     let m = manifests(&topo, &scratch.0);
     seed_upstream_leftovers(&topo.node, false);
     let common = vec![
@@ -554,7 +468,7 @@ fn iptables_forced_then_inspect_then_cleanup_leaves_nothing() {
         format!("--hostname-override={NODE}"),
         "--proxy-mode=iptables".to_string(),
     ];
-    let mut agent = Agent::start(
+    let mut agent = AgentProcess::spawn(
         kproxy_cmd(&topo.node, &common),
         scratch.0.join("kproxy.log"),
     );
@@ -564,7 +478,7 @@ fn iptables_forced_then_inspect_then_cleanup_leaves_nothing() {
     let v = inspect(&topo.node, &common);
     assert_inspect_web(&v, "iptables", &topo);
 
-    agent.stop();
+    agent.kill();
     let st = kproxy_cmd(&topo.node, &common)
         .arg("cleanup")
         .status()

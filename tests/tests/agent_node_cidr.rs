@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy_tests::agentproc::{AgentProcess, LIVENESS, ScratchDir, http_get};
 use kproxy_tests::netns::{Netns, require_root};
-use ops_support::{Agent, LIVENESS, NsFakeApi, Scratch, http_get, nat_rules};
+use ops_support::{NsFakeApi, nat_rules};
 
 const NODE: &str = "kpt-node";
 const POD_CIDR: &str = "10.244.1.0/24";
@@ -75,7 +76,7 @@ fn node_cidr_waits_for_the_pod_cidr_and_uses_it_as_the_local_detector() {
     }
     let ns = Netns::new("nc-agent").unwrap();
     let fake = NsFakeApi::start(&ns);
-    let scratch = Scratch::new("nc-agent");
+    let scratch = ScratchDir::new("nc-agent").unwrap();
     fake.api.create(&node(&[])).unwrap();
     fake.api.create(&service()).unwrap();
     fake.api.create(&slice()).unwrap();
@@ -89,7 +90,7 @@ fn node_cidr_waits_for_the_pod_cidr_and_uses_it_as_the_local_detector() {
         "--metrics-bind-address=127.0.0.1:10249".into(),
         "--healthz-bind-address=127.0.0.1:10256".into(),
     ];
-    let mut agent = Agent::start(&ns, &args, scratch.0.join("kproxy.log"));
+    let mut agent = AgentProcess::start(&ns, &args, scratch.0.join("kproxy.log"));
 
     // Waiting: it says so and programs nothing (a few of its 1 s polls pass).
     agent.wait_for("the podCIDR wait", || {
@@ -153,7 +154,7 @@ fn node_cidr_waits_for_the_pod_cidr_and_uses_it_as_the_local_detector() {
     assert!(agent.log().contains("podCIDRs changed"), "{}", agent.log());
 }
 
-fn agent_log_contains(scratch: &Scratch, what: &str) -> Option<()> {
+fn agent_log_contains(scratch: &ScratchDir, what: &str) -> Option<()> {
     let log = std::fs::read_to_string(scratch.0.join("kproxy.log")).unwrap_or_default();
     log.contains(what).then_some(())
 }
@@ -163,7 +164,7 @@ fn agent_log_contains(scratch: &Scratch, what: &str) -> Option<()> {
 /// `… --dport 80 ! -s 10.0.0.0/8 -j KUBE-MARK-MASQ`).
 #[test]
 fn render_uses_the_manifest_nodes_pod_cidr_in_upstreams_form() {
-    let scratch = Scratch::new("nc-render");
+    let scratch = ScratchDir::new("nc-render").unwrap();
     let path = scratch.0.join("cluster.yaml");
     let docs: Vec<String> = [
         serde_json::to_value(node(&[POD_CIDR])).unwrap(),

@@ -15,25 +15,25 @@
 //! SCTP).
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use aya::programs::links::{FdLink, PinnedLink};
 use kproxy_common::ct::{CT_F_CLOSING, CtEntry, CtKey, CtKind, MAP_CT};
 use kproxy_common::service::PROTO_TCP;
-use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root, unique_name};
+use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get};
+use kproxy_tests::http::sample;
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::topology::{
-    CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, kproxy_bin, target_bin,
+    CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, target_bin,
 };
 
 const NODE: &str = "kpt-node";
 const CLUSTER_IP: &str = "10.96.0.20";
 const NODE_PORT: u16 = 30081;
-const LIVENESS: Duration = Duration::from_secs(30);
 /// How long each long-lived connection runs: the kill, the restart and the first sync of the
 /// new agent happen well inside it (asserted, not assumed).
 const HOLD_SECONDS: u64 = 25;
@@ -113,102 +113,18 @@ spec:
     path
 }
 
-struct Scratch(PathBuf);
-impl Scratch {
-    fn new(hint: &str) -> Scratch {
-        let d = std::env::temp_dir().join(unique_name(hint));
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
-    }
-}
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The agent process; SIGKILLed on drop.
-struct Agent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Agent {
-    fn start(ns: &Netns, args: &[String], log: PathBuf) -> Agent {
-        let f = File::create(&log).unwrap();
-        let mut cmd = ns.command(kproxy_bin().unwrap());
-        cmd.args(args)
-            .stdin(Stdio::null())
-            .stdout(f.try_clone().unwrap())
-            .stderr(f);
-        let child = cmd.spawn().expect("spawning kproxy");
-        Agent { child, log }
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    /// `kill -9`: SIGKILL, no chance to clean up.
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-/// `GET path` from the agent's metrics server (127.0.0.1:10249 inside `ns`); `None` while it
-/// does not answer.
-fn metrics_get(ns: &Netns, path: &str) -> Option<String> {
-    let path = path.to_string();
-    ns.run(move || {
-        let mut s = std::net::TcpStream::connect("127.0.0.1:10249").ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
-    })
-    .unwrap()
-}
-
-/// The value of the sample line starting with `series ` in a metrics scrape.
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-}
-
 /// Waits until the agent reports a successful sync of every service port (the SCTP one
 /// counted as skipped).
-fn wait_synced(agent: &mut Agent, ns: &Netns) {
-    let deadline = Instant::now() + LIVENESS;
-    loop {
-        if let Ok(Some(st)) = agent.child.try_wait() {
-            panic!("kproxy exited ({st}):\n{}", agent.log());
-        }
-        let m = metrics_get(ns, "/metrics").unwrap_or_default();
-        let programmed = sample(&m, "kproxy_programmed_services");
-        let sctp = sample(&m, "kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"}");
-        if programmed == Some(4.0) {
-            assert_eq!(sctp, Some(1.0), "one SCTP service port is skipped:\n{m}");
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the agent never synced; log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+fn wait_synced(agent: &mut AgentProcess, ns: &Netns) {
+    let m = agent.wait_for("a sync of every service port", || {
+        let (_, m) = http_get(ns, 10249, "/metrics")?;
+        (sample(&m, "kproxy_programmed_services") == Some(4.0)).then_some(m)
+    });
+    assert_eq!(
+        sample(&m, "kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"}"),
+        Some(1.0),
+        "one SCTP service port is skipped:\n{m}"
+    );
 }
 
 /// A `kp-probe hold` connection running in the background.
@@ -348,7 +264,7 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
         .build()
         .unwrap();
     topo.serve_all().unwrap();
-    let scratch = Scratch::new("ar-restart");
+    let scratch = ScratchDir::new("ar-restart").unwrap();
     let bpffs = Bpffs::new("ar-restart-fs").unwrap();
     let cg = TestCgroup::new("ar-restart-cg").unwrap();
     let m = manifests(&topo, &scratch.0);
@@ -360,7 +276,7 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
         format!("--bpf-cgroup={}", cg.path().display()),
         "--metrics-bind-address=127.0.0.1:10249".to_string(),
     ];
-    let mut agent = Agent::start(&topo.node, &args, scratch.0.join("kproxy-1.log"));
+    let mut agent = AgentProcess::start(&topo.node, &args, scratch.0.join("kproxy-1.log"));
     wait_synced(&mut agent, &topo.node);
 
     let nodeport = format!("{NODE_IP}:{NODE_PORT}");
@@ -387,7 +303,7 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
         "the SNATed NodePort flow has service, reverse and SNAT entries: {ct_before:#?}"
     );
 
-    agent.kill9();
+    agent.kill();
     // Service traffic never depended on the agent process: the connections are still up.
     std::thread::sleep(Duration::from_secs(1));
     let mut ext = ext;
@@ -395,7 +311,7 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
     ext.assert_running();
     int.assert_running();
 
-    let mut agent = Agent::start(&topo.node, &args, scratch.0.join("kproxy-2.log"));
+    let mut agent = AgentProcess::start(&topo.node, &args, scratch.0.join("kproxy-2.log"));
     wait_synced(&mut agent, &topo.node);
     // A sync after the restart has run (and a CT maintenance pass after it).
     std::thread::sleep(Duration::from_secs(1));

@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy_tests::agentproc::{AgentProcess, ScratchDir};
 use kproxy_tests::netns::{Netns, require_root};
-use ops_support::{Agent, NsFakeApi, Scratch, kproxy_output, nat_rules};
+use ops_support::{NsFakeApi, kproxy_output, nat_rules};
 
 const NODE: &str = "kpt-node";
 
@@ -58,7 +59,7 @@ fn inspect_reads_services_from_the_api_server_and_the_kernel() {
     }
     let ns = Netns::new("ia-inspect").unwrap();
     let fake = NsFakeApi::start(&ns);
-    let scratch = Scratch::new("ia-inspect");
+    let scratch = ScratchDir::new("ia-inspect").unwrap();
     let (node, services, slices) = objects();
     fake.api.create(&node).unwrap();
     for s in &services {
@@ -77,7 +78,7 @@ fn inspect_reads_services_from_the_api_server_and_the_kernel() {
         "--metrics-bind-address=127.0.0.1:10249".into(),
         "--healthz-bind-address=127.0.0.1:10256".into(),
     ]);
-    let mut agent = Agent::start(&ns, &agent_args, scratch.0.join("kproxy.log"));
+    let mut agent = AgentProcess::start(&ns, &agent_args, scratch.0.join("kproxy.log"));
     agent.wait_for("the service's rules", || {
         nat_rules(&ns).contains("shop/web:http").then_some(())
     });

@@ -2,18 +2,15 @@
 //! an external `iptables -t nat -F` is repaired by the canary monitor, which asks the sync loop
 //! for a (full) sync — without any service change and long before the sync period.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kproxy_tests::netns::{Netns, require_root, unique_name};
-use kproxy_tests::topology::{NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, kproxy_bin};
+use kproxy_tests::agentproc::{AgentProcess, ScratchDir};
+use kproxy_tests::netns::{Netns, require_root};
+use kproxy_tests::topology::{NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec};
 
 const NODE: &str = "ipt-agent-node";
 const CLUSTER_IP: &str = "10.96.0.10";
-/// Generous liveness bound for "traffic works (again)".
-const LIVENESS: Duration = Duration::from_secs(30);
 /// The sync period the agent runs with: far longer than the test, so only the monitor's
 /// request can trigger the repairing sync.
 const SYNC_PERIOD: &str = "600s";
@@ -63,52 +60,17 @@ endpoints:
     path
 }
 
-struct Scratch(PathBuf);
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The agent process; killed on drop.
-struct Agent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Agent {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Waits until the ClusterIP answers from `ns`; panics with the agent's log otherwise.
-fn wait_serving(agent: &mut Agent, ns: &Netns, what: &str) -> Duration {
+/// Waits until the ClusterIP answers from `ns`; returns how long that took.
+fn wait_serving(agent: &mut AgentProcess, ns: &Netns, what: &str) -> Duration {
     let start = Instant::now();
-    loop {
-        if let Ok(Some(st)) = agent.child.try_wait() {
-            panic!("kproxy exited ({st}):\n{}", agent.log());
-        }
-        let r = Probe::tcp(format!("{CLUSTER_IP}:80"), 1)
+    agent.wait_for(&format!("{CLUSTER_IP}:80 to answer ({what})"), || {
+        Probe::tcp(format!("{CLUSTER_IP}:80"), 1)
             .timeout(Duration::from_millis(500))
-            .run(ns, None);
-        if r.is_ok_and(|r| r.total_answers() == 1) {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < LIVENESS,
-            "{what}: {CLUSTER_IP}:80 never answered; kproxy log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+            .run(ns, None)
+            .ok()
+            .filter(|r| r.total_answers() == 1)
+    });
+    start.elapsed()
 }
 
 fn nat_rules(ns: &Netns) -> Vec<String> {
@@ -136,28 +98,17 @@ fn external_nat_flush_is_repaired_by_the_canary_monitor() {
         .build()
         .unwrap();
     topo.serve_all().unwrap();
-    let dir = std::env::temp_dir().join(unique_name("ipt-agent"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let scratch = Scratch(dir);
+    let scratch = ScratchDir::new("ipt-agent").unwrap();
     let m = manifests(&topo, &scratch.0);
-    let log = scratch.0.join("kproxy.log");
-    let f = File::create(&log).unwrap();
-    let mut cmd: Command = topo.node.command(kproxy_bin().unwrap());
-    cmd.args([
+    let args = [
         format!("--manifests={}", m.display()),
         format!("--hostname-override={NODE}"),
         "--proxy-mode=iptables".into(),
         format!("--iptables-sync-period={SYNC_PERIOD}"),
         "--healthz-bind-address=".into(),
         "--metrics-bind-address=".into(),
-    ])
-    .stdin(Stdio::null())
-    .stdout(f.try_clone().unwrap())
-    .stderr(f);
-    let mut agent = Agent {
-        child: cmd.spawn().expect("spawning kproxy"),
-        log,
-    };
+    ];
+    let mut agent = AgentProcess::start(&topo.node, &args, scratch.0.join("kproxy.log"));
     wait_serving(&mut agent, &topo.client, "initial sync");
     let before = nat_rules(&topo.node);
     assert!(

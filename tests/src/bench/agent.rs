@@ -3,12 +3,13 @@
 //! agent's own words.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 
+pub use crate::agentproc::{ScratchDir, strip_ansi};
 use crate::netns::{Bpffs, Netns, TestCgroup};
 use crate::topology::{NODE_CLIENT_IF, Probe, kproxy_bin, target_bin};
 
@@ -292,44 +293,6 @@ impl Drop for RunningAgent {
     }
 }
 
-/// `text` without terminal colour sequences (`ESC [ … m`).
-pub fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// A fresh scratch directory under the temp dir (removed by the caller's [`ScratchDir`]).
-pub struct ScratchDir(pub PathBuf);
-
-impl ScratchDir {
-    pub fn new(hint: &str) -> anyhow::Result<ScratchDir> {
-        let dir = std::env::temp_dir().join(crate::netns::unique_name(hint));
-        std::fs::create_dir_all(&dir)?;
-        Ok(ScratchDir(dir))
-    }
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Runs `probe` and fails unless it got answers only (for sanity checks before measuring).
 pub fn check_reachable(
     probe: &Probe,
@@ -341,15 +304,4 @@ pub fn check_reachable(
         return Err(format!("{} is not reachable: {r:?}", probe.addr));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn colour_sequences_are_stripped_from_the_agent_log() {
-        assert_eq!(
-            super::strip_ansi("\u{1b}[2m2026\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m x"),
-            "2026 ERROR x"
-        );
-    }
 }
