@@ -73,7 +73,7 @@ pub enum IptablesBackend {
 }
 
 /// Settings of one per-family iptables proxier.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct IptablesConfig {
     pub family: IpFamily,
     /// This node's primary IP of `family` (upstream `nodeIP`; used for the LB source-range

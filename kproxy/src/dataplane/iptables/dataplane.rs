@@ -261,7 +261,7 @@ impl Dataplane for IptablesDataplane {
                 p.cfg.local_addresses = detect_local_addresses(&runner);
             }
             match p.sync(snap, changed) {
-                Ok(out) => endpoints += out.plan.total_endpoints,
+                Ok(out) => endpoints += out.total_endpoints,
                 Err(e) => errors.push(format!("{:?}: {e}", p.cfg.family)),
             }
         }

@@ -3,6 +3,7 @@
 //! - [`config`]: [`IptablesConfig`], the resolved per-family settings.
 //! - [`names`]: chain names (upstream's hashed `KUBE-SVC-…`/`KUBE-SEP-…`).
 //! - [`plan`]: the pure planner, snapshot → filter + nat rules (structured by chain).
+//! - [`incremental`]: per-service-port plans cached between syncs (re-plans what changed).
 //! - [`render`]: iptables-restore text and upstream's canonical sort.
 //! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
 //! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
@@ -18,11 +19,15 @@ pub mod cleanup;
 pub mod config;
 pub mod dataplane;
 pub mod exec;
+pub mod incremental;
 pub mod names;
 pub mod plan;
 pub mod proxier;
 pub mod render;
 pub mod written;
+
+#[cfg(test)]
+mod scale_tests;
 
 pub use config::{
     IptablesBackend as BackendChoice, IptablesConfig, LocalTrafficDetector, NfacctCounters,

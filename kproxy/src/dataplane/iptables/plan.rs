@@ -37,7 +37,7 @@ pub struct TablePlan {
 }
 
 impl TablePlan {
-    fn chain_mut(&mut self, name: &str) -> &mut ChainRules {
+    pub fn chain_mut(&mut self, name: &str) -> &mut ChainRules {
         if let Some(i) = self.chains.iter().position(|c| c.name == name) {
             return &mut self.chains[i];
         }
@@ -190,7 +190,7 @@ pub fn jump_rules() -> Vec<JumpRule> {
 }
 
 /// Everything one sync writes, before choosing what a partial sync may omit.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// The complete filter table input.
     pub filter: TablePlan,
@@ -240,12 +240,80 @@ fn for_family(svc: &ServicePort, family: IpFamily) -> ServicePort {
     s
 }
 
-/// Builds the plan for one family.
-pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
-    let family = cfg.family;
+/// The planned pieces of one service port, independent of every other service port: its
+/// rules in the shared chains (filter KUBE-SERVICES & co., nat KUBE-SERVICES and
+/// KUBE-NODEPORTS) and its own SVC/SVL/EXT/FW/SEP chains. [`assemble`] concatenates them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortPlan {
+    /// Rules in shared filter chains, grouped by chain.
+    pub filter: TablePlan,
+    /// Rules in shared nat chains, grouped by chain.
+    pub nat: TablePlan,
+    /// The port's own nat chains.
+    pub chains: TablePlan,
+    /// Endpoints of this family (counted for large-cluster mode).
+    pub endpoints: usize,
+    /// iTP=Local / eTP=Local without local endpoints (upstream metric).
+    pub no_local_internal: bool,
+    pub no_local_external: bool,
+}
+
+/// What a port plan depends on besides its service port and endpoints: the global inputs.
+/// A change of any of these invalidates every cached [`PortPlan`].
+pub struct PortContext<'a> {
+    pub cfg: &'a IptablesConfig,
+    pub node: &'a crate::model::NodeInfo,
+    /// Large-cluster mode (no per-endpoint comments).
+    pub large_cluster: bool,
+}
+
+/// The family's service ports of `snap` with their cluster IP and endpoints of the family
+/// (unsorted), in snapshot order.
+pub fn family_ports<'a>(
+    snap: &'a Snapshot,
+    family: IpFamily,
+) -> impl Iterator<Item = (&'a std::sync::Arc<ServicePort>, IpAddr, &'a [Endpoint])> + 'a {
+    snap.services.values().filter_map(move |svc| {
+        let cluster_ip = svc.cluster_ip(family)?;
+        Some((svc, cluster_ip, snap.endpoints_of(&svc.name)))
+    })
+}
+
+/// Endpoints of `eps` in `family` (upstream's count for large-cluster mode).
+pub fn family_endpoint_count(eps: &[Endpoint], family: IpFamily) -> usize {
+    eps.iter().filter(|e| family.matches(&e.ip)).count()
+}
+
+/// Plans one service port (`eps`: all its endpoints, any family).
+pub fn plan_port(
+    ctx: &PortContext<'_>,
+    svc: &ServicePort,
+    cluster_ip: IpAddr,
+    eps: &[Endpoint],
+) -> PortPlan {
+    let family = ctx.cfg.family;
+    let mut eps: Vec<Endpoint> = eps
+        .iter()
+        .filter(|e| family.matches(&e.ip))
+        .cloned()
+        .collect();
+    // Sorted by "IP:port" like upstream.
+    eps.sort_by_cached_key(|e| e.addr());
+    let svc = for_family(svc, family);
+    let mut pp = PortPlan {
+        endpoints: eps.len(),
+        ..Default::default()
+    };
+    write_service_port(&mut pp, ctx, &svc, cluster_ip, &eps);
+    pp
+}
+
+/// The chains and rules that do not depend on any service port: declarations of the shared
+/// chains and the rules that come before every service port's.
+pub fn plan_head(cfg: &IptablesConfig) -> Plan {
     let mark = cfg.masquerade_mark();
     let localhost_nps = cfg.effective_localhost_node_ports();
-    let is_v6 = family == IpFamily::V6;
+    let is_v6 = cfg.family == IpFamily::V6;
     let mut p = Plan::default();
 
     for c in [
@@ -291,38 +359,15 @@ pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
             "-m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
         );
     }
+    p
+}
 
-    // The family's service ports and their endpoints (sorted by "IP:port" like upstream).
-    let mut ports: Vec<(ServicePort, IpAddr, Vec<Endpoint>)> = vec![];
-    for svc in snap.services.values() {
-        let Some(cluster_ip) = svc.cluster_ip(family) else {
-            continue;
-        };
-        let mut eps: Vec<Endpoint> = snap
-            .endpoints_of(&svc.name)
-            .iter()
-            .filter(|e| family.matches(&e.ip))
-            .cloned()
-            .collect();
-        eps.sort_by_cached_key(|e| e.addr());
-        ports.push((for_family(svc, family), cluster_ip, eps));
-    }
-    p.total_endpoints = ports.iter().map(|(_, _, e)| e.len()).sum();
-    p.large_cluster = p.total_endpoints > cfg.large_cluster_threshold;
-    p.service_ports = ports.len();
-
-    for (svc, cluster_ip, eps) in &ports {
-        write_service_port(
-            &mut p,
-            cfg,
-            &snap.node,
-            svc,
-            *cluster_ip,
-            eps,
-            localhost_nps,
-        );
-    }
-
+/// Appends the rules that come after every service port's (the KUBE-NODEPORTS tail call,
+/// KUBE-FORWARD).
+pub fn plan_tail(p: &mut Plan, cfg: &IptablesConfig) {
+    let mark = cfg.masquerade_mark();
+    let localhost_nps = cfg.effective_localhost_node_ports();
+    let is_v6 = cfg.family == IpFamily::V6;
     // Tail call to KUBE-NODEPORTS; must stay the last rule of KUBE-SERVICES.
     let last = "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
     if cfg.node_ports_match_all() {
@@ -372,19 +417,88 @@ pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
         KUBE_FORWARD,
         "-m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
     );
+}
+
+/// Appends one port's rules in shared chains to `p` (its own chains are not copied: see
+/// [`Plan::services`]) and counts it.
+pub fn add_port_shared(p: &mut Plan, pp: &PortPlan) {
+    for c in &pp.filter.chains {
+        p.filter
+            .chain_mut(&c.name)
+            .rules
+            .extend(c.rules.iter().cloned());
+    }
+    for c in &pp.nat.chains {
+        p.nat
+            .chain_mut(&c.name)
+            .rules
+            .extend(c.rules.iter().cloned());
+    }
+    p.total_endpoints += pp.endpoints;
+    p.service_ports += 1;
+    p.no_local_endpoints_internal += usize::from(pp.no_local_internal);
+    p.no_local_endpoints_external += usize::from(pp.no_local_external);
+}
+
+/// Whether `total_endpoints` puts the proxier in large-cluster mode.
+pub fn is_large_cluster(total_endpoints: usize, cfg: &IptablesConfig) -> bool {
+    total_endpoints > cfg.large_cluster_threshold
+}
+
+/// The whole plan from the port plans, in snapshot order (every port of a service is
+/// adjacent in that order, so its chains group by service like upstream's).
+pub fn assemble<'a>(
+    cfg: &IptablesConfig,
+    large_cluster: bool,
+    ports: impl IntoIterator<Item = (&'a ServicePortName, &'a PortPlan)>,
+) -> Plan {
+    let mut p = plan_head(cfg);
+    p.large_cluster = large_cluster;
+    for (name, pp) in ports {
+        add_port_shared(&mut p, pp);
+        p.services
+            .entry(service_key(name))
+            .or_default()
+            .chains
+            .extend(pp.chains.chains.iter().cloned());
+    }
+    plan_tail(&mut p, cfg);
     p
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Builds the plan for one family, from scratch.
+pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
+    let ports: Vec<_> = family_ports(snap, cfg.family).collect();
+    let total: usize = ports
+        .iter()
+        .map(|(_, _, eps)| family_endpoint_count(eps, cfg.family))
+        .sum();
+    let ctx = PortContext {
+        cfg,
+        node: &snap.node,
+        large_cluster: is_large_cluster(total, cfg),
+    };
+    let planned: Vec<(&ServicePortName, PortPlan)> = ports
+        .iter()
+        .map(|(svc, ip, eps)| (&svc.name, plan_port(&ctx, svc, *ip, eps)))
+        .collect();
+    assemble(
+        cfg,
+        ctx.large_cluster,
+        planned.iter().map(|(n, pp)| (*n, pp)),
+    )
+}
+
 fn write_service_port(
-    p: &mut Plan,
-    cfg: &IptablesConfig,
-    node: &crate::model::NodeInfo,
+    p: &mut PortPlan,
+    ctx: &PortContext<'_>,
     svc: &ServicePort,
     cluster_ip: IpAddr,
     eps: &[Endpoint],
-    localhost_nps: bool,
 ) {
+    let cfg = ctx.cfg;
+    let node = ctx.node;
+    let localhost_nps = cfg.effective_localhost_node_ports();
     let name = svc.name.to_string();
     let proto = svc.protocol.lower();
     let port = svc.port;
@@ -435,12 +549,8 @@ fn write_service_port(
         internal_comment = quoted(&format!("{name} has no local endpoints"));
         external_target = "DROP";
         external_comment = internal_comment.clone();
-        if !has_internal {
-            p.no_local_endpoints_internal += 1;
-        }
-        if !has_external {
-            p.no_local_endpoints_external += 1;
-        }
+        p.no_local_internal = !has_internal;
+        p.no_local_external = !has_external;
     }
     let dst = |ip: &IpAddr| format!("-m {proto} -p {proto} -d {ip} --dport {port}");
 
@@ -655,7 +765,7 @@ fn write_service_port(
             ),
         );
     }
-    let large = p.large_cluster;
+    let large = ctx.large_cluster;
     let comment = |c: &str| {
         if large {
             String::new()
@@ -721,8 +831,7 @@ fn write_service_port(
             ),
         );
     }
-    let entry = p.services.entry(service_key(&svc.name)).or_default();
-    entry.chains.extend(t.chains);
+    p.chains = t;
 }
 
 #[cfg(test)]

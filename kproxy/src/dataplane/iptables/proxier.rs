@@ -48,8 +48,9 @@ use crate::model::{ChangedSet, Snapshot};
 
 use super::backend::{IptablesBackend, IptablesError, RestoreMode};
 use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
+use super::incremental::{IncrementalPlanner, UpdateStats};
 use super::names::{KUBE_PROXY_CANARY, is_service_chain};
-use super::plan::{Plan, jump_rules, plan, service_key};
+use super::plan::{ServiceKey, jump_rules, service_key};
 use super::render::{TableInput, render_tables};
 use super::written::KernelChains;
 
@@ -76,7 +77,11 @@ pub struct ProxierStats {
 #[derive(Debug, Clone)]
 pub struct SyncOutcome {
     pub full: bool,
-    pub plan: Plan,
+    /// Endpoints of the family's service ports (upstream's count for large-cluster mode).
+    pub total_endpoints: usize,
+    pub large_cluster: bool,
+    /// What the planner re-planned.
+    pub planned: UpdateStats,
 }
 
 /// One per-family proxier.
@@ -91,6 +96,8 @@ pub struct Proxier<B: IptablesBackend> {
     pub stats: ProxierStats,
     /// What the kernel is known to hold (see the module docs).
     kernel: KernelChains,
+    /// Per-service-port plans kept between syncs.
+    planner: IncrementalPlanner,
 }
 
 /// Parsed `iptables-save` of one table.
@@ -136,6 +143,7 @@ impl<B: IptablesBackend> Proxier<B> {
             last_input: String::new(),
             stats: ProxierStats::default(),
             kernel: KernelChains::default(),
+            planner: IncrementalPlanner::new(),
         }
     }
 
@@ -216,29 +224,45 @@ impl<B: IptablesBackend> Proxier<B> {
         if full {
             self.ensure_jumps()?;
         }
-        let plan = plan(snap, &self.cfg);
-        let changed_services: HashSet<_> = changed.services.iter().map(service_key).collect();
+        let planned = self.planner.update(snap, &self.cfg);
+        let shared = self.planner.shared_plan(&self.cfg);
+        let large_cluster = shared.large_cluster;
 
         let mut filter = TableInput::new("filter");
-        filter.add(&plan.filter);
+        filter.add(&shared.filter);
         let mut nat = TableInput::new("nat");
-        nat.add(&plan.nat);
-        let mut nat_rules = plan.nat.rule_count();
-        for (key, t) in &plan.services {
-            if full || changed_services.contains(key) {
-                nat.add(t);
-                nat_rules += t.rule_count();
+        nat.add(&shared.nat);
+        let mut nat_rules = shared.nat.rule_count();
+        // Per-service chains by service (upstream's order: services sorted by name, ports in
+        // snapshot order): all of them, or those of the changed services.
+        let mut add = |pp: &super::plan::PortPlan| {
+            nat.add(&pp.chains);
+            nat_rules += pp.chains.rule_count();
+        };
+        if full {
+            self.planner.ports().for_each(|(_, pp)| add(pp));
+        } else {
+            let changed_services: BTreeSet<ServiceKey> =
+                changed.services.iter().map(service_key).collect();
+            for key in &changed_services {
+                self.planner.service_ports(key).for_each(&mut add);
             }
         }
+        let outcome = SyncOutcome {
+            full,
+            total_endpoints: shared.total_endpoints,
+            large_cluster,
+            planned,
+        };
 
         // Stale per-service chains (and, on full syncs, whether nat holds only our objects).
         // A partial sync in large-cluster mode takes the existing chains from what it knows
         // instead of saving a huge table.
-        let cleanup_due = !plan.large_cluster
+        let cleanup_due = !large_cluster
             || self
                 .last_cleanup
                 .is_none_or(|t| t.elapsed() > self.cfg.sync_period);
-        let known_chains = !full && plan.large_cluster && !self.kernel.is_empty();
+        let known_chains = !full && large_cluster && !self.kernel.is_empty();
         let mut saved_nat = None;
         if full || (cleanup_due && !known_chains) {
             match self.backend.save("nat") {
@@ -248,8 +272,8 @@ impl<B: IptablesBackend> Proxier<B> {
                 }
             }
         }
-        let active = plan.active_nat_chains();
         if cleanup_due {
+            let active = self.planner.active_chains();
             let existing: Option<Vec<&str>> = match &saved_nat {
                 Some(saved) => Some(saved.chains.iter().map(|(c, _)| c.as_str()).collect()),
                 None if known_chains => Some(self.kernel.chains("nat").collect()),
@@ -267,7 +291,9 @@ impl<B: IptablesBackend> Proxier<B> {
                 self.last_cleanup = Some(Instant::now());
             }
         }
-        self.last_input = render_tables(&[filter.clone(), nat.clone()]);
+        self.last_input.clear();
+        filter.render(&mut self.last_input);
+        nat.render(&mut self.last_input);
         self.stats.nat_rules_last = nat_rules;
 
         if !full {
@@ -289,7 +315,7 @@ impl<B: IptablesBackend> Proxier<B> {
             for t in &tables {
                 self.kernel.record(t);
             }
-            return Ok(SyncOutcome { full, plan });
+            return Ok(outcome);
         }
 
         self.stats.chains_omitted_last = 0;
@@ -328,7 +354,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 }
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
-                Ok(SyncOutcome { full, plan })
+                Ok(outcome)
             }
             Err(e) => Err(self.restore_failed(e, full)),
         }

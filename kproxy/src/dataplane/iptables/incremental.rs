@@ -1,0 +1,251 @@
+//! The incremental planner: [`plan`](super::plan::plan)'s output without re-planning every
+//! service port on every sync.
+//!
+//! ## Why
+//! Planning a service port formats its rules and hashes its chain names (sha256 + base32 per
+//! service port and per endpoint). At 10,000 services × 5 endpoints that is ~70k hashes and
+//! ~160k formatted lines: most of a partial sync's CPU when one endpoint changed.
+//!
+//! ## The cache
+//! One [`PortPlan`] per service port of the proxier's family, keyed by [`ServicePortName`]:
+//! the port's rules in the shared chains (filter KUBE-SERVICES / KUBE-EXTERNAL-SERVICES /
+//! KUBE-NODEPORTS / KUBE-PROXY-FIREWALL, nat KUBE-SERVICES / KUBE-NODEPORTS) and its own
+//! SVC/SVL/EXT/FW/SEP chains. Each entry remembers the inputs it was planned from: the
+//! snapshot's `Arc<ServicePort>` and `Arc<Vec<Endpoint>>`. A port plan is a pure function of
+//! those two plus the *global* inputs: the [`IptablesConfig`], the node
+//! ([`NodeInfo`](crate::model::NodeInfo): topology labels) and large-cluster mode.
+//!
+//! [`IncrementalPlanner::update`] walks the snapshot's service ports and re-plans a port only
+//! when its service or endpoints differ from the remembered ones (same `Arc`, or equal
+//! values: so it does not rely on the tracker's [`ChangedSet`](crate::model::ChangedSet) being
+//! complete); entries of ports no longer in the snapshot are dropped. Everything is re-planned
+//! (the cache is rebuilt) when a global input differs from the one the cache was built with:
+//! - the config (any field: e.g. the masquerade bit, the local-traffic detector, nfacct
+//!   counters, `--nodeport-addresses` and the detected local addresses),
+//! - the node object,
+//! - large-cluster mode flipping (the total endpoint count crossing the threshold: every SEP
+//!   and SVC rule gains or loses its comment).
+//!
+//! ## Why the output is still upstream's
+//! The cache stores exactly what [`plan_port`] returns, and [`plan`](super::plan::plan) is
+//! itself "plan every port with [`plan_port`], then [`assemble`]": the from-scratch planner
+//! and the incremental one share every line of rule-writing code and differ only in *which*
+//! port plans are recomputed. Assembly concatenates the shared-chain rules in snapshot order
+//! (the order upstream's loop over services uses) between the fixed head and tail rules, so
+//! the restore text is byte-identical. The property test below checks
+//! `IncrementalPlanner::plan() == plan(snapshot)` after random sequences of snapshot changes
+//! (services and endpoints added, changed and removed, node and config changes, crossing the
+//! large-cluster threshold).
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use crate::model::{Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot};
+
+use super::config::IptablesConfig;
+use super::plan::{
+    Plan, PortContext, PortPlan, ServiceKey, add_port_shared, assemble, family_endpoint_count,
+    family_ports, is_large_cluster, plan_head, plan_port, plan_tail,
+};
+use crate::model::Protocol;
+
+/// One cached service port.
+#[derive(Debug, Clone)]
+struct Cached {
+    svc: Arc<ServicePort>,
+    eps: Option<Arc<Vec<Endpoint>>>,
+    plan: PortPlan,
+}
+
+fn same_arc<T: PartialEq>(a: &Arc<T>, b: &Arc<T>) -> bool {
+    Arc::ptr_eq(a, b) || **a == **b
+}
+
+fn same_eps(a: Option<&Arc<Vec<Endpoint>>>, b: Option<&Arc<Vec<Endpoint>>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => same_arc(a, b),
+        // No entry and an empty entry plan the same.
+        (None, Some(e)) | (Some(e), None) => e.is_empty(),
+    }
+}
+
+/// What the last [`IncrementalPlanner::update`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpdateStats {
+    /// Service ports planned (again).
+    pub replanned: usize,
+    /// Every port was planned (first run or a global input changed).
+    pub from_scratch: bool,
+}
+
+/// Cached per-service-port plans of one family (see the module docs).
+#[derive(Debug, Default)]
+pub struct IncrementalPlanner {
+    /// The global inputs the cache was built with (`None`: empty cache).
+    cfg: Option<IptablesConfig>,
+    node: NodeInfo,
+    large_cluster: bool,
+    total_endpoints: usize,
+    ports: BTreeMap<ServicePortName, Cached>,
+}
+
+/// A port to (re)plan.
+struct Todo<'a> {
+    svc: &'a Arc<ServicePort>,
+    cluster_ip: IpAddr,
+    eps: Option<&'a Arc<Vec<Endpoint>>>,
+}
+
+impl IncrementalPlanner {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Brings the cache up to date with `snap` under `cfg`.
+    pub fn update(&mut self, snap: &Snapshot, cfg: &IptablesConfig) -> UpdateStats {
+        let globals_same = self.cfg.as_ref() == Some(cfg) && self.node == snap.node;
+        let (mut todo, mut total, matched) = self.classify(snap, cfg, !globals_same);
+        let large = is_large_cluster(total, cfg);
+        let mut from_scratch = !globals_same;
+        if !from_scratch && large != self.large_cluster {
+            (todo, total, _) = self.classify(snap, cfg, true);
+            from_scratch = true;
+        }
+        if from_scratch {
+            self.ports.clear();
+        } else if matched < self.ports.len() {
+            let family = cfg.family;
+            self.ports.retain(|name, _| {
+                snap.services
+                    .get(name)
+                    .is_some_and(|s| s.cluster_ip(family).is_some())
+            });
+        }
+        let ctx = PortContext {
+            cfg,
+            node: &snap.node,
+            large_cluster: large,
+        };
+        for t in &todo {
+            let eps = t.eps.map(|e| e.as_slice()).unwrap_or(&[]);
+            let plan = plan_port(&ctx, t.svc, t.cluster_ip, eps);
+            self.ports.insert(
+                t.svc.name.clone(),
+                Cached {
+                    svc: t.svc.clone(),
+                    eps: t.eps.cloned(),
+                    plan,
+                },
+            );
+        }
+        if !globals_same {
+            self.cfg = Some(cfg.clone());
+            self.node = snap.node.clone();
+        }
+        self.large_cluster = large;
+        self.total_endpoints = total;
+        UpdateStats {
+            replanned: todo.len(),
+            from_scratch,
+        }
+    }
+
+    /// The family's ports of `snap` that need planning (all if `all`), the total endpoint
+    /// count, and how many cache entries are still in the snapshot.
+    fn classify<'a>(
+        &self,
+        snap: &'a Snapshot,
+        cfg: &IptablesConfig,
+        all: bool,
+    ) -> (Vec<Todo<'a>>, usize, usize) {
+        let mut todo = vec![];
+        let mut total = 0;
+        let mut matched = 0;
+        for (svc, cluster_ip, eps_slice) in family_ports(snap, cfg.family) {
+            let eps = snap.endpoints.get(&svc.name);
+            let cached = if all { None } else { self.ports.get(&svc.name) };
+            if cached.is_some() {
+                matched += 1;
+            }
+            match cached {
+                Some(c) if same_arc(&c.svc, svc) && same_eps(c.eps.as_ref(), eps) => {
+                    total += c.plan.endpoints;
+                }
+                _ => {
+                    total += family_endpoint_count(eps_slice, cfg.family);
+                    todo.push(Todo {
+                        svc,
+                        cluster_ip,
+                        eps,
+                    });
+                }
+            }
+        }
+        (todo, total, matched)
+    }
+
+    /// Large-cluster mode as of the last update.
+    pub fn large_cluster(&self) -> bool {
+        self.large_cluster
+    }
+
+    /// Endpoints of the family's service ports as of the last update.
+    pub fn total_endpoints(&self) -> usize {
+        self.total_endpoints
+    }
+
+    /// Every cached port plan, in snapshot order.
+    pub fn ports(&self) -> impl Iterator<Item = (&ServicePortName, &PortPlan)> {
+        self.ports.iter().map(|(n, c)| (n, &c.plan))
+    }
+
+    /// The port plans of one service, in snapshot order.
+    pub fn service_ports<'a>(
+        &'a self,
+        key: &ServiceKey,
+    ) -> impl Iterator<Item = &'a PortPlan> + 'a {
+        // The smallest name of the service: empty port name, the first protocol.
+        let start = ServicePortName {
+            namespace: key.0.clone(),
+            name: key.1.clone(),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        };
+        let (ns, name) = (key.0.clone(), key.1.clone());
+        self.ports
+            .range(start..)
+            .take_while(move |(n, _)| n.namespace == ns && n.name == name)
+            .map(|(_, c)| &c.plan)
+    }
+
+    /// Every per-service chain of the cached plans.
+    pub fn active_chains(&self) -> HashSet<&str> {
+        self.ports
+            .values()
+            .flat_map(|c| c.plan.chains.chains.iter().map(|ch| ch.name.as_str()))
+            .collect()
+    }
+
+    /// The shared chains (filter table and nat KUBE-SERVICES & co.) with their complete rules
+    /// and the counters; [`Plan::services`] is left empty (the per-service chains are read
+    /// from [`Self::ports`] / [`Self::service_ports`]).
+    pub fn shared_plan(&self, cfg: &IptablesConfig) -> Plan {
+        let mut p = plan_head(cfg);
+        p.large_cluster = self.large_cluster;
+        for c in self.ports.values() {
+            add_port_shared(&mut p, &c.plan);
+        }
+        plan_tail(&mut p, cfg);
+        p
+    }
+
+    /// The complete plan (what [`plan`](super::plan::plan) gives for the last snapshot).
+    pub fn plan(&self, cfg: &IptablesConfig) -> Plan {
+        assemble(cfg, self.large_cluster, self.ports())
+    }
+}
+
+#[cfg(test)]
+mod tests;
