@@ -35,6 +35,12 @@
 //! upstream: between full syncs an external edit of KUBE-SERVICES & co. that leaves the canary
 //! and the PREROUTING jump in place is repaired at the next full sync, not the next sync.
 //!
+//! ## Planning
+//! The rules come from an [`IncrementalPlanner`] kept across syncs: only service ports whose
+//! service or endpoints changed are planned again (everything after a config, node or
+//! large-cluster-mode change); the shared chains and the restore text are assembled from the
+//! cached per-port pieces, byte-identical to a from-scratch [`plan`](super::plan::plan).
+//!
 //! With iptables-legacy the kernel API replaces a whole table per commit: every restore, even
 //! of one chain, reads the whole nat table from the kernel and writes it back, so the cost of
 //! any sync grows with the total number of rules (the bound of that backend).
