@@ -41,6 +41,18 @@
 //! large-cluster-mode change); the shared chains and the restore text are assembled from the
 //! cached per-port pieces, byte-identical to a from-scratch [`plan`](super::plan::plan).
 //!
+//! ## What bounds a cold start on nft
+//! Measured by hand (iptables 1.8.9, kernel 6.18, 10k services × 5 endpoints, a whole-table
+//! nat restore of 60k chains and 170k rules in a fresh netns, loaded 2-core machine): ≈5.4 s
+//! user + 3.5 s sys inside `iptables-nft-restore`. The user time is iptables-nft's own and
+//! grows superlinearly with the number of chains: declaring 6k / 20k / 60k chains alone takes
+//! 0.01 / 0.10 / 1.9 s user, and rules that jump to user chains cost far more than DNAT rules
+//! (dropping the 100k SEP rules saves 0.8 s; the 70k jump rules cost ≈2.7 s). Comments make
+//! no difference (large-cluster mode already drops most; stripping the rest: same time), and
+//! splitting the declarations over several `--noflush` restores is slower (≈0.5 s per 10k
+//! chains each). The chains and rules are upstream's, so their number is fixed: the bound is
+//! iptables-nft's per-chain cost, not the input's shape.
+//!
 //! With iptables-legacy the kernel API replaces a whole table per commit: every restore, even
 //! of one chain, reads the whole nat table from the kernel and writes it back, so the cost of
 //! any sync grows with the total number of rules (the bound of that backend).
