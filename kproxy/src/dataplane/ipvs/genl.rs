@@ -8,10 +8,10 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::netlink::{
+use crate::model::Protocol;
+use crate::netlink::{
     MsgBuilder, NLM_F_ACK, NLM_F_DUMP, Socket, attrs, find_attr, read_str, read_u16, read_u32,
 };
-use crate::model::Protocol;
 
 const GENL_ID_CTRL: u16 = 0x10;
 const CTRL_CMD_GETFAMILY: u8 = 3;
@@ -291,6 +291,14 @@ fn decode_family_id(payload: &[u8]) -> Option<u16> {
     read_u16(find_attr(payload.get(4..)?, CTRL_ATTR_FAMILY_ID)?)
 }
 
+/// A socket for the IPVS clients (generic netlink, and rtnetlink in [`super::rtnl`]): a large
+/// kernel receive buffer for big dumps.
+pub(super) fn open_socket(protocol: libc::c_int) -> io::Result<Socket> {
+    let sock = Socket::open(protocol)?.with_recv_len(256 * 1024);
+    sock.set_rcvbuf(1 << 20);
+    Ok(sock)
+}
+
 /// An open generic-netlink socket with the IPVS family resolved (in the caller's network
 /// namespace: IPVS state is per namespace).
 #[derive(Debug)]
@@ -314,7 +322,7 @@ pub enum IpvsError {
 
 impl IpvsHandle {
     pub fn open() -> Result<IpvsHandle, IpvsError> {
-        let mut sock = Socket::open(libc::NETLINK_GENERIC).map_err(IpvsError::NoFamily)?;
+        let mut sock = open_socket(libc::NETLINK_GENERIC).map_err(IpvsError::NoFamily)?;
         let mut m = MsgBuilder::new(GENL_ID_CTRL, NLM_F_ACK).header(&[CTRL_CMD_GETFAMILY, 1, 0, 0]);
         m.str(CTRL_ATTR_FAMILY_NAME, IPVS_GENL_NAME);
         let replies = sock.request(&m).map_err(IpvsError::NoFamily)?;
@@ -428,7 +436,8 @@ impl IpvsHandle {
         })?;
         let mut t = Timeouts::default();
         for r in &replies {
-            for (k, p) in attrs(r.payload.get(4..).unwrap_or_default()) {
+            let body = r.payload.get(4..).unwrap_or_default();
+            for (k, p) in attrs(body).map_while(Result::ok) {
                 let v = read_u32(p).unwrap_or(0);
                 match k {
                     CMD_ATTR_TIMEOUT_TCP => t.tcp = v,
@@ -444,8 +453,8 @@ impl IpvsHandle {
 
 #[cfg(test)]
 mod tests {
-    use super::super::netlink::parse_messages;
     use super::*;
+    use crate::netlink::parse_messages;
 
     fn svc(addr: &str, proto: Protocol) -> VirtualService {
         VirtualService {
@@ -462,9 +471,10 @@ mod tests {
 
     /// A request parsed back the way the kernel reads it (its reply uses the same layout).
     fn round_trip(m: &MsgBuilder) -> Vec<u8> {
-        let msgs = parse_messages(&m.finish(3)).unwrap();
+        let bytes = m.finish(3);
+        let msgs = parse_messages(&bytes).unwrap();
         assert_eq!(msgs.len(), 1);
-        msgs[0].payload.clone()
+        msgs[0].payload.to_vec()
     }
 
     #[test]
