@@ -534,6 +534,20 @@ mod tests {
         assert!(parse_messages(&buf[..30]).is_err(), "truncated message");
     }
 
+    /// The entry of a datagram holding exactly one (dump answer to seq 1, not interrupted).
+    fn only_entry(buf: &[u8]) -> Entry {
+        match parse_messages(buf).unwrap().as_slice() {
+            [
+                Message::Entry {
+                    seq: 1,
+                    entry,
+                    interrupted: false,
+                },
+            ] => entry.clone(),
+            m => panic!("{m:?}"),
+        }
+    }
+
     /// Kernel 6.18 answers to dump requests, captured on x86_64 (little-endian headers) after
     /// `conntrack -I -p udp -s 10.0.1.2 -d 172.30.1.1 --sport 40000 --dport 8000
     /// --reply-src 10.240.0.4 --reply-dst 10.0.1.2 --reply-port-src 9090
@@ -559,32 +573,12 @@ mod tests {
             "00000008080008000000000008000c00a14cbd6a08000b0000000001080007000000012b1c00188008000100",
             "0000000008000200000000000800030000000000",
         ));
-        let m = parse_messages(&v4).unwrap();
-        let [
-            Message::Entry {
-                seq: 1,
-                entry,
-                interrupted: false,
-            },
-        ] = m.as_slice()
-        else {
-            panic!("{m:?}");
-        };
+        let entry = only_entry(&v4);
         assert_eq!(entry.orig, udp("10.0.1.2", 40000, "172.30.1.1", 8000));
         assert_eq!(entry.reply, udp("10.240.0.4", 9090, "10.0.1.2", 40000));
         assert_eq!((entry.zone, entry.mark, entry.id), (0, 7, Some(0x7c8e0106)));
         assert_eq!(entry.status, 8, "IPS_CONFIRMED");
-        let m = parse_messages(&v6).unwrap();
-        let [
-            Message::Entry {
-                seq: 1,
-                entry,
-                interrupted: false,
-            },
-        ] = m.as_slice()
-        else {
-            panic!("{m:?}");
-        };
+        let entry = only_entry(&v6);
         assert_eq!(entry.orig, udp("fd00::2", 40000, "fd00:30::1", 8000));
         assert_eq!(entry.reply, udp("fd01::4", 9090, "fd00::2", 40000));
         assert_eq!((entry.mark, entry.id), (0, Some(0xa14cbd6a)));

@@ -10,7 +10,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use crate::model::Protocol;
 use crate::netlink::{
-    MsgBuilder, NLM_F_ACK, NLM_F_DUMP, Socket, attrs, find_attr, read_str, read_u16, read_u32,
+    MsgBuilder, NLM_F_ACK, NLM_F_DUMP, OwnedMsg, Socket, attrs, find_attr, read_str, read_u16,
+    read_u32,
 };
 
 const GENL_ID_CTRL: u16 = 0x10;
@@ -338,21 +339,28 @@ impl IpvsHandle {
         Ok(IpvsHandle { sock, family })
     }
 
+    /// Sends `m`; its answers, or the error naming `op` and `object`.
+    fn query(
+        &mut self,
+        op: &'static str,
+        object: impl Into<String>,
+        m: &MsgBuilder,
+    ) -> Result<Vec<OwnedMsg>, IpvsError> {
+        self.sock.request(m).map_err(|source| IpvsError::Op {
+            op,
+            object: object.into(),
+            source,
+        })
+    }
+
     fn op(&mut self, op: &'static str, object: String, m: &MsgBuilder) -> Result<(), IpvsError> {
-        self.sock
-            .request(m)
-            .map(|_| ())
-            .map_err(|source| IpvsError::Op { op, object, source })
+        self.query(op, object, m).map(|_| ())
     }
 
     /// The IPVS version as `(major, minor, patch)`.
     pub fn version(&mut self) -> Result<(u32, u32, u32), IpvsError> {
         let m = genl_msg(self.family, CMD_GET_INFO, NLM_F_ACK);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "get",
-            object: "info".into(),
-            source,
-        })?;
+        let replies = self.query("get", "info", &m)?;
         let v = replies
             .iter()
             .find_map(|r| find_attr(r.payload.get(4..)?, INFO_ATTR_VERSION).and_then(read_u32))
@@ -362,11 +370,7 @@ impl IpvsHandle {
 
     pub fn services(&mut self) -> Result<Vec<VirtualService>, IpvsError> {
         let m = genl_msg(self.family, CMD_GET_SERVICE, NLM_F_DUMP);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "list",
-            object: "services".into(),
-            source,
-        })?;
+        let replies = self.query("list", "services", &m)?;
         Ok(replies
             .iter()
             .filter_map(|r| decode_service(&r.payload))
@@ -378,11 +382,7 @@ impl IpvsHandle {
         m.begin_nested(CMD_ATTR_SERVICE);
         put_service_key(&mut m, key);
         m.end_nested();
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "list destinations of",
-            object: key.to_string(),
-            source,
-        })?;
+        let replies = self.query("list destinations of", key.to_string(), &m)?;
         let family = af(&key.addr);
         Ok(replies
             .iter()
@@ -429,11 +429,7 @@ impl IpvsHandle {
 
     pub fn timeouts(&mut self) -> Result<Timeouts, IpvsError> {
         let m = genl_msg(self.family, CMD_GET_CONFIG, NLM_F_ACK);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "get",
-            object: "timeouts".into(),
-            source,
-        })?;
+        let replies = self.query("get", "timeouts", &m)?;
         let mut t = Timeouts::default();
         for r in &replies {
             let body = r.payload.get(4..).unwrap_or_default();
