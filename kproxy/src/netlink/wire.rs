@@ -281,9 +281,8 @@ mod tests {
             "070003006c6f0000080008008000000014000600fffffffffffffffff88c0000f88c0000",
         ));
         let done = unhex("1400000003000200050000000b2f000000000000");
-        let eexist = unhex(concat!(
-            "2400000002000001060000000b2f0000efffffff20000000140005060600000000000000"
-        ));
+        let eexist =
+            unhex("2400000002000001060000000b2f0000efffffff20000000140005060600000000000000");
         let m = parse_messages(&dump).unwrap();
         assert_eq!(m.len(), 1);
         assert_eq!((m[0].msg_type, m[0].flags, m[0].seq), (20, NLM_F_MULTI, 5));

@@ -198,8 +198,8 @@ mod tests {
             let msgs = parse_messages(&bytes).unwrap();
             assert_eq!(msgs[0].msg_type, RTM_NEWADDR);
             assert_eq!(msgs[0].payload[1], prefix);
-            assert_eq!(decode_addr(&msgs[0].payload, 7), Some(ip));
-            assert_eq!(decode_addr(&msgs[0].payload, 8), None, "other link");
+            assert_eq!(decode_addr(msgs[0].payload, 7), Some(ip));
+            assert_eq!(decode_addr(msgs[0].payload, 8), None, "other link");
         }
         let del = encode_addr(7, &"10.0.0.1".parse().unwrap(), false).finish(1);
         assert_eq!(parse_messages(&del).unwrap()[0].msg_type, RTM_DELADDR);
