@@ -18,6 +18,7 @@ pub mod localdetect;
 pub mod logging;
 pub mod metrics;
 pub mod model;
+pub mod netlink;
 pub mod nodeip;
 pub mod source;
 pub mod sync;

@@ -3,6 +3,7 @@
 //! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests.
 //! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
+//! - [`maglev`]: the Maglev NodePort scenario of the `ebpf_maglev` test and the maglev bench.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
@@ -19,6 +20,7 @@ pub mod fixtures;
 pub mod http;
 pub mod iptables_corpus;
 pub mod iptables_tracer;
+pub mod maglev;
 pub mod netns;
 pub mod recording;
 pub mod topology;

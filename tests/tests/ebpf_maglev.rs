@@ -8,29 +8,23 @@
 
 mod ebpf_tc_support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::*;
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, LbAlgorithm, MapSizes, maglev};
+use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, LbAlgorithm, maglev};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::testrun::run;
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, PROG_TC_INGRESS, TcConfig, TcPath};
-use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
-};
+use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::flow_hash;
+use kproxy_tests::maglev::{BACKEND_PORT as BPORT, NODE, NODE_PORT, node_port_snapshot};
 use kproxy_tests::netns::{Bpffs, require_root};
 
-const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 const NODE_INNER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
-const NODE_PORT: u16 = 30_080;
-const BPORT: u16 = 8080;
 const M: u32 = 16_381;
 const FLOWS: u32 = 400;
 const SYN: u8 = 0x02;
@@ -39,56 +33,9 @@ fn backend_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 1, 0, 10 + i as u8)
 }
 
-/// A NodePort service with backends `backend_ip(i)` for `i` in `backends`.
+/// The NodePort service with backends `backend_ip(i)` for `i` in `backends`.
 fn snapshot(backends: &[usize]) -> Snapshot {
-    let name = ServicePortName {
-        namespace: "ns".into(),
-        name: "web".into(),
-        port: "http".into(),
-        protocol: Protocol::Tcp,
-    };
-    let sp = ServicePort {
-        name: name.clone(),
-        service_type: ServiceType::NodePort,
-        cluster_ips: vec![IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10))],
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port: NODE_PORT,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    };
-    let eps = backends
-        .iter()
-        .map(|i| Endpoint {
-            ip: IpAddr::V4(backend_ip(*i)),
-            port: BPORT,
-            ready: true,
-            serving: true,
-            terminating: false,
-            is_local: false,
-            node_name: Some("node2".into()),
-            zone: None,
-            zone_hints: BTreeSet::new(),
-            node_hints: BTreeSet::new(),
-        })
-        .collect();
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node1".into(),
-            addresses: vec![IpAddr::V4(NODE)],
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    snap.endpoints.insert(name.clone(), Arc::new(eps));
-    snap.services.insert(name, Arc::new(sp));
-    snap
+    node_port_snapshot(backends.iter().map(|i| backend_ip(*i)))
 }
 
 fn client(i: u32) -> (Ipv4Addr, u16) {
@@ -157,31 +104,11 @@ fn tc_picks_the_userspace_table_backend_and_a_removal_moves_only_its_share() {
     }
     const N: usize = 10;
     let bpffs = Bpffs::new("mglv-tc").unwrap();
-    let cfg = EbpfConfig {
-        bpffs: bpffs.path().to_path_buf(),
-        families: vec![IpFamily::V4],
-        socket_lb: false,
-        node_addresses: vec![IpAddr::V4(NODE)],
-        lb_algorithm: LbAlgorithm::Maglev,
-        maglev_table_size: M,
-        map_sizes: MapSizes {
-            maglev: 4,
-            ..MapSizes::default()
-        },
-        ..EbpfConfig::default()
-    };
-    let mut dp = EbpfDataplane::new(cfg).unwrap();
+    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, M)).unwrap();
     let all: Vec<usize> = (0..N).collect();
     let report = dp.sync(&snapshot(&all), &ChangedSet::default()).unwrap();
     assert_eq!(report.failed_services, 0);
-    let pins = bpffs.path().join("kproxy");
-    let tc_cfg = TcConfig {
-        ct_entries: 8192,
-        ..TcConfig::default()
-    };
-    let mut ebpf = load_object(&pins, &tc_cfg).unwrap();
-    let _tc = TcPath::load(&mut ebpf, tc_cfg).unwrap();
-    TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
+    let (mut ebpf, _tc) = tc_object(&bpffs);
 
     let before = run_flows(&mut ebpf);
     for (i, got) in before.iter().enumerate() {
@@ -225,19 +152,7 @@ fn tc_picks_the_userspace_table_backend_and_a_removal_moves_only_its_share() {
 }
 
 fn config(bpffs: &Bpffs, algorithm: LbAlgorithm, m: u32) -> EbpfConfig {
-    EbpfConfig {
-        bpffs: bpffs.path().to_path_buf(),
-        families: vec![IpFamily::V4],
-        socket_lb: false,
-        node_addresses: vec![IpAddr::V4(NODE)],
-        lb_algorithm: algorithm,
-        maglev_table_size: m,
-        map_sizes: MapSizes {
-            maglev: 4,
-            ..MapSizes::default()
-        },
-        ..EbpfConfig::default()
-    }
+    kproxy_tests::maglev::config(bpffs.path(), algorithm, m)
 }
 
 /// The TC programs, loaded as a second object over the pinned maps (as the ebpf mode does).

@@ -2,8 +2,8 @@
 //! one IP family and delete entries, without the `conntrack` tool.
 //!
 //! The wire format is written as small pure functions ([`encode_dump_request`],
-//! [`encode_delete`], [`parse_messages`]) unit-tested without a kernel; [`Socket`] is the thin
-//! I/O around them. Layout of every message: `nlmsghdr` (16 bytes, host byte order), then
+//! [`encode_delete`], [`parse_messages`]) unit-tested without a kernel, on the shared netlink
+//! plumbing of [`crate::netlink`]; [`Socket`] is the thin I/O around them. Layout of every message: `nlmsghdr` (16 bytes, host byte order), then
 //! `nfgenmsg` (family, version 0, resource id 0 big-endian), then netlink attributes (4-byte
 //! aligned, `u16 len, u16 type`), whose ctnetlink payloads are big-endian.
 //!
@@ -20,26 +20,15 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 use crate::model::IpFamily;
+use crate::netlink::{
+    self as nl, End, MsgBuilder, NLM_F_ACK, NLM_F_DUMP, NLM_F_DUMP_INTR, NLMSG_DONE, NLMSG_ERROR,
+    attrs,
+};
 
 use super::entry::{Entry, Tuple};
-
-// netlink
-const NLMSG_HDRLEN: usize = 16;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-#[cfg(test)]
-const NLM_F_MULTI: u16 = 0x2;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP_INTR: u16 = 0x10;
-const NLM_F_DUMP: u16 = 0x300;
-const NLA_F_NESTED: u16 = 0x8000;
-const NLA_TYPE_MASK: u16 = 0x3fff;
-const NETLINK_CAP_ACK: libc::c_int = 10;
 
 // nfnetlink / ctnetlink (linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h)
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
@@ -78,6 +67,12 @@ const RECV_TIMEOUT: Duration = Duration::from_secs(10);
 #[error("malformed ctnetlink message: {0}")]
 pub struct ParseError(pub String);
 
+impl From<nl::ParseError> for ParseError {
+    fn from(e: nl::ParseError) -> Self {
+        ParseError(e.0)
+    }
+}
+
 fn perr<T>(msg: impl Into<String>) -> Result<T, ParseError> {
     Err(ParseError(msg.into()))
 }
@@ -89,78 +84,31 @@ fn af(family: IpFamily) -> u8 {
     }
 }
 
-const fn align4(n: usize) -> usize {
-    (n + 3) & !3
+/// A ctnetlink request: `nlmsghdr` and `nfgenmsg` (`family`, version 0, resource id 0).
+fn ct_msg(msg: u16, flags: u16, family: u8) -> MsgBuilder {
+    MsgBuilder::new((NFNL_SUBSYS_CTNETLINK << 8) | msg, flags).header(&[family, NFNETLINK_V0, 0, 0])
 }
 
-/// Builds one netlink message from its parts (header length filled in).
-struct MsgBuilder {
-    buf: Vec<u8>,
-}
-
-impl MsgBuilder {
-    fn new(msg_type: u16, flags: u16, seq: u32, family: u8) -> Self {
-        let mut buf = Vec::with_capacity(128);
-        buf.extend_from_slice(&0u32.to_ne_bytes()); // len, patched in finish()
-        buf.extend_from_slice(&msg_type.to_ne_bytes());
-        buf.extend_from_slice(&flags.to_ne_bytes());
-        buf.extend_from_slice(&seq.to_ne_bytes());
-        buf.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel
-        buf.extend_from_slice(&[family, NFNETLINK_V0, 0, 0]);
-        MsgBuilder { buf }
-    }
-
-    fn attr(&mut self, ty: u16, payload: &[u8]) {
-        let len = 4 + payload.len();
-        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
-        self.buf.extend_from_slice(&ty.to_ne_bytes());
-        self.buf.extend_from_slice(payload);
-        self.buf.resize(align4(self.buf.len()), 0);
-    }
-
-    /// Starts a nested attribute; returns its offset for [`MsgBuilder::end_nested`].
-    fn begin_nested(&mut self, ty: u16) -> usize {
-        let at = self.buf.len();
-        self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf
-            .extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
-        at
-    }
-
-    fn end_nested(&mut self, at: usize) {
-        let len = (self.buf.len() - at) as u16;
-        self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
-    }
-
-    fn tuple(&mut self, ty: u16, t: &Tuple) {
-        let outer = self.begin_nested(ty);
-        let ip = self.begin_nested(CTA_TUPLE_IP);
-        match (t.src, t.dst) {
-            (IpAddr::V4(s), IpAddr::V4(d)) => {
-                self.attr(CTA_IP_V4_SRC, &s.octets());
-                self.attr(CTA_IP_V4_DST, &d.octets());
-            }
-            (s, d) => {
-                self.attr(CTA_IP_V6_SRC, &v6(s).octets());
-                self.attr(CTA_IP_V6_DST, &v6(d).octets());
-            }
+/// Appends the nested `CTA_TUPLE_*` attribute `ty` for `t`.
+fn put_tuple(m: &mut MsgBuilder, ty: u16, t: &Tuple) {
+    m.begin_nested(ty).begin_nested(CTA_TUPLE_IP);
+    match (t.src, t.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            m.attr(CTA_IP_V4_SRC, &s.octets())
+                .attr(CTA_IP_V4_DST, &d.octets());
         }
-        self.end_nested(ip);
-        let proto = self.begin_nested(CTA_TUPLE_PROTO);
-        self.attr(CTA_PROTO_NUM, &[t.proto]);
-        if has_ports(t.proto) {
-            self.attr(CTA_PROTO_SRC_PORT, &t.src_port.to_be_bytes());
-            self.attr(CTA_PROTO_DST_PORT, &t.dst_port.to_be_bytes());
+        (s, d) => {
+            m.attr(CTA_IP_V6_SRC, &v6(s).octets())
+                .attr(CTA_IP_V6_DST, &v6(d).octets());
         }
-        self.end_nested(proto);
-        self.end_nested(outer);
     }
-
-    fn finish(mut self) -> Vec<u8> {
-        let len = self.buf.len() as u32;
-        self.buf[0..4].copy_from_slice(&len.to_ne_bytes());
-        self.buf
+    m.end_nested().begin_nested(CTA_TUPLE_PROTO);
+    m.attr(CTA_PROTO_NUM, &[t.proto]);
+    if has_ports(t.proto) {
+        m.attr(CTA_PROTO_SRC_PORT, &t.src_port.to_be_bytes())
+            .attr(CTA_PROTO_DST_PORT, &t.dst_port.to_be_bytes());
     }
+    m.end_nested().end_nested();
 }
 
 fn v6(ip: IpAddr) -> Ipv6Addr {
@@ -177,32 +125,21 @@ fn has_ports(proto: u8) -> bool {
 
 /// The request that dumps every entry of `family`.
 pub fn encode_dump_request(family: IpFamily, seq: u32) -> Vec<u8> {
-    MsgBuilder::new(
-        (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET,
-        NLM_F_REQUEST | NLM_F_DUMP,
-        seq,
-        af(family),
-    )
-    .finish()
+    ct_msg(IPCTNL_MSG_CT_GET, NLM_F_DUMP, af(family)).finish(seq)
 }
 
 /// The request that deletes `entry` (by original tuple, zone and id), acknowledged.
 pub fn encode_delete(entry: &Entry, seq: u32) -> Vec<u8> {
     let family = af(IpFamily::of(&entry.orig.src));
-    let mut m = MsgBuilder::new(
-        (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE,
-        NLM_F_REQUEST | NLM_F_ACK,
-        seq,
-        family,
-    );
-    m.tuple(CTA_TUPLE_ORIG, &entry.orig);
+    let mut m = ct_msg(IPCTNL_MSG_CT_DELETE, NLM_F_ACK, family);
+    put_tuple(&mut m, CTA_TUPLE_ORIG, &entry.orig);
     if entry.zone != 0 {
         m.attr(CTA_ZONE, &entry.zone.to_be_bytes());
     }
     if let Some(id) = entry.id {
         m.attr(CTA_ID, &id.to_be_bytes());
     }
-    m.finish()
+    m.finish(seq)
 }
 
 /// One decoded netlink message of a ctnetlink conversation.
@@ -222,68 +159,28 @@ pub enum Message {
     Other { seq: u32, msg_type: u16 },
 }
 
-fn rd_u16(b: &[u8], at: usize) -> u16 {
-    u16::from_ne_bytes([b[at], b[at + 1]])
-}
-fn rd_u32(b: &[u8], at: usize) -> u32 {
-    u32::from_ne_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+/// Decodes one message of a ctnetlink conversation.
+fn decode(m: nl::Msg<'_>) -> Result<Message, ParseError> {
+    let seq = m.seq;
+    let interrupted = m.flags & NLM_F_DUMP_INTR != 0;
+    Ok(match m.msg_type {
+        NLMSG_DONE => Message::Done { seq, interrupted },
+        NLMSG_ERROR => Message::Ack {
+            seq,
+            errno: m.errno()?,
+        },
+        t if t == (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW => Message::Entry {
+            seq,
+            entry: parse_entry(m.payload)?,
+            interrupted,
+        },
+        t => Message::Other { seq, msg_type: t },
+    })
 }
 
 /// Splits `buf` (what one `recv` returned) into messages and decodes each.
 pub fn parse_messages(buf: &[u8]) -> Result<Vec<Message>, ParseError> {
-    let mut out = vec![];
-    let mut at = 0;
-    while at + NLMSG_HDRLEN <= buf.len() {
-        let len = rd_u32(buf, at) as usize;
-        if len < NLMSG_HDRLEN || at + len > buf.len() {
-            return perr(format!(
-                "message length {len} at offset {at} of {}",
-                buf.len()
-            ));
-        }
-        let msg_type = rd_u16(buf, at + 4);
-        let flags = rd_u16(buf, at + 6);
-        let seq = rd_u32(buf, at + 8);
-        let payload = &buf[at + NLMSG_HDRLEN..at + len];
-        let interrupted = flags & NLM_F_DUMP_INTR != 0;
-        out.push(match msg_type {
-            NLMSG_DONE => Message::Done { seq, interrupted },
-            NLMSG_ERROR => {
-                if payload.len() < 4 {
-                    return perr("NLMSG_ERROR shorter than its error code");
-                }
-                let code = i32::from_ne_bytes(payload[0..4].try_into().unwrap());
-                Message::Ack { seq, errno: -code }
-            }
-            t if t == (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW => Message::Entry {
-                seq,
-                entry: parse_entry(payload)?,
-                interrupted,
-            },
-            t => Message::Other { seq, msg_type: t },
-        });
-        at += align4(len);
-    }
-    Ok(out)
-}
-
-/// Iterates the attributes in `b`: `(type without flags, payload)`.
-fn attrs(mut b: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), ParseError>> {
-    std::iter::from_fn(move || {
-        if b.len() < 4 {
-            return None;
-        }
-        let len = rd_u16(b, 0) as usize;
-        let ty = rd_u16(b, 2) & NLA_TYPE_MASK;
-        if len < 4 || len > b.len() {
-            let e = ParseError(format!("attribute {ty} length {len} of {}", b.len()));
-            b = &[];
-            return Some(Err(e));
-        }
-        let payload = &b[4..len];
-        b = &b[align4(len).min(b.len())..];
-        Some(Ok((ty, payload)))
-    })
+    nl::messages(buf).map(|m| decode(m?)).collect()
 }
 
 fn be16(p: &[u8], what: &str) -> Result<u16, ParseError> {
@@ -410,119 +307,19 @@ pub struct DeleteOutcome {
 /// An `AF_NETLINK`/`NETLINK_NETFILTER` socket in the calling thread's network namespace.
 #[derive(Debug)]
 pub struct Socket {
-    fd: OwnedFd,
-    seq: u32,
-    buf: Vec<u8>,
+    sock: nl::Socket,
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
+fn invalid(e: ParseError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 impl Socket {
     pub fn open() -> io::Result<Socket> {
-        // SAFETY: plain syscalls on values we own; the fd is owned by `OwnedFd` right away.
-        let fd = unsafe {
-            let fd = cvt(libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_NETFILTER,
-            ))?;
-            OwnedFd::from_raw_fd(fd)
-        };
-        let one: libc::c_int = 1;
-        let tv = libc::timeval {
-            tv_sec: RECV_TIMEOUT.as_secs() as libc::time_t,
-            tv_usec: 0,
-        };
-        // SAFETY: valid fd and option buffers of the stated sizes.
-        unsafe {
-            // Acks without the echoed request (best effort: older kernels lack it).
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_NETLINK,
-                NETLINK_CAP_ACK,
-                (&one as *const libc::c_int).cast(),
-                size_of::<libc::c_int>() as libc::socklen_t,
-            );
-            cvt(libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&tv as *const libc::timeval).cast(),
-                size_of::<libc::timeval>() as libc::socklen_t,
-            ))?;
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-            cvt(libc::bind(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_nl).cast(),
-                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
-            ))?;
-        }
-        Ok(Socket {
-            fd,
-            seq: 1,
-            buf: vec![0; 1 << 16],
-        })
-    }
-
-    fn next_seq(&mut self) -> u32 {
-        self.seq = self.seq.wrapping_add(1).max(1);
-        self.seq
-    }
-
-    fn send(&self, data: &[u8]) -> io::Result<()> {
-        // SAFETY: zeroed sockaddr_nl = the kernel; `data` is a valid buffer.
-        let n = unsafe {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                data.as_ptr().cast(),
-                data.len(),
-                0,
-                (&addr as *const libc::sockaddr_nl).cast(),
-                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if n as usize != data.len() {
-            return Err(io::Error::other(format!(
-                "netlink send: {n} of {} bytes sent",
-                data.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn recv(&mut self) -> io::Result<Vec<Message>> {
-        loop {
-            // SAFETY: `buf` is a valid writable buffer of the given length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr().cast(),
-                    self.buf.len(),
-                    0,
-                )
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
-            }
-            return parse_messages(&self.buf[..n as usize])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
-        }
+        let sock = nl::Socket::open(libc::NETLINK_NETFILTER)?;
+        sock.set_cap_ack();
+        sock.set_recv_timeout(RECV_TIMEOUT)?;
+        Ok(Socket { sock })
     }
 
     /// Dumps every conntrack entry of `family`.
@@ -543,36 +340,29 @@ impl Socket {
         family: IpFamily,
         mut f: impl FnMut(Entry),
     ) -> io::Result<(usize, bool)> {
-        let seq = self.next_seq();
-        self.send(&encode_dump_request(family, seq))?;
+        let seq = self.sock.next_seq();
         let (mut seen, mut interrupted) = (0, false);
-        loop {
-            for m in self.recv()? {
-                match m {
-                    Message::Entry {
-                        seq: s,
-                        entry,
-                        interrupted: i,
-                    } if s == seq => {
-                        interrupted |= i;
-                        if IpFamily::of(&entry.orig.src) == family {
-                            seen += 1;
-                            f(entry);
-                        }
-                    }
-                    Message::Done {
-                        seq: s,
-                        interrupted: i,
-                    } if s == seq => return Ok((seen, interrupted | i)),
-                    Message::Ack { seq: s, errno } if s == seq && errno != 0 => {
-                        if errno == libc::EINTR {
-                            return Ok((seen, true));
-                        }
-                        return Err(io::Error::from_raw_os_error(errno));
-                    }
-                    _ => {}
+        let end = self.sock.exchange(&encode_dump_request(family, seq), |m| {
+            if let Message::Entry {
+                entry,
+                interrupted: i,
+                ..
+            } = decode(m).map_err(invalid)?
+            {
+                interrupted |= i;
+                if IpFamily::of(&entry.orig.src) == family {
+                    seen += 1;
+                    f(entry);
                 }
             }
+            Ok(())
+        });
+        match end {
+            Ok(End::Done { flags }) => Ok((seen, interrupted | (flags & NLM_F_DUMP_INTR != 0))),
+            Ok(_) => Ok((seen, interrupted)),
+            // The kernel's answer when the table changed under the dump: a partial list.
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok((seen, true)),
+            Err(e) => Err(e),
         }
     }
 
@@ -591,13 +381,13 @@ impl Socket {
             let mut data = Vec::with_capacity(batch.len() * 128);
             let mut pending = std::collections::HashMap::new();
             for e in batch {
-                let seq = self.next_seq();
+                let seq = self.sock.next_seq();
                 data.extend_from_slice(&encode_delete(e, seq));
                 pending.insert(seq, e);
             }
-            self.send(&data)?;
+            self.sock.send(&data)?;
             while !pending.is_empty() {
-                for m in self.recv()? {
+                for m in parse_messages(self.sock.recv()?).map_err(invalid)? {
                     let Message::Ack { seq, errno } = m else {
                         continue;
                     };
@@ -621,6 +411,14 @@ impl Socket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{NLM_F_MULTI, NLM_F_REQUEST, unhex};
+
+    fn rd_u16(b: &[u8], at: usize) -> u16 {
+        u16::from_ne_bytes([b[at], b[at + 1]])
+    }
+    fn rd_u32(b: &[u8], at: usize) -> u32 {
+        u32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
+    }
 
     fn udp(src: &str, sp: u16, dst: &str, dp: u16) -> Tuple {
         Tuple {
@@ -644,9 +442,9 @@ mod tests {
                 ..udp("10.0.0.1", 0, "10.0.0.2", 0)
             },
         ] {
-            let mut m = MsgBuilder::new(0, 0, 0, 0);
-            m.tuple(CTA_TUPLE_ORIG, &t);
-            let msg = m.finish();
+            let mut m = ct_msg(0, 0, 0);
+            put_tuple(&mut m, CTA_TUPLE_ORIG, &t);
+            let msg = m.finish(0);
             // header (16) + nfgenmsg (4), then one nested attribute
             let (ty, payload) = attrs(&msg[20..]).next().unwrap().unwrap();
             assert_eq!(ty, CTA_TUPLE_ORIG);
@@ -736,11 +534,18 @@ mod tests {
         assert!(parse_messages(&buf[..30]).is_err(), "truncated message");
     }
 
-    fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
+    /// The entry of a datagram holding exactly one (dump answer to seq 1, not interrupted).
+    fn only_entry(buf: &[u8]) -> Entry {
+        match parse_messages(buf).unwrap().as_slice() {
+            [
+                Message::Entry {
+                    seq: 1,
+                    entry,
+                    interrupted: false,
+                },
+            ] => entry.clone(),
+            m => panic!("{m:?}"),
+        }
     }
 
     /// Kernel 6.18 answers to dump requests, captured on x86_64 (little-endian headers) after
@@ -768,32 +573,12 @@ mod tests {
             "00000008080008000000000008000c00a14cbd6a08000b0000000001080007000000012b1c00188008000100",
             "0000000008000200000000000800030000000000",
         ));
-        let m = parse_messages(&v4).unwrap();
-        let [
-            Message::Entry {
-                seq: 1,
-                entry,
-                interrupted: false,
-            },
-        ] = m.as_slice()
-        else {
-            panic!("{m:?}");
-        };
+        let entry = only_entry(&v4);
         assert_eq!(entry.orig, udp("10.0.1.2", 40000, "172.30.1.1", 8000));
         assert_eq!(entry.reply, udp("10.240.0.4", 9090, "10.0.1.2", 40000));
         assert_eq!((entry.zone, entry.mark, entry.id), (0, 7, Some(0x7c8e0106)));
         assert_eq!(entry.status, 8, "IPS_CONFIRMED");
-        let m = parse_messages(&v6).unwrap();
-        let [
-            Message::Entry {
-                seq: 1,
-                entry,
-                interrupted: false,
-            },
-        ] = m.as_slice()
-        else {
-            panic!("{m:?}");
-        };
+        let entry = only_entry(&v6);
         assert_eq!(entry.orig, udp("fd00::2", 40000, "fd00:30::1", 8000));
         assert_eq!(entry.reply, udp("fd01::4", 9090, "fd00::2", 40000));
         assert_eq!((entry.mark, entry.id), (0, Some(0xa14cbd6a)));

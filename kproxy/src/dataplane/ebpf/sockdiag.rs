@@ -3,8 +3,8 @@
 //! destroy sockets (`SOCK_DESTROY`).
 //!
 //! Wire format, written as small pure functions ([`encode_dump`], [`encode_destroy`],
-//! [`parse_messages`]) unit-tested without a kernel; [`DiagSocket`] is the thin I/O around
-//! them. Every message is a `nlmsghdr` (16 bytes, host order) followed by:
+//! [`parse_messages`]) unit-tested without a kernel, on the shared netlink plumbing of
+//! [`crate::netlink`]; [`DiagSocket`] is the thin I/O around them. Every message is a `nlmsghdr` (16 bytes, host order) followed by:
 //!
 //! - requests: `inet_diag_req_v2` (56 bytes: family, protocol, ext, pad, `idiag_states`, then the
 //!   48-byte `inet_diag_sockid`: ports and addresses in network order, interface, cookie);
@@ -27,15 +27,9 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
-const NLMSG_HDRLEN: usize = 16;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
+use crate::netlink::{self as nl, MsgBuilder, NLM_F_ACK, NLM_F_DUMP, NLMSG_DONE, NLMSG_ERROR};
 
 /// `NETLINK_SOCK_DIAG` (`NETLINK_INET_DIAG`).
 const NETLINK_SOCK_DIAG: libc::c_int = 4;
@@ -109,24 +103,19 @@ pub enum Message {
 #[error("malformed sock_diag message: {0}")]
 pub struct ParseError(pub String);
 
-fn header(buf: &mut Vec<u8>, msg_type: u16, flags: u16, seq: u32) {
-    buf.extend_from_slice(&0u32.to_ne_bytes()); // length, set by `finish`
-    buf.extend_from_slice(&msg_type.to_ne_bytes());
-    buf.extend_from_slice(&flags.to_ne_bytes());
-    buf.extend_from_slice(&seq.to_ne_bytes());
-    buf.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel
+impl From<nl::ParseError> for ParseError {
+    fn from(e: nl::ParseError) -> Self {
+        ParseError(e.0)
+    }
 }
 
-fn finish(mut buf: Vec<u8>) -> Vec<u8> {
-    let len = buf.len() as u32;
-    buf[0..4].copy_from_slice(&len.to_ne_bytes());
-    buf
-}
-
-fn req(buf: &mut Vec<u8>, family: u8, states: u32, id: &[u8; SOCKID_LEN]) {
-    buf.extend_from_slice(&[family, IPPROTO_UDP, 0, 0]);
-    buf.extend_from_slice(&states.to_ne_bytes());
-    buf.extend_from_slice(id);
+/// `inet_diag_req_v2` for UDP sockets of `family` in `states`, naming `id`.
+fn req(family: u8, states: u32, id: &[u8; SOCKID_LEN]) -> [u8; REQ_LEN] {
+    let mut r = [0; REQ_LEN];
+    r[..4].copy_from_slice(&[family, IPPROTO_UDP, 0, 0]);
+    r[4..8].copy_from_slice(&states.to_ne_bytes());
+    r[8..].copy_from_slice(id);
+    r
 }
 
 /// One `INET_DIAG_BC_D_COND` for `target` with its `yes`/`no` offsets.
@@ -178,163 +167,68 @@ pub fn bytecode(targets: &[SocketAddr]) -> Option<Vec<u8>> {
 /// A dump request for the connected UDP sockets of `family` (`AF_INET` / `AF_INET6`) whose
 /// destination is in `targets` (no filter when `targets` is too long for one program).
 pub fn encode_dump(family: u8, targets: &[SocketAddr], seq: u32) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(256);
-    header(
-        &mut buf,
-        SOCK_DIAG_BY_FAMILY,
-        NLM_F_REQUEST | NLM_F_DUMP,
-        seq,
-    );
-    req(&mut buf, family, STATE_ESTABLISHED, &[0; SOCKID_LEN]);
+    let mut m = MsgBuilder::new(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP).header(&req(
+        family,
+        STATE_ESTABLISHED,
+        &[0; SOCKID_LEN],
+    ));
     if let Some(bc) = bytecode(targets) {
-        let len = 4 + bc.len();
-        buf.extend_from_slice(&(len as u16).to_ne_bytes());
-        buf.extend_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
-        buf.extend_from_slice(&bc);
-        buf.resize(buf.len().next_multiple_of(4), 0);
+        m.attr(INET_DIAG_REQ_BYTECODE, &bc);
     }
-    finish(buf)
+    m.finish(seq)
 }
 
 /// `SOCK_DESTROY` of exactly `sock`.
 pub fn encode_destroy(sock: &UdpSocket, seq: u32) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(NLMSG_HDRLEN + REQ_LEN);
-    header(&mut buf, SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, seq);
-    req(&mut buf, sock.family, 0, &sock.id);
-    finish(buf)
+    MsgBuilder::new(SOCK_DESTROY, NLM_F_ACK)
+        .header(&req(sock.family, 0, &sock.id))
+        .finish(seq)
+}
+
+/// Decodes one message.
+fn decode(m: nl::Msg<'_>) -> Result<Message, ParseError> {
+    Ok(match m.msg_type {
+        NLMSG_DONE => Message::Done,
+        NLMSG_ERROR => Message::Error {
+            seq: m.seq,
+            errno: m.errno()?,
+        },
+        SOCK_DIAG_BY_FAMILY => {
+            let p = m.payload;
+            if p.len() < MSG_LEN {
+                return Err(ParseError(format!(
+                    "inet_diag_msg of {} bytes (want {MSG_LEN})",
+                    p.len()
+                )));
+            }
+            Message::Socket(UdpSocket {
+                family: p[0],
+                id: p[4..4 + SOCKID_LEN].try_into().expect("48 bytes"),
+            })
+        }
+        _ => Message::Other,
+    })
 }
 
 /// Splits what one `recv` returned into messages.
 pub fn parse_messages(buf: &[u8]) -> Result<Vec<Message>, ParseError> {
-    let mut out = vec![];
-    let mut at = 0;
-    while at + NLMSG_HDRLEN <= buf.len() {
-        let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-        if len < NLMSG_HDRLEN || at + len > buf.len() {
-            return Err(ParseError(format!(
-                "message length {len} at offset {at} of {}",
-                buf.len()
-            )));
-        }
-        let msg_type = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
-        let seq = u32::from_ne_bytes(buf[at + 8..at + 12].try_into().expect("4 bytes"));
-        let payload = &buf[at + NLMSG_HDRLEN..at + len];
-        out.push(match msg_type {
-            NLMSG_DONE => Message::Done,
-            NLMSG_ERROR => {
-                let Some(code) = payload.get(0..4) else {
-                    return Err(ParseError("NLMSG_ERROR shorter than its code".into()));
-                };
-                let code = i32::from_ne_bytes(code.try_into().expect("4 bytes"));
-                Message::Error { seq, errno: -code }
-            }
-            SOCK_DIAG_BY_FAMILY => {
-                if payload.len() < MSG_LEN {
-                    return Err(ParseError(format!(
-                        "inet_diag_msg of {} bytes (want {MSG_LEN})",
-                        payload.len()
-                    )));
-                }
-                Message::Socket(UdpSocket {
-                    family: payload[0],
-                    id: payload[4..4 + SOCKID_LEN].try_into().expect("48 bytes"),
-                })
-            }
-            _ => Message::Other,
-        });
-        at += len.next_multiple_of(4);
-    }
-    Ok(out)
+    nl::messages(buf).map(|m| decode(m?)).collect()
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
+fn invalid(e: ParseError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 /// A `NETLINK_SOCK_DIAG` socket in the calling thread's network namespace.
 pub struct DiagSocket {
-    fd: OwnedFd,
-    seq: u32,
-    buf: Vec<u8>,
+    sock: nl::Socket,
 }
 
 impl DiagSocket {
     pub fn open() -> io::Result<DiagSocket> {
-        // SAFETY: plain syscalls on values we own; the fd is owned by `OwnedFd` right away.
-        let fd = unsafe {
-            let fd = cvt(libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                NETLINK_SOCK_DIAG,
-            ))?;
-            OwnedFd::from_raw_fd(fd)
-        };
-        let tv = libc::timeval {
-            tv_sec: RECV_TIMEOUT.as_secs() as libc::time_t,
-            tv_usec: 0,
-        };
-        // SAFETY: valid fd and option buffer of the stated size.
-        cvt(unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&tv as *const libc::timeval).cast(),
-                size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        })?;
-        Ok(DiagSocket {
-            fd,
-            seq: 0,
-            buf: vec![0; 1 << 16],
-        })
-    }
-
-    fn send(&mut self, data: &[u8]) -> io::Result<()> {
-        // SAFETY: zeroed sockaddr_nl = the kernel; `data` is a valid buffer.
-        let n = unsafe {
-            let mut addr: libc::sockaddr_nl = std::mem::zeroed();
-            addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                data.as_ptr().cast(),
-                data.len(),
-                0,
-                (&addr as *const libc::sockaddr_nl).cast(),
-                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    fn recv(&mut self) -> io::Result<Vec<Message>> {
-        loop {
-            // SAFETY: `buf` is a valid writable buffer of the given length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr().cast(),
-                    self.buf.len(),
-                    0,
-                )
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
-            }
-            return parse_messages(&self.buf[..n as usize])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e));
-        }
+        let sock = nl::Socket::open(NETLINK_SOCK_DIAG)?;
+        sock.set_recv_timeout(RECV_TIMEOUT)?;
+        Ok(DiagSocket { sock })
     }
 
     /// The connected UDP sockets of `family` whose peer is one of `targets`.
@@ -343,49 +237,35 @@ impl DiagSocket {
         family: u8,
         targets: &[SocketAddr],
     ) -> io::Result<Vec<UdpSocket>> {
-        self.seq = self.seq.wrapping_add(1);
-        let req = encode_dump(family, targets, self.seq);
-        self.send(&req)?;
+        let seq = self.sock.next_seq();
         let mut out = vec![];
-        loop {
-            for m in self.recv()? {
-                match m {
-                    // The kernel filtered already; checked again in case the program was
-                    // left out (too many targets).
-                    Message::Socket(s) if targets.contains(&s.peer()) => out.push(s),
-                    Message::Done => return Ok(out),
-                    Message::Error { errno, .. } if errno != 0 => {
-                        return Err(io::Error::from_raw_os_error(errno));
-                    }
-                    _ => {}
+        self.sock
+            .exchange(&encode_dump(family, targets, seq), |m| {
+                // The kernel filtered already; checked again in case the program was left
+                // out (too many targets).
+                if let Message::Socket(s) = decode(m).map_err(invalid)?
+                    && targets.contains(&s.peer())
+                {
+                    out.push(s);
                 }
-            }
-        }
+                Ok(())
+            })
+            .map(|_| out)
     }
 
     /// Destroys `sock`. `ENOENT`: it is gone already (closed, or reconnected elsewhere).
     pub fn destroy(&mut self, sock: &UdpSocket) -> io::Result<()> {
-        self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
-        self.send(&encode_destroy(sock, seq))?;
-        loop {
-            for m in self.recv()? {
-                if let Message::Error { seq: s, errno } = m
-                    && s == seq
-                {
-                    return match errno {
-                        0 => Ok(()),
-                        e => Err(io::Error::from_raw_os_error(e)),
-                    };
-                }
-            }
-        }
+        let seq = self.sock.next_seq();
+        self.sock
+            .exchange(&encode_destroy(sock, seq), |_| Ok(()))
+            .map(|_| ())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::{NLM_F_MULTI, NLMSG_HDRLEN};
 
     /// Runs the kernel's filter interpreter (`inet_diag_bc_run`) for D_COND/JMP programs.
     fn run(bc: &[u8], family: u8, daddr: [u8; 16], dport: u16) -> bool {
@@ -525,16 +405,14 @@ mod tests {
         id[20..36].copy_from_slice(&mapped([10, 0, 0, 1]));
         id[40..44].copy_from_slice(&0x5566_7788u32.to_ne_bytes());
         id[44..48].copy_from_slice(&0x1122_3344u32.to_ne_bytes());
-        let mut msg = vec![];
-        header(&mut msg, SOCK_DIAG_BY_FAMILY, 2, 5);
-        msg.extend_from_slice(&[libc::AF_INET6 as u8, 1, 0, 0]);
-        msg.extend_from_slice(&id);
-        msg.extend_from_slice(&[0; 20]);
-        let mut buf = finish(msg);
-        let mut done = vec![];
-        header(&mut done, NLMSG_DONE, 2, 5);
-        done.extend_from_slice(&0i32.to_ne_bytes());
-        buf.extend_from_slice(&finish(done));
+        let mut payload = vec![libc::AF_INET6 as u8, 1, 0, 0];
+        payload.extend_from_slice(&id);
+        payload.extend_from_slice(&[0; 20]);
+        let mut buf = MsgBuilder::new(SOCK_DIAG_BY_FAMILY, NLM_F_MULTI)
+            .header(&payload)
+            .finish(5);
+        let done = MsgBuilder::new(NLMSG_DONE, NLM_F_MULTI).header(&0i32.to_ne_bytes());
+        buf.extend_from_slice(&done.finish(5));
         let msgs = parse_messages(&buf).unwrap();
         assert_eq!(msgs.len(), 2);
         let Message::Socket(s) = msgs[0] else {

@@ -8,10 +8,11 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::netlink::{
-    MsgBuilder, NLM_F_ACK, NLM_F_DUMP, Socket, attrs, find_attr, read_str, read_u16, read_u32,
-};
 use crate::model::Protocol;
+use crate::netlink::{
+    MsgBuilder, NLM_F_ACK, NLM_F_DUMP, OwnedMsg, Socket, attrs, find_attr, read_str, read_u16,
+    read_u32,
+};
 
 const GENL_ID_CTRL: u16 = 0x10;
 const CTRL_CMD_GETFAMILY: u8 = 3;
@@ -291,6 +292,14 @@ fn decode_family_id(payload: &[u8]) -> Option<u16> {
     read_u16(find_attr(payload.get(4..)?, CTRL_ATTR_FAMILY_ID)?)
 }
 
+/// A socket for the IPVS clients (generic netlink, and rtnetlink in [`super::rtnl`]): a large
+/// kernel receive buffer for big dumps.
+pub(super) fn open_socket(protocol: libc::c_int) -> io::Result<Socket> {
+    let sock = Socket::open(protocol)?.with_recv_len(256 * 1024);
+    sock.set_rcvbuf(1 << 20);
+    Ok(sock)
+}
+
 /// An open generic-netlink socket with the IPVS family resolved (in the caller's network
 /// namespace: IPVS state is per namespace).
 #[derive(Debug)]
@@ -314,7 +323,7 @@ pub enum IpvsError {
 
 impl IpvsHandle {
     pub fn open() -> Result<IpvsHandle, IpvsError> {
-        let mut sock = Socket::open(libc::NETLINK_GENERIC).map_err(IpvsError::NoFamily)?;
+        let mut sock = open_socket(libc::NETLINK_GENERIC).map_err(IpvsError::NoFamily)?;
         let mut m = MsgBuilder::new(GENL_ID_CTRL, NLM_F_ACK).header(&[CTRL_CMD_GETFAMILY, 1, 0, 0]);
         m.str(CTRL_ATTR_FAMILY_NAME, IPVS_GENL_NAME);
         let replies = sock.request(&m).map_err(IpvsError::NoFamily)?;
@@ -330,21 +339,28 @@ impl IpvsHandle {
         Ok(IpvsHandle { sock, family })
     }
 
+    /// Sends `m`; its answers, or the error naming `op` and `object`.
+    fn query(
+        &mut self,
+        op: &'static str,
+        object: impl Into<String>,
+        m: &MsgBuilder,
+    ) -> Result<Vec<OwnedMsg>, IpvsError> {
+        self.sock.request(m).map_err(|source| IpvsError::Op {
+            op,
+            object: object.into(),
+            source,
+        })
+    }
+
     fn op(&mut self, op: &'static str, object: String, m: &MsgBuilder) -> Result<(), IpvsError> {
-        self.sock
-            .request(m)
-            .map(|_| ())
-            .map_err(|source| IpvsError::Op { op, object, source })
+        self.query(op, object, m).map(|_| ())
     }
 
     /// The IPVS version as `(major, minor, patch)`.
     pub fn version(&mut self) -> Result<(u32, u32, u32), IpvsError> {
         let m = genl_msg(self.family, CMD_GET_INFO, NLM_F_ACK);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "get",
-            object: "info".into(),
-            source,
-        })?;
+        let replies = self.query("get", "info", &m)?;
         let v = replies
             .iter()
             .find_map(|r| find_attr(r.payload.get(4..)?, INFO_ATTR_VERSION).and_then(read_u32))
@@ -354,11 +370,7 @@ impl IpvsHandle {
 
     pub fn services(&mut self) -> Result<Vec<VirtualService>, IpvsError> {
         let m = genl_msg(self.family, CMD_GET_SERVICE, NLM_F_DUMP);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "list",
-            object: "services".into(),
-            source,
-        })?;
+        let replies = self.query("list", "services", &m)?;
         Ok(replies
             .iter()
             .filter_map(|r| decode_service(&r.payload))
@@ -370,11 +382,7 @@ impl IpvsHandle {
         m.begin_nested(CMD_ATTR_SERVICE);
         put_service_key(&mut m, key);
         m.end_nested();
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "list destinations of",
-            object: key.to_string(),
-            source,
-        })?;
+        let replies = self.query("list destinations of", key.to_string(), &m)?;
         let family = af(&key.addr);
         Ok(replies
             .iter()
@@ -421,14 +429,11 @@ impl IpvsHandle {
 
     pub fn timeouts(&mut self) -> Result<Timeouts, IpvsError> {
         let m = genl_msg(self.family, CMD_GET_CONFIG, NLM_F_ACK);
-        let replies = self.sock.request(&m).map_err(|source| IpvsError::Op {
-            op: "get",
-            object: "timeouts".into(),
-            source,
-        })?;
+        let replies = self.query("get", "timeouts", &m)?;
         let mut t = Timeouts::default();
         for r in &replies {
-            for (k, p) in attrs(r.payload.get(4..).unwrap_or_default()) {
+            let body = r.payload.get(4..).unwrap_or_default();
+            for (k, p) in attrs(body).map_while(Result::ok) {
                 let v = read_u32(p).unwrap_or(0);
                 match k {
                     CMD_ATTR_TIMEOUT_TCP => t.tcp = v,
@@ -444,8 +449,8 @@ impl IpvsHandle {
 
 #[cfg(test)]
 mod tests {
-    use super::super::netlink::parse_messages;
     use super::*;
+    use crate::netlink::parse_messages;
 
     fn svc(addr: &str, proto: Protocol) -> VirtualService {
         VirtualService {
@@ -462,9 +467,10 @@ mod tests {
 
     /// A request parsed back the way the kernel reads it (its reply uses the same layout).
     fn round_trip(m: &MsgBuilder) -> Vec<u8> {
-        let msgs = parse_messages(&m.finish(3)).unwrap();
+        let bytes = m.finish(3);
+        let msgs = parse_messages(&bytes).unwrap();
         assert_eq!(msgs.len(), 1);
-        msgs[0].payload.clone()
+        msgs[0].payload.to_vec()
     }
 
     #[test]

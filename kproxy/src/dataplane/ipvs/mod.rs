@@ -28,7 +28,6 @@
 pub mod config;
 pub mod genl;
 pub mod netfilter;
-pub mod netlink;
 pub mod plan;
 pub mod rtnl;
 pub mod sysctl;

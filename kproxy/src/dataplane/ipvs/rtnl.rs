@@ -6,7 +6,8 @@
 use std::io;
 use std::net::IpAddr;
 
-use super::netlink::{
+use super::genl::open_socket;
+use crate::netlink::{
     MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, Socket, attrs, find_attr, read_str,
 };
 
@@ -106,7 +107,7 @@ pub struct Rtnl {
 impl Rtnl {
     pub fn open() -> io::Result<Rtnl> {
         Ok(Rtnl {
-            sock: Socket::open(libc::NETLINK_ROUTE)?,
+            sock: open_socket(libc::NETLINK_ROUTE)?,
         })
     }
 
@@ -118,7 +119,9 @@ impl Rtnl {
             Ok(replies) => Ok(replies.iter().find_map(|r| {
                 let p = r.payload.get(..16)?;
                 let index = u32::from_ne_bytes(p[4..8].try_into().ok()?);
-                let n = attrs(&r.payload[16..]).find(|(k, _)| *k == IFLA_IFNAME)?;
+                let n = attrs(&r.payload[16..])
+                    .map_while(Result::ok)
+                    .find(|(k, _)| *k == IFLA_IFNAME)?;
                 (read_str(n.1) == name).then_some(index)
             })),
             Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(None),
@@ -184,18 +187,19 @@ impl Rtnl {
 
 #[cfg(test)]
 mod tests {
-    use super::super::netlink::parse_messages;
     use super::*;
+    use crate::netlink::parse_messages;
 
     #[test]
     fn address_messages_round_trip_for_both_families() {
         for (ip, prefix) in [("10.96.0.10", 32u8), ("fd00::a", 128)] {
             let ip: IpAddr = ip.parse().unwrap();
-            let msgs = parse_messages(&encode_addr(7, &ip, true).finish(1)).unwrap();
+            let bytes = encode_addr(7, &ip, true).finish(1);
+            let msgs = parse_messages(&bytes).unwrap();
             assert_eq!(msgs[0].msg_type, RTM_NEWADDR);
             assert_eq!(msgs[0].payload[1], prefix);
-            assert_eq!(decode_addr(&msgs[0].payload, 7), Some(ip));
-            assert_eq!(decode_addr(&msgs[0].payload, 8), None, "other link");
+            assert_eq!(decode_addr(msgs[0].payload, 7), Some(ip));
+            assert_eq!(decode_addr(msgs[0].payload, 8), None, "other link");
         }
         let del = encode_addr(7, &"10.0.0.1".parse().unwrap(), false).finish(1);
         assert_eq!(parse_messages(&del).unwrap()[0].msg_type, RTM_DELADDR);
@@ -203,7 +207,8 @@ mod tests {
 
     #[test]
     fn dummy_link_request_names_kind_and_link() {
-        let msgs = parse_messages(&encode_new_dummy("kube-ipvs0").finish(1)).unwrap();
+        let bytes = encode_new_dummy("kube-ipvs0").finish(1);
+        let msgs = parse_messages(&bytes).unwrap();
         let attrs_ = &msgs[0].payload[16..];
         assert_eq!(
             read_str(find_attr(attrs_, IFLA_IFNAME).unwrap()),
