@@ -39,10 +39,12 @@ use kproxy_common::service::{
 };
 
 pub use applier::{Applier, ApplyOutcome, MapPressure};
-pub use planner::{Plan, plan, render};
+pub use planner::{Plan, Planner, plan, render};
 
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
-use crate::model::{ChangedSet, IpFamily, Snapshot};
+use std::collections::BTreeSet;
+
+use crate::model::{ChangedSet, IpFamily, ServicePortName, Snapshot};
 
 /// `max_entries` of each service map (`--bpf-map-sizes`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +108,9 @@ pub struct EbpfConfig {
     pub cgroup: Option<PathBuf>,
     /// Attach the socket-LB programs (off: maps only, e.g. when only TC is wanted).
     pub socket_lb: bool,
+    /// A sync re-plans every service port and compares every cached entry at least this often
+    /// (`syncPeriod`); the syncs in between touch only the changed service ports.
+    pub full_sync_period: std::time::Duration,
 }
 
 impl Default for EbpfConfig {
@@ -119,6 +124,7 @@ impl Default for EbpfConfig {
             bpffs: PathBuf::from("/sys/fs/bpf"),
             cgroup: None,
             socket_lb: true,
+            full_sync_period: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -148,11 +154,19 @@ pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
 /// The eBPF [`Dataplane`].
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
-    ids: ids::IdAllocator,
+    planner: Planner,
     applier: Applier,
     kernel: loader::Kernel,
-    last_plan: Plan,
     sock_destroyer: sockdestroy::SockDestroyer,
+    /// Generation of the last snapshot synced successfully (`None`: none yet, or the last
+    /// sync failed).
+    synced: Option<u64>,
+    /// The applier's cache must be re-read from the maps before the next (full) sync.
+    reload: bool,
+    /// When the last full sync ran.
+    last_full: Option<std::time::Instant>,
+    /// Backend ids the last sync deleted from the backends map.
+    removed_backends: Vec<u32>,
 }
 
 impl EbpfDataplane {
@@ -174,12 +188,21 @@ impl EbpfDataplane {
         );
         Ok(EbpfDataplane {
             cfg,
-            ids,
+            planner: Planner::new(ids),
             applier,
             kernel,
-            last_plan: Plan::default(),
             sock_destroyer,
+            synced: None,
+            reload: false,
+            last_full: None,
+            removed_backends: Vec::new(),
         })
+    }
+
+    /// Backend ids the last sync deleted from the backends map (their connection-table
+    /// entries can go).
+    pub fn removed_backends(&self) -> &[u32] {
+        &self.removed_backends
     }
 
     /// `(program, link id)` of the attached socket-LB links.
@@ -199,7 +222,7 @@ impl EbpfDataplane {
 
     /// The plan of the last sync.
     pub fn last_plan(&self) -> &Plan {
-        &self.last_plan
+        self.planner.plan()
     }
 
     /// The configuration this datapath runs with.
@@ -214,39 +237,83 @@ impl EbpfDataplane {
     }
 }
 
+impl EbpfDataplane {
+    /// Re-plans everything and applies it comparing with every cached entry; first re-reads
+    /// the maps when a failed sync left the cache in doubt.
+    fn sync_full(&mut self, snap: &Snapshot) -> Result<ApplyOutcome, tables::TableError> {
+        if self.reload {
+            self.applier.reload()?;
+            self.reload = false;
+        }
+        self.planner.full(snap, &self.cfg);
+        self.applier.apply(self.planner.plan(), monotonic_ns())
+    }
+}
+
 impl Dataplane for EbpfDataplane {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ebpf
     }
 
-    fn sync(&mut self, snap: &Snapshot, _changed: &ChangedSet) -> Result<SyncReport, SyncError> {
-        let plan = plan(snap, &self.cfg, &mut self.ids);
-        let udp_before = self.applier.udp_backends();
-        let outcome = self
-            .applier
-            .apply(&plan, monotonic_ns())
-            .map_err(|e| SyncError::Kernel(e.to_string()))?;
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let now = std::time::Instant::now();
+        let periodic = self
+            .last_full
+            .is_none_or(|t| now.duration_since(t) >= self.cfg.full_sync_period);
+        let full = periodic
+            || self.synced.is_none()
+            || changed.node
+            || self.planner.needs_full(snap, &self.cfg);
+        let result = if full {
+            self.sync_full(snap)
+        } else {
+            let mut dirty: BTreeSet<ServicePortName> = if self
+                .synced
+                .is_some_and(|g| snap.generation == g.wrapping_add(1))
+            {
+                changed.services.clone()
+            } else {
+                // Not the tracker's next snapshot (a test, a caller of its own): find the
+                // changed service ports by comparing with what was planned.
+                self.planner.changed_in(snap)
+            };
+            dirty.extend(self.applier.failing().iter().cloned());
+            let changed = self.planner.update(snap, &self.cfg, &dirty);
+            self.applier
+                .apply_changes(self.planner.plan(), &changed, monotonic_ns())
+        };
+        let outcome = match result {
+            Ok(o) => o,
+            Err(e) => {
+                self.synced = None;
+                self.reload = true;
+                return Err(SyncError::Kernel(e.to_string()));
+            }
+        };
+        if full {
+            self.last_full = Some(now);
+        }
+        self.synced = Some(snap.generation);
         if self.cfg.socket_lb {
-            let udp_after = self.applier.udp_backends();
-            let removed: Vec<_> = udp_before.difference(&udp_after).copied().collect();
-            self.sock_destroyer.destroy(&removed);
+            self.sock_destroyer.destroy(&outcome.removed_udp);
         }
         for (name, reason) in &outcome.failed {
             tracing::warn!(service = %name, "{reason}");
         }
         tracing::debug!(
+            full,
             writes = outcome.writes,
             deletes = outcome.deletes,
             affinity_deleted = outcome.affinity_deleted,
+            took_us = now.elapsed().as_micros() as u64,
             "eBPF service maps synced"
         );
-        let report = SyncReport {
+        self.removed_backends = outcome.removed_backends;
+        Ok(SyncReport {
             services: outcome.services,
             endpoints: outcome.backends,
-            failed_services: outcome.failed.len(),
-        };
-        self.last_plan = plan;
-        Ok(report)
+            failed_services: self.applier.failed_count(),
+        })
     }
 
     fn cleanup(&mut self) -> Result<(), CleanupError> {
