@@ -467,7 +467,7 @@ impl Applier {
         } else {
             candidates
                 .iter()
-                .flat_map(|p| p.wanted_keys())
+                .flat_map(|p| p.frontends.keys().copied())
                 .collect::<BTreeSet<_>>()
                 .into_iter()
                 .collect()

@@ -250,6 +250,11 @@ impl Planner {
         &self.plan
     }
 
+    /// The id allocator (a clone plans from scratch with the same ids).
+    pub fn ids(&self) -> &IdAllocator {
+        &self.ids
+    }
+
     /// Whether the next update must re-plan every service port: nothing planned yet, or the
     /// node, its addresses or the configuration changed.
     pub fn needs_full(&self, snap: &Snapshot, cfg: &EbpfConfig) -> bool {

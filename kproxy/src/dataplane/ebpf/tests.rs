@@ -974,3 +974,254 @@ fn a_restarted_applier_rebuilds_maglev_tables_without_writing_them() {
     assert_eq!(mem.maglev.lock().unwrap().writes, writes);
     assert_eq!(mem.maglev_refs.lock().unwrap().entries, refs);
 }
+
+// ---- Incremental syncs ----
+
+mod incremental {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::dataplane::ebpf::planner::Planner;
+
+    /// One service port of the property test's universe, as generated.
+    #[derive(Debug, Clone)]
+    struct Spec {
+        udp: bool,
+        dual: bool,
+        node_port: bool,
+        /// Index into a small pool of external IPs (shared, so frontends get contested).
+        external_ip: Option<u8>,
+        lb_ranges: bool,
+        etp_local: bool,
+        itp_local: bool,
+        affinity: bool,
+        /// (endpoint pool index, ready, terminating, local) — the pool is shared between
+        /// services, so backends are shared too.
+        endpoints: Vec<(u8, bool, bool, bool)>,
+    }
+
+    fn spec() -> impl Strategy<Value = Spec> {
+        (
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+            any::<bool>(),
+            prop::option::weighted(0.4, 0u8..3),
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+            prop::bool::weighted(0.2),
+            prop::bool::weighted(0.3),
+            prop::collection::vec(
+                (
+                    0u8..8,
+                    prop::bool::weighted(0.8),
+                    any::<bool>(),
+                    any::<bool>(),
+                ),
+                0..5,
+            ),
+        )
+            .prop_map(
+                |(
+                    udp,
+                    dual,
+                    node_port,
+                    external_ip,
+                    lb_ranges,
+                    etp_local,
+                    itp_local,
+                    affinity,
+                    endpoints,
+                )| {
+                    Spec {
+                        udp,
+                        dual,
+                        node_port,
+                        external_ip,
+                        lb_ranges,
+                        etp_local,
+                        itp_local,
+                        affinity,
+                        endpoints,
+                    }
+                },
+            )
+    }
+
+    fn port_name(i: usize, udp: bool) -> ServicePortName {
+        ServicePortName {
+            protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
+            ..name(&format!("s{i}"))
+        }
+    }
+
+    fn build(i: usize, s: &Spec) -> (ServicePort, Vec<Endpoint>) {
+        let v4 = format!("10.96.0.{}", i + 1);
+        let v6 = format!("fd00:96::{}", i + 1);
+        let mut ips = vec![v4.as_str()];
+        if s.dual {
+            ips.push(v6.as_str());
+        }
+        let mut p = svc(&format!("s{i}"), &ips);
+        p.name = port_name(i, s.udp);
+        p.protocol = p.name.protocol;
+        if s.node_port || s.external_ip.is_some() {
+            p.service_type = if s.lb_ranges {
+                ServiceType::LoadBalancer
+            } else {
+                ServiceType::NodePort
+            };
+            p.node_port = if s.node_port { 30_000 + i as u16 } else { 0 };
+            p.external_policy_local = s.etp_local;
+        }
+        if let Some(x) = s.external_ip {
+            let ip = ip(&format!("192.0.2.{}", x + 1));
+            if s.lb_ranges {
+                p.load_balancer_ingress = vec![LoadBalancerIngress {
+                    ip,
+                    ip_mode: IpMode::Vip,
+                }];
+                p.load_balancer_source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+            } else {
+                p.external_ips = vec![ip];
+            }
+        }
+        p.internal_policy_local = s.itp_local;
+        p.session_affinity_timeout = s.affinity.then_some(30);
+        let eps = s
+            .endpoints
+            .iter()
+            .map(|(n, ready, terminating, local)| {
+                let addr = if n % 4 == 3 {
+                    format!("fd00:10::{n}")
+                } else {
+                    format!("10.0.0.{n}")
+                };
+                Endpoint {
+                    ready: *ready,
+                    serving: *ready || *terminating,
+                    terminating: *terminating,
+                    ..ep(&addr, *local)
+                }
+            })
+            .collect();
+        (p, eps)
+    }
+
+    /// Map contents the applier left (the agent-written maps).
+    type Maps = (
+        BTreeMap<ServiceKey, ServiceValue>,
+        BTreeMap<BackendSlotKey, u32>,
+        BTreeMap<u32, BackendValue>,
+        BTreeMap<super::super::planner::SourceRangeEntry, u8>,
+    );
+
+    fn maps(mem: &Mem) -> Maps {
+        (
+            mem.services(),
+            mem.slots(),
+            mem.backends(),
+            mem.ranges.lock().unwrap().entries.clone(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Random sequences of service changes: after each incremental sync (only the changed
+        /// service ports re-planned and applied), the plan equals a from-scratch plan of the
+        /// same snapshot (same ids), and the maps hold exactly what a fresh applier writes for
+        /// that plan into empty maps.
+        #[test]
+        fn incremental_syncs_equal_from_scratch(
+            initial in prop::collection::vec(prop::option::of(spec()), 6),
+            steps in prop::collection::vec(
+                prop::collection::vec((0usize..6, prop::option::of(spec())), 1..3),
+                1..8,
+            ),
+        ) {
+            let cfg = cfg();
+            let mem = Mem::new(&MapSizes::default());
+            let mut applier = Applier::new(mem.tables()).unwrap();
+            let mut planner = Planner::new(IdAllocator::new());
+            let mut state = initial;
+            let snapshot = |state: &[Option<Spec>]| {
+                snap(
+                    state
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| s.as_ref().map(|s| build(i, s)))
+                        .collect(),
+                )
+            };
+            let mut prev = snapshot(&state);
+            planner.full(&prev, &cfg);
+            applier.apply(planner.plan(), 0).unwrap();
+            for step in steps {
+                for (i, s) in step {
+                    state[i] = s;
+                }
+                let next = snapshot(&state);
+                // The tracker's change set: every name whose service or endpoints differ.
+                let dirty: BTreeSet<ServicePortName> = prev
+                    .services
+                    .keys()
+                    .chain(next.services.keys())
+                    .filter(|n| {
+                        prev.services.get(*n) != next.services.get(*n)
+                            || prev.endpoints.get(*n) != next.endpoints.get(*n)
+                    })
+                    .cloned()
+                    .collect();
+                prop_assert_eq!(&planner.changed_in(&next), &dirty);
+                let changed = planner.update(&next, &cfg, &dirty);
+                applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+
+                let mut ids = planner.ids().clone();
+                let scratch = plan(&next, &cfg, &mut ids);
+                prop_assert_eq!(planner.plan(), &scratch);
+                let fresh = Mem::new(&MapSizes::default());
+                Applier::new(fresh.tables()).unwrap().apply(&scratch, 0).unwrap();
+                prop_assert_eq!(maps(&mem), maps(&fresh));
+                prev = next;
+            }
+        }
+    }
+
+    /// A frontend two service ports want goes to the first by name; when the owner stops
+    /// wanting it, the other gets it at the next incremental sync although only the owner
+    /// changed.
+    #[test]
+    fn a_contested_frontend_moves_to_the_next_claimant_incrementally() {
+        let cfg = cfg();
+        let mut a = svc("a", &["10.96.0.1"]);
+        a.external_ips = vec![ip("192.0.2.1")];
+        let mut b = svc("b", &["10.96.0.2"]);
+        b.external_ips = vec![ip("192.0.2.1")];
+        let eps = vec![ep("10.0.0.1", true)];
+        let s1 = snap(vec![(a.clone(), eps.clone()), (b.clone(), eps.clone())]);
+        let mut planner = Planner::new(IdAllocator::new());
+        planner.full(&s1, &cfg);
+        let front = key("192.0.2.1", 80, SCOPE_CLUSTER);
+        assert!(
+            planner.plan().services[&name("a")]
+                .frontends
+                .contains_key(&front)
+        );
+        assert!(
+            planner.plan().services[&name("b")]
+                .contested
+                .contains_key(&front)
+        );
+        assert_eq!(planner.plan().services[&name("b")].errors.len(), 2);
+        a.external_ips.clear();
+        let s2 = snap(vec![(a, eps.clone()), (b, eps)]);
+        let changed = planner.update(&s2, &cfg, &[name("a")].into());
+        assert_eq!(changed, [name("a"), name("b")].into());
+        assert!(
+            planner.plan().services[&name("b")]
+                .frontends
+                .contains_key(&front)
+        );
+        assert!(planner.plan().services[&name("b")].errors.is_empty());
+    }
+}
