@@ -16,6 +16,16 @@
 //!
 //! Affinity entries are written by the BPF programs; the applier only deletes.
 //!
+//! [`Applier::apply`] compares every service port and scans the whole cache for stale
+//! entries (a full sync). [`Applier::apply_changes`] does the same steps for the changed
+//! service ports only: it writes the backends they reference, their slots/tables/ranges and
+//! frontends, and deletes as stale only entries their previous or new plan had and their
+//! final plan lacks; a backend goes when no slot references it any more (slot references are
+//! counted in the cache), and affinity entries are only scanned when a changed service port
+//! had or has session affinity (expired entries of others go at the next full sync). Backends
+//! that left every UDP service port (for [`super::sockdestroy`]) come from counted references
+//! of the UDP service ports' sets, so no sync walks every service.
+//!
 //! Maglev ([`SetPlan::maglev`](super::planner::SetPlan::maglev)): a set's table is built
 //! ([`super::maglev::build`], from the backends' addresses) only when its backends differ from
 //! the last build, i.e. only services whose backend set changed are rebuilt (after a restart

@@ -14,9 +14,36 @@
 //! - [`sockdestroy`] (with [`sockdiag`]): after a sync, UDP sockets socket LB connected to a
 //!   backend that left every UDP service are destroyed, so clients re-resolve at once.
 //!
-//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. Every sync is planned in full (the
-//! `changed` set is not needed: planning 10k service ports is cheap and the applier writes only
-//! differences). The TC programs (NodePort/ExternalIP/LB from outside) read the same maps.
+//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. The TC programs
+//! (NodePort/ExternalIP/LB from outside) read the same maps.
+//!
+//! ## Incremental syncs
+//!
+//! A sync costs O(changed service ports), not O(all): with 10k service ports one endpoint
+//! change re-plans and writes one service port.
+//!
+//! - What is cached: the [`Planner`] keeps the current [`Plan`] per service port (each
+//!   [`planner::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
+//!   claims which frontend, and how many slots reference each backend; the [`Applier`] keeps
+//!   what it believes the agent-written maps hold (it is their only writer) and the plan each
+//!   service port has in them.
+//! - Which service ports are re-planned: the `changed` set when the snapshot is the tracker's
+//!   next one (`generation` = last synced + 1, so the set covers everything since); otherwise
+//!   (a caller building snapshots itself) those whose `Arc`s or values differ from what was
+//!   planned ([`Planner::changed_in`]); plus every service port whose last apply failed. A
+//!   frontend that changes owner (two service ports want it; the first by name gets it)
+//!   re-plans every claimant.
+//! - Full syncs (every service port re-planned, every cached entry compared, stale entries
+//!   found by scanning the cache): the first sync, the sync after a failed one (the cache is
+//!   first re-read from the maps), a change of the node (labels, addresses) or of the
+//!   NodePort addresses or configuration, and at least once per `syncPeriod`
+//!   ([`EbpfConfig::full_sync_period`]), as upstream's proxiers resync periodically. The maps
+//!   are also re-read before a full sync when the last read is older than
+//!   [`MAP_REREAD_PERIOD`].
+//! - Why readers never see a half-programmed service: an incremental apply writes the changed
+//!   service ports' entries in the same order as a full one (backends → slots, Maglev tables,
+//!   source ranges → frontends → stale entries), so a frontend only ever points at a complete
+//!   set; stale entries are only those the changed service ports had and no longer have.
 
 pub mod applier;
 pub mod ids;
@@ -129,6 +156,10 @@ impl Default for EbpfConfig {
     }
 }
 
+/// A full sync re-reads the maps into the applier's cache when its last read is older than
+/// this (the agent is the maps' only writer; this only bounds how long an outside edit lasts).
+pub const MAP_REREAD_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -165,6 +196,8 @@ pub struct EbpfDataplane {
     reload: bool,
     /// When the last full sync ran.
     last_full: Option<std::time::Instant>,
+    /// When the maps were last read into the applier's cache.
+    last_read: std::time::Instant,
     /// Backend ids the last sync deleted from the backends map.
     removed_backends: Vec<u32>,
 }
@@ -195,6 +228,7 @@ impl EbpfDataplane {
             synced: None,
             reload: false,
             last_full: None,
+            last_read: std::time::Instant::now(),
             removed_backends: Vec::new(),
         })
     }
@@ -241,9 +275,10 @@ impl EbpfDataplane {
     /// Re-plans everything and applies it comparing with every cached entry; first re-reads
     /// the maps when a failed sync left the cache in doubt.
     fn sync_full(&mut self, snap: &Snapshot) -> Result<ApplyOutcome, tables::TableError> {
-        if self.reload {
+        if self.reload || self.last_read.elapsed() >= MAP_REREAD_PERIOD {
             self.applier.reload()?;
             self.reload = false;
+            self.last_read = std::time::Instant::now();
         }
         self.planner.full(snap, &self.cfg);
         self.applier.apply(self.planner.plan(), monotonic_ns())

@@ -25,8 +25,19 @@
 //! socket LB (a connecting socket has no source address yet), i.e. to clients on the node.
 //!
 //! A frontend claimed by two service ports (e.g. the same externalIP and port on two services)
-//! goes to the first by name; the second is reported in [`ServicePlan::errors`] without that
-//! frontend.
+//! goes to the first by name; the second keeps it in [`ServicePlan::contested`] (not
+//! programmed) and is told in [`ServicePlan::errors`].
+//!
+//! A backend shared by several service ports is one entry; its `BE_F_LOCAL` /
+//! `BE_F_TERMINATING` flags are set when any referencing endpoint has them (order-independent,
+//! so an incremental plan equals a from-scratch one).
+//!
+//! [`Planner`] is incremental: it keeps the plan and re-plans only the service ports it is
+//! given ([`Planner::update`]), keeping reference counts of backends (an id is released when
+//! nothing references it) and the claimants of every frontend (when an owner stops wanting a
+//! frontend, the next claimant gets it and is reported changed). [`plan`] is a from-scratch
+//! plan through the same code; the unit tests check that random sequences of incremental
+//! updates end in exactly the from-scratch plan.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;

@@ -1225,3 +1225,67 @@ mod incremental {
         assert!(planner.plan().services[&name("b")].errors.is_empty());
     }
 }
+
+/// Timing harness (not a test; run with `cargo test --release -p kproxy --lib sync_cost_at_10k
+/// -- --ignored --nocapture`): the pure parts of one sync at 10k service ports × 5 endpoints,
+/// in memory.
+#[test]
+#[ignore]
+fn sync_cost_at_10k() {
+    use std::time::Instant;
+    let n = 10_000usize;
+    let mk = |i: usize, shift: usize| {
+        let p = svc(
+            &format!("s{i:05}"),
+            &[&format!("10.96.{}.{}", i / 250, i % 250 + 1)],
+        );
+        let eps: Vec<Endpoint> = (0..5)
+            .map(|j| {
+                ep(
+                    &format!("10.{}.{}.{}", 1 + j, i / 250, (i + shift) % 250 + 1),
+                    false,
+                )
+            })
+            .collect();
+        (p, eps)
+    };
+    let t = Instant::now();
+    let s1 = snap((0..n).map(|i| mk(i, 0)).collect());
+    println!("build snapshot: {:?}", t.elapsed());
+    let t = Instant::now();
+    let _c = s1.clone();
+    println!(
+        "clone snapshot (tracker's per-sync copy): {:?}",
+        t.elapsed()
+    );
+    let mem = Mem::new(&MapSizes::default());
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut planner = super::planner::Planner::new(IdAllocator::new());
+    let t = Instant::now();
+    planner.full(&s1, &cfg());
+    println!("full plan: {:?}", t.elapsed());
+    let t = Instant::now();
+    applier.apply(planner.plan(), 0).unwrap();
+    println!("full apply (mem tables): {:?}", t.elapsed());
+    let t = Instant::now();
+    planner.full(&s1, &cfg());
+    applier.apply(planner.plan(), 0).unwrap();
+    println!("full re-plan + apply, nothing changed: {:?}", t.elapsed());
+    let mut s2 = s1.clone();
+    let (p, eps) = mk(5000, 1);
+    s2.endpoints.insert(p.name.clone(), Arc::new(eps));
+    let dirty: BTreeSet<ServicePortName> = [p.name.clone()].into();
+    let t = Instant::now();
+    let changed = planner.update(&s2, &cfg(), &dirty);
+    let t1 = t.elapsed();
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    println!(
+        "one change: plan {t1:?}, plan + apply {:?} ({} writes, {} deletes)",
+        t.elapsed(),
+        out.writes,
+        out.deletes
+    );
+    let t = Instant::now();
+    let d = planner.changed_in(&s1);
+    println!("changed_in walk: {:?} ({} changed)", t.elapsed(), d.len());
+}
