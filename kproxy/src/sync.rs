@@ -382,7 +382,9 @@ impl Runner {
 
     /// One sync on a blocking thread. Returns whether it succeeded.
     async fn sync_once(&mut self) -> bool {
+        let snapshot_started = Instant::now();
         let (snap, changed) = self.tracker.snapshot();
+        let snapshot_took = snapshot_started.elapsed();
         let mut changed_all = std::mem::take(&mut self.carried);
         changed_all.services.extend(changed.services);
         changed_all.node |= changed.node;
@@ -426,6 +428,7 @@ impl Runner {
                     services = report.services,
                     endpoints = report.endpoints,
                     took_ms = took.as_millis() as u64,
+                    snapshot_us = snapshot_took.as_micros() as u64,
                     "sync done"
                 );
                 self.status.send_modify(|s| {

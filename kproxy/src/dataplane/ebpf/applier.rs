@@ -21,8 +21,9 @@
 //! service ports only: it writes the backends they reference, their slots/tables/ranges and
 //! frontends, and deletes as stale only entries their previous or new plan had and their
 //! final plan lacks; a backend goes when no slot references it any more (slot references are
-//! counted in the cache), and affinity entries are only scanned when a changed service port
-//! had or has session affinity (expired entries of others go at the next full sync). Backends
+//! counted in the cache). The affinity map is dumped on every apply (one syscall when empty):
+//! expired entries and those of gone sets always go, entries whose backend left the set only
+//! for the changed service ports' sets (other sets did not change). Backends
 //! that left every UDP service port (for [`super::sockdestroy`]) come from counted references
 //! of the UDP service ports' sets, so no sync walks every service.
 //!
@@ -119,6 +120,8 @@ pub struct Applier {
     slot_refs: HashMap<u32, u32>,
     /// Slots of UDP service ports' sets in `applied` pointing at each backend id.
     udp_refs: HashMap<u32, u32>,
+    /// Affinity timeout (ns) of every set an applied frontend with session affinity uses.
+    affinity_timeouts: HashMap<u32, u64>,
     /// Service ports whose last apply failed, and those with any problem (with the reason).
     apply_failed: BTreeSet<ServicePortName>,
     failed: BTreeMap<ServicePortName, String>,
@@ -194,6 +197,7 @@ impl Applier {
             affinity_entries: 0,
             slot_refs,
             udp_refs: HashMap::new(),
+            affinity_timeouts: HashMap::new(),
             apply_failed: BTreeSet::new(),
             failed: BTreeMap::new(),
         })
@@ -433,6 +437,19 @@ impl Applier {
                     *self.udp_refs.entry(id).or_default() += 1;
                 }
             }
+            for p in old.iter() {
+                for v in p.frontends.values() {
+                    self.affinity_timeouts.remove(&v.svc_id);
+                }
+            }
+            for p in fin.iter() {
+                for v in p.frontends.values() {
+                    if v.flags & SVC_F_AFFINITY != 0 {
+                        self.affinity_timeouts
+                            .insert(v.svc_id, u64::from(v.affinity_timeout) * 1_000_000_000);
+                    }
+                }
+            }
             match fin {
                 Some(p) => self.applied.insert(name.clone(), p.clone()),
                 None => self.applied.remove(name),
@@ -567,38 +584,24 @@ impl Applier {
                 .collect(),
         };
 
-        // 4. Affinity: every entry (full), or those of the changed service ports' sets when
-        // one of them had or has session affinity.
-        let affinity_sets: Option<BTreeSet<u32>> = if full {
-            None
+        // 4. Affinity: entries of sets that are gone or expired; for the sets of the changed
+        // service ports (all, in a full apply) also those whose backend left the set.
+        let checked: Vec<Arc<ServicePlan>> = if full {
+            self.applied.values().cloned().collect()
         } else {
-            let with_affinity =
-                |p: &ServicePlan| p.frontends.values().any(|v| v.flags & SVC_F_AFFINITY != 0);
-            let plans: Vec<&ServicePlan> = olds
-                .iter()
-                .flatten()
-                .map(|p| &**p)
-                .chain(finals.iter().flatten().map(|p| &**p))
-                .collect();
-            if !plans.iter().any(|p| with_affinity(p)) {
-                Some(BTreeSet::new())
-            } else {
-                Some(
-                    plans
-                        .iter()
-                        .flat_map(|p| p.sets.iter().map(|s| s.svc_id))
-                        .collect(),
-                )
-            }
+            finals.iter().flatten().cloned().collect()
         };
-        if affinity_sets.as_ref().is_none_or(|s| !s.is_empty()) {
-            let plans: Vec<Arc<ServicePlan>> = if full {
-                self.applied.values().cloned().collect()
-            } else {
-                finals.iter().flatten().cloned().collect()
-            };
-            self.clean_affinity(&plans, affinity_sets.as_ref(), now_ns, &mut out)?;
-        }
+        let mut touched: BTreeSet<u32> = checked
+            .iter()
+            .flat_map(|p| p.sets.iter().map(|s| s.svc_id))
+            .collect();
+        touched.extend(
+            olds.iter()
+                .flatten()
+                .flat_map(|p| p.sets.iter().map(|s| s.svc_id)),
+        );
+        let scope = if full { None } else { Some(&touched) };
+        self.clean_affinity(&checked, scope, now_ns, &mut out)?;
 
         out.backends = self.cache.backends.len();
         let failing_applied = self
@@ -610,43 +613,35 @@ impl Applier {
         Ok(out)
     }
 
-    /// Deletes affinity entries (of the sets in `only`, or all) whose set is gone, whose
-    /// backend left the set, or that expired.
+    /// Deletes affinity entries whose set is gone or that expired, and those of the sets in
+    /// `members_of` (every set when `None`) whose backend left the set (`plans` hold those
+    /// sets' current backends).
     fn clean_affinity(
         &mut self,
         plans: &[Arc<ServicePlan>],
-        only: Option<&BTreeSet<u32>>,
+        members_of: Option<&BTreeSet<u32>>,
         now_ns: u64,
         out: &mut ApplyOutcome,
     ) -> Result<(), TableError> {
         let mut members: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        let mut timeouts: BTreeMap<u32, u64> = BTreeMap::new();
         for p in plans {
             for s in &p.sets {
-                if only.is_some_and(|o| !o.contains(&s.svc_id)) {
-                    continue;
-                }
                 members
                     .entry(s.svc_id)
                     .or_default()
                     .extend(s.backends.iter().copied());
             }
-            for v in p.frontends.values() {
-                if v.flags & SVC_F_AFFINITY != 0 {
-                    timeouts.insert(v.svc_id, u64::from(v.affinity_timeout) * 1_000_000_000);
-                }
-            }
         }
         let entries = self.tables.affinity.dump()?;
         self.affinity_entries = entries.len();
         for (k, v) in entries {
-            if only.is_some_and(|o| !o.contains(&k.svc_id)) {
-                continue;
-            }
-            let keep = members
-                .get(&k.svc_id)
-                .is_some_and(|m| m.contains(&v.backend_id))
-                && timeouts
+            let checked = members_of.is_none_or(|m| m.contains(&k.svc_id));
+            let keep = (!checked
+                || members
+                    .get(&k.svc_id)
+                    .is_some_and(|m| m.contains(&v.backend_id)))
+                && self
+                    .affinity_timeouts
                     .get(&k.svc_id)
                     .is_some_and(|t| now_ns.saturating_sub(v.last_used_ns) <= *t);
             if !keep {

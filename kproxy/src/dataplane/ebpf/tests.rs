@@ -1289,3 +1289,46 @@ fn sync_cost_at_10k() {
     let d = planner.changed_in(&s1);
     println!("changed_in walk: {:?} ({} changed)", t.elapsed(), d.len());
 }
+
+/// An incremental apply that does not fit fails that service port only; it keeps its old,
+/// complete set, is reported as failing (the datapath re-plans it at the next sync) and
+/// succeeds once it fits again.
+#[test]
+fn an_incremental_apply_that_does_not_fit_keeps_the_old_set_and_is_retried() {
+    let sizes = MapSizes {
+        backend_slots: 4,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut planner = super::planner::Planner::new(IdAllocator::new());
+    planner.full(&two_services(2), &cfg());
+    assert!(applier.apply(planner.plan(), 0).unwrap().failed.is_empty());
+    let before = mem.services();
+    let changed = planner.update(&two_services(5), &cfg(), &[name("b")].into());
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    assert!(out.failed[&name("b")].contains("full"), "{:?}", out.failed);
+    assert_eq!(applier.failing(), &[name("b")].into());
+    assert_eq!(
+        mem.services(),
+        before,
+        "b still points at its old, complete set"
+    );
+    for v in mem.services().values() {
+        for slot in 0..v.count {
+            let id = mem.slots()[&BackendSlotKey {
+                svc_id: v.svc_id,
+                slot,
+            }];
+            assert!(mem.backends().contains_key(&id));
+        }
+    }
+    let changed = planner.update(&two_services(3), &cfg(), applier.failing());
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    assert!(out.failed.is_empty(), "{:?}", out.failed);
+    assert!(applier.failing().is_empty());
+    let (fronts, slots) = expected(planner.plan());
+    assert_eq!(mem.services(), fronts);
+    assert_eq!(mem.slots(), slots);
+    assert_eq!(mem.backends(), planner.plan().backends);
+}
