@@ -114,6 +114,9 @@ pub struct SetPlan {
     pub maglev: bool,
 }
 
+/// The snapshot parts a [`ServicePlan`] was made from: the service port and its endpoints.
+pub type PlanSource = (Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>);
+
 /// Everything one service port puts into the maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServicePlan {
@@ -129,7 +132,7 @@ pub struct ServicePlan {
     /// contributes to the shared backend entries.
     pub backend_flags: Vec<(u32, u8)>,
     /// The snapshot parts this was planned from (shared with the snapshot, not copied).
-    pub source: Option<(Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>)>,
+    pub source: Option<PlanSource>,
 }
 
 impl ServicePlan {
