@@ -193,7 +193,9 @@ pub struct RunnerStatus {
     pub consecutive_failures: u32,
     pub last_report: Option<SyncReport>,
     pub last_error: Option<String>,
-    /// The snapshot the datapath last programmed successfully.
+    /// The snapshot the datapath last programmed successfully; `None` from the start of the
+    /// next sync until it succeeds (so that the tracker can build the next snapshot in place
+    /// instead of copying maps of every service).
     pub snapshot: Option<Arc<Snapshot>>,
     /// Duration of the last sync.
     pub last_duration: Option<Duration>,
@@ -382,7 +384,15 @@ impl Runner {
 
     /// One sync on a blocking thread. Returns whether it succeeded.
     async fn sync_once(&mut self) -> bool {
+        // Let the tracker build the next snapshot in place: drop the published copy of the last
+        // one first (it is published again when this sync succeeds).
+        self.status.send_if_modified(|s| {
+            s.snapshot = None;
+            false
+        });
+        let snapshot_started = Instant::now();
         let (snap, changed) = self.tracker.snapshot();
+        let snapshot_took = snapshot_started.elapsed();
         let mut changed_all = std::mem::take(&mut self.carried);
         changed_all.services.extend(changed.services);
         changed_all.node |= changed.node;
@@ -426,6 +436,7 @@ impl Runner {
                     services = report.services,
                     endpoints = report.endpoints,
                     took_ms = took.as_millis() as u64,
+                    snapshot_us = snapshot_took.as_micros() as u64,
                     "sync done"
                 );
                 self.status.send_modify(|s| {

@@ -23,7 +23,6 @@
 //!
 //! Everything runs in the network namespace of the thread that calls [`EbpfMode::new`].
 
-use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -209,12 +208,11 @@ impl EbpfMode {
         )
     }
 
-    fn after_sync(&mut self, before: &BTreeSet<u32>) {
-        let after: BTreeSet<u32> = self.sock.last_plan().backends.keys().copied().collect();
-        let removed: Vec<u32> = before.difference(&after).copied().collect();
+    fn after_sync(&mut self) {
+        let removed = self.sock.removed_backends();
         if let Some(tc) = &self.tc {
             let mut ebpf = tc.ebpf.lock().expect("poisoned");
-            match ct::purge_backends(&mut ebpf, &removed) {
+            match ct::purge_backends(&mut ebpf, removed) {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(entries = n, "purged CT entries of removed backends"),
                 Err(e) => tracing::warn!(error = %e, "purging CT entries of removed backends"),
@@ -247,9 +245,8 @@ impl Dataplane for EbpfMode {
         if let Some(addrs) = self.node_port_addresses() {
             self.sock.set_node_addresses(addrs);
         }
-        let before: BTreeSet<u32> = self.sock.last_plan().backends.keys().copied().collect();
         let report = self.sock.sync(snap, changed)?;
-        self.after_sync(&before);
+        self.after_sync();
         let sctp = skipped_sctp_ports(snap);
         if sctp != self.skipped_sctp && sctp > 0 {
             tracing::warn!(

@@ -237,6 +237,7 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
                 LbAlgorithm::Maglev => super::ebpf::LbAlgorithm::Maglev,
             },
             maglev_table_size: cfg.bpf.maglev_table_size,
+            full_sync_period: cfg.sync_periods(ProxyMode::Ebpf).sync_period,
             ..EbpfConfig::default()
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),

@@ -16,6 +16,17 @@
 //!
 //! Affinity entries are written by the BPF programs; the applier only deletes.
 //!
+//! [`Applier::apply`] compares every service port and scans the whole cache for stale
+//! entries (a full sync). [`Applier::apply_changes`] does the same steps for the changed
+//! service ports only: it writes the backends they reference, their slots/tables/ranges and
+//! frontends, and deletes as stale only entries their previous or new plan had and their
+//! final plan lacks; a backend goes when no slot references it any more (slot references are
+//! counted in the cache). The affinity map is dumped on every apply (one syscall when empty):
+//! expired entries and those of gone sets always go, entries whose backend left the set only
+//! for the changed service ports' sets (other sets did not change). Backends
+//! that left every UDP service port (for [`super::sockdestroy`]) come from counted references
+//! of the UDP service ports' sets, so no sync walks every service.
+//!
 //! Maglev ([`SetPlan::maglev`](super::planner::SetPlan::maglev)): a set's table is built
 //! ([`super::maglev::build`], from the backends' addresses) only when its backends differ from
 //! the last build, i.e. only services whose backend set changed are rebuilt (after a restart
@@ -28,7 +39,8 @@
 //! table is freed in step 3 (after the frontends using it are gone), so it can be reused from
 //! the next sync on.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use kproxy_common::maglev::{MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use kproxy_common::service::{
@@ -39,9 +51,9 @@ use kproxy_common::service::{
 use serde::Serialize;
 
 use super::ids::BackendAddr;
-use super::planner::{Plan, ServicePlan, SourceRangeEntry, describe_key};
+use super::planner::{Plan, ServicePlan, SourceRangeEntry, decode_addr, describe_key};
 use super::tables::{MaglevStore, Table, TableError};
-use crate::model::ServicePortName;
+use crate::model::{Protocol, ServicePortName};
 
 /// The five maps the applier manages.
 pub struct Tables {
@@ -80,6 +92,10 @@ pub struct ApplyOutcome {
     pub affinity_deleted: usize,
     /// Maglev tables built (new or changed backend sets).
     pub maglev_rebuilt: usize,
+    /// Backend ids deleted from the backends map.
+    pub removed_backends: Vec<u32>,
+    /// Backends that left every UDP service port (see [`super::sockdestroy`]).
+    pub removed_udp: Vec<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Default)]
@@ -97,13 +113,97 @@ struct Cache {
 pub struct Applier {
     tables: Tables,
     cache: Cache,
-    applied: BTreeMap<ServicePortName, ServicePlan>,
+    /// What each service port has in the maps (its last successfully applied plan).
+    applied: BTreeMap<ServicePortName, Arc<ServicePlan>>,
     affinity_entries: usize,
+    /// Slots in the cache pointing at each backend id.
+    slot_refs: HashMap<u32, u32>,
+    /// Slots of UDP service ports' sets in `applied` pointing at each backend id.
+    udp_refs: HashMap<u32, u32>,
+    /// Affinity timeout (ns) of every set an applied frontend with session affinity uses.
+    affinity_timeouts: HashMap<u32, u64>,
+    /// Service ports whose last apply failed, and those with any problem (with the reason).
+    apply_failed: BTreeSet<ServicePortName>,
+    failed: BTreeMap<ServicePortName, String>,
+}
+
+/// Decrements `id`'s count (removing it at zero); returns the count left.
+fn dec(counts: &mut HashMap<u32, u32>, id: u32) -> u32 {
+    match counts.get_mut(&id) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            *n
+        }
+        Some(_) => {
+            counts.remove(&id);
+            0
+        }
+        None => 0,
+    }
+}
+
+fn backend_socket(b: &BackendValue) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(decode_addr(b.addr), u16::from_be(b.port))
+}
+
+/// Backend ids of the sets an owned frontend of `p` points at, once per slot.
+fn udp_ids(p: &ServicePlan) -> impl Iterator<Item = u32> + '_ {
+    let used: BTreeSet<u32> = p.frontends.values().map(|v| v.svc_id).collect();
+    p.sets
+        .iter()
+        .filter(move |s| used.contains(&s.svc_id))
+        .flat_map(|s| s.backends.iter().copied())
+}
+
+/// [`udp_ids`] counted over every UDP service port of `applied`.
+fn udp_refs(applied: &BTreeMap<ServicePortName, Arc<ServicePlan>>) -> HashMap<u32, u32> {
+    let mut refs = HashMap::new();
+    for (name, p) in applied {
+        if name.protocol == Protocol::Udp {
+            for id in udp_ids(p) {
+                *refs.entry(id).or_default() += 1;
+            }
+        }
+    }
+    refs
+}
+
+/// The slot keys of every set of `p`.
+fn slot_keys(p: &ServicePlan) -> impl Iterator<Item = BackendSlotKey> + '_ {
+    p.sets.iter().flat_map(|s| {
+        (0..s.backends.len() as u32).map(move |slot| BackendSlotKey {
+            svc_id: s.svc_id,
+            slot,
+        })
+    })
+}
+
+/// The sets of `p` that have a Maglev table.
+fn maglev_sets(p: &ServicePlan) -> impl Iterator<Item = u32> + '_ {
+    p.sets
+        .iter()
+        .filter(|s| s.maglev && !s.backends.is_empty())
+        .map(|s| s.svc_id)
 }
 
 impl Applier {
     /// Reads every agent-written map (the starting point of the diff).
     pub fn new(tables: Tables) -> Result<Self, TableError> {
+        let (cache, slot_refs) = Self::read(&tables)?;
+        Ok(Applier {
+            tables,
+            cache,
+            applied: BTreeMap::new(),
+            affinity_entries: 0,
+            slot_refs,
+            udp_refs: HashMap::new(),
+            affinity_timeouts: HashMap::new(),
+            apply_failed: BTreeSet::new(),
+            failed: BTreeMap::new(),
+        })
+    }
+
+    fn read(tables: &Tables) -> Result<(Cache, HashMap<u32, u32>), TableError> {
         let cache = Cache {
             services: tables.services.dump()?.into_iter().collect(),
             slots: tables.slots.dump()?.into_iter().collect(),
@@ -117,12 +217,26 @@ impl Applier {
             maglev_refs: tables.maglev_refs.dump()?.into_iter().collect(),
             maglev_built: BTreeMap::new(),
         };
-        Ok(Applier {
-            tables,
-            cache,
-            applied: BTreeMap::new(),
-            affinity_entries: 0,
-        })
+        let mut slot_refs = HashMap::new();
+        for id in cache.slots.values() {
+            *slot_refs.entry(*id).or_default() += 1;
+        }
+        Ok((cache, slot_refs))
+    }
+
+    /// Re-reads every agent-written map into the cache (after a failed sync).
+    pub fn reload(&mut self) -> Result<(), TableError> {
+        let (mut cache, slot_refs) = Self::read(&self.tables)?;
+        // The Maglev tables themselves were not re-read: what they were built from stands.
+        cache.maglev_built = std::mem::take(&mut self.cache.maglev_built);
+        self.cache = cache;
+        self.slot_refs = slot_refs;
+        Ok(())
+    }
+
+    /// Service ports with a problem after the last apply.
+    pub fn failed_count(&self) -> usize {
+        self.failed.len()
     }
 
     /// Frontends and backends found in the maps (to seed the id allocator after a restart).
@@ -186,15 +300,81 @@ impl Applier {
         ]
     }
 
-    /// Makes the maps hold `plan` (see the module docs). `now_ns` is CLOCK_MONOTONIC (the
-    /// BPF programs' `bpf_ktime_get_ns`), for affinity expiry. Errors only when a map cannot
-    /// be read or an entry cannot be deleted; per-service write failures are in the outcome.
+    /// Makes the maps hold `plan`, comparing every service port and scanning the whole cache
+    /// for stale entries (see the module docs). `now_ns` is CLOCK_MONOTONIC (the BPF
+    /// programs' `bpf_ktime_get_ns`), for affinity expiry. Errors only when a map cannot be
+    /// read or an entry cannot be deleted; per-service write failures are in the outcome.
     pub fn apply(&mut self, plan: &Plan, now_ns: u64) -> Result<ApplyOutcome, TableError> {
-        let mut out = ApplyOutcome::default();
+        let names: BTreeSet<ServicePortName> = plan
+            .services
+            .keys()
+            .chain(self.applied.keys())
+            .cloned()
+            .collect();
+        self.apply_inner(plan, &names, true, now_ns)
+    }
 
-        // 1. Backends.
+    /// Makes the maps hold `plan` where it differs from the last apply only in the service
+    /// ports `changed` (added, changed or removed): touches only their entries, the backends
+    /// they reference or referenced, and their affinity entries (see the module docs).
+    pub fn apply_changes(
+        &mut self,
+        plan: &Plan,
+        changed: &BTreeSet<ServicePortName>,
+        now_ns: u64,
+    ) -> Result<ApplyOutcome, TableError> {
+        self.apply_inner(plan, changed, false, now_ns)
+    }
+
+    /// Service ports whose last apply failed (they keep what they had before).
+    pub fn failing(&self) -> &BTreeSet<ServicePortName> {
+        &self.apply_failed
+    }
+
+    fn cache_slot(&mut self, key: BackendSlotKey, id: u32) {
+        if let Some(old) = self.cache.slots.insert(key, id) {
+            dec(&mut self.slot_refs, old);
+        }
+        *self.slot_refs.entry(id).or_default() += 1;
+    }
+
+    fn uncache_slot(&mut self, key: &BackendSlotKey) {
+        if let Some(old) = self.cache.slots.remove(key) {
+            dec(&mut self.slot_refs, old);
+        }
+    }
+
+    fn apply_inner(
+        &mut self,
+        plan: &Plan,
+        names: &BTreeSet<ServicePortName>,
+        full: bool,
+        now_ns: u64,
+    ) -> Result<ApplyOutcome, TableError> {
+        let mut out = ApplyOutcome::default();
+        let udp_before = full.then(|| self.udp_backends());
+        let olds: Vec<Option<Arc<ServicePlan>>> =
+            names.iter().map(|n| self.applied.get(n).cloned()).collect();
+
+        // 1. Backends: every one (full), or those the changed service ports reference.
+        let mut backend_ids: BTreeSet<u32> = BTreeSet::new();
+        if full {
+            backend_ids.extend(plan.backends.keys().copied());
+        } else {
+            for (name, old) in names.iter().zip(&olds) {
+                if let Some(sp) = plan.services.get(name) {
+                    backend_ids.extend(sp.backend_ids());
+                }
+                if let Some(old) = old {
+                    backend_ids.extend(old.backend_ids());
+                }
+            }
+        }
         let mut failed_backends: BTreeMap<u32, String> = BTreeMap::new();
-        for (id, value) in &plan.backends {
+        for id in &backend_ids {
+            let Some(value) = plan.backends.get(id) else {
+                continue;
+            };
             if self.cache.backends.get(id) == Some(value) {
                 continue;
             }
@@ -210,123 +390,241 @@ impl Applier {
         }
 
         // 2. Per service port: slots, source ranges, frontends.
-        let mut final_state: BTreeMap<ServicePortName, ServicePlan> = BTreeMap::new();
-        for (name, sp) in &plan.services {
+        let mut finals: Vec<Option<Arc<ServicePlan>>> = Vec::with_capacity(names.len());
+        for (name, old) in names.iter().zip(&olds) {
+            let Some(sp) = plan.services.get(name) else {
+                self.apply_failed.remove(name);
+                self.failed.remove(name);
+                finals.push(None);
+                continue;
+            };
             let result = match sp.backend_ids().find_map(|id| failed_backends.get(&id)) {
                 Some(err) => Err(err.clone()),
                 None => self.apply_service(sp, &plan.backend_addrs, &mut out),
             };
             match result {
                 Ok(()) => {
-                    if !sp.errors.is_empty() {
-                        out.failed.insert(name.clone(), sp.errors.join("; "));
+                    self.apply_failed.remove(name);
+                    if sp.errors.is_empty() {
+                        self.failed.remove(name);
+                    } else {
+                        let reason = sp.errors.join("; ");
+                        out.failed.insert(name.clone(), reason.clone());
+                        self.failed.insert(name.clone(), reason);
                     }
-                    out.services += 1;
-                    final_state.insert(name.clone(), sp.clone());
+                    finals.push(Some(sp.clone()));
                 }
                 Err(reason) => {
                     tracing::error!(service = %name, "cannot program service port: {reason}");
-                    out.failed.insert(name.clone(), reason);
-                    if let Some(old) = self.applied.get(name) {
-                        final_state.insert(name.clone(), old.clone());
-                    }
+                    out.failed.insert(name.clone(), reason.clone());
+                    self.failed.insert(name.clone(), reason);
+                    self.apply_failed.insert(name.clone());
+                    finals.push(old.clone());
                 }
             }
         }
+        let mut udp_dropped: BTreeMap<u32, std::net::SocketAddr> = BTreeMap::new();
+        for ((name, old), fin) in names.iter().zip(&olds).zip(&finals) {
+            if name.protocol == Protocol::Udp {
+                for id in old.iter().flat_map(|p| udp_ids(p)) {
+                    if dec(&mut self.udp_refs, id) == 0
+                        && let Some(b) = self.cache.backends.get(&id)
+                    {
+                        udp_dropped.insert(id, backend_socket(b));
+                    }
+                }
+                for id in fin.iter().flat_map(|p| udp_ids(p)) {
+                    *self.udp_refs.entry(id).or_default() += 1;
+                }
+            }
+            for p in old.iter() {
+                for v in p.frontends.values() {
+                    self.affinity_timeouts.remove(&v.svc_id);
+                }
+            }
+            for p in fin.iter() {
+                for v in p.frontends.values() {
+                    if v.flags & SVC_F_AFFINITY != 0 {
+                        self.affinity_timeouts
+                            .insert(v.svc_id, u64::from(v.affinity_timeout) * 1_000_000_000);
+                    }
+                }
+            }
+            match fin {
+                Some(p) => self.applied.insert(name.clone(), p.clone()),
+                None => self.applied.remove(name),
+            };
+        }
 
-        // 3. Stale entries.
-        let want_fronts: BTreeSet<ServiceKey> = final_state
-            .values()
+        // 3. Stale entries: anywhere in the cache (full), or among the entries the changed
+        // service ports had or were to get.
+        let finals_of = |full: bool| -> Vec<&Arc<ServicePlan>> {
+            if full {
+                self.applied.values().collect()
+            } else {
+                finals.iter().flatten().collect()
+            }
+        };
+        let want = finals_of(full);
+        let want_fronts: BTreeSet<ServiceKey> = want
+            .iter()
             .flat_map(|p| p.frontends.keys().copied())
             .collect();
-        let want_slots: BTreeSet<BackendSlotKey> = final_state
-            .values()
-            .flat_map(|p| p.sets.iter())
-            .flat_map(|s| {
-                (0..s.backends.len() as u32).map(move |slot| BackendSlotKey {
-                    svc_id: s.svc_id,
-                    slot,
-                })
-            })
-            .collect();
-        let want_ranges: BTreeSet<SourceRangeEntry> = final_state
-            .values()
+        let want_slots: BTreeSet<BackendSlotKey> = want.iter().flat_map(|p| slot_keys(p)).collect();
+        let want_ranges: BTreeSet<SourceRangeEntry> = want
+            .iter()
             .flat_map(|p| p.source_ranges.iter().copied())
             .collect();
-        let stale: Vec<ServiceKey> = self
-            .cache
-            .services
-            .keys()
-            .filter(|k| !want_fronts.contains(k))
-            .copied()
-            .collect();
+        let want_maglev: BTreeSet<u32> = want.iter().flat_map(|p| maglev_sets(p)).collect();
+        let candidates: Vec<&ServicePlan> = if full {
+            Vec::new()
+        } else {
+            names
+                .iter()
+                .zip(&olds)
+                .flat_map(|(name, old)| {
+                    old.iter()
+                        .map(|p| &**p)
+                        .chain(plan.services.get(name).map(|p| &**p))
+                })
+                .collect()
+        };
+        let stale: Vec<ServiceKey> = if full {
+            self.cache.services.keys().copied().collect()
+        } else {
+            candidates
+                .iter()
+                .flat_map(|p| p.frontends.keys().copied())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect()
+        };
         for k in stale {
+            if want_fronts.contains(&k) || !self.cache.services.contains_key(&k) {
+                continue;
+            }
             self.tables.services.delete(&k)?;
             self.cache.services.remove(&k);
             out.deletes += 1;
         }
-        let stale: Vec<BackendSlotKey> = self
-            .cache
-            .slots
-            .keys()
-            .filter(|k| !want_slots.contains(k))
-            .copied()
-            .collect();
+        let stale: Vec<BackendSlotKey> = if full {
+            self.cache.slots.keys().copied().collect()
+        } else {
+            candidates.iter().flat_map(|p| slot_keys(p)).collect()
+        };
         for k in stale {
+            if want_slots.contains(&k) || !self.cache.slots.contains_key(&k) {
+                continue;
+            }
             self.tables.slots.delete(&k)?;
-            self.cache.slots.remove(&k);
+            self.uncache_slot(&k);
             out.deletes += 1;
         }
-        let stale: Vec<SourceRangeEntry> = self
-            .cache
-            .ranges
-            .iter()
-            .filter(|k| !want_ranges.contains(k))
-            .copied()
-            .collect();
+        let stale: Vec<SourceRangeEntry> = if full {
+            self.cache.ranges.iter().copied().collect()
+        } else {
+            candidates
+                .iter()
+                .flat_map(|p| p.source_ranges.iter().copied())
+                .collect()
+        };
         for k in stale {
+            if want_ranges.contains(&k) || !self.cache.ranges.contains(&k) {
+                continue;
+            }
             self.tables.source_ranges.delete(&k)?;
             self.cache.ranges.remove(&k);
             out.deletes += 1;
         }
-        let want_maglev: BTreeSet<u32> = final_state
-            .values()
-            .flat_map(|p| p.sets.iter())
-            .filter(|s| s.maglev && !s.backends.is_empty())
-            .map(|s| s.svc_id)
-            .collect();
-        let stale: Vec<u32> = self
-            .cache
-            .maglev_refs
-            .keys()
-            .filter(|k| !want_maglev.contains(k))
-            .copied()
-            .collect();
+        let stale: Vec<u32> = if full {
+            self.cache.maglev_refs.keys().copied().collect()
+        } else {
+            candidates
+                .iter()
+                .flat_map(|p| p.sets.iter().map(|s| s.svc_id))
+                .collect()
+        };
         for k in stale {
+            if want_maglev.contains(&k) || !self.cache.maglev_refs.contains_key(&k) {
+                continue;
+            }
             self.tables.maglev_refs.delete(&k)?;
             self.cache.maglev_refs.remove(&k);
             self.cache.maglev_built.remove(&k);
             out.deletes += 1;
         }
-        // Every backend a remaining slot points at (a failed service's slots may already hold
-        // new backends).
-        let want_backends: BTreeSet<u32> = self.cache.slots.values().copied().collect();
-        let stale: Vec<u32> = self
-            .cache
-            .backends
-            .keys()
-            .filter(|k| !want_backends.contains(k))
-            .copied()
-            .collect();
+        // Backends no remaining slot points at (a failed service's slots may already hold new
+        // backends).
+        let stale: Vec<u32> = if full {
+            self.cache.backends.keys().copied().collect()
+        } else {
+            backend_ids.iter().copied().collect()
+        };
         for k in stale {
+            if self.slot_refs.get(&k).is_some_and(|n| *n > 0)
+                || !self.cache.backends.contains_key(&k)
+            {
+                continue;
+            }
             self.tables.backends.delete(&k)?;
             self.cache.backends.remove(&k);
+            out.removed_backends.push(k);
             out.deletes += 1;
         }
+        out.removed_udp = match udp_before {
+            Some(before) => {
+                self.udp_refs = udp_refs(&self.applied);
+                let after = self.udp_backends();
+                before.difference(&after).copied().collect()
+            }
+            None => udp_dropped
+                .iter()
+                .filter(|(id, _)| self.udp_refs.get(id).is_none_or(|n| *n == 0))
+                .map(|(_, a)| *a)
+                .collect(),
+        };
 
-        // 4. Affinity.
+        // 4. Affinity: entries of sets that are gone or expired; for the sets of the changed
+        // service ports (all, in a full apply) also those whose backend left the set.
+        let checked: Vec<Arc<ServicePlan>> = if full {
+            self.applied.values().cloned().collect()
+        } else {
+            finals.iter().flatten().cloned().collect()
+        };
+        let mut touched: BTreeSet<u32> = checked
+            .iter()
+            .flat_map(|p| p.sets.iter().map(|s| s.svc_id))
+            .collect();
+        touched.extend(
+            olds.iter()
+                .flatten()
+                .flat_map(|p| p.sets.iter().map(|s| s.svc_id)),
+        );
+        let scope = if full { None } else { Some(&touched) };
+        self.clean_affinity(&checked, scope, now_ns, &mut out)?;
+
+        out.backends = self.cache.backends.len();
+        let failing_applied = self
+            .apply_failed
+            .iter()
+            .filter(|n| self.applied.contains_key(*n))
+            .count();
+        out.services = self.applied.len() - failing_applied;
+        Ok(out)
+    }
+
+    /// Deletes affinity entries whose set is gone or that expired, and those of the sets in
+    /// `members_of` (every set when `None`) whose backend left the set (`plans` hold those
+    /// sets' current backends).
+    fn clean_affinity(
+        &mut self,
+        plans: &[Arc<ServicePlan>],
+        members_of: Option<&BTreeSet<u32>>,
+        now_ns: u64,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let mut members: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        for p in final_state.values() {
+        for p in plans {
             for s in &p.sets {
                 members
                     .entry(s.svc_id)
@@ -334,19 +632,16 @@ impl Applier {
                     .extend(s.backends.iter().copied());
             }
         }
-        let mut timeouts: BTreeMap<u32, u64> = BTreeMap::new();
-        for v in self.cache.services.values() {
-            if v.flags & SVC_F_AFFINITY != 0 {
-                timeouts.insert(v.svc_id, u64::from(v.affinity_timeout) * 1_000_000_000);
-            }
-        }
         let entries = self.tables.affinity.dump()?;
         self.affinity_entries = entries.len();
         for (k, v) in entries {
-            let keep = members
-                .get(&k.svc_id)
-                .is_some_and(|m| m.contains(&v.backend_id))
-                && timeouts
+            let checked = members_of.is_none_or(|m| m.contains(&k.svc_id));
+            let keep = (!checked
+                || members
+                    .get(&k.svc_id)
+                    .is_some_and(|m| m.contains(&v.backend_id)))
+                && self
+                    .affinity_timeouts
                     .get(&k.svc_id)
                     .is_some_and(|t| now_ns.saturating_sub(v.last_used_ns) <= *t);
             if !keep {
@@ -355,10 +650,7 @@ impl Applier {
                 self.affinity_entries -= 1;
             }
         }
-
-        out.backends = self.cache.backends.len();
-        self.applied = final_state;
-        Ok(out)
+        Ok(())
     }
 
     /// A ref that fits this build's table size and array (after a restart with another size the
@@ -464,7 +756,7 @@ impl Applier {
                     .slots
                     .put(&key, id)
                     .map_err(|e| format!("slot {slot} of set {}: {e}", set.svc_id))?;
-                self.cache.slots.insert(key, *id);
+                self.cache_slot(key, *id);
                 out.writes += 1;
             }
         }

@@ -71,6 +71,12 @@ impl<K: Ord + Clone> Space<K> {
         id
     }
 
+    fn release(&mut self, key: &K) {
+        if let Some(id) = self.ids.remove(key) {
+            self.used.remove(&id);
+        }
+    }
+
     fn retain(&mut self, live: &BTreeSet<K>) {
         let used = &mut self.used;
         self.ids.retain(|k, id| {
@@ -125,6 +131,16 @@ impl IdAllocator {
             .iter()
             .find_map(|f| self.set_hints.get(f).copied());
         self.sets.get_or_alloc(key, hint)
+    }
+
+    /// Forgets the id of backend `addr` (no set references it any more).
+    pub fn release_backend(&mut self, addr: &BackendAddr) {
+        self.backends.release(addr);
+    }
+
+    /// Forgets the id of set `key` (its service port no longer has it).
+    pub fn release_set(&mut self, key: &SetKey) {
+        self.sets.release(key);
     }
 
     /// Forgets ids of backends and sets not in a plan any more (after it was applied) and the

@@ -14,9 +14,36 @@
 //! - [`sockdestroy`] (with [`sockdiag`]): after a sync, UDP sockets socket LB connected to a
 //!   backend that left every UDP service are destroyed, so clients re-resolve at once.
 //!
-//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. Every sync is planned in full (the
-//! `changed` set is not needed: planning 10k service ports is cheap and the applier writes only
-//! differences). The TC programs (NodePort/ExternalIP/LB from outside) read the same maps.
+//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. The TC programs
+//! (NodePort/ExternalIP/LB from outside) read the same maps.
+//!
+//! ## Incremental syncs
+//!
+//! A sync costs O(changed service ports), not O(all): with 10k service ports one endpoint
+//! change re-plans and writes one service port.
+//!
+//! - What is cached: the [`Planner`] keeps the current [`Plan`] per service port (each
+//!   [`planner::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
+//!   claims which frontend, and how many slots reference each backend; the [`Applier`] keeps
+//!   what it believes the agent-written maps hold (it is their only writer) and the plan each
+//!   service port has in them.
+//! - Which service ports are re-planned: the `changed` set when the snapshot is the tracker's
+//!   next one (`generation` = last synced + 1, so the set covers everything since); otherwise
+//!   (a caller building snapshots itself) those whose `Arc`s or values differ from what was
+//!   planned ([`Planner::changed_in`]); plus every service port whose last apply failed. A
+//!   frontend that changes owner (two service ports want it; the first by name gets it)
+//!   re-plans every claimant.
+//! - Full syncs (every service port re-planned, every cached entry compared, stale entries
+//!   found by scanning the cache): the first sync, the sync after a failed one (the cache is
+//!   first re-read from the maps), a change of the node (labels, addresses) or of the
+//!   NodePort addresses or configuration, and at least once per `syncPeriod`
+//!   ([`EbpfConfig::full_sync_period`]), as upstream's proxiers resync periodically. The maps
+//!   are also re-read before a full sync when the last read is older than
+//!   [`MAP_REREAD_PERIOD`].
+//! - Why readers never see a half-programmed service: an incremental apply writes the changed
+//!   service ports' entries in the same order as a full one (backends → slots, Maglev tables,
+//!   source ranges → frontends → stale entries), so a frontend only ever points at a complete
+//!   set; stale entries are only those the changed service ports had and no longer have.
 
 pub mod applier;
 pub mod ids;
@@ -39,10 +66,12 @@ use kproxy_common::service::{
 };
 
 pub use applier::{Applier, ApplyOutcome, MapPressure};
-pub use planner::{Plan, plan, render};
+pub use planner::{Plan, Planner, plan, render};
 
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
-use crate::model::{ChangedSet, IpFamily, Snapshot};
+use std::collections::BTreeSet;
+
+use crate::model::{ChangedSet, IpFamily, ServicePortName, Snapshot};
 
 /// `max_entries` of each service map (`--bpf-map-sizes`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +135,9 @@ pub struct EbpfConfig {
     pub cgroup: Option<PathBuf>,
     /// Attach the socket-LB programs (off: maps only, e.g. when only TC is wanted).
     pub socket_lb: bool,
+    /// A sync re-plans every service port and compares every cached entry at least this often
+    /// (`syncPeriod`); the syncs in between touch only the changed service ports.
+    pub full_sync_period: std::time::Duration,
 }
 
 impl Default for EbpfConfig {
@@ -119,9 +151,14 @@ impl Default for EbpfConfig {
             bpffs: PathBuf::from("/sys/fs/bpf"),
             cgroup: None,
             socket_lb: true,
+            full_sync_period: std::time::Duration::from_secs(30),
         }
     }
 }
+
+/// A full sync re-reads the maps into the applier's cache when its last read is older than
+/// this (the agent is the maps' only writer; this only bounds how long an outside edit lasts).
+pub const MAP_REREAD_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
 pub fn monotonic_ns() -> u64 {
@@ -148,11 +185,21 @@ pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
 /// The eBPF [`Dataplane`].
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
-    ids: ids::IdAllocator,
+    planner: Planner,
     applier: Applier,
     kernel: loader::Kernel,
-    last_plan: Plan,
     sock_destroyer: sockdestroy::SockDestroyer,
+    /// Generation of the last snapshot synced successfully (`None`: none yet, or the last
+    /// sync failed).
+    synced: Option<u64>,
+    /// The applier's cache must be re-read from the maps before the next (full) sync.
+    reload: bool,
+    /// When the last full sync ran.
+    last_full: Option<std::time::Instant>,
+    /// When the maps were last read into the applier's cache.
+    last_read: std::time::Instant,
+    /// Backend ids the last sync deleted from the backends map.
+    removed_backends: Vec<u32>,
 }
 
 impl EbpfDataplane {
@@ -174,12 +221,22 @@ impl EbpfDataplane {
         );
         Ok(EbpfDataplane {
             cfg,
-            ids,
+            planner: Planner::new(ids),
             applier,
             kernel,
-            last_plan: Plan::default(),
             sock_destroyer,
+            synced: None,
+            reload: false,
+            last_full: None,
+            last_read: std::time::Instant::now(),
+            removed_backends: Vec::new(),
         })
+    }
+
+    /// Backend ids the last sync deleted from the backends map (their connection-table
+    /// entries can go).
+    pub fn removed_backends(&self) -> &[u32] {
+        &self.removed_backends
     }
 
     /// `(program, link id)` of the attached socket-LB links.
@@ -199,7 +256,7 @@ impl EbpfDataplane {
 
     /// The plan of the last sync.
     pub fn last_plan(&self) -> &Plan {
-        &self.last_plan
+        self.planner.plan()
     }
 
     /// The configuration this datapath runs with.
@@ -214,39 +271,84 @@ impl EbpfDataplane {
     }
 }
 
+impl EbpfDataplane {
+    /// Re-plans everything and applies it comparing with every cached entry; first re-reads
+    /// the maps when a failed sync left the cache in doubt.
+    fn sync_full(&mut self, snap: &Snapshot) -> Result<ApplyOutcome, tables::TableError> {
+        if self.reload || self.last_read.elapsed() >= MAP_REREAD_PERIOD {
+            self.applier.reload()?;
+            self.reload = false;
+            self.last_read = std::time::Instant::now();
+        }
+        self.planner.full(snap, &self.cfg);
+        self.applier.apply(self.planner.plan(), monotonic_ns())
+    }
+}
+
 impl Dataplane for EbpfDataplane {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ebpf
     }
 
-    fn sync(&mut self, snap: &Snapshot, _changed: &ChangedSet) -> Result<SyncReport, SyncError> {
-        let plan = plan(snap, &self.cfg, &mut self.ids);
-        let udp_before = self.applier.udp_backends();
-        let outcome = self
-            .applier
-            .apply(&plan, monotonic_ns())
-            .map_err(|e| SyncError::Kernel(e.to_string()))?;
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let now = std::time::Instant::now();
+        let periodic = self
+            .last_full
+            .is_none_or(|t| now.duration_since(t) >= self.cfg.full_sync_period);
+        let full = periodic
+            || self.synced.is_none()
+            || changed.node
+            || self.planner.needs_full(snap, &self.cfg);
+        let result = if full {
+            self.sync_full(snap)
+        } else {
+            let mut dirty: BTreeSet<ServicePortName> = if self
+                .synced
+                .is_some_and(|g| snap.generation == g.wrapping_add(1))
+            {
+                changed.services.clone()
+            } else {
+                // Not the tracker's next snapshot (a test, a caller of its own): find the
+                // changed service ports by comparing with what was planned.
+                self.planner.changed_in(snap)
+            };
+            dirty.extend(self.applier.failing().iter().cloned());
+            let changed = self.planner.update(snap, &self.cfg, &dirty);
+            self.applier
+                .apply_changes(self.planner.plan(), &changed, monotonic_ns())
+        };
+        let outcome = match result {
+            Ok(o) => o,
+            Err(e) => {
+                self.synced = None;
+                self.reload = true;
+                return Err(SyncError::Kernel(e.to_string()));
+            }
+        };
+        if full {
+            self.last_full = Some(now);
+        }
+        self.synced = Some(snap.generation);
         if self.cfg.socket_lb {
-            let udp_after = self.applier.udp_backends();
-            let removed: Vec<_> = udp_before.difference(&udp_after).copied().collect();
-            self.sock_destroyer.destroy(&removed);
+            self.sock_destroyer.destroy(&outcome.removed_udp);
         }
         for (name, reason) in &outcome.failed {
             tracing::warn!(service = %name, "{reason}");
         }
         tracing::debug!(
+            full,
             writes = outcome.writes,
             deletes = outcome.deletes,
             affinity_deleted = outcome.affinity_deleted,
+            took_us = now.elapsed().as_micros() as u64,
             "eBPF service maps synced"
         );
-        let report = SyncReport {
+        self.removed_backends = outcome.removed_backends;
+        Ok(SyncReport {
             services: outcome.services,
             endpoints: outcome.backends,
-            failed_services: outcome.failed.len(),
-        };
-        self.last_plan = plan;
-        Ok(report)
+            failed_services: self.applier.failed_count(),
+        })
     }
 
     fn cleanup(&mut self) -> Result<(), CleanupError> {

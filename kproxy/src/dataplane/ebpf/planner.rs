@@ -25,12 +25,24 @@
 //! socket LB (a connecting socket has no source address yet), i.e. to clients on the node.
 //!
 //! A frontend claimed by two service ports (e.g. the same externalIP and port on two services)
-//! goes to the first by name; the second is reported in [`ServicePlan::errors`] without that
-//! frontend.
+//! goes to the first by name; the second keeps it in [`ServicePlan::contested`] (not
+//! programmed) and is told in [`ServicePlan::errors`].
+//!
+//! A backend shared by several service ports is one entry; its `BE_F_LOCAL` /
+//! `BE_F_TERMINATING` flags are set when any referencing endpoint has them (order-independent,
+//! so an incremental plan equals a from-scratch one).
+//!
+//! [`Planner`] is incremental: it keeps the plan and re-plans only the service ports it is
+//! given ([`Planner::update`]), keeping reference counts of backends (an id is released when
+//! nothing references it) and the claimants of every frontend (when an owner stops wanting a
+//! frontend, the next claimant gets it and is reported changed). [`plan`] is a from-scratch
+//! plan through the same code; the unit tests check that random sequences of incremental
+//! updates end in exactly the from-scratch plan.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use kproxy_common::service::{
@@ -43,7 +55,7 @@ use kproxy_common::service::{
 use super::ids::{BackendAddr, IdAllocator, SetKey, SetKind};
 use super::{EbpfConfig, LbAlgorithm};
 use crate::model::topology::categorize_endpoints;
-use crate::model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot};
+use crate::model::{Endpoint, IpFamily, NodeInfo, ServicePort, ServicePortName, Snapshot};
 
 /// An address in the maps' encoding (v4-mapped for IPv4, network order words).
 pub fn encode_addr(ip: IpAddr) -> [u32; 4] {
@@ -102,14 +114,25 @@ pub struct SetPlan {
     pub maglev: bool,
 }
 
+/// The snapshot parts a [`ServicePlan`] was made from: the service port and its endpoints.
+pub type PlanSource = (Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>);
+
 /// Everything one service port puts into the maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServicePlan {
+    /// The frontends this service port owns (programmed).
     pub frontends: BTreeMap<ServiceKey, ServiceValue>,
+    /// Frontends it wants that another service port owns (not programmed; see the module docs).
+    pub contested: BTreeMap<ServiceKey, ServiceValue>,
     pub sets: Vec<SetPlan>,
     pub source_ranges: BTreeSet<SourceRangeEntry>,
     /// Problems planning this service port (what was left out and why).
     pub errors: Vec<String>,
+    /// `(backend id, BE_F_* flags)` of every slot of every set: what this service port
+    /// contributes to the shared backend entries.
+    pub backend_flags: Vec<(u32, u8)>,
+    /// The snapshot parts this was planned from (shared with the snapshot, not copied).
+    pub source: Option<PlanSource>,
 }
 
 impl ServicePlan {
@@ -117,12 +140,21 @@ impl ServicePlan {
     pub fn backend_ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.sets.iter().flat_map(|s| s.backends.iter().copied())
     }
+    /// Keys of every frontend this service port wants, owned or contested.
+    pub fn wanted_keys(&self) -> impl Iterator<Item = ServiceKey> + '_ {
+        self.frontends.keys().chain(self.contested.keys()).copied()
+    }
+    /// Every frontend this service port wants, owned or contested.
+    fn wanted(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceValue)> + '_ {
+        self.frontends.iter().chain(self.contested.iter())
+    }
 }
 
 /// The whole desired content of the service maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
-    pub services: BTreeMap<ServicePortName, ServicePlan>,
+    /// Per service port (shared with the applier, which keeps what it programmed).
+    pub services: BTreeMap<ServicePortName, Arc<ServicePlan>>,
     /// Every backend any service references, by id.
     pub backends: BTreeMap<u32, BackendValue>,
     /// Address of each backend id (for logs and render).
@@ -142,7 +174,7 @@ impl Plan {
     }
 }
 
-fn backend_value(ep: &Endpoint) -> BackendValue {
+fn endpoint_flags(ep: &Endpoint) -> u8 {
     let mut flags = 0;
     if ep.is_local {
         flags |= BE_F_LOCAL;
@@ -150,12 +182,7 @@ fn backend_value(ep: &Endpoint) -> BackendValue {
     if ep.terminating {
         flags |= BE_F_TERMINATING;
     }
-    BackendValue {
-        addr: encode_addr(ep.ip),
-        port: ep.port.to_be(),
-        flags,
-        _pad: 0,
-    }
+    flags
 }
 
 fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
@@ -167,201 +194,480 @@ fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
     }
 }
 
-/// Plans every service port of `snap`. `ids` keeps ids stable across calls (pass the same
-/// allocator every sync; `render` uses a fresh one).
+/// Plans every service port of `snap` from scratch. `ids` keeps ids stable across calls (pass
+/// the same allocator every time; `render` uses a fresh one).
 pub fn plan(snap: &Snapshot, cfg: &EbpfConfig, ids: &mut IdAllocator) -> Plan {
-    let mut out = Plan::default();
-    let mut claimed: BTreeMap<ServiceKey, ServicePortName> = BTreeMap::new();
-    let node_addrs: Vec<IpAddr> = if cfg.node_addresses.is_empty() {
-        snap.node.addresses.clone()
-    } else {
-        cfg.node_addresses.clone()
-    };
-    for (name, svc) in &snap.services {
-        let mut sp = ServicePlan::default();
-        for &family in &cfg.families {
-            plan_family(
-                snap,
-                svc,
-                family,
-                &node_addrs,
-                ids,
-                &mut sp,
-                &mut out,
-                &mut claimed,
-                cfg.lb_algorithm == LbAlgorithm::Maglev,
-            );
-        }
-        out.services.insert(name.clone(), sp);
-    }
-    let live_backends: BTreeSet<BackendAddr> = out.backend_addrs.values().copied().collect();
-    let live_sets: BTreeSet<SetKey> = out
-        .services
-        .iter()
-        .flat_map(|(name, p)| {
-            p.sets.iter().map(move |s| SetKey {
-                service: name.clone(),
-                kind: s.kind,
-                family: s.family,
-            })
-        })
-        .collect();
-    ids.retain(&live_backends, &live_sets);
-    out
+    let mut planner = Planner::new(std::mem::take(ids));
+    planner.full(snap, cfg);
+    *ids = planner.ids;
+    planner.plan
 }
 
-#[allow(clippy::too_many_arguments)]
-fn plan_family(
-    snap: &Snapshot,
-    svc: &ServicePort,
-    family: IpFamily,
-    node_addrs: &[IpAddr],
-    ids: &mut IdAllocator,
-    sp: &mut ServicePlan,
-    out: &mut Plan,
-    claimed: &mut BTreeMap<ServiceKey, ServicePortName>,
+/// What a plan depends on besides the service ports: a change of any of these re-plans every
+/// service port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Inputs {
+    node: NodeInfo,
+    node_addrs: Vec<IpAddr>,
+    families: Vec<IpFamily>,
     maglev: bool,
-) {
-    let eps: Vec<Endpoint> = snap
-        .endpoints_of(&svc.name)
-        .iter()
-        .filter(|e| family.matches(&e.ip))
-        .cloned()
-        .collect();
-    let cat = categorize_endpoints(&eps, svc, &snap.node);
+}
 
-    // Frontends per set kind, gathered first so a restarted agent's set ids can be found by
-    // any of them.
-    let mut fronts: Vec<(ServiceKey, SetKind, u32)> = Vec::new();
-    if let Some(ip) = svc.cluster_ip(family) {
-        let kind = if svc.internal_policy_local {
-            SetKind::Local
-        } else {
-            SetKind::Cluster
-        };
-        fronts.push((
-            key(ip, svc.port, svc, SCOPE_CLUSTER),
-            kind,
-            SVC_F_CLUSTER_IP,
-        ));
+impl Inputs {
+    fn of(snap: &Snapshot, cfg: &EbpfConfig) -> Inputs {
+        Inputs {
+            node: snap.node.clone(),
+            node_addrs: if cfg.node_addresses.is_empty() {
+                snap.node.addresses.clone()
+            } else {
+                cfg.node_addresses.clone()
+            },
+            families: cfg.families.clone(),
+            maglev: cfg.lb_algorithm == LbAlgorithm::Maglev,
+        }
     }
-    if svc.externally_accessible() {
-        let ext_kind = if svc.external_policy_local {
-            SetKind::Local
-        } else {
-            SetKind::Cluster
-        };
-        let mut add = |ip: IpAddr, port: u16, flag: u32| {
-            fronts.push((key(ip, port, svc, SCOPE_CLUSTER), SetKind::Cluster, flag));
-            fronts.push((key(ip, port, svc, SCOPE_EXTERNAL), ext_kind, flag));
-        };
-        if svc.node_port != 0 {
-            for ip in node_addrs.iter().filter(|ip| family.matches(ip)) {
-                add(*ip, svc.node_port, SVC_F_NODE_PORT);
+}
+
+/// References to one backend id from the planned sets.
+#[derive(Debug, Clone, Copy)]
+struct BackendRefs {
+    addr: BackendAddr,
+    refs: u32,
+    local: u32,
+    terminating: u32,
+}
+
+/// The incremental planner (see the module docs): the current [`Plan`], the ids, who claims
+/// which frontend and who references which backend.
+#[derive(Debug, Default)]
+pub struct Planner {
+    ids: IdAllocator,
+    plan: Plan,
+    /// Every service port wanting a frontend; the first (by name) owns it.
+    claims: HashMap<ServiceKey, BTreeSet<ServicePortName>>,
+    backend_refs: HashMap<u32, BackendRefs>,
+    /// What the current plan was made from (`None`: nothing planned yet).
+    inputs: Option<Inputs>,
+}
+
+impl Planner {
+    /// A planner starting from `ids` (seeded from the pinned maps after a restart).
+    pub fn new(ids: IdAllocator) -> Self {
+        Planner {
+            ids,
+            ..Default::default()
+        }
+    }
+
+    /// The current plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The id allocator (a clone plans from scratch with the same ids).
+    pub fn ids(&self) -> &IdAllocator {
+        &self.ids
+    }
+
+    /// Whether the next update must re-plan every service port: nothing planned yet, or the
+    /// node, its addresses or the configuration changed.
+    pub fn needs_full(&self, snap: &Snapshot, cfg: &EbpfConfig) -> bool {
+        self.inputs.as_ref() != Some(&Inputs::of(snap, cfg))
+    }
+
+    /// Service ports of `snap` that differ from what the current plan was made from (added,
+    /// changed, removed): for snapshots that do not come with a trustworthy change set.
+    pub fn changed_in(&self, snap: &Snapshot) -> BTreeSet<ServicePortName> {
+        let mut out: BTreeSet<ServicePortName> = self
+            .plan
+            .services
+            .keys()
+            .filter(|n| !snap.services.contains_key(*n))
+            .cloned()
+            .collect();
+        for (name, svc) in &snap.services {
+            let eps = snap.endpoints.get(name);
+            let same = self
+                .plan
+                .services
+                .get(name)
+                .and_then(|p| p.source.as_ref())
+                .is_some_and(|(s, e)| {
+                    (Arc::ptr_eq(s, svc) || **s == **svc)
+                        && match (e, eps) {
+                            (None, None) => true,
+                            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || **a == **b,
+                            (Some(a), None) => a.is_empty(),
+                            (None, Some(b)) => b.is_empty(),
+                        }
+                });
+            if !same {
+                out.insert(name.clone());
             }
         }
-        for ip in svc.external_ips_for(family) {
-            add(ip, svc.port, SVC_F_EXTERNAL_IP);
-        }
-        for ip in svc.load_balancer_vips(family) {
-            add(ip, svc.port, SVC_F_LOAD_BALANCER);
-        }
-    }
-    if fronts.is_empty() {
-        return;
+        out
     }
 
-    let mut set_ids: BTreeMap<SetKind, (u32, u32)> = BTreeMap::new();
-    for kind in [SetKind::Cluster, SetKind::Local] {
-        let members: Vec<ServiceKey> = fronts
-            .iter()
-            .filter(|(_, k, _)| *k == kind)
-            .map(|(f, _, _)| *f)
+    /// Re-plans every service port of `snap` (ids stay stable). Returns the service ports
+    /// whose plan was (re)made or removed: all of them.
+    pub fn full(&mut self, snap: &Snapshot, cfg: &EbpfConfig) -> BTreeSet<ServicePortName> {
+        let all: BTreeSet<ServicePortName> = snap
+            .services
+            .keys()
+            .chain(self.plan.services.keys())
+            .cloned()
             .collect();
-        if members.is_empty() {
-            continue;
-        }
-        let endpoints = match kind {
-            SetKind::Cluster => cat.cluster.clone().unwrap_or_default(),
-            SetKind::Local => cat.local.clone().unwrap_or_default(),
-        };
-        let svc_id = ids.set(
-            &SetKey {
-                service: svc.name.clone(),
-                kind,
-                family,
-            },
-            &members,
-        );
-        let mut endpoints = endpoints;
-        endpoints.sort_by_key(|a| (a.ip, a.port));
-        endpoints.dedup_by(|a, b| (a.ip, a.port) == (b.ip, b.port));
-        let backends: Vec<u32> = endpoints
+        self.inputs = Some(Inputs::of(snap, cfg));
+        let changed = self.replan(snap, &all);
+        // Forget ids nothing uses any more (and the startup hints, used once).
+        let live_backends: BTreeSet<BackendAddr> =
+            self.backend_refs.values().map(|r| r.addr).collect();
+        let live_sets: BTreeSet<SetKey> = self
+            .plan
+            .services
             .iter()
-            .map(|ep| {
-                let addr = (ep.ip, ep.port);
-                let id = ids.backend(addr);
-                out.backends.entry(id).or_insert_with(|| backend_value(ep));
-                out.backend_addrs.insert(id, addr);
-                id
+            .flat_map(|(name, p)| {
+                p.sets.iter().map(move |s| SetKey {
+                    service: name.clone(),
+                    kind: s.kind,
+                    family: s.family,
+                })
             })
             .collect();
-        set_ids.insert(kind, (svc_id, backends.len() as u32));
-        sp.sets.push(SetPlan {
-            svc_id,
-            kind,
-            family,
-            backends,
-            maglev: false,
-        });
+        self.ids.retain(&live_backends, &live_sets);
+        changed
     }
 
-    let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
-    for (front, kind, kind_flag) in fronts {
-        let (svc_id, count) = set_ids[&kind];
-        let mut flags = kind_flag;
-        if kind == SetKind::Local {
-            flags |= SVC_F_LOCAL_ONLY;
+    /// Re-plans the service ports in `dirty` (added, changed or removed in `snap`), or every
+    /// one when [`Planner::needs_full`]. Returns the service ports whose plan was (re)made or
+    /// removed: `dirty` plus those whose frontends changed owner.
+    pub fn update(
+        &mut self,
+        snap: &Snapshot,
+        cfg: &EbpfConfig,
+        dirty: &BTreeSet<ServicePortName>,
+    ) -> BTreeSet<ServicePortName> {
+        if self.needs_full(snap, cfg) {
+            return self.full(snap, cfg);
         }
-        if count == 0 && !cat.has_any_endpoints {
-            flags |= SVC_F_REJECT;
-        }
-        let (timeout, aff) = match svc.session_affinity_timeout {
-            Some(t) => (t, SVC_F_AFFINITY),
-            None => (0, 0),
-        };
-        flags |= aff;
-        if maglev && front.scope == SCOPE_EXTERNAL && family == IpFamily::V4 {
-            flags |= SVC_F_MAGLEV;
-            if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
-                set.maglev = true;
+        self.replan(snap, dirty)
+    }
+
+    fn replan(
+        &mut self,
+        snap: &Snapshot,
+        dirty: &BTreeSet<ServicePortName>,
+    ) -> BTreeSet<ServicePortName> {
+        let inputs = self.inputs.clone().expect("inputs are set before planning");
+        let mut touched_keys: BTreeSet<ServiceKey> = BTreeSet::new();
+        let mut touched_backends: BTreeSet<u32> = BTreeSet::new();
+        for name in dirty {
+            let old = self.plan.services.remove(name);
+            if let Some(old) = &old {
+                for (k, _) in old.wanted() {
+                    touched_keys.insert(*k);
+                    if let Some(c) = self.claims.get_mut(k) {
+                        c.remove(name);
+                        if c.is_empty() {
+                            self.claims.remove(k);
+                        }
+                    }
+                }
+                for (id, flags) in &old.backend_flags {
+                    touched_backends.insert(*id);
+                    if let Some(r) = self.backend_refs.get_mut(id) {
+                        r.refs -= 1;
+                        r.local -= u32::from(flags & BE_F_LOCAL != 0);
+                        r.terminating -= u32::from(flags & BE_F_TERMINATING != 0);
+                    }
+                }
+            }
+            let new = snap
+                .services
+                .get(name)
+                .map(|svc| self.plan_service(snap, svc, &inputs));
+            if let Some(new) = &new {
+                for (k, _) in new.wanted() {
+                    touched_keys.insert(*k);
+                    self.claims.entry(*k).or_default().insert(name.clone());
+                }
+                touched_backends.extend(new.backend_flags.iter().map(|(id, _)| *id));
+            }
+            // Sets the service port no longer has give their ids back.
+            if let Some(old) = &old {
+                for s in &old.sets {
+                    let gone = new.as_ref().is_none_or(|n| {
+                        !n.sets
+                            .iter()
+                            .any(|x| x.kind == s.kind && x.family == s.family)
+                    });
+                    if gone {
+                        self.ids.release_set(&SetKey {
+                            service: name.clone(),
+                            kind: s.kind,
+                            family: s.family,
+                        });
+                    }
+                }
+            }
+            if let Some(new) = new {
+                self.plan.services.insert(name.clone(), Arc::new(new));
             }
         }
-        if kind_flag == SVC_F_LOAD_BALANCER && front.scope == SCOPE_EXTERNAL && !ranges.is_empty() {
-            flags |= SVC_F_SOURCE_RANGES;
-            for net in &ranges {
-                sp.source_ranges.insert(source_range_entry(svc_id, *net));
+        // Backend entries: the OR of what every referencing slot says; unreferenced ones go.
+        for id in touched_backends {
+            let Some(r) = self.backend_refs.get(&id).copied() else {
+                continue;
+            };
+            if r.refs == 0 {
+                self.backend_refs.remove(&id);
+                self.plan.backends.remove(&id);
+                self.plan.backend_addrs.remove(&id);
+                self.ids.release_backend(&r.addr);
+                continue;
+            }
+            let mut flags = 0;
+            if r.local > 0 {
+                flags |= BE_F_LOCAL;
+            }
+            if r.terminating > 0 {
+                flags |= BE_F_TERMINATING;
+            }
+            self.plan.backends.insert(
+                id,
+                BackendValue {
+                    addr: encode_addr(r.addr.0),
+                    port: r.addr.1.to_be(),
+                    flags,
+                    _pad: 0,
+                },
+            );
+            self.plan.backend_addrs.insert(id, r.addr);
+        }
+        // Frontend owners: every claimant of a touched frontend gets its share re-split.
+        let mut changed: BTreeSet<ServicePortName> = dirty.clone();
+        let mut affected: BTreeSet<ServicePortName> = dirty.clone();
+        for k in &touched_keys {
+            if let Some(c) = self.claims.get(k) {
+                affected.extend(c.iter().cloned());
             }
         }
-        if let Some(owner) = claimed.get(&front) {
-            if owner != &svc.name {
-                sp.errors.push(format!(
+        for name in affected {
+            let Some(sp) = self.plan.services.get(&name) else {
+                continue;
+            };
+            let split = self.split(&name, sp);
+            if split != **sp {
+                self.plan.services.insert(name.clone(), Arc::new(split));
+                changed.insert(name);
+            }
+        }
+        changed
+    }
+
+    /// `sp` with its wanted frontends divided into owned and contested by the current claims.
+    fn split(&self, name: &ServicePortName, sp: &ServicePlan) -> ServicePlan {
+        let mut frontends = BTreeMap::new();
+        let mut contested = BTreeMap::new();
+        let mut errors = Vec::new();
+        for (k, v) in sp.wanted() {
+            let owner = self
+                .claims
+                .get(k)
+                .and_then(|c| c.first())
+                .expect("a wanted frontend is claimed");
+            if owner == name {
+                frontends.insert(*k, *v);
+            } else {
+                errors.push(format!(
                     "frontend {} already belongs to service port {owner}; not programmed",
-                    describe_key(&front)
+                    describe_key(k)
                 ));
+                contested.insert(*k, *v);
             }
-            continue;
         }
-        claimed.insert(front, svc.name.clone());
-        sp.frontends.insert(
-            front,
-            ServiceValue {
+        ServicePlan {
+            frontends,
+            contested,
+            errors,
+            ..sp.clone()
+        }
+    }
+
+    /// Plans one service port: every frontend it wants (in `frontends`, split later), its sets,
+    /// and references to its backends.
+    fn plan_service(
+        &mut self,
+        snap: &Snapshot,
+        svc: &Arc<ServicePort>,
+        inputs: &Inputs,
+    ) -> ServicePlan {
+        let mut sp = ServicePlan {
+            source: Some((svc.clone(), snap.endpoints.get(&svc.name).cloned())),
+            ..Default::default()
+        };
+        let all = snap.endpoints_of(&svc.name);
+        for &family in &inputs.families {
+            self.plan_family(snap, svc, all, family, inputs, &mut sp);
+        }
+        sp
+    }
+
+    fn add_ref(&mut self, id: u32, addr: BackendAddr, flags: u8) {
+        let r = self.backend_refs.entry(id).or_insert(BackendRefs {
+            addr,
+            refs: 0,
+            local: 0,
+            terminating: 0,
+        });
+        r.refs += 1;
+        r.local += u32::from(flags & BE_F_LOCAL != 0);
+        r.terminating += u32::from(flags & BE_F_TERMINATING != 0);
+    }
+
+    fn plan_family(
+        &mut self,
+        snap: &Snapshot,
+        svc: &ServicePort,
+        all: &[Endpoint],
+        family: IpFamily,
+        inputs: &Inputs,
+        sp: &mut ServicePlan,
+    ) {
+        // Frontends per set kind, gathered first so a restarted agent's set ids can be found
+        // by any of them.
+        let mut fronts: Vec<(ServiceKey, SetKind, u32)> = Vec::new();
+        if let Some(ip) = svc.cluster_ip(family) {
+            let kind = if svc.internal_policy_local {
+                SetKind::Local
+            } else {
+                SetKind::Cluster
+            };
+            fronts.push((
+                key(ip, svc.port, svc, SCOPE_CLUSTER),
+                kind,
+                SVC_F_CLUSTER_IP,
+            ));
+        }
+        if svc.externally_accessible() {
+            let ext_kind = if svc.external_policy_local {
+                SetKind::Local
+            } else {
+                SetKind::Cluster
+            };
+            let mut add = |ip: IpAddr, port: u16, flag: u32| {
+                fronts.push((key(ip, port, svc, SCOPE_CLUSTER), SetKind::Cluster, flag));
+                fronts.push((key(ip, port, svc, SCOPE_EXTERNAL), ext_kind, flag));
+            };
+            if svc.node_port != 0 {
+                for ip in inputs.node_addrs.iter().filter(|ip| family.matches(ip)) {
+                    add(*ip, svc.node_port, SVC_F_NODE_PORT);
+                }
+            }
+            for ip in svc.external_ips_for(family) {
+                add(ip, svc.port, SVC_F_EXTERNAL_IP);
+            }
+            for ip in svc.load_balancer_vips(family) {
+                add(ip, svc.port, SVC_F_LOAD_BALANCER);
+            }
+        }
+        if fronts.is_empty() {
+            return;
+        }
+        let eps: Vec<Endpoint> = if all.iter().all(|e| family.matches(&e.ip)) {
+            all.to_vec()
+        } else {
+            all.iter()
+                .filter(|e| family.matches(&e.ip))
+                .cloned()
+                .collect()
+        };
+        let cat = categorize_endpoints(&eps, svc, &snap.node);
+
+        let mut set_ids: BTreeMap<SetKind, (u32, u32)> = BTreeMap::new();
+        for kind in [SetKind::Cluster, SetKind::Local] {
+            let members: Vec<ServiceKey> = fronts
+                .iter()
+                .filter(|(_, k, _)| *k == kind)
+                .map(|(f, _, _)| *f)
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
+            let mut endpoints = match kind {
+                SetKind::Cluster => cat.cluster.clone().unwrap_or_default(),
+                SetKind::Local => cat.local.clone().unwrap_or_default(),
+            };
+            let svc_id = self.ids.set(
+                &SetKey {
+                    service: svc.name.clone(),
+                    kind,
+                    family,
+                },
+                &members,
+            );
+            endpoints.sort_by_key(|a| (a.ip, a.port));
+            endpoints.dedup_by(|a, b| (a.ip, a.port) == (b.ip, b.port));
+            let backends: Vec<u32> = endpoints
+                .iter()
+                .map(|ep| {
+                    let addr = (ep.ip, ep.port);
+                    let id = self.ids.backend(addr);
+                    let flags = endpoint_flags(ep);
+                    self.add_ref(id, addr, flags);
+                    sp.backend_flags.push((id, flags));
+                    id
+                })
+                .collect();
+            set_ids.insert(kind, (svc_id, backends.len() as u32));
+            sp.sets.push(SetPlan {
+                svc_id,
+                kind,
+                family,
+                backends,
+                maglev: false,
+            });
+        }
+
+        let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
+        for (front, kind, kind_flag) in fronts {
+            let (svc_id, count) = set_ids[&kind];
+            let mut flags = kind_flag;
+            if kind == SetKind::Local {
+                flags |= SVC_F_LOCAL_ONLY;
+            }
+            if count == 0 && !cat.has_any_endpoints {
+                flags |= SVC_F_REJECT;
+            }
+            let (timeout, aff) = match svc.session_affinity_timeout {
+                Some(t) => (t, SVC_F_AFFINITY),
+                None => (0, 0),
+            };
+            flags |= aff;
+            if inputs.maglev && front.scope == SCOPE_EXTERNAL && family == IpFamily::V4 {
+                flags |= SVC_F_MAGLEV;
+                if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
+                    set.maglev = true;
+                }
+            }
+            if kind_flag == SVC_F_LOAD_BALANCER
+                && front.scope == SCOPE_EXTERNAL
+                && !ranges.is_empty()
+            {
+                flags |= SVC_F_SOURCE_RANGES;
+                for net in &ranges {
+                    sp.source_ranges.insert(source_range_entry(svc_id, *net));
+                }
+            }
+            // The same frontend twice in one service port (e.g. an external IP that is also a
+            // node address): the first wins.
+            sp.frontends.entry(front).or_insert(ServiceValue {
                 svc_id,
                 count,
                 flags,
                 affinity_timeout: timeout,
-            },
-        );
+            });
+        }
     }
 }
 

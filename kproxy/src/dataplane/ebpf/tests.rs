@@ -974,3 +974,361 @@ fn a_restarted_applier_rebuilds_maglev_tables_without_writing_them() {
     assert_eq!(mem.maglev.lock().unwrap().writes, writes);
     assert_eq!(mem.maglev_refs.lock().unwrap().entries, refs);
 }
+
+// ---- Incremental syncs ----
+
+mod incremental {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::dataplane::ebpf::planner::Planner;
+
+    /// One service port of the property test's universe, as generated.
+    #[derive(Debug, Clone)]
+    struct Spec {
+        udp: bool,
+        dual: bool,
+        node_port: bool,
+        /// Index into a small pool of external IPs (shared, so frontends get contested).
+        external_ip: Option<u8>,
+        lb_ranges: bool,
+        etp_local: bool,
+        itp_local: bool,
+        affinity: bool,
+        /// (endpoint pool index, ready, terminating, local) — the pool is shared between
+        /// services, so backends are shared too.
+        endpoints: Vec<(u8, bool, bool, bool)>,
+    }
+
+    fn spec() -> impl Strategy<Value = Spec> {
+        (
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+            any::<bool>(),
+            prop::option::weighted(0.4, 0u8..3),
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+            prop::bool::weighted(0.2),
+            prop::bool::weighted(0.3),
+            prop::collection::vec(
+                (
+                    0u8..8,
+                    prop::bool::weighted(0.8),
+                    any::<bool>(),
+                    any::<bool>(),
+                ),
+                0..5,
+            ),
+        )
+            .prop_map(
+                |(
+                    udp,
+                    dual,
+                    node_port,
+                    external_ip,
+                    lb_ranges,
+                    etp_local,
+                    itp_local,
+                    affinity,
+                    endpoints,
+                )| {
+                    Spec {
+                        udp,
+                        dual,
+                        node_port,
+                        external_ip,
+                        lb_ranges,
+                        etp_local,
+                        itp_local,
+                        affinity,
+                        endpoints,
+                    }
+                },
+            )
+    }
+
+    fn port_name(i: usize, udp: bool) -> ServicePortName {
+        ServicePortName {
+            protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
+            ..name(&format!("s{i}"))
+        }
+    }
+
+    fn build(i: usize, s: &Spec) -> (ServicePort, Vec<Endpoint>) {
+        let v4 = format!("10.96.0.{}", i + 1);
+        let v6 = format!("fd00:96::{}", i + 1);
+        let mut ips = vec![v4.as_str()];
+        if s.dual {
+            ips.push(v6.as_str());
+        }
+        let mut p = svc(&format!("s{i}"), &ips);
+        p.name = port_name(i, s.udp);
+        p.protocol = p.name.protocol;
+        if s.node_port || s.external_ip.is_some() {
+            p.service_type = if s.lb_ranges {
+                ServiceType::LoadBalancer
+            } else {
+                ServiceType::NodePort
+            };
+            p.node_port = if s.node_port { 30_000 + i as u16 } else { 0 };
+            p.external_policy_local = s.etp_local;
+        }
+        if let Some(x) = s.external_ip {
+            let ip = ip(&format!("192.0.2.{}", x + 1));
+            if s.lb_ranges {
+                p.load_balancer_ingress = vec![LoadBalancerIngress {
+                    ip,
+                    ip_mode: IpMode::Vip,
+                }];
+                p.load_balancer_source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+            } else {
+                p.external_ips = vec![ip];
+            }
+        }
+        p.internal_policy_local = s.itp_local;
+        p.session_affinity_timeout = s.affinity.then_some(30);
+        let eps = s
+            .endpoints
+            .iter()
+            .map(|(n, ready, terminating, local)| {
+                let addr = if n % 4 == 3 {
+                    format!("fd00:10::{n}")
+                } else {
+                    format!("10.0.0.{n}")
+                };
+                Endpoint {
+                    ready: *ready,
+                    serving: *ready || *terminating,
+                    terminating: *terminating,
+                    ..ep(&addr, *local)
+                }
+            })
+            .collect();
+        (p, eps)
+    }
+
+    /// Map contents the applier left (the agent-written maps).
+    type Maps = (
+        BTreeMap<ServiceKey, ServiceValue>,
+        BTreeMap<BackendSlotKey, u32>,
+        BTreeMap<u32, BackendValue>,
+        BTreeMap<super::super::planner::SourceRangeEntry, u8>,
+    );
+
+    fn maps(mem: &Mem) -> Maps {
+        (
+            mem.services(),
+            mem.slots(),
+            mem.backends(),
+            mem.ranges.lock().unwrap().entries.clone(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Random sequences of service changes: after each incremental sync (only the changed
+        /// service ports re-planned and applied), the plan equals a from-scratch plan of the
+        /// same snapshot (same ids), and the maps hold exactly what a fresh applier writes for
+        /// that plan into empty maps.
+        #[test]
+        fn incremental_syncs_equal_from_scratch(
+            initial in prop::collection::vec(prop::option::of(spec()), 6),
+            steps in prop::collection::vec(
+                prop::collection::vec((0usize..6, prop::option::of(spec())), 1..3),
+                1..8,
+            ),
+        ) {
+            let cfg = cfg();
+            let mem = Mem::new(&MapSizes::default());
+            let mut applier = Applier::new(mem.tables()).unwrap();
+            let mut planner = Planner::new(IdAllocator::new());
+            let mut state = initial;
+            let snapshot = |state: &[Option<Spec>]| {
+                snap(
+                    state
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| s.as_ref().map(|s| build(i, s)))
+                        .collect(),
+                )
+            };
+            let mut prev = snapshot(&state);
+            planner.full(&prev, &cfg);
+            applier.apply(planner.plan(), 0).unwrap();
+            for step in steps {
+                for (i, s) in step {
+                    state[i] = s;
+                }
+                let next = snapshot(&state);
+                // The tracker's change set: every name whose service or endpoints differ.
+                let dirty: BTreeSet<ServicePortName> = prev
+                    .services
+                    .keys()
+                    .chain(next.services.keys())
+                    .filter(|n| {
+                        prev.services.get(*n) != next.services.get(*n)
+                            || prev.endpoints.get(*n) != next.endpoints.get(*n)
+                    })
+                    .cloned()
+                    .collect();
+                prop_assert_eq!(&planner.changed_in(&next), &dirty);
+                let changed = planner.update(&next, &cfg, &dirty);
+                applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+
+                let mut ids = planner.ids().clone();
+                let scratch = plan(&next, &cfg, &mut ids);
+                prop_assert_eq!(planner.plan(), &scratch);
+                let fresh = Mem::new(&MapSizes::default());
+                Applier::new(fresh.tables()).unwrap().apply(&scratch, 0).unwrap();
+                prop_assert_eq!(maps(&mem), maps(&fresh));
+                prev = next;
+            }
+        }
+    }
+
+    /// A frontend two service ports want goes to the first by name; when the owner stops
+    /// wanting it, the other gets it at the next incremental sync although only the owner
+    /// changed.
+    #[test]
+    fn a_contested_frontend_moves_to_the_next_claimant_incrementally() {
+        let cfg = cfg();
+        let mut a = svc("a", &["10.96.0.1"]);
+        a.external_ips = vec![ip("192.0.2.1")];
+        let mut b = svc("b", &["10.96.0.2"]);
+        b.external_ips = vec![ip("192.0.2.1")];
+        let eps = vec![ep("10.0.0.1", true)];
+        let s1 = snap(vec![(a.clone(), eps.clone()), (b.clone(), eps.clone())]);
+        let mut planner = Planner::new(IdAllocator::new());
+        planner.full(&s1, &cfg);
+        let front = key("192.0.2.1", 80, SCOPE_CLUSTER);
+        assert!(
+            planner.plan().services[&name("a")]
+                .frontends
+                .contains_key(&front)
+        );
+        assert!(
+            planner.plan().services[&name("b")]
+                .contested
+                .contains_key(&front)
+        );
+        assert_eq!(planner.plan().services[&name("b")].errors.len(), 2);
+        a.external_ips.clear();
+        let s2 = snap(vec![(a, eps.clone()), (b, eps)]);
+        let changed = planner.update(&s2, &cfg, &[name("a")].into());
+        assert_eq!(changed, [name("a"), name("b")].into());
+        assert!(
+            planner.plan().services[&name("b")]
+                .frontends
+                .contains_key(&front)
+        );
+        assert!(planner.plan().services[&name("b")].errors.is_empty());
+    }
+}
+
+/// Timing harness (not a test; run with `cargo test --release -p kproxy --lib sync_cost_at_10k
+/// -- --ignored --nocapture`): the pure parts of one sync at 10k service ports × 5 endpoints,
+/// in memory.
+#[test]
+#[ignore]
+fn sync_cost_at_10k() {
+    use std::time::Instant;
+    let n = 10_000usize;
+    let mk = |i: usize, shift: usize| {
+        let p = svc(
+            &format!("s{i:05}"),
+            &[&format!("10.96.{}.{}", i / 250, i % 250 + 1)],
+        );
+        let eps: Vec<Endpoint> = (0..5)
+            .map(|j| {
+                ep(
+                    &format!("10.{}.{}.{}", 1 + j, i / 250, (i + shift) % 250 + 1),
+                    false,
+                )
+            })
+            .collect();
+        (p, eps)
+    };
+    let t = Instant::now();
+    let s1 = snap((0..n).map(|i| mk(i, 0)).collect());
+    println!("build snapshot: {:?}", t.elapsed());
+    let t = Instant::now();
+    let _c = s1.clone();
+    println!(
+        "clone snapshot (tracker's per-sync copy): {:?}",
+        t.elapsed()
+    );
+    let mem = Mem::new(&MapSizes::default());
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut planner = super::planner::Planner::new(IdAllocator::new());
+    let t = Instant::now();
+    planner.full(&s1, &cfg());
+    println!("full plan: {:?}", t.elapsed());
+    let t = Instant::now();
+    applier.apply(planner.plan(), 0).unwrap();
+    println!("full apply (mem tables): {:?}", t.elapsed());
+    let t = Instant::now();
+    planner.full(&s1, &cfg());
+    applier.apply(planner.plan(), 0).unwrap();
+    println!("full re-plan + apply, nothing changed: {:?}", t.elapsed());
+    let mut s2 = s1.clone();
+    let (p, eps) = mk(5000, 1);
+    s2.endpoints.insert(p.name.clone(), Arc::new(eps));
+    let dirty: BTreeSet<ServicePortName> = [p.name.clone()].into();
+    let t = Instant::now();
+    let changed = planner.update(&s2, &cfg(), &dirty);
+    let t1 = t.elapsed();
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    println!(
+        "one change: plan {t1:?}, plan + apply {:?} ({} writes, {} deletes)",
+        t.elapsed(),
+        out.writes,
+        out.deletes
+    );
+    let t = Instant::now();
+    let d = planner.changed_in(&s1);
+    println!("changed_in walk: {:?} ({} changed)", t.elapsed(), d.len());
+}
+
+/// An incremental apply that does not fit fails that service port only; it keeps its old,
+/// complete set, is reported as failing (the datapath re-plans it at the next sync) and
+/// succeeds once it fits again.
+#[test]
+fn an_incremental_apply_that_does_not_fit_keeps_the_old_set_and_is_retried() {
+    let sizes = MapSizes {
+        backend_slots: 4,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let mut planner = super::planner::Planner::new(IdAllocator::new());
+    planner.full(&two_services(2), &cfg());
+    assert!(applier.apply(planner.plan(), 0).unwrap().failed.is_empty());
+    let before = mem.services();
+    let changed = planner.update(&two_services(5), &cfg(), &[name("b")].into());
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    assert!(out.failed[&name("b")].contains("full"), "{:?}", out.failed);
+    assert_eq!(applier.failing(), &[name("b")].into());
+    assert_eq!(
+        mem.services(),
+        before,
+        "b still points at its old, complete set"
+    );
+    for v in mem.services().values() {
+        for slot in 0..v.count {
+            let id = mem.slots()[&BackendSlotKey {
+                svc_id: v.svc_id,
+                slot,
+            }];
+            assert!(mem.backends().contains_key(&id));
+        }
+    }
+    let changed = planner.update(&two_services(3), &cfg(), applier.failing());
+    let out = applier.apply_changes(planner.plan(), &changed, 0).unwrap();
+    assert!(out.failed.is_empty(), "{:?}", out.failed);
+    assert!(applier.failing().is_empty());
+    let (fronts, slots) = expected(planner.plan());
+    assert_eq!(mem.services(), fronts);
+    assert_eq!(mem.slots(), slots);
+    assert_eq!(mem.backends(), planner.plan().backends);
+}
