@@ -46,7 +46,8 @@ pub const PROG_TC_INGRESS: &str = "kp_tc_in";
 pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
 /// XDP program on node devices (`--bpf-xdp`): drops, before the stack, new flows the TC
 /// ingress program would drop anyway (loadBalancerSourceRanges denials, frontends without
-/// endpoints whose packets are dropped rather than rejected); passes everything else to TC.
+/// endpoints whose packets are dropped rather than rejected), and forwards flows to remote
+/// backends and their replies itself (same CT entries as TC); passes everything else to TC.
 pub const PROG_XDP: &str = "kp_xdp";
 /// Per-CPU array of `u64` counters indexed by [`XdpStat`].
 pub const MAP_XDP_STATS: &str = "KP_XDP_STATS";
@@ -234,10 +235,40 @@ pub enum XdpStat {
     /// Packets to a frontend without endpoints that is not rejected (eTP/iTP=Local without
     /// local endpoints), dropped.
     NoEndpointsDrop = 1,
+    /// New flows load-balanced by XDP (backend chosen, CT entries created exactly like TC's).
+    NewFlow = 2,
+    /// Packets client → remote backend forwarded by XDP (DNAT + SNAT, `XDP_TX`/`XDP_REDIRECT`).
+    Forward = 3,
+    /// Replies remote backend → client forwarded by XDP (reverse SNAT + reverse DNAT).
+    Reply = 4,
+    /// Packets of flows whose backend is on this node (or that are not SNATed): passed to TC.
+    PassLocal = 5,
+    /// FIB lookup gave no next hop (no route, neighbour not resolved yet, forwarding off):
+    /// passed to the stack, which resolves it.
+    PassFib = 6,
+    /// Longer than the egress device's MTU: passed (the stack fragments or answers
+    /// "fragmentation needed").
+    PassMtu = 7,
+    /// IP options, a fragment, TTL ≤ 1, or a truncated L4 header: passed.
+    PassHeader = 8,
+    /// The flow's state could not be completed here (no node address for the egress device, no
+    /// free SNAT port, a CT insert or an entry missing): passed to TC, which decides.
+    PassState = 9,
 }
 
 impl XdpStat {
-    pub const ALL: [XdpStat; 2] = [XdpStat::SourceRangeDrop, XdpStat::NoEndpointsDrop];
+    pub const ALL: [XdpStat; 10] = [
+        XdpStat::SourceRangeDrop,
+        XdpStat::NoEndpointsDrop,
+        XdpStat::NewFlow,
+        XdpStat::Forward,
+        XdpStat::Reply,
+        XdpStat::PassLocal,
+        XdpStat::PassFib,
+        XdpStat::PassMtu,
+        XdpStat::PassHeader,
+        XdpStat::PassState,
+    ];
     pub const fn index(self) -> u32 {
         self as u32
     }

@@ -128,5 +128,13 @@ pub fn stat_name(s: XdpStat) -> &'static str {
     match s {
         XdpStat::SourceRangeDrop => "source_range_drop",
         XdpStat::NoEndpointsDrop => "no_endpoints_drop",
+        XdpStat::NewFlow => "new_flow",
+        XdpStat::Forward => "forward",
+        XdpStat::Reply => "reply",
+        XdpStat::PassLocal => "pass_local",
+        XdpStat::PassFib => "pass_fib",
+        XdpStat::PassMtu => "pass_mtu",
+        XdpStat::PassHeader => "pass_header",
+        XdpStat::PassState => "pass_state",
     }
 }
