@@ -51,15 +51,20 @@ pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
 pub const PROG_XDP: &str = "kp_xdp";
 /// Per-CPU array of `u64` counters indexed by [`XdpStat`].
 pub const MAP_XDP_STATS: &str = "KP_XDP_STATS";
+/// Hash ifindex (`u32`) → `u32` (1): the devices the XDP forwarding fast path may take frames
+/// from and send frames out of (`XDP_TX` / `bpf_redirect`). Not pinned: written by the agent
+/// instance that attaches `kp_xdp` (see `kproxy::dataplane::ebpf_tc::xdp`).
+pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
 /// Every map the node-device service path owns.
-pub const MAPS: [&str; 5] = [
+pub const MAPS: [&str; 6] = [
     MAP_CT,
     MAP_NAT_CONFIG,
     MAP_NODE_ADDR4,
     MAP_TC_STATS,
     MAP_XDP_STATS,
+    MAP_XDP_FWD_DEVS,
 ];
 
 /// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses four).
@@ -254,10 +259,13 @@ pub enum XdpStat {
     /// The flow's state could not be completed here (no node address for the egress device, no
     /// free SNAT port, a CT insert or an entry missing): passed to TC, which decides.
     PassState = 9,
+    /// The ingress or the egress device is not a fast-path device (`MAP_XDP_FWD_DEVS`):
+    /// passed.
+    PassDevice = 10,
 }
 
 impl XdpStat {
-    pub const ALL: [XdpStat; 10] = [
+    pub const ALL: [XdpStat; 11] = [
         XdpStat::SourceRangeDrop,
         XdpStat::NoEndpointsDrop,
         XdpStat::NewFlow,
@@ -268,6 +276,7 @@ impl XdpStat {
         XdpStat::PassMtu,
         XdpStat::PassHeader,
         XdpStat::PassState,
+        XdpStat::PassDevice,
     ];
     pub const fn index(self) -> u32 {
         self as u32

@@ -45,6 +45,13 @@ pub(crate) fn stat(s: XdpStat) {
     }
 }
 
+/// Counts `s` and passes the frame.
+#[inline(always)]
+fn pass(s: XdpStat) -> u32 {
+    stat(s);
+    xdp_action::XDP_PASS
+}
+
 /// `kproxy_common::ct::PROG_XDP`.
 #[xdp]
 pub fn kp_xdp(ctx: XdpContext) -> u32 {
@@ -54,23 +61,21 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
     if p.proto == PROTO_ICMP {
         return xdp_action::XDP_PASS;
     }
-    let plain = plain(&ctx, &p);
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::SnatIn))
     {
-        let Some(h) = plain else {
-            stat(XdpStat::PassHeader);
-            return xdp_action::XDP_PASS;
+        return match plain(&ctx, &p) {
+            Ok(h) => reply(&ctx, &p, &h, e),
+            Err(s) => pass(s),
         };
-        return reply(&ctx, &p, &h, e);
     }
     let Some(cluster) = cluster_entry(&p) else {
         return xdp_action::XDP_PASS;
     };
     if let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::Service)) {
-        let Some(h) = plain else {
-            stat(XdpStat::PassHeader);
-            return xdp_action::XDP_PASS;
+        let h = match plain(&ctx, &p) {
+            Ok(h) => h,
+            Err(s) => return pass(s),
         };
         // SAFETY: lookup result, read by value.
         let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
@@ -91,9 +96,8 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         // TC builds the rejection.
         return xdp_action::XDP_PASS;
     }
-    let Some(h) = plain else {
-        stat(XdpStat::PassHeader);
-        return xdp_action::XDP_PASS;
-    };
-    new_flow(&ctx, &p, &h, &svc)
+    match plain(&ctx, &p) {
+        Ok(h) => new_flow(&ctx, &p, &h, &svc),
+        Err(s) => pass(s),
+    }
 }

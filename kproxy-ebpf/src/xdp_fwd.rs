@@ -32,9 +32,13 @@ use core::mem::size_of;
 use aya_ebpf::{
     bindings::xdp_action,
     helpers::{bpf_fib_lookup, bpf_redirect},
+    macros::map,
+    maps::HashMap,
     programs::XdpContext,
 };
-use kproxy_common::ct::{CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, XdpStat};
+use kproxy_common::ct::{
+    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, NODE_ADDR_ENTRIES, XdpStat,
+};
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
 use crate::flow::{
@@ -42,6 +46,18 @@ use crate::flow::{
 };
 use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
+
+/// `kproxy_common::ct::MAP_XDP_FWD_DEVS`: the devices frames may come from and leave through
+/// on the fast path (not pinned; the agent writes it when it attaches).
+#[map]
+static KP_XDP_FWD_DEVS: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDR_ENTRIES, 0);
+
+/// Whether the fast path may use device `ifindex`.
+#[inline(always)]
+fn fast_path_device(ifindex: u32) -> bool {
+    // SAFETY: only tested for presence.
+    unsafe { KP_XDP_FWD_DEVS.get(ifindex) }.is_some()
+}
 
 /// The L4 header's offset in a frame the fast path handles (IPv4 without options).
 const L4: usize = IP_OFF + 20;
@@ -82,34 +98,39 @@ pub(crate) struct Plain {
     tos: u8,
 }
 
-/// `Some` when `p` can be forwarded here: no IP options, not a fragment, TTL > 1, the L4
-/// checksum field inside the frame.
+/// `Ok` when `p` can be forwarded here: it came in on a fast-path device, has no IP
+/// options, is not a fragment, has TTL > 1 and its L4 checksum field is inside the frame.
+/// `Err`: why not (the counter to bump).
 #[inline(always)]
-pub(crate) fn plain(ctx: &XdpContext, p: &Packet) -> Option<Plain> {
+pub(crate) fn plain(ctx: &XdpContext, p: &Packet) -> Result<Plain, XdpStat> {
+    // SAFETY: reads the context's field.
+    if !fast_path_device(unsafe { (*ctx.ctx).ingress_ifindex }) {
+        return Err(XdpStat::PassDevice);
+    }
     if p.l4 != L4 {
-        return None;
+        return Err(XdpStat::PassHeader);
     }
     let (data, end) = (ctx.data(), ctx.data_end());
-    let ip = at::<[u16; 10]>(data, end, IP_OFF)?;
+    let ip = at::<[u16; 10]>(data, end, IP_OFF).ok_or(XdpStat::PassHeader)?;
     // SAFETY: bounds-checked by `at`; read by value.
     let w = unsafe { *ip };
     if u16::from_be(w[3]) & IP_MF_OFFSET != 0 || (w[4] as u8) <= 1 {
-        return None;
+        return Err(XdpStat::PassHeader);
     }
     let csum = if p.proto == PROTO_TCP {
         L4 + 16
     } else {
         L4 + 6
     };
-    at::<u16>(data, end, csum)?;
-    Some(Plain {
+    at::<u16>(data, end, csum).ok_or(XdpStat::PassHeader)?;
+    Ok(Plain {
         tot_len: w[1],
         tos: (w[0] >> 8) as u8,
     })
 }
 
-/// The route of a frame to `dst` (from `src`, ports after translation): egress device and
-/// MACs. `Err`: pass (counted).
+/// The route of a frame to `dst` (from `src`, ports after translation): egress device (a
+/// fast-path device) and MACs. `Err`: pass (counted).
 #[inline(always)]
 fn fib(
     ctx: &XdpContext,
@@ -143,7 +164,11 @@ fn fib(
         )
     };
     match rc {
-        FIB_SUCCESS => Ok(f),
+        FIB_SUCCESS if fast_path_device(f.ifindex) => Ok(f),
+        FIB_SUCCESS => {
+            stat(XdpStat::PassDevice);
+            Err(())
+        }
         FIB_FRAG_NEEDED => {
             stat(XdpStat::PassMtu);
             Err(())

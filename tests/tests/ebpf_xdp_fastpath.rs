@@ -23,7 +23,7 @@ use aya::Ebpf;
 use ebpf_tc_support::{backend, frontend, load, slots};
 use kproxy::bpf::PacketCounter;
 use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
-use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy};
+use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy, driver};
 use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath};
 use kproxy_common::counter::CounterSlot;
 use kproxy_common::service::{
@@ -175,6 +175,9 @@ impl Rig {
         }
     }
 
+    /// Attaches `kp_xdp` natively to both node devices. They are veths, which are no
+    /// fast-path devices by default; their peers are prepared (see [`Rig::new`]), so the test
+    /// opts in.
     fn attach_xdp(&mut self) {
         let (xdp, ebpf) = (&mut self.xdp, &mut self.ebpf);
         self.topo
@@ -182,6 +185,8 @@ impl Rig {
             .run(|| {
                 for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
                     assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
+                    assert_eq!(driver(dev).unwrap(), "veth");
+                    XdpPath::set_fast_path(ebpf, dev, true).unwrap();
                 }
             })
             .unwrap();
@@ -412,4 +417,30 @@ fn flows_continue_across_xdp_attach_and_detach() {
     assert!(after.tc_delta(&before, "snat") >= 20, "{after:?}");
     assert!(after.tc_delta(&before, "reply") >= 40, "{after:?}");
     assert_eq!(after.tc_delta(&before, "new_flow"), 0, "{after:?}");
+}
+
+#[test]
+fn veth_devices_are_not_fast_path_devices_unless_enabled() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-veth");
+    let (xdp, ebpf) = (&mut rig.xdp, &mut rig.ebpf);
+    rig.topo
+        .node
+        .run(|| {
+            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
+            }
+        })
+        .unwrap();
+    let before = rig.stats();
+    let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&c);
+    c.exchange(5);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "forward"), 0, "{after:?}");
+    assert_eq!(after.xdp_delta(&before, "reply"), 0, "{after:?}");
+    assert!(after.xdp_delta(&before, "pass_device") >= 7, "{after:?}");
+    assert!(after.tc_delta(&before, "snat") >= 7, "{after:?}");
 }
