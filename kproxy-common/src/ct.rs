@@ -22,6 +22,12 @@
 //! TOOLCHAIN.md §2). ICMP errors (port unreachable, fragmentation needed) about a translated
 //! flow are translated with the same entries, looked up by the quoted (inner) tuple reversed.
 //!
+//! The XDP program on node devices (`kp_xdp`, `--bpf-xdp`) reads and writes the same entries
+//! for flows to remote backends: it creates a new flow's entries exactly like the TC ingress
+//! program (shared BPF code), allocates the SNAT port like the TC egress program (with the FIB
+//! egress device's node address), and translates both directions itself, so a flow may start
+//! in either path and continue in the other.
+//!
 //! Addresses are stored in network byte order (the raw bytes of the header, read as a `u32`),
 //! ports likewise; the agent converts with `u32::from_ne_bytes(ip.octets())` /
 //! `u16::to_be`. Every entry of a flow carries the flow's backend id, so
