@@ -176,7 +176,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         target: None,
     });
     for &scale in &plan.packet_scales {
-        let mut bench = match super::tc_path::TcBench::new(scale, 262_144) {
+        let mut bench = match super::tc_path::TcBench::new(scale, 524_288) {
             Ok(b) => b,
             Err(e) => {
                 for case in super::tc_path::CASES {

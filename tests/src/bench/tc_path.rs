@@ -401,7 +401,7 @@ impl TcBench {
         let passes = (runs / FLOWS).max(1);
         // Frames of fresh flows (and, per flow, its service), taken before entering the netns.
         let fresh: Vec<Vec<u8>> = match case {
-            "new-flow" => (0..passes.min(8))
+            "new-flow" => (0..passes.min(4))
                 .flat_map(|_| self.flow_frames(SYN))
                 .collect(),
             "established" | "reverse" => self.flow_frames(SYN),
