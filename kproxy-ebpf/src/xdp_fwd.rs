@@ -207,7 +207,7 @@ fn send(ctx: &XdpContext, p: &Packet, src: (u32, u16), dst: (u32, u16), f: &FibP
         let mut w = *ip;
         let ttl_old = w[4];
         // TTL is the first byte of the (TTL, protocol) word.
-        let ttl_new = ttl_old - 1;
+        let ttl_new = ttl_old.wrapping_sub(1);
         let mut check = csum_replace2(w[5], ttl_old, ttl_new);
         check = csum_replace4(check, p.saddr, src.0);
         check = csum_replace4(check, p.daddr, dst.0);
