@@ -57,10 +57,14 @@ pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
 pub const PROG_XDP: &str = "kp_xdp";
 /// Per-CPU array of `u64` counters indexed by [`XdpStat`].
 pub const MAP_XDP_STATS: &str = "KP_XDP_STATS";
-/// Hash ifindex (`u32`) → `u32` (1): the devices the XDP forwarding fast path may take frames
-/// from and send frames out of (`XDP_TX` / `bpf_redirect`). Not pinned: written by the agent
-/// instance that attaches `kp_xdp` (see `kproxy::dataplane::ebpf_tc::xdp`).
+/// Array indexed by ifindex of `u32` (1: yes): the devices the XDP forwarding fast path may
+/// take frames from and send frames out of (`XDP_TX` / `bpf_redirect`). Not pinned: written
+/// by the agent instance that attaches `kp_xdp` (see `kproxy::dataplane::ebpf_tc::xdp`).
 pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
+/// Entries of [`MAP_XDP_FWD_DEVS`]: devices with a higher ifindex are never fast-path devices
+/// (node NICs are created at boot and have small ones; pod veths, which churn ifindexes
+/// upward, are no fast-path devices anyway).
+pub const XDP_FWD_DEVS_MAX: u32 = 16_384;
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
 /// Every map the node-device service path owns.

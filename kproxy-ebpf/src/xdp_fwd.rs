@@ -33,11 +33,11 @@ use aya_ebpf::{
     bindings::xdp_action,
     helpers::{bpf_fib_lookup, bpf_redirect},
     macros::map,
-    maps::HashMap,
+    maps::Array,
     programs::XdpContext,
 };
 use kproxy_common::ct::{
-    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, NODE_ADDR_ENTRIES, XdpStat,
+    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
@@ -48,15 +48,16 @@ use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
 
 /// `kproxy_common::ct::MAP_XDP_FWD_DEVS`: the devices frames may come from and leave through
-/// on the fast path (not pinned; the agent writes it when it attaches).
+/// on the fast path, an array indexed by ifindex (not pinned; the agent writes it when it
+/// attaches). An array lookup is a bounds check and an address computation the verifier
+/// inlines; devices with an ifindex beyond it are never fast-path devices.
 #[map]
-static KP_XDP_FWD_DEVS: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDR_ENTRIES, 0);
+static KP_XDP_FWD_DEVS: Array<u32> = Array::with_max_entries(XDP_FWD_DEVS_MAX, 0);
 
 /// Whether the fast path may use device `ifindex`.
 #[inline(always)]
 fn fast_path_device(ifindex: u32) -> bool {
-    // SAFETY: only tested for presence.
-    unsafe { KP_XDP_FWD_DEVS.get(ifindex) }.is_some()
+    KP_XDP_FWD_DEVS.get(ifindex).is_some_and(|v| *v != 0)
 }
 
 /// The L4 header's offset in a frame the fast path handles (IPv4 without options).

@@ -22,7 +22,7 @@
 //! can be any device, and no per-device map state has to follow devices coming and going.
 //! The cost is the per-packet redirect without DEVMAP bulking; a DEVMAP can replace it later
 //! without changing the CT side. Which devices the fast path may use (in and out) is the
-//! unpinned `KP_XDP_FWD_DEVS` set this instance writes on [`XdpPath::attach`]; a frame whose
+//! unpinned `KP_XDP_FWD_DEVS` array (by ifindex) this instance writes on [`XdpPath::attach`]; a frame whose
 //! ingress or FIB egress device is not in it is passed to TC.
 //!
 //! **veth.** A device is enabled for the fast path when its driver is not `veth`
@@ -46,9 +46,9 @@
 use std::collections::BTreeMap;
 
 use aya::Ebpf;
-use aya::maps::{HashMap as BpfHashMap, PerCpuArray};
+use aya::maps::{Array, PerCpuArray};
 use aya::programs::{Xdp, XdpMode, xdp::XdpLinkId};
-use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XdpStat};
+use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_MAX, XdpStat};
 
 use super::TcError;
 
@@ -151,14 +151,22 @@ impl XdpPath {
             device: device.to_string(),
             error: format!("no such device: {e}"),
         })?;
+        if ifindex >= XDP_FWD_DEVS_MAX {
+            if on {
+                tracing::warn!(
+                    device,
+                    ifindex,
+                    "ifindex beyond the fast-path device table ({XDP_FWD_DEVS_MAX}): XDP \
+                     early drop only on this device"
+                );
+            }
+            return Ok(());
+        }
         let name = MAP_XDP_FWD_DEVS;
         let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
-        let mut set = BpfHashMap::<_, u32, u32>::try_from(map).map_err(TcError::map(name))?;
-        if on {
-            set.insert(ifindex, 1, 0).map_err(TcError::map(name))?;
-        } else {
-            let _ = set.remove(&ifindex);
-        }
+        let mut set = Array::<_, u32>::try_from(map).map_err(TcError::map(name))?;
+        set.set(ifindex, u32::from(on), 0)
+            .map_err(TcError::map(name))?;
         Ok(())
     }
 
