@@ -444,3 +444,92 @@ fn veth_devices_are_not_fast_path_devices_unless_enabled() {
     assert!(after.xdp_delta(&before, "pass_device") >= 7, "{after:?}");
     assert!(after.tc_delta(&before, "snat") >= 7, "{after:?}");
 }
+
+/// What the fast path leaves to TC, on crafted frames through `BPF_PROG_TEST_RUN` in the
+/// node's namespace (the FIB lookup of a test run uses the caller's netns; its ingress is the
+/// namespace's `lo`, enabled as a fast-path device here): a plain SYN is forwarded, TTL 1, a
+/// fragment, IP options and a frame over the egress MTU are passed, each counted.
+#[test]
+fn frames_the_fast_path_cannot_forward_are_passed() {
+    if !require_root() {
+        return;
+    }
+    use ebpf_tc_support::{csum, ipv4_header, tcp_frame, tcp_segment};
+    use kproxy::dataplane::ebpf_tc::testrun::run_xdp;
+    const XDP_PASS: i32 = 2;
+    const XDP_REDIRECT: i32 = 4;
+    const SYN: u8 = 0x02;
+    let mut rig = Rig::new("xdp-pass");
+    rig.warm_neighbours();
+    let remote = rig.topo.pod("pod-r0").ip;
+    let dst = (NODE_IP, REMOTE_PORT);
+    let syn =
+        |sport: u16, payload: &[u8]| tcp_frame((CLIENT_IP, sport), dst, 1, 0, SYN, &[], payload);
+    let mut ttl1 = syn(40_002, &[]);
+    ttl1[14 + 8] = 1;
+    let mut fragment = syn(40_003, &[]);
+    fragment[14 + 6] = 0x20; // MF
+    let options = {
+        let seg = tcp_segment((CLIENT_IP, 40_004), dst, 1, 0, SYN, &[], &[]);
+        let mut ip = ipv4_header(CLIENT_IP, NODE_IP, PROTO_TCP, seg.len() + 4);
+        ip[0] = 0x46;
+        ip.extend_from_slice(&[1, 1, 1, 1]); // four NOP options
+        ip[10..12].copy_from_slice(&[0, 0]);
+        let c = csum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        ip.extend_from_slice(&seg);
+        let mut f = syn(40_004, &[])[..14].to_vec();
+        f.extend_from_slice(&ip);
+        f
+    };
+    let oversized = syn(40_005, &[0u8; 1600]);
+    let (node, ebpf) = (&rig.topo.node, &mut rig.ebpf);
+    let results = node
+        .run(|| {
+            XdpPath::set_fast_path(ebpf, "lo", true).unwrap();
+            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                XdpPath::set_fast_path(ebpf, dev, true).unwrap();
+            }
+            let mut out = vec![];
+            for (name, frame) in [
+                ("plain", syn(40_001, &[])),
+                ("ttl1", ttl1),
+                ("fragment", fragment),
+                ("options", options),
+                ("oversized", oversized),
+            ] {
+                let before = XdpPath::stats(ebpf).unwrap();
+                let r = run_xdp(ebpf, &frame, 1).unwrap();
+                let after = XdpPath::stats(ebpf).unwrap();
+                let bumped: Vec<&str> = after
+                    .iter()
+                    .filter(|(k, v)| before[*k] != **v)
+                    .map(|(k, _)| *k)
+                    .collect();
+                out.push((name, r, bumped));
+            }
+            out
+        })
+        .unwrap();
+    for (name, r, bumped) in results {
+        match name {
+            "plain" => {
+                assert_eq!(r.verdict, XDP_REDIRECT, "{name}: {bumped:?}");
+                let ip = &r.frame[14..34];
+                assert_eq!(csum(ip), 0, "IPv4 checksum after the rewrite");
+                assert_eq!(ip[8], 63, "TTL decremented");
+                assert_eq!(&ip[12..16], &NODE_LINK_IP.octets(), "SNAT source");
+                assert_eq!(&ip[16..20], &remote.octets(), "backend");
+                assert_eq!(bumped, ["forward", "new_flow"], "{name}");
+            }
+            "oversized" => {
+                assert_eq!(r.verdict, XDP_PASS, "{name}");
+                assert_eq!(bumped, ["new_flow", "pass_mtu"], "{name}");
+            }
+            _ => {
+                assert_eq!(r.verdict, XDP_PASS, "{name}");
+                assert_eq!(bumped, ["pass_header"], "{name}");
+            }
+        }
+    }
+}
