@@ -22,6 +22,12 @@
 //! TOOLCHAIN.md §2). ICMP errors (port unreachable, fragmentation needed) about a translated
 //! flow are translated with the same entries, looked up by the quoted (inner) tuple reversed.
 //!
+//! The XDP program on node devices (`kp_xdp`, `--bpf-xdp`) reads and writes the same entries
+//! for flows to remote backends: it creates a new flow's entries exactly like the TC ingress
+//! program (shared BPF code), allocates the SNAT port like the TC egress program (with the FIB
+//! egress device's node address), and translates both directions itself, so a flow may start
+//! in either path and continue in the other.
+//!
 //! Addresses are stored in network byte order (the raw bytes of the header, read as a `u32`),
 //! ports likewise; the agent converts with `u32::from_ne_bytes(ip.octets())` /
 //! `u16::to_be`. Every entry of a flow carries the flow's backend id, so
@@ -46,19 +52,29 @@ pub const PROG_TC_INGRESS: &str = "kp_tc_in";
 pub const PROG_TC_EGRESS: &str = "kp_tc_eg";
 /// XDP program on node devices (`--bpf-xdp`): drops, before the stack, new flows the TC
 /// ingress program would drop anyway (loadBalancerSourceRanges denials, frontends without
-/// endpoints whose packets are dropped rather than rejected); passes everything else to TC.
+/// endpoints whose packets are dropped rather than rejected), and forwards flows to remote
+/// backends and their replies itself (same CT entries as TC); passes everything else to TC.
 pub const PROG_XDP: &str = "kp_xdp";
 /// Per-CPU array of `u64` counters indexed by [`XdpStat`].
 pub const MAP_XDP_STATS: &str = "KP_XDP_STATS";
+/// Array indexed by ifindex of `u32` (1: yes): the devices the XDP forwarding fast path may
+/// take frames from and send frames out of (`XDP_TX` / `bpf_redirect`). Not pinned: written
+/// by the agent instance that attaches `kp_xdp` (see `kproxy::dataplane::ebpf_tc::xdp`).
+pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
+/// Entries of [`MAP_XDP_FWD_DEVS`]: devices with a higher ifindex are never fast-path devices
+/// (node NICs are created at boot and have small ones; pod veths, which churn ifindexes
+/// upward, are no fast-path devices anyway).
+pub const XDP_FWD_DEVS_MAX: u32 = 16_384;
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
 /// Every map the node-device service path owns.
-pub const MAPS: [&str; 5] = [
+pub const MAPS: [&str; 6] = [
     MAP_CT,
     MAP_NAT_CONFIG,
     MAP_NODE_ADDR4,
     MAP_TC_STATS,
     MAP_XDP_STATS,
+    MAP_XDP_FWD_DEVS,
 ];
 
 /// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses four).
@@ -234,10 +250,44 @@ pub enum XdpStat {
     /// Packets to a frontend without endpoints that is not rejected (eTP/iTP=Local without
     /// local endpoints), dropped.
     NoEndpointsDrop = 1,
+    /// New flows load-balanced by XDP (backend chosen, CT entries created exactly like TC's).
+    NewFlow = 2,
+    /// Packets client → remote backend forwarded by XDP (DNAT + SNAT, `XDP_TX`/`XDP_REDIRECT`).
+    Forward = 3,
+    /// Replies remote backend → client forwarded by XDP (reverse SNAT + reverse DNAT).
+    Reply = 4,
+    /// Packets of flows whose backend is on this node (or that are not SNATed): passed to TC.
+    PassLocal = 5,
+    /// FIB lookup gave no next hop (no route, neighbour not resolved yet, forwarding off):
+    /// passed to the stack, which resolves it.
+    PassFib = 6,
+    /// Longer than the egress device's MTU: passed (the stack fragments or answers
+    /// "fragmentation needed").
+    PassMtu = 7,
+    /// IP options, a fragment, TTL ≤ 1, or a truncated L4 header: passed.
+    PassHeader = 8,
+    /// The flow's state could not be completed here (no node address for the egress device, no
+    /// free SNAT port, a CT insert or an entry missing): passed to TC, which decides.
+    PassState = 9,
+    /// The ingress or the egress device is not a fast-path device (`MAP_XDP_FWD_DEVS`):
+    /// passed.
+    PassDevice = 10,
 }
 
 impl XdpStat {
-    pub const ALL: [XdpStat; 2] = [XdpStat::SourceRangeDrop, XdpStat::NoEndpointsDrop];
+    pub const ALL: [XdpStat; 11] = [
+        XdpStat::SourceRangeDrop,
+        XdpStat::NoEndpointsDrop,
+        XdpStat::NewFlow,
+        XdpStat::Forward,
+        XdpStat::Reply,
+        XdpStat::PassLocal,
+        XdpStat::PassFib,
+        XdpStat::PassMtu,
+        XdpStat::PassHeader,
+        XdpStat::PassState,
+        XdpStat::PassDevice,
+    ];
     pub const fn index(self) -> u32 {
         self as u32
     }

@@ -217,7 +217,8 @@ pub const LAYOUTS: [MapLayout; 14] = [
         MAP_TYPE_PERCPU_ARRAY,
         size_of::<u32>(),
         size_of::<u64>(),
-        1,
+        // 2: the forwarding fast path's counters appended (eleven instead of two).
+        2,
         None,
     ),
 ];

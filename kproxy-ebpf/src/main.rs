@@ -7,7 +7,10 @@
 //! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
 //! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
 //!   SNAT, conntrack, reverse NAT, ICMP errors).
-//! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop.
+//! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop, and
+//!   [`xdp_fwd`], the NodePort/LB forwarding fast path for remote backends.
+//! - [`flow`]: connection table, backend choice, new-flow CT entries and SNAT port allocation
+//!   TC and XDP share (a flow may start in either).
 //! - [`frontend`]: the frontend lookups TC and XDP share.
 //! - [`packet`]: direct packet access (bounds-checked pointers), the IPv4 parser and checksum
 //!   arithmetic the service-path programs share.
@@ -18,12 +21,14 @@
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 
 mod counter;
+mod flow;
 mod frontend;
 mod packet;
 mod service_maps;
 mod sock;
 mod tc;
 mod xdp;
+mod xdp_fwd;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

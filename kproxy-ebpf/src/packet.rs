@@ -1,4 +1,4 @@
-//! Direct packet access for the service-path programs (TC now, XDP later): bounds-checked
+//! Direct packet access for the service-path programs (TC and XDP): bounds-checked
 //! pointers into `[data, data_end)`, the IPv4 header parser and checksum arithmetic. Reading
 //! headers through pointers the verifier has bounds-checked costs a load each; the
 //! `bpf_skb_load_bytes` helper this replaces cost a helper call per field.
@@ -129,6 +129,13 @@ pub fn fold(mut s: u32) -> u16 {
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     s as u16
+}
+
+/// The checksum field `check` after a 16-bit word of the data it covers changed from `old` to
+/// `new` (RFC 1624 eq. 3; raw memory words as in [`csum_replace4`]).
+#[inline(always)]
+pub fn csum_replace2(check: u16, old: u16, new: u16) -> u16 {
+    !fold(u32::from(!check) + u32::from(!old) + u32::from(new))
 }
 
 /// The checksum field `check` after a 32-bit word of the data it covers changed from `old`

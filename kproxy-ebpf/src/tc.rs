@@ -24,75 +24,41 @@
 //! IPv6, VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::{
-        bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns, bpf_redirect,
-        bpf_skb_change_tail,
-    },
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::PerCpuArray,
     programs::TcContext,
 };
-use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
-    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, PROTO_ICMP, SNAT_PORT_TRIES, TC_STATS, TcStat,
-};
-use kproxy_common::service::{
-    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
-    PROTO_TCP, PROTO_UDP, SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, SVC_F_NODE_PORT,
-    SVC_F_REJECT, ServiceValue, is_v4_mapped, v4_mapped,
-};
+use kproxy_common::ct::{CtKey, CtKind, PROTO_ICMP, TC_STATS, TcStat};
+use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue};
 
+// The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
+// the old paths.
+pub(crate) use crate::flow::{KP_CT, key};
+use crate::flow::{
+    KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port, choose_backend,
+    create_flow, in_snat_range, now, touch,
+};
 use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
     fold, parse,
 };
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, maglev_backend};
-
-/// `kproxy_common::ct::MAP_CT`.
-#[map]
-pub(crate) static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
-
-/// `kproxy_common::ct::MAP_NAT_CONFIG`.
-#[map]
-static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
-
-/// `kproxy_common::ct::MAP_NODE_ADDR4`.
-#[map]
-static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIES, 0);
 
 /// `kproxy_common::ct::MAP_TC_STATS`.
 #[map]
 static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::pinned(TC_STATS, 0);
 
 const IP_OFFSET_MASK: u16 = 0x1fff;
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
-const NS_PER_SEC: u64 = 1_000_000_000;
 
 type Verdict = i32;
 const NEXT: Verdict = TC_ACT_UNSPEC;
 const DROP: Verdict = TC_ACT_SHOT;
-
-#[inline(always)]
-pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
-    CtKey {
-        saddr: p.saddr,
-        daddr: p.daddr,
-        sport: p.sport,
-        dport: p.dport,
-        proto: p.proto,
-        kind: kind as u8,
-        _pad: [0; 2],
-    }
-}
 
 /// Offset of the L4 checksum, and the `l4_csum_replace` flags it needs.
 #[inline(always)]
@@ -110,23 +76,6 @@ fn stat(s: TcStat) {
         // SAFETY: per-CPU value of this CPU; programs are not preempted on a CPU.
         unsafe { *v += 1 };
     }
-}
-
-/// CLOCK_MONOTONIC ns, precise: stamps new entries (their creation time also tells flows
-/// apart, see `kproxy::dataplane::ebpf_tc::ct`).
-#[inline(always)]
-fn now() -> u64 {
-    // SAFETY: helper without arguments.
-    unsafe { bpf_ktime_get_ns() }
-}
-
-/// CLOCK_MONOTONIC ns at tick resolution: refreshes `last_seen_ns` on the per-packet path
-/// (expiry works in seconds; the coarse clock is cheaper and changes once per tick, so most
-/// packets leave the entry's cache line clean).
-#[inline(always)]
-fn now_coarse() -> u64 {
-    // SAFETY: helper without arguments.
-    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// Parses the packet by direct access; when its headers are not all in the linear area, pulls
@@ -194,22 +143,6 @@ fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> 
     Ok(())
 }
 
-/// Refreshes an entry's timestamp and records TCP close.
-#[inline(always)]
-fn touch(entry: *mut CtEntry, tcp_flags: u8) {
-    // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
-    // or flags stale, which the agent's expiry tolerates.
-    unsafe {
-        let t = now_coarse();
-        if (*entry).last_seen_ns != t {
-            (*entry).last_seen_ns = t;
-        }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
-            (*entry).flags |= CT_F_CLOSING;
-        }
-    }
-}
-
 /// `kproxy_common::ct::PROG_TC_INGRESS`.
 #[classifier]
 pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
@@ -232,17 +165,6 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
         return icmp_error_out(&mut ctx, &p).unwrap_or(NEXT);
     }
     egress(&mut ctx, &p).unwrap_or(DROP)
-}
-
-/// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
-/// a reply to a SNATed flow.
-#[inline(always)]
-fn in_snat_range(port: u16) -> bool {
-    let Some(cfg) = KP_NAT_CFG.get(0) else {
-        return false;
-    };
-    let port = u16::from_be(port);
-    port >= cfg.snat_port_min && port <= cfg.snat_port_max
 }
 
 #[inline(always)]
@@ -277,65 +199,6 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     new_flow(ctx, p, &svc)
 }
 
-/// The backend a new flow of `svc` from `p`'s client goes to: the client's affinity entry
-/// when the service has ClientIP affinity and it is fresh, else a random slot. Records the
-/// choice for affinity. `None`: no backend (slot or backend entry missing, or not IPv4).
-#[inline(always)]
-fn choose_backend(svc: &ServiceValue, p: &Packet, ts: u64) -> Option<(u32, BackendValue)> {
-    let aff_key = AffinityKey {
-        client: v4_mapped(p.saddr),
-        svc_id: svc.svc_id,
-        kind: AFFINITY_CLIENT_IP,
-    };
-    let mut backend_id = 0u32;
-    if svc.flags & SVC_F_AFFINITY != 0
-        && let Some(a) = KP_AFFINITY.get_ptr_mut(aff_key)
-    {
-        // SAFETY: lookup result.
-        unsafe {
-            if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC {
-                backend_id = (*a).backend_id;
-            }
-        }
-    }
-    // SAFETY: read by value right away.
-    let mut backend = if backend_id != 0 {
-        unsafe { KP_BACKENDS.get(backend_id) }.copied()
-    } else {
-        None
-    };
-    if backend.is_none() && svc.flags & SVC_F_MAGLEV != 0 {
-        backend_id =
-            maglev_backend(svc.svc_id, p.saddr, p.daddr, p.sport, p.dport, p.proto).unwrap_or(0);
-        // SAFETY: read by value right away.
-        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
-    }
-    if backend.is_none() {
-        // SAFETY: helper without arguments.
-        let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
-        let slot_key = BackendSlotKey {
-            svc_id: svc.svc_id,
-            slot,
-        };
-        // SAFETY: read by value right away.
-        backend_id = *unsafe { KP_BE_SLOTS.get(slot_key) }?;
-        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
-    }
-    let be = backend?;
-    if !is_v4_mapped(&be.addr) {
-        return None;
-    }
-    if svc.flags & SVC_F_AFFINITY != 0 {
-        let v = AffinityValue {
-            backend_id,
-            _pad: 0,
-            last_used_ns: ts,
-        };
-        let _ = KP_AFFINITY.insert(aff_key, v, 0);
-    }
-    Some((backend_id, be))
-}
-
 #[inline(always)]
 fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdict, ()> {
     if !source_allowed(svc, p.saddr) {
@@ -361,63 +224,14 @@ fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdi
     let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
         return Ok(DROP);
     };
-    let be_addr = be.addr[3];
-    let local = be.flags & BE_F_LOCAL != 0;
-    // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
-    // through this node anyway, so its flows keep the client address (like Cilium; upstream
-    // iptables would SNAT them too). A pod reaching itself through a NodePort (hairpin) is
-    // always SNATed: it would drop a packet with its own address as source.
-    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be_addr;
-    let mut flags = 0u16;
-    if snat {
-        flags |= CT_F_SNAT;
-    }
-    if local {
-        flags |= CT_F_LOCAL_BACKEND;
-    }
-    let mut entry = CtEntry {
-        nat_addr: be_addr,
-        nat_port: be.port,
-        flags,
-        backend_id,
-        svc_id: svc.svc_id,
-        created_ns: ts,
-        last_seen_ns: ts,
-    };
-    let fwd = key(p, CtKind::Service);
-    let rev = CtKey {
-        saddr: be_addr,
-        daddr: p.saddr,
-        sport: be.port,
-        dport: p.sport,
-        proto: p.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    let mut ok = KP_CT.insert(fwd, entry, 0).is_ok();
-    entry.nat_addr = p.daddr;
-    entry.nat_port = p.dport;
-    ok &= KP_CT.insert(rev, entry, 0).is_ok();
-    if snat {
-        let out = CtKey {
-            saddr: p.saddr,
-            daddr: be_addr,
-            sport: p.sport,
-            dport: be.port,
-            proto: p.proto,
-            kind: CtKind::SnatOut as u8,
-            _pad: [0; 2],
-        };
-        // The SNAT address/port is allocated by the egress program once the route is known.
-        entry.nat_addr = 0;
-        entry.nat_port = 0;
-        ok &= KP_CT.insert(out, entry, 0).is_ok();
-    }
-    if !ok {
+    let Ok(NewFlow {
+        be_addr, be_port, ..
+    }) = create_flow(p, svc, backend_id, &be, ts)
+    else {
         stat(TcStat::CtInsertFailed);
         return Ok(DROP);
-    }
-    rewrite(ctx, p, true, be_addr, be.port)?;
+    };
+    rewrite(ctx, p, true, be_addr, be_port)?;
     stat(TcStat::NewFlow);
     Ok(NEXT)
 }
@@ -465,50 +279,6 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     rewrite(ctx, p, false, addr, port)?;
     stat(TcStat::Snat);
     Ok(NEXT)
-}
-
-/// Picks a free SNAT port for `p` (`C:cp → B:bp`) on node address `node` and claims it by
-/// inserting the flow's [`CtKind::SnatIn`] entry with `BPF_NOEXIST` (atomic against other
-/// CPUs). Returns it in network order.
-#[inline(always)]
-fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
-    // SAFETY: lookup result, read by value.
-    let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
-    let (min, max) = (u32::from(cfg.snat_port_min), u32::from(cfg.snat_port_max));
-    if min == 0 || max < min {
-        return None;
-    }
-    let range = max - min + 1;
-    if range == 0 {
-        // Unreachable (u16 bounds); lets the compiler drop the division-by-zero panic path,
-        // which the verifier would reject.
-        return None;
-    }
-    let entry = CtEntry {
-        nat_addr: p.saddr,
-        nat_port: p.sport,
-        ..*template
-    };
-    // SAFETY: helper without arguments.
-    let start = unsafe { bpf_get_prandom_u32() } % range;
-    let mut i = 0;
-    while i < SNAT_PORT_TRIES {
-        let port = ((min + (start + i) % range) as u16).to_be();
-        let key = CtKey {
-            saddr: p.daddr,
-            daddr: node,
-            sport: p.dport,
-            dport: port,
-            proto: p.proto,
-            kind: CtKind::SnatIn as u8,
-            _pad: [0; 2],
-        };
-        if KP_CT.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
-            return Some(port);
-        }
-        i += 1;
-    }
-    None
 }
 
 /// Answers a TCP segment to a frontend without endpoints with a RST from the frontend, sent

@@ -1,14 +1,23 @@
-//! `kp_xdp`: the XDP half of the node-device service path (`--bpf-xdp`). It drops, before the
-//! kernel allocates an skb, the first packets of new flows that the TC ingress program
-//! ([`crate::tc`]) would drop anyway — clients outside a frontend's loadBalancerSourceRanges,
-//! and frontends without endpoints whose packets are dropped rather than rejected
-//! (eTP/iTP=Local without local endpoints) — and passes everything else (`XDP_PASS`) to the
-//! stack and TC, which translate it. Classification is TC's own ([`crate::frontend`]): a
-//! packet that is no frontend's costs one hash lookup; an established flow (its `KP_CT`
-//! `Service` entry exists) is always passed, so a flow admitted before a source-range change
-//! keeps going exactly as with TC alone.
+//! `kp_xdp`: the XDP program on node devices (`--bpf-xdp`), in front of the TC service path
+//! ([`crate::tc`]). Per packet, with TC's own classification ([`crate::frontend`]) and
+//! connection table ([`crate::flow`]):
 //!
-//! Rejections (TCP RST, ICMP port unreachable) stay with TC, which builds them.
+//! 1. a reply from a remote backend to a SNATed flow (destination port in the SNAT range and
+//!    its `SnatIn` entry exists) is translated back and forwarded to the client
+//!    ([`crate::xdp_fwd::reply`]);
+//! 2. not a frontend: passed (one hash lookup);
+//! 3. an established flow (`Service` entry): forwarded by the fast path when its backend is
+//!    remote ([`crate::xdp_fwd::forward`]), else passed;
+//! 4. a new flow: dropped before the stack when TC would drop it anyway — clients outside a
+//!    frontend's loadBalancerSourceRanges, frontends without endpoints whose packets are
+//!    dropped rather than rejected (eTP/iTP=Local without local endpoints); otherwise
+//!    load-balanced exactly as TC does and forwarded when the backend is remote
+//!    ([`crate::xdp_fwd::new_flow`]).
+//!
+//! Everything the fast path cannot do is passed (`XDP_PASS`) and TC handles it as if XDP were
+//! off (see [`crate::xdp_fwd`]); rejections (TCP RST, ICMP port unreachable) stay with TC,
+//! which builds them. A source-range change does not affect admitted flows (their CT entries
+//! exist), exactly as with TC alone.
 
 use aya_ebpf::{
     bindings::xdp_action,
@@ -19,57 +28,76 @@ use aya_ebpf::{
 use kproxy_common::ct::{CtKind, PROTO_ICMP, XDP_STATS, XdpStat};
 use kproxy_common::service::SVC_F_REJECT;
 
+use crate::flow::{KP_CT, in_snat_range, key};
 use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
 use crate::packet::{Parsed, parse};
-use crate::tc::{KP_CT, key};
+use crate::xdp_fwd::{forward, new_flow, plain, reply};
 
 /// `kproxy_common::ct::MAP_XDP_STATS`.
 #[map]
 static KP_XDP_STATS: PerCpuArray<u64> = PerCpuArray::pinned(XDP_STATS, 0);
 
 #[inline(always)]
-fn stat(s: XdpStat) {
+pub(crate) fn stat(s: XdpStat) {
     if let Some(v) = KP_XDP_STATS.get_ptr_mut(s.index()) {
         // SAFETY: per-CPU value of this CPU; programs are not preempted on a CPU.
         unsafe { *v += 1 };
     }
 }
 
+/// Counts `s` and passes the frame.
+#[inline(always)]
+fn pass(s: XdpStat) -> u32 {
+    stat(s);
+    xdp_action::XDP_PASS
+}
+
 /// `kproxy_common::ct::PROG_XDP`.
 #[xdp]
 pub fn kp_xdp(ctx: XdpContext) -> u32 {
-    if early_drop(&ctx) {
-        xdp_action::XDP_DROP
-    } else {
-        xdp_action::XDP_PASS
-    }
-}
-
-#[inline(always)]
-fn early_drop(ctx: &XdpContext) -> bool {
     let Parsed::Packet(p) = parse(ctx.data(), ctx.data_end()) else {
-        return false;
+        return xdp_action::XDP_PASS;
     };
     if p.proto == PROTO_ICMP {
-        return false;
+        return xdp_action::XDP_PASS;
+    }
+    if in_snat_range(p.dport)
+        && let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::SnatIn))
+    {
+        return match plain(&ctx, &p) {
+            Ok(h) => reply(&ctx, &p, &h, e),
+            Err(s) => pass(s),
+        };
     }
     let Some(cluster) = cluster_entry(&p) else {
-        return false;
+        return xdp_action::XDP_PASS;
     };
-    // SAFETY: only tested for presence.
-    if unsafe { KP_CT.get(key(&p, CtKind::Service)) }.is_some() {
-        return false;
+    if let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::Service)) {
+        let h = match plain(&ctx, &p) {
+            Ok(h) => h,
+            Err(s) => return pass(s),
+        };
+        // SAFETY: lookup result, read by value.
+        let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
+        return forward(&ctx, &p, &h, (addr, port), flags, Some(e));
     }
     let Some(svc) = new_flow_entry(&p, &cluster) else {
-        return false;
+        return xdp_action::XDP_PASS;
     };
     if !source_allowed(&svc, p.saddr) {
         stat(XdpStat::SourceRangeDrop);
-        return true;
+        return xdp_action::XDP_DROP;
     }
-    if svc.count == 0 && svc.flags & SVC_F_REJECT == 0 {
-        stat(XdpStat::NoEndpointsDrop);
-        return true;
+    if svc.count == 0 {
+        if svc.flags & SVC_F_REJECT == 0 {
+            stat(XdpStat::NoEndpointsDrop);
+            return xdp_action::XDP_DROP;
+        }
+        // TC builds the rejection.
+        return xdp_action::XDP_PASS;
     }
-    false
+    match plain(&ctx, &p) {
+        Ok(h) => new_flow(&ctx, &p, &h, &svc),
+        Err(s) => pass(s),
+    }
 }

@@ -8,7 +8,8 @@
 //!   links on the cgroup), then a second object instance sharing those pinned maps loads the
 //!   TC programs and attaches them (pinned TCX links) to the devices `--bpf-devices` names or
 //!   the default rule picks ([`super::ebpf_tc::devices::select`]); with `bpf.xdp` not off,
-//!   the XDP early-drop program goes on the same devices ([`super::ebpf_tc::xdp`]).
+//!   the XDP program (early drop, NodePort fast path) goes on the same devices
+//!   ([`super::ebpf_tc::xdp`]).
 //! - A background watcher follows the node's addresses: it rewrites the per-device SNAT
 //!   sources (`KP_NODE_ADDR4`) at once, and the NodePort frontends at the next sync
 //!   (NodePorts are programmed on every node address, or on those inside

@@ -6,8 +6,10 @@
 //! scale of the plan. Established and miss are timed over `repeat` runs per test run like the
 //! counter ([`BASELINE`]); new flow and reverse NAT can only be timed one run per test run
 //! (see [`super::tc_path`]), which adds the test-run timer's own cost, so their baseline is
-//! the counter measured that way too ([`BASELINE_SINGLE`]). The XDP early-drop program
-//! (`kp_xdp`: new flow, established, miss; it never rewrites) is timed at every scale too.
+//! the counter measured that way too ([`BASELINE_SINGLE`]). The XDP program with its NodePort
+//! fast path (`kp_xdp`: new flow, established, reverse, miss; see [`super::tc_path::XDP_CASES`])
+//! is timed at every scale too, forwarded cases against [`BASELINE_SINGLE`], `miss` against
+//! [`BASELINE`].
 
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
 use kproxy::bpf::{CounterSlot, PacketCounter};
@@ -174,7 +176,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         target: None,
     });
     for &scale in &plan.packet_scales {
-        let mut bench = match super::tc_path::TcBench::new(scale, 262_144) {
+        let mut bench = match super::tc_path::TcBench::new(scale, 524_288) {
             Ok(b) => b,
             Err(e) => {
                 for case in super::tc_path::CASES {
@@ -185,7 +187,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                 }
                 for case in super::tc_path::XDP_CASES {
                     results.unavailable(
-                        format!("packet/xdp-early-drop/{case}/{scale}"),
+                        format!("packet/xdp-nodeport/{case}/{scale}"),
                         format!("{e:#}"),
                     );
                 }
@@ -219,9 +221,9 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             }
         }
         for case in super::tc_path::XDP_CASES {
-            let id = format!("packet/xdp-early-drop/{case}/{scale}");
+            let id = format!("packet/xdp-nodeport/{case}/{scale}");
             let samples = (0..plan.packet_samples)
-                .map(|_| bench.xdp_sample(case, plan.packet_repeat))
+                .map(|_| bench.xdp_sample(case, runs, plan.packet_repeat / 32))
                 .collect::<anyhow::Result<Vec<f64>>>();
             match samples {
                 Ok(samples) => results.push(Figure {
@@ -231,7 +233,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                     services: scale,
                     unit: "ns".into(),
                     samples,
-                    baseline: Some(BASELINE.into()),
+                    baseline: Some(super::tc_path::xdp_baseline(case).into()),
                     target: Some(target()),
                 }),
                 Err(e) => results.unavailable(id, format!("{e:#}")),

@@ -44,22 +44,37 @@ use kproxy::model::{
     ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
     Snapshot,
 };
+use nix::net::if_::if_nametoindex;
 
-use crate::netns::Bpffs;
+use crate::netns::{Bpffs, Netns};
 
 /// The cases measured, in report order.
 pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
 
-/// The cases of the XDP early-drop program (`kp_xdp`), which never rewrites a packet, so every
-/// case is timed over `repeat` runs per test run: `new-flow` (a SYN of a flow the table has
-/// not seen, allowed: passed after the full new-flow classification), `established` (an ACK
-/// of an established flow: passed), `miss` (not a frontend: passed after one lookup).
-pub const XDP_CASES: [&str; 3] = ["new-flow", "established", "miss"];
+/// The cases of the XDP program (`kp_xdp`) with its NodePort fast path, run inside a network
+/// namespace whose routes and neighbour entries let `bpf_fib_lookup` succeed (a test run's
+/// FIB lookup uses the caller's netns), every forwarded run checked to return
+/// `XDP_REDIRECT` with a translated frame and valid checksums:
+/// - `new-flow`: the SYN of a flow the table has not seen (backend choice, CT entries, SNAT
+///   port, FIB, rewrite), one run per test run;
+/// - `established`: an ACK of a flow XDP started (DNAT + SNAT from CT), one run per test run
+///   (its output is no longer a client packet);
+/// - `reverse`: the backend's reply to the SNAT address (reverse SNAT + reverse DNAT), one
+///   run per test run;
+/// - `miss`: not a frontend (passed after the lookups), `repeat` runs per test run.
+pub const XDP_CASES: [&str; 4] = ["new-flow", "established", "reverse", "miss"];
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
-/// The SNAT address of test runs (they see ifindex 1).
+/// The SNAT address of test runs (TC test runs see ifindex 1; XDP ones leave through
+/// [`XDP_EGRESS`], which holds it).
 const NODE_INNER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+/// The XDP bench namespace's egress device (a veth; its peer is `XDP_EGRESS` + "p") and next
+/// hop (a permanent neighbour entry).
+const XDP_EGRESS: &str = "kpb0";
+const NEXT_HOP: &str = "10.0.0.2";
+const XDP_REDIRECT: i32 = 4;
+const XDP_PASS: i32 = 2;
 const FLOWS: u32 = 256;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
@@ -75,6 +90,15 @@ fn cluster_ip(i: u32) -> Ipv4Addr {
 /// Whether `case` is measured one run per test run (else `repeat` runs per test run).
 pub fn single_run(case: &str) -> bool {
     matches!(case, "new-flow" | "reverse-nat")
+}
+
+/// The counter-program figure measured the way XDP case `case` is.
+pub fn xdp_baseline(case: &str) -> &'static str {
+    if case == "miss" {
+        super::packet::BASELINE
+    } else {
+        super::packet::BASELINE_SINGLE
+    }
 }
 
 /// The counter-program figure measured the way `case` is.
@@ -202,8 +226,58 @@ pub struct TcBench {
     _tc: TcPath,
     _dp: EbpfDataplane,
     _bpffs: Bpffs,
+    /// Where XDP test runs happen (default route via [`NEXT_HOP`] on [`XDP_EGRESS`]).
+    xdp_ns: Netns,
     services: u32,
     next_port: u32,
+}
+
+/// A namespace where the XDP fast path's FIB lookups succeed: forwarding on, a veth with
+/// [`NODE_INNER`], a default route via [`NEXT_HOP`] with a permanent neighbour entry.
+fn xdp_netns(services: u32) -> anyhow::Result<Netns> {
+    let ns = Netns::new(&format!("bench-xdp-{services}"))?;
+    let peer = format!("{XDP_EGRESS}p");
+    ns.ip(&[
+        "link", "add", XDP_EGRESS, "type", "veth", "peer", "name", &peer,
+    ])?;
+    ns.ip(&[
+        "addr",
+        "add",
+        &format!("{NODE_INNER}/24"),
+        "dev",
+        XDP_EGRESS,
+    ])?;
+    ns.ip(&["link", "set", XDP_EGRESS, "up"])?;
+    ns.ip(&["link", "set", &peer, "up"])?;
+    ns.ip(&[
+        "neigh",
+        "replace",
+        NEXT_HOP,
+        "lladdr",
+        "02:00:00:00:00:02",
+        "dev",
+        XDP_EGRESS,
+        "nud",
+        "permanent",
+    ])?;
+    ns.ip(&[
+        "route", "add", "default", "via", NEXT_HOP, "dev", XDP_EGRESS,
+    ])?;
+    ns.sysctl("net.ipv4.ip_forward", "1")?;
+    Ok(ns)
+}
+
+/// Whether both checksums of an IPv4 + TCP frame (no options) are valid.
+fn checksums_ok(frame: &[u8]) -> bool {
+    if frame.len() < 54 || csum(&frame[14..34]) != 0 {
+        return false;
+    }
+    let mut pseudo = Vec::with_capacity(12 + frame.len() - 34);
+    pseudo.extend_from_slice(&frame[26..34]);
+    pseudo.extend_from_slice(&[0, 6]);
+    pseudo.extend_from_slice(&((frame.len() - 34) as u16).to_be_bytes());
+    pseudo.extend_from_slice(&frame[34..]);
+    csum(&pseudo) == 0
 }
 
 impl TcBench {
@@ -245,12 +319,20 @@ impl TcBench {
         let mut ebpf = load_object(&pins, &tc_cfg)?;
         let tc = TcPath::load(&mut ebpf, tc_cfg)?;
         XdpPath::load(&mut ebpf)?;
-        TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)])?;
+        let xdp_ns = xdp_netns(services)?;
+        let egress = xdp_ns.run(|| -> anyhow::Result<u32> {
+            // Test runs arrive on `lo`; both it and the egress device are fast-path devices.
+            XdpPath::set_fast_path(&mut ebpf, "lo", true)?;
+            XdpPath::set_fast_path(&mut ebpf, XDP_EGRESS, true)?;
+            Ok(if_nametoindex(XDP_EGRESS)?)
+        })??;
+        TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER), (egress, NODE_INNER)])?;
         Ok(TcBench {
             ebpf,
             _tc: tc,
             _dp: dp,
             _bpffs: bpffs,
+            xdp_ns,
             services,
             next_port: 1024,
         })
@@ -313,42 +395,93 @@ impl TcBench {
         Ok(total / frames.len() as f64)
     }
 
-    /// One sample of the XDP program's `case` ([`XDP_CASES`]), `runs` runs in all.
-    pub fn xdp_sample(&mut self, case: &str, runs: u32) -> anyhow::Result<f64> {
-        const XDP_PASS: i32 = 2;
-        // An XDP test run swaps the program into the XDP dispatcher and out again, each with
-        // an RCU grace period (milliseconds of wall time, outside the timed runs): fewer
-        // frames per sample, more runs each. The frames still rotate over services (every
-        // sample takes the next flows).
-        const FRAMES: usize = 32;
-        let repeat = (runs / FRAMES as u32).max(1);
-        let frames = match case {
-            "new-flow" => self.flow_frames(SYN),
-            "established" => {
-                let syns = self.flow_frames(SYN);
-                let mut acks = vec![];
-                for f in &syns {
-                    run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
-                    let (src, dst) = addrs(f);
-                    acks.push(tcp_frame(src, dst, ACK));
-                }
-                acks
-            }
+    /// One sample of the XDP program's `case` ([`XDP_CASES`]): about `runs` program runs in
+    /// all (one test run each, or `repeat` runs per test run for `miss`).
+    pub fn xdp_sample(&mut self, case: &str, runs: u32, repeat: u32) -> anyhow::Result<f64> {
+        let passes = (runs / FLOWS).max(1);
+        // Frames of fresh flows (and, per flow, its service), taken before entering the netns.
+        let fresh: Vec<Vec<u8>> = match case {
+            "new-flow" => (0..passes.min(4))
+                .flat_map(|_| self.flow_frames(SYN))
+                .collect(),
+            "established" | "reverse" => self.flow_frames(SYN),
             "miss" => (0..FLOWS)
                 .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
                 .collect(),
             other => bail!("unknown XDP case {other}"),
         };
-        let frames = &frames[..FRAMES];
-        let mut total = 0.0;
-        for f in frames {
-            let out = run_xdp(&mut self.ebpf, f, repeat)?;
-            if out.verdict != XDP_PASS || out.frame != *f {
-                bail!("kp_xdp did not pass {:?} unchanged", addrs(f));
+        let (ns, ebpf) = (&self.xdp_ns, &mut self.ebpf);
+        ns.run(move || -> anyhow::Result<f64> {
+            // The SYN's output: DNATed to the backend (port 8081) and SNATed to NODE_INNER.
+            let forwarded = |out: &kproxy::dataplane::ebpf_tc::testrun::TestRunOutcome| {
+                out.verdict == XDP_REDIRECT
+                    && addrs(&out.frame).1.1 == 8081
+                    && addrs(&out.frame).0.0 == NODE_INNER
+                    && checksums_ok(&out.frame)
+            };
+            let mut total = 0.0;
+            let mut n = 0u32;
+            match case {
+                "new-flow" => {
+                    for f in &fresh {
+                        let out = run_xdp(ebpf, f, 1)?;
+                        if !forwarded(&out) {
+                            bail!("kp_xdp did not forward the new flow {:?}", addrs(f));
+                        }
+                        total += out.duration.as_nanos() as f64;
+                        n += 1;
+                    }
+                }
+                "established" | "reverse" => {
+                    let mut frames = vec![];
+                    for f in &fresh {
+                        let out = run_xdp(ebpf, f, 1)?;
+                        if !forwarded(&out) {
+                            bail!("kp_xdp did not forward the SYN {:?}", addrs(f));
+                        }
+                        let (src, dst) = addrs(f);
+                        frames.push(if case == "established" {
+                            tcp_frame(src, dst, ACK)
+                        } else {
+                            let (snat, backend) = addrs(&out.frame);
+                            tcp_frame(backend, snat, SYN | ACK)
+                        });
+                    }
+                    for _ in 0..passes {
+                        for (f, syn) in frames.iter().zip(&fresh) {
+                            let out = run_xdp(ebpf, f, 1)?;
+                            let ok = if case == "established" {
+                                forwarded(&out)
+                            } else {
+                                // Back to the client, from the frontend.
+                                let (client, frontend) = addrs(syn);
+                                out.verdict == XDP_REDIRECT
+                                    && addrs(&out.frame) == (frontend, client)
+                                    && checksums_ok(&out.frame)
+                            };
+                            if !ok {
+                                bail!("kp_xdp did not forward {case} {:?}", addrs(f));
+                            }
+                            total += out.duration.as_nanos() as f64;
+                            n += 1;
+                        }
+                    }
+                }
+                _ => {
+                    // miss: never rewritten, so `repeat` runs per test run; a few frames (an
+                    // XDP test run with repeat > 1 swaps the program into the dispatcher).
+                    for f in fresh.iter().take(32) {
+                        let out = run_xdp(ebpf, f, repeat.max(1))?;
+                        if out.verdict != XDP_PASS || out.frame != *f {
+                            bail!("kp_xdp did not pass {:?} unchanged", addrs(f));
+                        }
+                        total += out.duration.as_nanos() as f64;
+                        n += 1;
+                    }
+                }
             }
-            total += out.duration.as_nanos() as f64;
-        }
-        Ok(total / frames.len() as f64)
+            Ok(total / f64::from(n.max(1)))
+        })?
     }
 
     /// One sample of `case` (see the module docs): about `runs` program runs in all.

@@ -16,7 +16,8 @@
 //!   devices through TCX links pinned under the bpffs, so a restarted agent replaces the
 //!   program in place instead of detaching (established flows survive).
 //! - [`xdp`]: [`xdp::XdpPath`], the XDP program (`--bpf-xdp`): early drop of new flows the TC
-//!   ingress program would drop (source ranges, no endpoints without reject).
+//!   ingress program would drop (source ranges, no endpoints without reject), and the
+//!   forwarding fast path for flows to remote backends (same CT entries as TC).
 //! - [`testrun`]: `BPF_PROG_TEST_RUN` of the TC and XDP programs on a crafted frame (tests,
 //!   benches).
 //!
@@ -29,6 +30,9 @@
 //!   packet came in on (upstream: `REJECT`); for a UDP NodePort the node's own stack answers
 //!   with ICMP port unreachable. These ICMP errors are not rate limited like the kernel's own.
 //! - Fragments after the first are passed untranslated.
+//! - With `--bpf-xdp`, packets of flows to remote backends are forwarded from the driver
+//!   ([`xdp`]): they bypass the node's netfilter hooks (FORWARD, POSTROUTING) and its
+//!   conntrack, like Cilium's XDP acceleration.
 
 pub mod addresses;
 pub mod attach;

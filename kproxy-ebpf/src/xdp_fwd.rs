@@ -1,0 +1,369 @@
+//! The XDP NodePort / ExternalIP / LB forwarding fast path (IPv4), called by [`crate::xdp`]:
+//! flows to a backend on another node are translated and sent on from the driver, before the
+//! kernel allocates an skb, with the same connection-table entries the TC programs use
+//! ([`crate::flow`]), so a flow may start in either path and continue in the other.
+//!
+//! - **Client → backend** (`C:cp → F:fp`, the flow's `Service` entry exists or is created
+//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` from the
+//!   flow's `SnatOut` entry. When that entry has no SNAT address yet (TC started the flow but
+//!   none of its packets left through the stack, or the flow is new here), `N` is the node
+//!   address of the FIB's egress device (`KP_NODE_ADDR4`, like TC egress) and `np` is claimed
+//!   with TC's [`allocate_port`].
+//! - **Backend → client** (`B:bp → N:np`, its `SnatIn` entry exists): dst := `C:cp`, src :=
+//!   `F:fp` from the flow's `RevDnat` entry.
+//!
+//! Then TTL − 1, the IPv4 and L4 checksums are updated by hand (RFC 1624; XDP has no skb
+//! checksum helpers, and a frame here carries a complete checksum), `bpf_fib_lookup` gives
+//! the egress device and MACs, and the frame goes out with `XDP_TX` (same device) or
+//! `bpf_redirect(ifindex)` → `XDP_REDIRECT`. Entries are refreshed (`last_seen_ns`, TCP
+//! FIN/RST → closing) exactly like TC does, so the agent's expiry and purge keep working.
+//!
+//! Everything else is passed (`XDP_PASS`) untouched, and TC handles it as if XDP were off:
+//! flows to a local backend (their CT entries are created here when the flow starts here, so
+//! TC sees an established flow), ICMP, IP options, fragments, TTL ≤ 1, frames longer than the
+//! egress MTU (the FIB lookup checks the IP length), FIB results other than success (no
+//! route, neighbour not resolved yet — the stack resolves it, and later packets take the
+//! fast path), and flows whose state cannot be completed here. Each outcome is counted in
+//! `KP_XDP_STATS` (`kproxy_common::ct::XdpStat`).
+
+use core::ffi::c_void;
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_fib_lookup, bpf_redirect},
+    macros::map,
+    maps::Array,
+    programs::XdpContext,
+};
+use kproxy_common::ct::{
+    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, XDP_FWD_DEVS_MAX, XdpStat,
+};
+use kproxy_common::service::{PROTO_TCP, ServiceValue};
+
+use crate::flow::{
+    KP_CT, KP_NODE_ADDR4, NewFlow, allocate_port, choose_backend, create_flow, key, now, touch,
+};
+use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
+use crate::xdp::stat;
+
+/// `kproxy_common::ct::MAP_XDP_FWD_DEVS`: the devices frames may come from and leave through
+/// on the fast path, an array indexed by ifindex (not pinned; the agent writes it when it
+/// attaches). An array lookup is a bounds check and an address computation the verifier
+/// inlines; devices with an ifindex beyond it are never fast-path devices.
+#[map]
+static KP_XDP_FWD_DEVS: Array<u32> = Array::with_max_entries(XDP_FWD_DEVS_MAX, 0);
+
+/// Whether the fast path may use device `ifindex`.
+#[inline(always)]
+fn fast_path_device(ifindex: u32) -> bool {
+    KP_XDP_FWD_DEVS.get(ifindex).is_some_and(|v| *v != 0)
+}
+
+/// The L4 header's offset in a frame the fast path handles (IPv4 without options).
+const L4: usize = IP_OFF + 20;
+const AF_INET: u8 = 2;
+/// `BPF_FIB_LKUP_RET_SUCCESS` / `BPF_FIB_LKUP_RET_FRAG_NEEDED`.
+const FIB_SUCCESS: i64 = 0;
+const FIB_FRAG_NEEDED: i64 = 8;
+/// Flags + fragment offset: "more fragments" and the offset.
+const IP_MF_OFFSET: u16 = 0x3fff;
+
+/// `struct bpf_fib_lookup` (uapi `linux/bpf.h`, 64 bytes), IPv4 view: the unions are laid out
+/// as the fields this program uses.
+#[repr(C)]
+struct FibParams {
+    family: u8,
+    l4_protocol: u8,
+    sport: u16,
+    dport: u16,
+    /// In: IP total length (the kernel checks it against the egress MTU); out: that MTU.
+    tot_len: u16,
+    /// In: ingress device; out: egress device.
+    ifindex: u32,
+    /// `tos` in the low byte (union with flowinfo / rt_metric).
+    tos: u32,
+    src: [u32; 4],
+    dst: [u32; 4],
+    /// Out: VLAN proto/TCI (union with the input `tbid`).
+    vlan: u32,
+    /// In: the first 4 bytes are `mark`; out: source and destination MAC.
+    smac: [u8; 6],
+    dmac: [u8; 6],
+}
+
+/// The IPv4 header fields the fast path needs, for a frame it may forward.
+pub(crate) struct Plain {
+    /// Total length, network order.
+    tot_len: u16,
+    tos: u8,
+}
+
+/// `Ok` when `p` can be forwarded here: it came in on a fast-path device, has no IP
+/// options, is not a fragment, has TTL > 1 and its L4 checksum field is inside the frame.
+/// `Err`: why not (the counter to bump).
+#[inline(always)]
+pub(crate) fn plain(ctx: &XdpContext, p: &Packet) -> Result<Plain, XdpStat> {
+    // SAFETY: reads the context's field.
+    if !fast_path_device(unsafe { (*ctx.ctx).ingress_ifindex }) {
+        return Err(XdpStat::PassDevice);
+    }
+    if p.l4 != L4 {
+        return Err(XdpStat::PassHeader);
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let ip = at::<[u16; 10]>(data, end, IP_OFF).ok_or(XdpStat::PassHeader)?;
+    // SAFETY: bounds-checked by `at`; read by value.
+    let w = unsafe { *ip };
+    if u16::from_be(w[3]) & IP_MF_OFFSET != 0 || (w[4] as u8) <= 1 {
+        return Err(XdpStat::PassHeader);
+    }
+    let csum = if p.proto == PROTO_TCP {
+        L4 + 16
+    } else {
+        L4 + 6
+    };
+    at::<u16>(data, end, csum).ok_or(XdpStat::PassHeader)?;
+    Ok(Plain {
+        tot_len: w[1],
+        tos: (w[0] >> 8) as u8,
+    })
+}
+
+/// The route of a frame to `dst` (from `src`, ports after translation): egress device (a
+/// fast-path device) and MACs. `Err`: pass (counted).
+#[inline(always)]
+fn fib(
+    ctx: &XdpContext,
+    h: &Plain,
+    proto: u8,
+    src: (u32, u16),
+    dst: (u32, u16),
+) -> Result<FibParams, ()> {
+    let mut f = FibParams {
+        family: AF_INET,
+        l4_protocol: proto,
+        sport: src.1,
+        dport: dst.1,
+        tot_len: u16::from_be(h.tot_len),
+        // SAFETY: reads the context's field.
+        ifindex: unsafe { (*ctx.ctx).ingress_ifindex },
+        tos: u32::from(h.tos),
+        src: [src.0, 0, 0, 0],
+        dst: [dst.0, 0, 0, 0],
+        vlan: 0,
+        smac: [0; 6],
+        dmac: [0; 6],
+    };
+    // SAFETY: `f` is a valid `struct bpf_fib_lookup` of the size passed.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.ctx as *mut c_void,
+            &mut f as *mut FibParams as *mut _,
+            size_of::<FibParams>() as i32,
+            0,
+        )
+    };
+    match rc {
+        FIB_SUCCESS if fast_path_device(f.ifindex) => Ok(f),
+        FIB_SUCCESS => {
+            stat(XdpStat::PassDevice);
+            Err(())
+        }
+        FIB_FRAG_NEEDED => {
+            stat(XdpStat::PassMtu);
+            Err(())
+        }
+        _ => {
+            stat(XdpStat::PassFib);
+            Err(())
+        }
+    }
+}
+
+/// Rewrites source and destination (address + port), decrements the TTL with both checksums
+/// updated, sets the MACs from `f` and sends the frame out of `f.ifindex`.
+#[inline(always)]
+fn send(ctx: &XdpContext, p: &Packet, src: (u32, u16), dst: (u32, u16), f: &FibParams) -> u32 {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let Some(eth) = at::<[u8; 12]>(data, end, 0) else {
+        return xdp_action::XDP_PASS;
+    };
+    let Some(ip) = at::<[u16; 10]>(data, end, IP_OFF) else {
+        return xdp_action::XDP_PASS;
+    };
+    let Some(ports) = at::<[u16; 2]>(data, end, L4) else {
+        return xdp_action::XDP_PASS;
+    };
+    let csum_off = if p.proto == PROTO_TCP {
+        L4 + 16
+    } else {
+        L4 + 6
+    };
+    let Some(l4_csum) = at::<u16>(data, end, csum_off) else {
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: every pointer is bounds-checked by `at`, and no helper ran since.
+    unsafe {
+        let mut w = *ip;
+        let ttl_old = w[4];
+        // TTL is the first byte of the (TTL, protocol) word.
+        let ttl_new = ttl_old.wrapping_sub(1);
+        let mut check = csum_replace2(w[5], ttl_old, ttl_new);
+        check = csum_replace4(check, p.saddr, src.0);
+        check = csum_replace4(check, p.daddr, dst.0);
+        w[4] = ttl_new;
+        w[5] = check;
+        w[6] = src.0 as u16;
+        w[7] = (src.0 >> 16) as u16;
+        w[8] = dst.0 as u16;
+        w[9] = (dst.0 >> 16) as u16;
+        *ip = w;
+        let old = *l4_csum;
+        // A UDP checksum of 0 means "none" and stays so; a computed 0 is sent as 0xffff.
+        if p.proto == PROTO_TCP || old != 0 {
+            let mut c = csum_replace4(old, p.saddr, src.0);
+            c = csum_replace4(c, p.daddr, dst.0);
+            c = csum_replace2(c, p.sport, src.1);
+            c = csum_replace2(c, p.dport, dst.1);
+            if c == 0 && p.proto != PROTO_TCP {
+                c = 0xffff;
+            }
+            *l4_csum = c;
+        }
+        *ports = [src.1, dst.1];
+        let mut m = [0u8; 12];
+        let mut i = 0;
+        while i < 6 {
+            m[i] = f.dmac[i];
+            m[6 + i] = f.smac[i];
+            i += 1;
+        }
+        *eth = m;
+        if f.ifindex == (*ctx.ctx).ingress_ifindex {
+            xdp_action::XDP_TX
+        } else {
+            bpf_redirect(f.ifindex, 0) as u32
+        }
+    }
+}
+
+/// Client → backend for the flow `p` (`C:cp → F:fp`) whose `Service` entry says backend
+/// `be` with `flags`; `svc_entry` is refreshed when the frame is sent.
+#[inline(always)]
+pub(crate) fn forward(
+    ctx: &XdpContext,
+    p: &Packet,
+    h: &Plain,
+    be: (u32, u16),
+    flags: u16,
+    svc_entry: Option<*mut CtEntry>,
+) -> u32 {
+    if flags & CT_F_SNAT == 0 || flags & CT_F_LOCAL_BACKEND != 0 {
+        stat(XdpStat::PassLocal);
+        return xdp_action::XDP_PASS;
+    }
+    // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
+    let out_pkt = Packet {
+        saddr: p.saddr,
+        daddr: be.0,
+        sport: p.sport,
+        dport: be.1,
+        proto: p.proto,
+        tcp_flags: p.tcp_flags,
+        l4: p.l4,
+    };
+    let Some(out) = KP_CT.get_ptr_mut(key(&out_pkt, CtKind::SnatOut)) else {
+        stat(XdpStat::PassState);
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: lookup result, read by value.
+    let (mut n_addr, mut n_port) = unsafe { ((*out).nat_addr, (*out).nat_port) };
+    let src = if n_addr != 0 {
+        (n_addr, n_port)
+    } else {
+        (p.saddr, p.sport)
+    };
+    let Ok(f) = fib(ctx, h, p.proto, src, be) else {
+        return xdp_action::XDP_PASS;
+    };
+    if n_addr == 0 {
+        // SAFETY: read by value right away.
+        let Some(node) = (unsafe { KP_NODE_ADDR4.get(f.ifindex) }).copied() else {
+            stat(XdpStat::PassState);
+            return xdp_action::XDP_PASS;
+        };
+        // SAFETY: lookup result, read by value.
+        let template = unsafe { *out };
+        let Some(port) = allocate_port(&out_pkt, node.addr, &template) else {
+            stat(XdpStat::PassState);
+            return xdp_action::XDP_PASS;
+        };
+        n_addr = node.addr;
+        n_port = port;
+        // SAFETY: lookup result; a racing TC egress allocating for the same flow leaves one
+        // of the two `SnatIn` entries unused until it expires (replies to both work).
+        unsafe {
+            (*out).nat_addr = n_addr;
+            (*out).nat_port = n_port;
+        }
+    }
+    if let Some(e) = svc_entry {
+        touch(e, p.tcp_flags);
+    }
+    touch(out, p.tcp_flags);
+    stat(XdpStat::Forward);
+    send(ctx, p, (n_addr, n_port), be, &f)
+}
+
+/// A new flow `p` of `svc` (source range and endpoints already checked): the backend is
+/// chosen and the flow recorded exactly as TC would; remote → forwarded, local → passed
+/// (TC then sees an established flow).
+#[inline(always)]
+pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceValue) -> u32 {
+    let ts = now();
+    let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
+        stat(XdpStat::PassState);
+        return xdp_action::XDP_PASS;
+    };
+    let Ok(NewFlow {
+        be_addr,
+        be_port,
+        flags,
+    }) = create_flow(p, svc, backend_id, &be, ts)
+    else {
+        stat(XdpStat::PassState);
+        return xdp_action::XDP_PASS;
+    };
+    stat(XdpStat::NewFlow);
+    forward(ctx, p, h, (be_addr, be_port), flags, None)
+}
+
+/// Backend → client for `p` (`B:bp → N:np`) whose `SnatIn` entry is `snat_in`.
+#[inline(always)]
+pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEntry) -> u32 {
+    // SAFETY: lookup result, read by value.
+    let client = unsafe { ((*snat_in).nat_addr, (*snat_in).nat_port) };
+    let rev = CtKey {
+        saddr: p.saddr,
+        daddr: client.0,
+        sport: p.sport,
+        dport: client.1,
+        proto: p.proto,
+        kind: CtKind::RevDnat as u8,
+        _pad: [0; 2],
+    };
+    let Some(r) = KP_CT.get_ptr_mut(rev) else {
+        stat(XdpStat::PassState);
+        return xdp_action::XDP_PASS;
+    };
+    // SAFETY: lookup result, read by value.
+    let frontend = unsafe { ((*r).nat_addr, (*r).nat_port) };
+    let Ok(f) = fib(ctx, h, p.proto, frontend, client) else {
+        return xdp_action::XDP_PASS;
+    };
+    touch(snat_in, p.tcp_flags);
+    touch(r, p.tcp_flags);
+    stat(XdpStat::Reply);
+    send(ctx, p, frontend, client, &f)
+}
