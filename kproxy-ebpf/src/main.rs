@@ -7,6 +7,8 @@
 //! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
 //! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
 //!   SNAT, conntrack, reverse NAT, ICMP errors).
+//! - [`tc6`]: the same service path for IPv6 frames (own connection table and node addresses).
+//! - [`packet6`]: the Ethernet + IPv6 parser of [`tc6`].
 //! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop.
 //! - [`frontend`]: the frontend lookups TC and XDP share.
 //! - [`packet`]: direct packet access (bounds-checked pointers), the IPv4 parser and checksum
@@ -20,9 +22,11 @@
 mod counter;
 mod frontend;
 mod packet;
+mod packet6;
 mod service_maps;
 mod sock;
 mod tc;
+mod tc6;
 mod xdp;
 
 #[cfg(target_arch = "bpf")]

@@ -20,8 +20,9 @@
 //! L4 checksums are updated with the kernel helper (`l4_csum_replace`, `BPF_F_PSEUDO_HDR` for
 //! addresses), which is correct for CHECKSUM_PARTIAL skbs too; the IPv4 header checksum is
 //! updated in place (RFC 1624). Packets that are not ours go on unchanged with
-//! `TC_ACT_UNSPEC` (TCX "next"). No logging on this path. Not handled (passed unchanged):
-//! IPv6, VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
+//! `TC_ACT_UNSPEC` (TCX "next"). No logging on this path. IPv6 frames pass unchanged here;
+//! [`crate::tc6`]'s programs, attached next to these, handle them. Not handled (passed
+//! unchanged): VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -56,7 +57,7 @@ pub(crate) static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT
 
 /// `kproxy_common::ct::MAP_NAT_CONFIG`.
 #[map]
-static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
+pub(crate) static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
 
 /// `kproxy_common::ct::MAP_NODE_ADDR4`.
 #[map]
@@ -67,19 +68,19 @@ static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIE
 static KP_TC_STATS: PerCpuArray<u64> = PerCpuArray::pinned(TC_STATS, 0);
 
 const IP_OFFSET_MASK: u16 = 0x1fff;
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
+pub(crate) const TCP_FIN: u8 = 0x01;
+pub(crate) const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_RST: u8 = 0x04;
+pub(crate) const TCP_ACK: u8 = 0x10;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
-const NS_PER_SEC: u64 = 1_000_000_000;
+pub(crate) const NS_PER_SEC: u64 = 1_000_000_000;
 
-type Verdict = i32;
-const NEXT: Verdict = TC_ACT_UNSPEC;
-const DROP: Verdict = TC_ACT_SHOT;
+pub(crate) type Verdict = i32;
+pub(crate) const NEXT: Verdict = TC_ACT_UNSPEC;
+pub(crate) const DROP: Verdict = TC_ACT_SHOT;
 
 #[inline(always)]
 pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
@@ -105,7 +106,7 @@ fn l4_csum(p: &Packet) -> (usize, u64) {
 }
 
 #[inline(always)]
-fn stat(s: TcStat) {
+pub(crate) fn stat(s: TcStat) {
     if let Some(v) = KP_TC_STATS.get_ptr_mut(s.index()) {
         // SAFETY: per-CPU value of this CPU; programs are not preempted on a CPU.
         unsafe { *v += 1 };
@@ -115,7 +116,7 @@ fn stat(s: TcStat) {
 /// CLOCK_MONOTONIC ns, precise: stamps new entries (their creation time also tells flows
 /// apart, see `kproxy::dataplane::ebpf_tc::ct`).
 #[inline(always)]
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     // SAFETY: helper without arguments.
     unsafe { bpf_ktime_get_ns() }
 }
@@ -124,7 +125,7 @@ fn now() -> u64 {
 /// (expiry works in seconds; the coarse clock is cheaper and changes once per tick, so most
 /// packets leave the entry's cache line clean).
 #[inline(always)]
-fn now_coarse() -> u64 {
+pub(crate) fn now_coarse() -> u64 {
     // SAFETY: helper without arguments.
     unsafe { bpf_ktime_get_coarse_ns() }
 }
@@ -237,7 +238,7 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
 /// a reply to a SNATed flow.
 #[inline(always)]
-fn in_snat_range(port: u16) -> bool {
+pub(crate) fn in_snat_range(port: u16) -> bool {
     let Some(cfg) = KP_NAT_CFG.get(0) else {
         return false;
     };

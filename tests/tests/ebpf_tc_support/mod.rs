@@ -3,6 +3,8 @@
 //! IPv4 frames and checking their checksums.
 #![allow(dead_code)]
 
+pub mod rig;
+
 use std::net::Ipv4Addr;
 
 use aya::Ebpf;
