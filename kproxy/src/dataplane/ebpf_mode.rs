@@ -53,7 +53,7 @@ pub struct EbpfModeConfig {
     pub tc: bool,
     /// `bpf.xdp`: where the XDP early-drop program goes beside TC (TC path only).
     pub xdp: XdpPolicy,
-    /// `max_entries` of the TC connection table (`bpf.mapSizes.ct`).
+    /// `max_entries` of each TC connection table, `KP_CT` and `KP_CT6` (`bpf.mapSizes.ct`).
     pub ct_entries: u32,
     /// Idle timeouts of the TC connection table.
     pub ct_timeouts: ct::Timeouts,
