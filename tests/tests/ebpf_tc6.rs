@@ -304,3 +304,23 @@ fn ipv6_endpoint_removal_deletes_its_ct6_entries() {
     let r = rig.probe(Probe::udp(at(NODE_IP6, NODE_PORT), 10));
     assert_eq!(r.answers.get("pod-l0"), Some(&10), "{r:?}");
 }
+
+#[test]
+fn ipv6_hairpin_pod_reaches_its_own_service_through_the_nodeport() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::dual_stack("tc6-hairpin");
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![(service6("web", Protocol::Tcp, 0), both_pods())],
+    ));
+    // pod-l0's traffic enters the node through vpod0 (it holds the pod gateway's global IPv6
+    // address, so it is a selected device); reaching itself, it is SNATed to that address.
+    let r = Probe::tcp(at(NODE_IP6, NODE_PORT), 30)
+        .run(&rig.topo.pod("pod-l0").ns, None)
+        .unwrap();
+    assert_eq!(r.total_errors(), 0, "{r:?}");
+    assert_eq!(r.total_answers(), 30, "{r:?}");
+    assert_eq!(r.answers.len(), 2, "itself and the remote pod: {r:?}");
+}
