@@ -1,5 +1,6 @@
 //! The TC service path's connection tracking and NAT state (IPv4): what the `kp_tc_in` /
 //! `kp_tc_eg` programs on node devices write and the agent reads, purges and expires.
+//! IPv6 flows follow the same model in their own maps ([`crate::ct6`]).
 //!
 //! One flow from an external client `C:cp` to a frontend `F:fp` (NodePort on a node address,
 //! ExternalIP or LoadBalancer VIP) that is DNATed to backend `B:bp` — and, when upstream would

@@ -27,6 +27,7 @@ use crate::ct::{
     CtEntry, CtKey, MAP_CT, MAP_NAT_CONFIG, MAP_NODE_ADDR4, MAP_TC_STATS, MAP_XDP_STATS, NatConfig,
     NodeAddr4,
 };
+use crate::ct6::{CtEntry6, CtKey6, MAP_CT6, MAP_NODE_ADDR6, NodeAddr6};
 use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
@@ -105,7 +106,7 @@ const fn layout(
 }
 
 /// Every map the BPF object pins, with its layout.
-pub const LAYOUTS: [MapLayout; 14] = [
+pub const LAYOUTS: [MapLayout; 16] = [
     layout(
         MAP_SERVICES,
         MAP_TYPE_HASH,
@@ -219,6 +220,22 @@ pub const LAYOUTS: [MapLayout; 14] = [
         size_of::<u64>(),
         // 2: the forwarding fast path's counters appended (eleven instead of two).
         2,
+        None,
+    ),
+    layout(
+        MAP_CT6,
+        MAP_TYPE_LRU_HASH,
+        size_of::<CtKey6>(),
+        size_of::<CtEntry6>(),
+        1,
+        Some(1),
+    ),
+    layout(
+        MAP_NODE_ADDR6,
+        MAP_TYPE_HASH,
+        size_of::<u32>(),
+        size_of::<NodeAddr6>(),
+        1,
         None,
     ),
 ];

@@ -18,12 +18,14 @@
 //! - [`maglev`]: the Maglev tables (`--bpf-lb-algorithm maglev`) and the flow hash.
 //! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
 //!   device and counters (`kp_tc_in` / `kp_tc_eg`).
+//! - [`ct6`]: the IPv6 connection table and node addresses of the same programs.
 //! - [`layout`]: each pinned map's layout (type, sizes, version) and the pinned record of
 //!   them, so an upgraded agent reuses, carries over or replaces pins deliberately.
 #![no_std]
 
 pub mod counter;
 pub mod ct;
+pub mod ct6;
 pub mod layout;
 pub mod maglev;
 pub mod service;

@@ -28,7 +28,7 @@ pub(crate) const TCP_FIN: u8 = 0x01;
 pub(crate) const TCP_SYN: u8 = 0x02;
 pub(crate) const TCP_RST: u8 = 0x04;
 pub(crate) const TCP_ACK: u8 = 0x10;
-const NS_PER_SEC: u64 = 1_000_000_000;
+pub(crate) const NS_PER_SEC: u64 = 1_000_000_000;
 
 /// `kproxy_common::ct::MAP_CT`.
 #[map]

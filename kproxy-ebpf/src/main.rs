@@ -11,6 +11,8 @@
 //!   [`xdp_fwd`], the NodePort/LB forwarding fast path for remote backends.
 //! - [`flow`]: connection table, backend choice, new-flow CT entries and SNAT port allocation
 //!   TC and XDP share (a flow may start in either).
+//! - [`tc6`]: the same service path for IPv6 frames (own connection table and node addresses).
+//! - [`packet6`]: the Ethernet + IPv6 parser of [`tc6`].
 //! - [`frontend`]: the frontend lookups TC and XDP share.
 //! - [`packet`]: direct packet access (bounds-checked pointers), the IPv4 parser and checksum
 //!   arithmetic the service-path programs share.
@@ -24,9 +26,11 @@ mod counter;
 mod flow;
 mod frontend;
 mod packet;
+mod packet6;
 mod service_maps;
 mod sock;
 mod tc;
+mod tc6;
 mod xdp;
 mod xdp_fwd;
 

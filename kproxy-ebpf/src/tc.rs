@@ -20,8 +20,9 @@
 //! L4 checksums are updated with the kernel helper (`l4_csum_replace`, `BPF_F_PSEUDO_HDR` for
 //! addresses), which is correct for CHECKSUM_PARTIAL skbs too; the IPv4 header checksum is
 //! updated in place (RFC 1624). Packets that are not ours go on unchanged with
-//! `TC_ACT_UNSPEC` (TCX "next"). No logging on this path. Not handled (passed unchanged):
-//! IPv6, VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
+//! `TC_ACT_UNSPEC` (TCX "next"). No logging on this path. IPv6 frames pass unchanged here;
+//! [`crate::tc6`]'s programs, attached next to these, handle them. Not handled (passed
+//! unchanged): VLAN tags, IP options on the quoted header of ICMP errors, non-first fragments.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -56,9 +57,9 @@ const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 
-type Verdict = i32;
-const NEXT: Verdict = TC_ACT_UNSPEC;
-const DROP: Verdict = TC_ACT_SHOT;
+pub(crate) type Verdict = i32;
+pub(crate) const NEXT: Verdict = TC_ACT_UNSPEC;
+pub(crate) const DROP: Verdict = TC_ACT_SHOT;
 
 /// Offset of the L4 checksum, and the `l4_csum_replace` flags it needs.
 #[inline(always)]
@@ -71,7 +72,7 @@ fn l4_csum(p: &Packet) -> (usize, u64) {
 }
 
 #[inline(always)]
-fn stat(s: TcStat) {
+pub(crate) fn stat(s: TcStat) {
     if let Some(v) = KP_TC_STATS.get_ptr_mut(s.index()) {
         // SAFETY: per-CPU value of this CPU; programs are not preempted on a CPU.
         unsafe { *v += 1 };

@@ -242,6 +242,20 @@ mod tests {
                 obj.maps.keys()
             );
         }
+        for name in kproxy_common::ct6::MAPS {
+            assert!(
+                obj.maps.contains_key(name),
+                "no map {name}: {:?}",
+                obj.maps.keys()
+            );
+        }
+        for name in kproxy_common::ct6::PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
         for name in kproxy_common::ct::PROGRAMS {
             assert!(
                 obj.programs.contains_key(name),

@@ -7,7 +7,7 @@
 //!
 //! Asserted: both connections keep exchanging data across the kill and the restart (each
 //! `kp-probe hold` is still running once the new agent has synced, then finishes without an
-//! error); every pinned link (8 socket-LB links, 2 TC links per device) has the same id before
+//! error); every pinned link (8 socket-LB links, 4 TC links per device) has the same id before
 //! and after; the NodePort flow's `KP_CT` entries (read from the pinned map) are the same
 //! before and after apart from their last-used time; new connections through both services
 //! work after the restart. The agent's metrics server counts the one SCTP service port in

@@ -20,217 +20,23 @@ use std::time::{Duration, Instant};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
-use aya::programs::links::{FdLink, PinnedLink};
 use ebpf_tc_support::ct_entries;
+use ebpf_tc_support::rig::{NODE_PORT, Rig, endpoint, port_name, service, snapshot};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::dataplane::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf::EbpfDataplane;
+use kproxy::dataplane::ebpf_tc::addresses::AddressWatcher;
 use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy};
-use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, ct, devices};
-use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeInfo, Protocol, ServicePort,
-    ServicePortName, ServiceType, Snapshot,
-};
+use kproxy::dataplane::ebpf_tc::{TcPath, ct};
+use kproxy::model::{ChangedSet, Endpoint, IpMode, LoadBalancerIngress, Protocol, ServiceType};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
 use kproxy_tests::netns::{Bpffs, require_root};
 use kproxy_tests::topology::{
-    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Probe, Topology, TopologySpec,
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Probe,
 };
 
-const NODE_PORT: u16 = 30080;
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
-const POD_PORT: u16 = 8080;
 const LIVENESS: Duration = Duration::from_secs(10);
-
-struct Rig {
-    // Drop order: programs, dataplane, namespaces (devices and their links), bpffs.
-    tc: TcPath,
-    tc_ebpf: Arc<Mutex<Ebpf>>,
-    dp: Arc<Mutex<EbpfDataplane>>,
-    topo: Topology,
-    bpffs: Bpffs,
-}
-
-fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "default".into(),
-        name: name.into(),
-        port: "p".into(),
-        protocol,
-    }
-}
-
-fn service(name: &str, protocol: Protocol) -> ServicePort {
-    ServicePort {
-        name: port_name(name, protocol),
-        service_type: ServiceType::NodePort,
-        cluster_ips: vec!["10.96.0.10".parse().unwrap()],
-        port: 80,
-        protocol,
-        node_port: NODE_PORT,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
-}
-
-fn endpoint(ip: Ipv4Addr, local: bool) -> Endpoint {
-    Endpoint {
-        ip: IpAddr::V4(ip),
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "node" } else { "node2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
-}
-
-fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: node_addrs,
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    for (svc, eps) in services {
-        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    snap
-}
-
-impl Rig {
-    fn new(test: &str) -> Rig {
-        let mut topo = TopologySpec::new(test)
-            .local_pods(1)
-            .remote_pods(1)
-            .ipv6(false)
-            .build()
-            .unwrap();
-        topo.serve_all().unwrap();
-        let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
-        let cfg = EbpfConfig {
-            bpffs: bpffs.path().to_path_buf(),
-            families: vec![IpFamily::V4],
-            socket_lb: false,
-            map_sizes: MapSizes {
-                services: 1024,
-                backend_slots: 1024,
-                backends: 1024,
-                affinity: 1024,
-                source_ranges: 256,
-                sock_rev_nat: 256,
-                ..MapSizes::default()
-            },
-            ..EbpfConfig::default()
-        };
-        let dp = EbpfDataplane::new(cfg).unwrap();
-        let pins = bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
-        // Default device selection, inside the node's namespace.
-        let ifaces = topo.node.run(scan).unwrap().unwrap();
-        let selected = devices::select(None, &ifaces).unwrap();
-        assert!(
-            selected.contains(&NODE_CLIENT_IF.to_string())
-                && selected.contains(&NODE_PEER_IF.to_string()),
-            "selected {selected:?}"
-        );
-        topo.node
-            .run(|| {
-                for dev in &selected {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
-        let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
-        TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
-        Rig {
-            tc,
-            tc_ebpf: Arc::new(Mutex::new(ebpf)),
-            dp: Arc::new(Mutex::new(dp)),
-            topo,
-            bpffs,
-        }
-    }
-
-    /// An agent restart as the TC path sees it: a fresh object instance (reusing every pinned
-    /// map), programs loaded and attached again through the pinned links, then the old
-    /// instance dropped.
-    fn restart_tc(&mut self) {
-        let pins = self.bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
-        let devices = self.tc.attached();
-        self.topo
-            .node
-            .run(|| {
-                for dev in &devices {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
-        self.tc = tc;
-        *self.tc_ebpf.lock().unwrap() = ebpf;
-    }
-
-    /// Ids of the pinned TC links.
-    fn link_ids(&self) -> Vec<u32> {
-        let dir = self.bpffs.path().join("kproxy/links");
-        let mut ids = Vec::new();
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path
-                .file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("tc-")
-            {
-                let link = PinnedLink::from_pin(&path).unwrap();
-                ids.push(FdLink::from(link).info().unwrap().id());
-            }
-        }
-        ids.sort();
-        ids
-    }
-
-    fn sync(&self, snap: &Snapshot) {
-        let report = self
-            .dp
-            .lock()
-            .unwrap()
-            .sync(snap, &ChangedSet::default())
-            .unwrap();
-        assert_eq!(report.failed_services, 0, "{report:?}");
-    }
-
-    fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
-        p.run(&self.topo.client, None).unwrap()
-    }
-}
 
 fn node_ips() -> Vec<IpAddr> {
     vec![IpAddr::V4(NODE_IP), IpAddr::V4(NODE_LINK_IP)]
@@ -284,7 +90,7 @@ fn nodeport_from_outside_reaches_local_and_remote_backends() {
     let attached = rig.tc.attached();
     for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
         assert!(attached.contains(&dev.to_string()), "{attached:?}");
-        for dir in ["in", "eg"] {
+        for dir in ["in", "eg", "in6", "eg6"] {
             let pin = rig
                 .bpffs
                 .path()
@@ -637,8 +443,8 @@ fn restart_reuses_pinned_links_and_keeps_established_flows() {
     let links = rig.link_ids();
     assert_eq!(
         links.len(),
-        2 * rig.tc.attached().len(),
-        "one ingress and one egress link per device"
+        kproxy::dataplane::ebpf_tc::attach::HOOKS.len() * rig.tc.attached().len(),
+        "IPv4 and IPv6 ingress and egress links per device"
     );
 
     rig.restart_tc();

@@ -22,6 +22,7 @@ use std::process::Command;
 use aya::EbpfLoader;
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier};
 use kproxy_common::ct::{MAP_CT, PROG_TC_INGRESS};
+use kproxy_common::ct6::{MAP_CT6, PROG_TC6_INGRESS};
 use kproxy_common::service::{
     MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
     MAP_SOURCE_RANGES,
@@ -87,20 +88,21 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         MAP_SOCK_REV_NAT,
         MAP_SOCK_FWD,
         MAP_CT,
+        MAP_CT6,
     ] {
         loader.map_max_entries(map, 16);
     }
     let mut ebpf = loader
         .load(crate::bpf::OBJECT)
         .map_err(|e| format!("loading the BPF object: {}", chain(&e)))?;
-    {
+    for name in [PROG_TC_INGRESS, PROG_TC6_INGRESS] {
         let tc: &mut SchedClassifier = ebpf
-            .program_mut(PROG_TC_INGRESS)
+            .program_mut(name)
             .ok_or("the BPF object has no TC program")?
             .try_into()
             .map_err(|e: aya::programs::ProgramError| e.to_string())?;
         tc.load()
-            .map_err(|e| format!("the verifier rejected {PROG_TC_INGRESS}: {}", chain(&e)))?;
+            .map_err(|e| format!("the verifier rejected {name}: {}", chain(&e)))?;
     }
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(PROG_SOCK_CONNECT4)

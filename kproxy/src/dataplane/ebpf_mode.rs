@@ -11,7 +11,7 @@
 //!   the XDP program (early drop, NodePort fast path) goes on the same devices
 //!   ([`super::ebpf_tc::xdp`]).
 //! - A background watcher follows the node's addresses: it rewrites the per-device SNAT
-//!   sources (`KP_NODE_ADDR4`) at once, and the NodePort frontends at the next sync
+//!   sources (`KP_NODE_ADDR4`, `KP_NODE_ADDR6`) at once, and the NodePort frontends at the next sync
 //!   (NodePorts are programmed on every node address, or on those inside
 //!   `nodePortAddresses`).
 //! - After each sync: connection-table entries of removed backends are purged, idle flows
@@ -53,7 +53,7 @@ pub struct EbpfModeConfig {
     pub tc: bool,
     /// `bpf.xdp`: where the XDP early-drop program goes beside TC (TC path only).
     pub xdp: XdpPolicy,
-    /// `max_entries` of the TC connection table (`bpf.mapSizes.ct`).
+    /// `max_entries` of each TC connection table, `KP_CT` and `KP_CT6` (`bpf.mapSizes.ct`).
     pub ct_entries: u32,
     /// Idle timeouts of the TC connection table.
     pub ct_timeouts: ct::Timeouts,
@@ -142,16 +142,19 @@ impl EbpfMode {
             }
             let now = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
             TcPath::set_node_addresses(&mut ebpf, &now.snat_v4())?;
+            TcPath::set_node_addresses6(&mut ebpf, &now.snat_v6())?;
             *addresses.lock().expect("poisoned") = Some(now);
             tracing::info!(devices = ?selected, "eBPF TC service path attached");
             let ebpf = Arc::new(Mutex::new(ebpf));
             let (ebpf2, addrs2) = (ebpf.clone(), addresses.clone());
             let watcher = AddressWatcher::spawn(Some(selected), ADDRESS_POLL, move |a| {
-                if let Err(e) =
-                    TcPath::set_node_addresses(&mut ebpf2.lock().expect("poisoned"), &a.snat_v4())
+                let mut ebpf = ebpf2.lock().expect("poisoned");
+                if let Err(e) = TcPath::set_node_addresses(&mut ebpf, &a.snat_v4())
+                    .and_then(|()| TcPath::set_node_addresses6(&mut ebpf, &a.snat_v6()))
                 {
                     tracing::warn!(error = %e, "cannot update the TC path's SNAT addresses");
                 }
+                drop(ebpf);
                 *addrs2.lock().expect("poisoned") = Some(a.clone());
             });
             Some(Tc {
@@ -227,6 +230,11 @@ impl EbpfMode {
                 && let Ok(entries) = ct::entries(&ebpf)
             {
                 m.set_bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
+            }
+            if let Some(m) = &self.metrics
+                && let Ok(entries) = ct::entries6(&ebpf)
+            {
+                m.set_bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
             }
         }
         if let Some(m) = &self.metrics {

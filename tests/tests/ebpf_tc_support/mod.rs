@@ -3,6 +3,9 @@
 //! IPv4 frames and checking their checksums.
 #![allow(dead_code)]
 
+pub mod frames6;
+pub mod rig;
+
 use std::net::Ipv4Addr;
 
 use aya::Ebpf;

@@ -15,8 +15,8 @@
 //!     (upstream REJECT); otherwise an empty local set means DROP ("has no local endpoints").
 //! - with `--bpf-lb-algorithm maglev`, IPv4 external-scope frontends get [`SVC_F_MAGLEV`] and
 //!   the set they point at [`SetPlan::maglev`] (the applier builds its table; socket LB, i.e.
-//!   the cluster-scope entries, keeps the random choice; IPv6 sets get no table while the TC
-//!   path, the only reader, handles IPv4 only);
+//!   the cluster-scope entries, keeps the random choice; IPv6 sets get no table: the TC
+//!   path's IPv6 programs pick a random slot);
 //! - LB VIPs of a service with loadBalancerSourceRanges get [`SVC_F_SOURCE_RANGES`] on their
 //!   external-scope entry and one LPM entry per range of the family.
 //!

@@ -8,12 +8,12 @@
 //! 1 s). Everything runs in the network namespace of the thread that calls [`scan`] or
 //! [`AddressWatcher::spawn`] (tests call them from inside the node's namespace).
 //!
-//! The callback is where the agent (1) updates `KP_NODE_ADDR4` through
-//! [`super::TcPath::set_node_addresses`] and (2) hands [`NodeAddresses::all`] to the eBPF
+//! The callback is where the agent (1) updates `KP_NODE_ADDR4` / `KP_NODE_ADDR6` through
+//! [`super::TcPath::set_node_addresses`] / [`super::TcPath::set_node_addresses6`] and (2) hands [`NodeAddresses::all`] to the eBPF
 //! planner, which creates one NodePort frontend per node address.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
@@ -99,6 +99,23 @@ impl NodeAddresses {
             .filter_map(|(index, addrs)| {
                 addrs.iter().find_map(|a| match a {
                     IpAddr::V4(v4) if is_node_addr(*a) => Some((*index, *v4)),
+                    _ => None,
+                })
+            })
+            .collect()
+    }
+}
+
+impl NodeAddresses {
+    /// The IPv6 SNAT source of each device: ifindex → its first global-scope IPv6 node address
+    /// (link-local addresses are never node addresses, see
+    /// [`super::devices::is_node_addr`]).
+    pub fn snat_v6(&self) -> Vec<(u32, Ipv6Addr)> {
+        self.devices
+            .values()
+            .filter_map(|(index, addrs)| {
+                addrs.iter().find_map(|a| match a {
+                    IpAddr::V6(v6) if is_node_addr(*a) => Some((*index, *v6)),
                     _ => None,
                 })
             })
@@ -197,6 +214,11 @@ mod tests {
         let only = NodeAddresses::from_interfaces(&ifaces, Some(&["eth1".to_string()]));
         assert_eq!(only.all(), vec!["2001:db8::1".parse::<IpAddr>().unwrap()]);
         assert!(only.snat_v4().is_empty());
+        assert_eq!(only.snat_v6(), vec![(3, "2001:db8::1".parse().unwrap())]);
+        assert!(
+            all.snat_v6().iter().all(|(i, _)| *i == 3),
+            "eth0's link-local address is not a SNAT source"
+        );
     }
 
     #[test]

@@ -1,15 +1,16 @@
 //! [`TcPath`]: loads `kp_tc_in` / `kp_tc_eg` from the shared BPF object, writes the NAT
 //! configuration and the per-device SNAT sources, and attaches the programs to devices.
 //!
-//! Attachment uses TCX links (kernel >= 6.6). With a pin directory (the agent's
-//! `<bpffs>/kproxy/`), each link is pinned as `tc-<ifname>-in` / `tc-<ifname>-eg`; a
+//! Attachment uses TCX links (kernel >= 6.6), four per device ([`HOOKS`]: IPv4 and IPv6
+//! ingress and egress). With a pin directory (the agent's `<bpffs>/kproxy/`), each link is
+//! pinned as `tc-<ifname>-in` / `-eg` / `-in6` / `-eg6`; a
 //! restarted agent finds the pin and swaps its freshly loaded program into the existing link
 //! (`attach_to_link`), so there is never a moment without the program and the pinned maps —
 //! connection table included — carry established flows over. [`TcPath::detach`] unpins.
 
 use std::collections::BTreeMap;
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
@@ -22,6 +23,7 @@ use kproxy_common::ct::{
     DEFAULT_CT_ENTRIES, DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, MAP_CT, MAP_NAT_CONFIG,
     MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, TcStat,
 };
+use kproxy_common::ct6::{MAP_CT6, MAP_NODE_ADDR6, NodeAddr6, PROG_TC6_EGRESS, PROG_TC6_INGRESS};
 
 /// Errors of the TC path.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +63,8 @@ pub struct TcConfig {
     /// Where links are pinned (`<bpffs>/kproxy/links`); `None`: links live as long as the
     /// [`Ebpf`].
     pub pin_dir: Option<PathBuf>,
-    /// `max_entries` of `KP_CT` when this instance creates it ([`load_object`]).
+    /// `max_entries` of `KP_CT` and of `KP_CT6` when this instance creates them
+    /// ([`load_object`]).
     pub ct_entries: u32,
 }
 
@@ -95,7 +98,7 @@ impl TcConfig {
 /// Loads the embedded object with its pinned maps in `map_pin_dir` (`<bpffs>/kproxy`): an
 /// instance of its own that shares every pinned map (service maps, `KP_CT`) with the eBPF
 /// dataplane's instance, so the TC path can be loaded, attached and maintained independently.
-/// `KP_CT` gets `config.ct_entries` if this is the first load that creates it.
+/// `KP_CT` and `KP_CT6` get `config.ct_entries` if this is the first load that creates them.
 pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcError> {
     if !crate::bpf::is_built() {
         return Err(TcError::Config {
@@ -106,6 +109,7 @@ pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcErro
     EbpfLoader::new()
         .default_map_pin_directory(map_pin_dir)
         .map_max_entries(MAP_CT, config.ct_entries)
+        .map_max_entries(MAP_CT6, config.ct_entries)
         .load(crate::bpf::OBJECT)
         .map_err(|e| TcError::Config {
             field: "BPF object",
@@ -113,10 +117,13 @@ pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcErro
         })
 }
 
-/// The direction of one attachment.
-const HOOKS: [(&str, TcAttachType, &str); 2] = [
+/// Every attachment on a device: program, direction, pin suffix. IPv4 and IPv6 are separate
+/// programs (see `kproxy-ebpf/src/tc6.rs` for why); each passes the other family on.
+pub const HOOKS: [(&str, TcAttachType, &str); 4] = [
     (PROG_TC_INGRESS, TcAttachType::Ingress, "in"),
     (PROG_TC_EGRESS, TcAttachType::Egress, "eg"),
+    (PROG_TC6_INGRESS, TcAttachType::Ingress, "in6"),
+    (PROG_TC6_EGRESS, TcAttachType::Egress, "eg6"),
 ];
 
 /// The TC programs of one loaded object and where they are attached.
@@ -262,6 +269,33 @@ impl TcPath {
         Ok(())
     }
 
+    /// Replaces `KP_NODE_ADDR6` with `sources` (ifindex → IPv6 SNAT source of that device);
+    /// see [`super::addresses::NodeAddresses::snat_v6`].
+    pub fn set_node_addresses6(
+        ebpf: &mut Ebpf,
+        sources: &[(u32, Ipv6Addr)],
+    ) -> Result<(), TcError> {
+        let name = MAP_NODE_ADDR6;
+        let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
+        let mut table =
+            BpfHashMap::<_, u32, NodeAddr6>::try_from(map).map_err(TcError::map(name))?;
+        for (index, addr) in sources {
+            let value = NodeAddr6 {
+                addr: encode6(*addr),
+            };
+            table.insert(index, value, 0).map_err(TcError::map(name))?;
+        }
+        let stale: Vec<u32> = table
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !sources.iter().any(|(i, _)| i == k))
+            .collect();
+        for k in stale {
+            let _ = table.remove(&k);
+        }
+        Ok(())
+    }
+
     /// The programs' counters, summed over CPUs.
     pub fn stats(ebpf: &Ebpf) -> Result<BTreeMap<&'static str, u64>, TcError> {
         let name = MAP_TC_STATS;
@@ -289,6 +323,14 @@ pub fn stat_name(s: TcStat) -> &'static str {
         TcStat::IcmpError => "icmp_error",
         TcStat::CtInsertFailed => "ct_insert_failed",
     }
+}
+
+/// An IPv6 address as the maps hold it (`kproxy_common::ct6`: four `from_ne_bytes` words).
+pub fn encode6(addr: Ipv6Addr) -> [u32; 4] {
+    let o = addr.octets();
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
 }
 
 pub(crate) fn classifier<'a>(
@@ -322,6 +364,16 @@ mod tests {
             .unwrap_err();
             assert!(err.to_string().contains("snat_ports"), "{err}");
         }
+    }
+
+    #[test]
+    fn ipv6_addresses_are_encoded_in_header_order() {
+        let w = encode6("2001:db8::1".parse().unwrap());
+        let mut bytes = [0u8; 16];
+        for (i, x) in w.iter().enumerate() {
+            bytes[4 * i..4 * i + 4].copy_from_slice(&x.to_ne_bytes());
+        }
+        assert_eq!(bytes, "2001:db8::1".parse::<Ipv6Addr>().unwrap().octets());
     }
 
     #[test]

@@ -1,7 +1,18 @@
 //! The eBPF TC service path: NodePort / ExternalIP / LoadBalancer traffic arriving from outside
-//! the node, handled by `kp_tc_in` / `kp_tc_eg` (`kproxy-ebpf/src/tc.rs`) on the node's
-//! devices. IPv4 only (IPv6 frontends are served by socket LB for node-local clients; external
-//! IPv6 clients are not translated yet).
+//! the node, handled by `kp_tc_in` / `kp_tc_eg` (IPv4, `kproxy-ebpf/src/tc.rs`) and
+//! `kp_tc_in6` / `kp_tc_eg6` (IPv6, `kproxy-ebpf/src/tc6.rs`), all four attached to each node
+//! device (each pair passes the other family on).
+//!
+//! IPv6 covers what IPv4 does — DNAT of NodePorts on the node's IPv6 addresses, ExternalIPs
+//! and LB VIPs to local and remote backends, BPF SNAT (eTP=Cluster, remote backend, hairpin)
+//! to the first global IPv6 address of the egress device (`KP_NODE_ADDR6`, from
+//! [`addresses::NodeAddresses::snat_v6`]) with the shared SNAT port range, reverse NAT from
+//! `KP_CT6`, ICMPv6 errors about translated flows (destination unreachable, packet too big,
+//! time exceeded, parameter problem), TCP RST / ICMPv6 port unreachable without endpoints,
+//! eTP=Local, loadBalancerSourceRanges (IPv6 CIDRs in the shared LPM trie), session affinity,
+//! CT6 purge and idle expiry ([`ct`]) — except: packets with IPv6 extension headers (fragments
+//! included) pass untranslated, and IPv6 sets have no Maglev table (random slot). The IPv6
+//! state lives in its own maps (`kproxy_common::ct6`); counters are shared with IPv4.
 //!
 //! The programs read the service maps the eBPF applier writes (`kproxy_common::service`) and
 //! own the connection table and NAT state (`kproxy_common::ct`: entry kinds, why DNAT is done
@@ -9,7 +20,7 @@
 //!
 //! - [`devices`]: which devices get the programs (`--bpf-devices`, or the default rule) — pure.
 //! - [`addresses`]: node addresses per device, read from the kernel and watched for changes;
-//!   feeds `KP_NODE_ADDR4` (SNAT source per device) and the planner's NodePort frontends.
+//!   feeds `KP_NODE_ADDR4` / `KP_NODE_ADDR6` (SNAT source per device) and the planner's NodePort frontends.
 //! - [`ct`]: connection-table maintenance: purge flows of removed backends, expire idle ones
 //!   (pure planners over a snapshot of the table, plus the map I/O).
 //! - [`attach`]: [`TcPath`], loading the programs, writing the NAT config and attaching to

@@ -1,0 +1,230 @@
+//! The TC-path traffic rig shared by `ebpf_tc` (IPv4) and `ebpf_tc6` (IPv6): the real eBPF
+//! dataplane (planner + applier, pinned maps on a private bpffs, socket LB off) programming
+//! frontends from snapshots, `kp_tc_in`/`kp_tc_eg` attached (pinned TCX links) to the devices
+//! the default rule selects inside the node namespace of the shared topology (one local pod
+//! `pod-l0`, one remote pod `pod-r0`, both serving), and snapshot builders.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use aya::Ebpf;
+use aya::programs::links::{FdLink, PinnedLink};
+use kproxy::dataplane::Dataplane;
+use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
+use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, devices};
+use kproxy::model::{
+    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
+    Snapshot,
+};
+use kproxy_tests::netns::Bpffs;
+use kproxy_tests::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
+
+pub const NODE_PORT: u16 = 30080;
+pub const POD_PORT: u16 = 8080;
+
+pub struct Rig {
+    // Drop order: programs, dataplane, namespaces (devices and their links), bpffs.
+    pub tc: TcPath,
+    pub tc_ebpf: Arc<Mutex<Ebpf>>,
+    pub dp: Arc<Mutex<EbpfDataplane>>,
+    pub topo: Topology,
+    pub bpffs: Bpffs,
+}
+
+pub fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
+    ServicePortName {
+        namespace: "default".into(),
+        name: name.into(),
+        port: "p".into(),
+        protocol,
+    }
+}
+
+pub fn service(name: &str, protocol: Protocol) -> ServicePort {
+    ServicePort {
+        name: port_name(name, protocol),
+        service_type: ServiceType::NodePort,
+        cluster_ips: vec!["10.96.0.10".parse().unwrap()],
+        port: 80,
+        protocol,
+        node_port: NODE_PORT,
+        external_ips: vec![],
+        load_balancer_ingress: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: 0,
+        session_affinity_timeout: None,
+    }
+}
+
+pub fn endpoint(ip: impl Into<IpAddr>, local: bool) -> Endpoint {
+    Endpoint {
+        ip: ip.into(),
+        port: POD_PORT,
+        ready: true,
+        serving: true,
+        terminating: false,
+        is_local: local,
+        node_name: Some(if local { "node" } else { "node2" }.into()),
+        zone: None,
+        zone_hints: BTreeSet::new(),
+        node_hints: BTreeSet::new(),
+    }
+}
+
+pub fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
+    let mut snap = Snapshot {
+        generation: 1,
+        node: NodeInfo {
+            name: "node".into(),
+            addresses: node_addrs,
+            ..NodeInfo::default()
+        },
+        ..Snapshot::default()
+    };
+    for (svc, eps) in services {
+        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
+        snap.services.insert(svc.name.clone(), Arc::new(svc));
+    }
+    snap
+}
+
+impl Rig {
+    /// IPv4 only.
+    pub fn new(test: &str) -> Rig {
+        Rig::build(test, false)
+    }
+
+    /// Dual stack: the topology's IPv6 addresses too, both families programmed, both SNAT
+    /// source maps written.
+    pub fn dual_stack(test: &str) -> Rig {
+        Rig::build(test, true)
+    }
+
+    fn build(test: &str, ipv6: bool) -> Rig {
+        let mut topo = TopologySpec::new(test)
+            .local_pods(1)
+            .remote_pods(1)
+            .ipv6(ipv6)
+            .build()
+            .unwrap();
+        topo.serve_all().unwrap();
+        let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
+        let cfg = EbpfConfig {
+            bpffs: bpffs.path().to_path_buf(),
+            families: if ipv6 {
+                vec![IpFamily::V4, IpFamily::V6]
+            } else {
+                vec![IpFamily::V4]
+            },
+            socket_lb: false,
+            map_sizes: MapSizes {
+                services: 1024,
+                backend_slots: 1024,
+                backends: 1024,
+                affinity: 1024,
+                source_ranges: 256,
+                sock_rev_nat: 256,
+                ..MapSizes::default()
+            },
+            ..EbpfConfig::default()
+        };
+        let dp = EbpfDataplane::new(cfg).unwrap();
+        let pins = bpffs.path().join("kproxy");
+        let config = TcConfig {
+            pin_dir: Some(pins.join("links")),
+            ct_entries: 8192,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &config).unwrap();
+        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+        // Default device selection, inside the node's namespace.
+        let ifaces = topo.node.run(scan).unwrap().unwrap();
+        let selected = devices::select(None, &ifaces).unwrap();
+        assert!(
+            selected.contains(&NODE_CLIENT_IF.to_string())
+                && selected.contains(&NODE_PEER_IF.to_string()),
+            "selected {selected:?}"
+        );
+        topo.node
+            .run(|| {
+                for dev in &selected {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
+        TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
+        TcPath::set_node_addresses6(&mut ebpf, &addrs.snat_v6()).unwrap();
+        Rig {
+            tc,
+            tc_ebpf: Arc::new(Mutex::new(ebpf)),
+            dp: Arc::new(Mutex::new(dp)),
+            topo,
+            bpffs,
+        }
+    }
+
+    /// An agent restart as the TC path sees it: a fresh object instance (reusing every pinned
+    /// map), programs loaded and attached again through the pinned links, then the old
+    /// instance dropped.
+    pub fn restart_tc(&mut self) {
+        let pins = self.bpffs.path().join("kproxy");
+        let config = TcConfig {
+            pin_dir: Some(pins.join("links")),
+            ct_entries: 8192,
+            ..TcConfig::default()
+        };
+        let mut ebpf = load_object(&pins, &config).unwrap();
+        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+        let devices = self.tc.attached();
+        self.topo
+            .node
+            .run(|| {
+                for dev in &devices {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        self.tc = tc;
+        *self.tc_ebpf.lock().unwrap() = ebpf;
+    }
+
+    /// Ids of the pinned TC links.
+    pub fn link_ids(&self) -> Vec<u32> {
+        let dir = self.bpffs.path().join("kproxy/links");
+        let mut ids = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("tc-")
+            {
+                let link = PinnedLink::from_pin(&path).unwrap();
+                ids.push(FdLink::from(link).info().unwrap().id());
+            }
+        }
+        ids.sort();
+        ids
+    }
+
+    pub fn sync(&self, snap: &Snapshot) {
+        let report = self
+            .dp
+            .lock()
+            .unwrap()
+            .sync(snap, &ChangedSet::default())
+            .unwrap();
+        assert_eq!(report.failed_services, 0, "{report:?}");
+    }
+
+    pub fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
+        p.run(&self.topo.client, None).unwrap()
+    }
+}
