@@ -47,15 +47,15 @@ use kproxy_common::service::{
     ServiceKey, ServiceValue, SourceRangeKey, is_v4_mapped,
 };
 
+use crate::flow::{
+    KP_NAT_CFG, NS_PER_SEC, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, in_snat_range, now, now_coarse,
+};
 use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
 use crate::packet6::{
     IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, Parsed6, parse6,
 };
 use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
-use crate::flow::{
-    KP_NAT_CFG, NS_PER_SEC, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, in_snat_range, now, now_coarse,
-};
 use crate::tc::{DROP, NEXT, Verdict, stat};
 
 /// `kproxy_common::ct6::MAP_CT6`.
