@@ -20,6 +20,7 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
+use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
@@ -243,9 +244,25 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
     let affinity: Vec<AffinityKey> = any_hash::<AffinityKey, AffinityValue>(&dir, MAP_AFFINITY)
         .map(|(m, _)| m.keys().filter_map(Result::ok).collect())
         .unwrap_or_default();
-    let ct: Vec<CtEntry> = any_hash::<CtKey, CtEntry>(&dir, MAP_CT)
-        .map(|(m, _)| m.iter().filter_map(Result::ok).map(|(_, v)| v).collect())
+    // Flows of both families: (svc_id) of every KP_CT and KP_CT6 entry.
+    let mut ct: Vec<u32> = any_hash::<CtKey, CtEntry>(&dir, MAP_CT)
+        .map(|(m, _)| {
+            m.iter()
+                .filter_map(Result::ok)
+                .map(|(_, v)| v.svc_id)
+                .collect()
+        })
         .unwrap_or_default();
+    ct.extend(
+        any_hash::<CtKey6, CtEntry6>(&dir, MAP_CT6)
+            .map(|(m, _)| {
+                m.iter()
+                    .filter_map(Result::ok)
+                    .map(|(_, v)| v.svc_id)
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default(),
+    );
     let entries: Vec<(ServiceKey, ServiceValue)> = services.iter().filter_map(Result::ok).collect();
     for (name, sp) in &snap.services {
         let r = out
@@ -287,7 +304,7 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
             }
         }
         r.affinity_entries = Some(affinity.iter().filter(|k| ids.contains(&k.svc_id)).count());
-        r.ct_entries = Some(ct.iter().filter(|e| ids.contains(&e.svc_id)).count());
+        r.ct_entries = Some(ct.iter().filter(|id| ids.contains(id)).count());
     }
     for name in [
         MAP_SERVICES,
@@ -298,6 +315,7 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
         MAP_SOCK_REV_NAT,
         MAP_SOCK_FWD,
         MAP_CT,
+        MAP_CT6,
     ] {
         if let Some(f) = pinned_count(&dir, name) {
             out.maps.push(f);
