@@ -4,7 +4,6 @@
 //! the default rule selects inside the node namespace of the shared topology (one local pod
 //! `pod-l0`, one remote pod `pod-r0`, both serving), and snapshot builders.
 
-use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
@@ -16,8 +15,7 @@ use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, devices};
 use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
+    ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, ServicePortName, Snapshot, testing,
 };
 use kproxy_tests::netns::Bpffs;
 use kproxy_tests::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
@@ -35,62 +33,28 @@ pub struct Rig {
 }
 
 pub fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "default".into(),
-        name: name.into(),
-        port: "p".into(),
-        protocol,
-    }
+    testing::port_name("default", name, "p", protocol)
 }
 
 pub fn service(name: &str, protocol: Protocol) -> ServicePort {
-    ServicePort {
-        name: port_name(name, protocol),
-        service_type: ServiceType::NodePort,
-        cluster_ips: vec!["10.96.0.10".parse().unwrap()],
-        port: 80,
-        protocol,
-        node_port: NODE_PORT,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    testing::service_port("default", name, "p")
+        .protocol(protocol)
+        .cluster_ip("10.96.0.10")
+        .node_port(NODE_PORT)
+        .build()
 }
 
 pub fn endpoint(ip: impl Into<IpAddr>, local: bool) -> Endpoint {
-    Endpoint {
-        ip: ip.into(),
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "node" } else { "node2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(ip.into(), POD_PORT)
+        .local_on("node", "node2", local)
+        .build()
 }
 
 pub fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: node_addrs,
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    for (svc, eps) in services {
-        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    snap
+    testing::snapshot("node")
+        .node_addresses(node_addrs)
+        .services(services)
+        .build()
 }
 
 impl Rig {
