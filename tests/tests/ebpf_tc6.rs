@@ -76,34 +76,13 @@ fn ipv6_nodeport_from_outside_reaches_local_and_remote_backends() {
             (service6("web", Protocol::Udp, 0), both_pods()),
         ],
     ));
-    for proto in ["tcp", "udp"] {
-        let addr = at(NODE_IP6, NODE_PORT);
-        let p = if proto == "tcp" {
-            Probe::tcp(addr, 40)
-        } else {
-            Probe::udp(addr, 40)
-        };
-        let r = rig.probe(p);
-        assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
-        assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
-        assert!(
-            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
-                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
-            "{proto}: both backends answer: {r:?}"
-        );
-        // eTP=Cluster: the remote backend sees the node's IPv6 address on the device toward
-        // it (BPF SNAT), the local one the client.
-        assert_eq!(
-            r.peer_ips("pod-r0"),
-            vec![NODE_LINK_IP6.to_string()],
-            "{proto}"
-        );
-        assert_eq!(
-            r.peer_ips("pod-l0"),
-            vec![CLIENT_IP6.to_string()],
-            "{proto}"
-        );
-    }
+    // eTP=Cluster: the remote backend sees the node's IPv6 address on the device toward it
+    // (BPF SNAT), the local one the client.
+    rig.assert_both_backends(
+        &at(NODE_IP6, NODE_PORT),
+        NODE_LINK_IP6.into(),
+        CLIENT_IP6.into(),
+    );
     // The second node address answers too.
     let r = rig.probe(Probe::tcp(at(NODE_LINK_IP6, NODE_PORT), 10));
     assert_eq!(r.total_answers(), 10, "{r:?}");

@@ -191,4 +191,36 @@ impl Rig {
     pub fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
         p.run(&self.topo.client, None).unwrap()
     }
+
+    /// 40 TCP then 40 UDP probes from the client to `addr` (an eTP=Cluster NodePort with
+    /// `both_pods` as backends): every probe answered, both `pod-l0` and `pod-r0` answer, the
+    /// remote backend sees `remote_peer` (the node's BPF SNAT address toward it) and the local
+    /// one `local_peer` (the client).
+    pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) {
+        for proto in ["tcp", "udp"] {
+            let p = if proto == "tcp" {
+                Probe::tcp(addr, 40)
+            } else {
+                Probe::udp(addr, 40)
+            };
+            let r = self.probe(p);
+            assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
+            assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
+            assert!(
+                r.answers.get("pod-l0").copied().unwrap_or(0) > 0
+                    && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
+                "{proto}: both backends answer: {r:?}"
+            );
+            assert_eq!(
+                r.peer_ips("pod-r0"),
+                vec![remote_peer.to_string()],
+                "{proto}"
+            );
+            assert_eq!(
+                r.peer_ips("pod-l0"),
+                vec![local_peer.to_string()],
+                "{proto}"
+            );
+        }
+    }
 }
