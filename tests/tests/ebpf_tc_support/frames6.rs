@@ -9,7 +9,7 @@ use aya::maps::HashMap as BpfHashMap;
 use kproxy::dataplane::ebpf_tc::attach::encode6;
 use kproxy_common::service::{BackendValue, MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue};
 
-use super::{MAC_A, MAC_B, TCP, UDP, csum};
+use super::{MAC_A, MAC_B, TCP, UDP, csum, l4_ports};
 
 pub fn frontend6(
     ebpf: &mut Ebpf,
@@ -181,14 +181,7 @@ pub fn parse6_checked(frame: &[u8]) -> Parsed6 {
     let mut all = pseudo6(src, dst, proto, l4.len());
     all.extend_from_slice(&l4);
     assert_eq!(csum(&all), 0, "proto {proto} checksum is wrong");
-    let (sport, dport) = if proto == TCP || proto == UDP {
-        (
-            u16::from_be_bytes([l4[0], l4[1]]),
-            u16::from_be_bytes([l4[2], l4[3]]),
-        )
-    } else {
-        (0, 0)
-    };
+    let (sport, dport) = l4_ports(proto, &l4);
     Parsed6 {
         src,
         dst,

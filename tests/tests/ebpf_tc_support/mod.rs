@@ -286,14 +286,7 @@ pub fn parse_checked(frame: &[u8]) -> Parsed {
         ICMP => assert_eq!(csum(&l4), 0, "ICMP checksum is wrong"),
         _ => {}
     }
-    let (sport, dport) = if proto == TCP || proto == UDP {
-        (
-            u16::from_be_bytes([l4[0], l4[1]]),
-            u16::from_be_bytes([l4[2], l4[3]]),
-        )
-    } else {
-        (0, 0)
-    };
+    let (sport, dport) = l4_ports(proto, &l4);
     Parsed {
         src,
         dst,
@@ -301,5 +294,18 @@ pub fn parse_checked(frame: &[u8]) -> Parsed {
         sport,
         dport,
         l4,
+    }
+}
+
+/// The (source, destination) ports of a TCP or UDP header `l4` (of either family); (0, 0) for
+/// any other protocol.
+pub fn l4_ports(proto: u8, l4: &[u8]) -> (u16, u16) {
+    if proto == TCP || proto == UDP {
+        (
+            u16::from_be_bytes([l4[0], l4[1]]),
+            u16::from_be_bytes([l4[2], l4[3]]),
+        )
+    } else {
+        (0, 0)
     }
 }
