@@ -6,6 +6,7 @@
 
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
@@ -15,7 +16,8 @@ use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, devices};
 use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, ServicePortName, Snapshot, testing,
+    ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ServicePort,
+    ServicePortName, ServiceType, Snapshot, testing,
 };
 use kproxy_tests::netns::Bpffs;
 use kproxy_tests::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
@@ -55,6 +57,28 @@ pub fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoin
         .node_addresses(node_addrs)
         .services(services)
         .build()
+}
+
+/// Makes `lb` a LoadBalancer with the VIP `ip` that admits only clients in `range`.
+pub fn lb_vip(lb: &mut ServicePort, ip: IpAddr, range: &str) {
+    lb.service_type = ServiceType::LoadBalancer;
+    lb.load_balancer_ingress = vec![LoadBalancerIngress {
+        ip,
+        ip_mode: IpMode::Vip,
+    }];
+    lb.load_balancer_source_ranges = vec![range.parse().unwrap()];
+}
+
+/// `denied`: the LoadBalancer `lb` again on port 81 (node port [`NODE_PORT`] + 3) with
+/// `cluster_ips`, admitting only `range`, which the client is outside of.
+pub fn denied_copy(lb: &ServicePort, cluster_ips: &[&str], range: &str) -> ServicePort {
+    let mut denied = lb.clone();
+    denied.name = port_name("denied", Protocol::Tcp);
+    denied.cluster_ips = cluster_ips.iter().map(|ip| ip.parse().unwrap()).collect();
+    denied.node_port = NODE_PORT + 3;
+    denied.port = 81;
+    denied.load_balancer_source_ranges = vec![range.parse().unwrap()];
+    denied
 }
 
 impl Rig {
@@ -190,6 +214,25 @@ impl Rig {
 
     pub fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
         p.run(&self.topo.client, None).unwrap()
+    }
+
+    /// TCP probes to each of `vips` (frontends of `both_pods`) answered by both backends, the
+    /// remote one seeing `remote_peer`; none to `denied` (outside its source ranges), dropped
+    /// and counted by the TC program.
+    pub fn assert_source_ranges(&self, vips: &[String], denied: &str, remote_peer: IpAddr) {
+        for vip in vips {
+            let r = self.probe(Probe::tcp(vip.as_str(), 30));
+            assert_eq!(r.total_answers(), 30, "{vip}: {r:?}");
+            assert_eq!(r.answers.len(), 2, "{vip}: both backends: {r:?}");
+            assert_eq!(r.peer_ips("pod-r0"), vec![remote_peer.to_string()], "{vip}");
+        }
+        let r = self.probe(Probe::tcp(denied, 2).timeout(Duration::from_millis(700)));
+        assert_eq!(
+            r.total_answers(),
+            0,
+            "client outside the source ranges: {r:?}"
+        );
+        assert!(TcPath::stats(&self.tc_ebpf.lock().unwrap()).unwrap()["source_range_drop"] >= 2);
     }
 
     /// 40 TCP then 40 UDP probes from the client to `addr` (an eTP=Cluster NodePort with
