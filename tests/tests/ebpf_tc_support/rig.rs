@@ -81,6 +81,27 @@ pub fn denied_copy(lb: &ServicePort, cluster_ips: &[&str], range: &str) -> Servi
     denied
 }
 
+/// A fresh object instance over the maps pinned in `bpffs` (links pinned too), its TC programs
+/// loaded and attached to `devices` inside the node's namespace.
+fn load_and_attach(bpffs: &Bpffs, topo: &Topology, devices: &[String]) -> (Ebpf, TcPath) {
+    let pins = bpffs.path().join("kproxy");
+    let config = TcConfig {
+        pin_dir: Some(pins.join("links")),
+        ct_entries: 8192,
+        ..TcConfig::default()
+    };
+    let mut ebpf = load_object(&pins, &config).unwrap();
+    let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+    topo.node
+        .run(|| {
+            for dev in devices {
+                tc.attach(&mut ebpf, dev).unwrap();
+            }
+        })
+        .unwrap();
+    (ebpf, tc)
+}
+
 impl Rig {
     /// IPv4 only.
     pub fn new(test: &str) -> Rig {
@@ -122,14 +143,6 @@ impl Rig {
             ..EbpfConfig::default()
         };
         let dp = EbpfDataplane::new(cfg).unwrap();
-        let pins = bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
         // Default device selection, inside the node's namespace.
         let ifaces = topo.node.run(scan).unwrap().unwrap();
         let selected = devices::select(None, &ifaces).unwrap();
@@ -138,13 +151,7 @@ impl Rig {
                 && selected.contains(&NODE_PEER_IF.to_string()),
             "selected {selected:?}"
         );
-        topo.node
-            .run(|| {
-                for dev in &selected {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
+        let (mut ebpf, tc) = load_and_attach(&bpffs, &topo, &selected);
         let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
         TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
         TcPath::set_node_addresses6(&mut ebpf, &addrs.snat_v6()).unwrap();
@@ -161,23 +168,7 @@ impl Rig {
     /// map), programs loaded and attached again through the pinned links, then the old
     /// instance dropped.
     pub fn restart_tc(&mut self) {
-        let pins = self.bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
-        let devices = self.tc.attached();
-        self.topo
-            .node
-            .run(|| {
-                for dev in &devices {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
+        let (ebpf, tc) = load_and_attach(&self.bpffs, &self.topo, &self.tc.attached());
         self.tc = tc;
         *self.tc_ebpf.lock().unwrap() = ebpf;
     }
