@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::frames6::*;
-use ebpf_tc_support::{TCP, UDP, load, slots, tcp_frame};
+use ebpf_tc_support::{TCP, UDP, backend, frontend, load, slots, tcp_frame};
 use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
 use kproxy::dataplane::ebpf_tc::{CtKind, TcConfig, TcPath};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6, PROG_TC6_EGRESS, PROG_TC6_INGRESS};
@@ -51,7 +51,7 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv6Addr)]) -> (
         },
     );
     for (id, addr) in backends {
-        backend6(&mut ebpf, *id, *addr, BPORT, 0);
+        backend(&mut ebpf, *id, *addr, BPORT, 0);
     }
     slots(
         &mut ebpf,
@@ -64,8 +64,8 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv6Addr)]) -> (
         flags,
         affinity_timeout: 0,
     };
-    frontend6(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
-    frontend6(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
+    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
     TcPath::set_node_addresses6(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
     (bpffs, ebpf)
 }

@@ -6,12 +6,12 @@
 pub mod frames6;
 pub mod rig;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::attach::{encode6, load_object};
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
@@ -36,11 +36,27 @@ pub fn ip4(a: Ipv4Addr) -> u32 {
     u32::from_ne_bytes(a.octets())
 }
 
-pub fn frontend(ebpf: &mut Ebpf, addr: Ipv4Addr, port: u16, proto: u8, scope: u8, v: ServiceValue) {
+/// A service-map address as the applier encodes it: IPv4 v4-mapped, IPv6 as is.
+pub fn map_addr(addr: impl Into<IpAddr>) -> [u32; 4] {
+    match addr.into() {
+        IpAddr::V4(a) => v4_mapped(ip4(a)),
+        IpAddr::V6(a) => encode6(a),
+    }
+}
+
+/// Writes the frontend `addr:port` (either family).
+pub fn frontend(
+    ebpf: &mut Ebpf,
+    addr: impl Into<IpAddr>,
+    port: u16,
+    proto: u8,
+    scope: u8,
+    v: ServiceValue,
+) {
     let mut m: BpfHashMap<_, ServiceKey, ServiceValue> =
         BpfHashMap::try_from(ebpf.map_mut(MAP_SERVICES).unwrap()).unwrap();
     let key = ServiceKey {
-        addr: v4_mapped(ip4(addr)),
+        addr: map_addr(addr),
         port: port.to_be(),
         proto,
         scope,
@@ -60,11 +76,12 @@ pub fn remove_frontend(ebpf: &mut Ebpf, addr: Ipv4Addr, port: u16, proto: u8, sc
     let _ = m.remove(&key);
 }
 
-pub fn backend(ebpf: &mut Ebpf, id: u32, addr: Ipv4Addr, port: u16, flags: u8) {
+/// Writes backend `id` at `addr:port` (either family).
+pub fn backend(ebpf: &mut Ebpf, id: u32, addr: impl Into<IpAddr>, port: u16, flags: u8) {
     let mut m: BpfHashMap<_, u32, BackendValue> =
         BpfHashMap::try_from(ebpf.map_mut(MAP_BACKENDS).unwrap()).unwrap();
     let v = BackendValue {
-        addr: v4_mapped(ip4(addr)),
+        addr: map_addr(addr),
         port: port.to_be(),
         flags,
         _pad: 0,
