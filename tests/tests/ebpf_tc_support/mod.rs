@@ -15,7 +15,8 @@ use kproxy::dataplane::ebpf_tc::attach::{encode6, load_object};
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
-    SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey, ServiceValue, SourceRangeKey, v4_mapped,
+    SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey,
+    ServiceValue, SourceRangeKey, v4_mapped,
 };
 use kproxy_tests::netns::Bpffs;
 
@@ -325,4 +326,29 @@ pub fn l4_ports(proto: u8, l4: &[u8]) -> (u16, u16) {
     } else {
         (0, 0)
     }
+}
+
+/// One NodePort service written the way the eBPF planner does (svc 1, `flags`): backends
+/// `(id, addr, backend flags)` on port `bport`, their slots, and the frontend
+/// `node:node_port/proto` as its external-scope entry plus the cluster-scope twin the planner
+/// writes for every external frontend (the TC program's "is this a frontend at all" lookup).
+pub fn node_port_service<A: Into<IpAddr> + Copy>(
+    ebpf: &mut Ebpf,
+    (node, node_port, proto): (A, u16, u8),
+    flags: u32,
+    bport: u16,
+    backends: &[(u32, A, u8)],
+) {
+    for (id, addr, bflags) in backends {
+        backend(ebpf, *id, *addr, bport, *bflags);
+    }
+    slots(ebpf, 1, &backends.iter().map(|b| b.0).collect::<Vec<_>>());
+    let value = ServiceValue {
+        svc_id: 1,
+        count: backends.len() as u32,
+        flags,
+        affinity_timeout: 0,
+    };
+    frontend(ebpf, node, node_port, proto, SCOPE_EXTERNAL, value);
+    frontend(ebpf, node, node_port, proto, SCOPE_CLUSTER, value);
 }
