@@ -2,15 +2,11 @@
 //! NodePort service on an IPv4 node whose backends are given by the caller, and the eBPF
 //! datapath configuration that programs it (IPv4 only, no socket LB, a small Maglev outer map).
 
-use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
-use std::sync::Arc;
 
 use kproxy::dataplane::ebpf::{EbpfConfig, LbAlgorithm, MapSizes};
-use kproxy::model::{
-    Endpoint, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType, Snapshot,
-};
+use kproxy::model::{Snapshot, testing};
 
 /// The node's address (the destination of NodePort flows).
 pub const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
@@ -23,54 +19,18 @@ pub const BACKEND_PORT: u16 = 8080;
 /// node port [`NODE_PORT`]) with a ready backend at each of `backends`, port
 /// [`BACKEND_PORT`], on another node.
 pub fn node_port_snapshot(backends: impl IntoIterator<Item = Ipv4Addr>) -> Snapshot {
-    let name = ServicePortName {
-        namespace: "maglev".into(),
-        name: "web".into(),
-        port: "http".into(),
-        protocol: Protocol::Tcp,
-    };
-    let sp = ServicePort {
-        name: name.clone(),
-        service_type: ServiceType::NodePort,
-        cluster_ips: vec![IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10))],
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port: NODE_PORT,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    };
+    let sp = testing::service_port("maglev", "web", "http")
+        .cluster_ip(Ipv4Addr::new(10, 96, 0, 10))
+        .node_port(NODE_PORT)
+        .build();
     let eps = backends
         .into_iter()
-        .map(|ip| Endpoint {
-            ip: IpAddr::V4(ip),
-            port: BACKEND_PORT,
-            ready: true,
-            serving: true,
-            terminating: false,
-            is_local: false,
-            node_name: Some("node2".into()),
-            zone: None,
-            zone_hints: BTreeSet::new(),
-            node_hints: BTreeSet::new(),
-        })
+        .map(|ip| testing::endpoint(ip, BACKEND_PORT).node("node2").build())
         .collect();
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node1".into(),
-            addresses: vec![IpAddr::V4(NODE)],
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    snap.endpoints.insert(name.clone(), Arc::new(eps));
-    snap.services.insert(name, Arc::new(sp));
-    snap
+    testing::snapshot("node1")
+        .node_addresses([NODE])
+        .service(sp, eps)
+        .build()
 }
 
 /// The eBPF datapath configuration over the private bpffs `bpffs`: IPv4, node address

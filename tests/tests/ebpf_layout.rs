@@ -6,8 +6,6 @@
 //! socket LB so no program of the old layout keeps running, and traffic through socket LB works
 //! afterwards.
 
-use std::collections::BTreeSet;
-use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,10 +14,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::layout::Action;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
-};
+use kproxy::model::{ChangedSet, IpFamily, testing};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::layout::{LAYOUT_NAME_LEN, LAYOUTS, LayoutRecord, MAP_LAYOUT, layout_key};
 use kproxy_common::service::{MAP_AFFINITY, MAP_SERVICES};
@@ -125,48 +120,15 @@ impl Rig {
 
     /// Programs the service and checks that a pod in the cgroup reaches it.
     fn check_traffic(&self, dp: &mut EbpfDataplane) {
-        let svc = ServicePort {
-            name: ServicePortName {
-                namespace: "default".into(),
-                name: "web".into(),
-                port: "p".into(),
-                protocol: Protocol::Tcp,
-            },
-            service_type: ServiceType::ClusterIp,
-            cluster_ips: vec![VIP.parse().unwrap()],
-            port: PORT,
-            protocol: Protocol::Tcp,
-            node_port: 0,
-            external_ips: vec![],
-            load_balancer_ingress: vec![],
-            load_balancer_source_ranges: vec![],
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: 0,
-            session_affinity_timeout: Some(60),
-        };
-        let ep = Endpoint {
-            ip: IpAddr::V4(self.topo.pod("pod-l1").ip),
-            port: POD_PORT,
-            ready: true,
-            serving: true,
-            terminating: false,
-            is_local: true,
-            node_name: Some("node".into()),
-            zone: None,
-            zone_hints: BTreeSet::new(),
-            node_hints: BTreeSet::new(),
-        };
-        let mut snap = Snapshot {
-            generation: 1,
-            node: NodeInfo {
-                name: "node".into(),
-                ..NodeInfo::default()
-            },
-            ..Snapshot::default()
-        };
-        snap.endpoints.insert(svc.name.clone(), Arc::new(vec![ep]));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
+        let svc = testing::service_port("default", "web", "p")
+            .cluster_ip(VIP)
+            .port(PORT)
+            .affinity(Some(60))
+            .build();
+        let ep = testing::endpoint(self.topo.pod("pod-l1").ip, POD_PORT)
+            .local_on("node", "node2", true)
+            .build();
+        let snap = testing::snapshot("node").service(svc, vec![ep]).build();
         let report = dp.sync(&snap, &ChangedSet::default()).unwrap();
         assert_eq!(report.failed_services, 0);
         let r = Probe::tcp(format!("{VIP}:{PORT}"), 10)

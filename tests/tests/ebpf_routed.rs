@@ -10,19 +10,14 @@
 //! `kp-probe` in the external client namespace uses connected sockets, so an answer only counts
 //! if it came back from the VIP.
 
-use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, MapSizes};
 use kproxy::dataplane::ebpf_mode::{EbpfMode, EbpfModeConfig};
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, CtKind, MAP_CT, ct};
-use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
-};
+use kproxy::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, testing};
 use kproxy_tests::netns::{Bpffs, require_root};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, POD_PORT, Probe, TopologySpec,
@@ -34,60 +29,24 @@ const PORT: u16 = 80;
 const N: u32 = 40;
 
 fn service(protocol: Protocol) -> ServicePort {
-    ServicePort {
-        name: ServicePortName {
-            namespace: "default".into(),
-            name: "web".into(),
-            port: "p".into(),
-            protocol,
-        },
-        service_type: ServiceType::ClusterIp,
-        cluster_ips: vec![IpAddr::V4(VIP)],
-        port: PORT,
-        protocol,
-        node_port: 0,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    testing::service_port("default", "web", "p")
+        .protocol(protocol)
+        .cluster_ip(VIP)
+        .port(PORT)
+        .build()
 }
 
 fn endpoint(ip: Ipv4Addr, local: bool) -> Endpoint {
-    Endpoint {
-        ip: IpAddr::V4(ip),
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "node" } else { "node2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(ip, POD_PORT)
+        .local_on("node", "node2", local)
+        .build()
 }
 
 fn snapshot(node_addrs: Vec<IpAddr>, endpoints: Vec<Endpoint>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: node_addrs,
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    for proto in [Protocol::Tcp, Protocol::Udp] {
-        let svc = service(proto);
-        snap.endpoints
-            .insert(svc.name.clone(), Arc::new(endpoints.clone()));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    snap
+    testing::snapshot("node")
+        .node_addresses(node_addrs)
+        .services([Protocol::Tcp, Protocol::Udp].map(|proto| (service(proto), endpoints.clone())))
+        .build()
 }
 
 #[test]

@@ -14,16 +14,13 @@ use std::io::{BufRead, BufReader};
 use std::net::IpAddr;
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::planner::{decode_addr, encode_addr};
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::model::{
-    ChangedSet, Endpoint, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType, Snapshot,
-};
+use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Snapshot, testing};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue,
@@ -176,62 +173,25 @@ fn pod_bytes<T: Copy>(v: &T) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
 }
 
-fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "default".into(),
-        name: name.into(),
-        port: "p".into(),
-        protocol,
-    }
-}
-
 fn service(name: &str, protocol: Protocol, vips: &[&str], affinity: Option<u32>) -> ServicePort {
-    ServicePort {
-        name: port_name(name, protocol),
-        service_type: ServiceType::ClusterIp,
-        cluster_ips: vips.iter().map(|v| v.parse().unwrap()).collect(),
-        port: PORT,
-        protocol,
-        node_port: 0,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: affinity,
-    }
+    vips.iter()
+        .fold(testing::service_port("default", name, "p"), |b, v| {
+            b.cluster_ip(*v)
+        })
+        .protocol(protocol)
+        .port(PORT)
+        .affinity(affinity)
+        .build()
 }
 
 fn endpoint(ip: IpAddr, is_local: bool) -> Endpoint {
-    Endpoint {
-        ip,
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local,
-        node_name: Some(if is_local { "node" } else { "node2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(ip, POD_PORT)
+        .local_on("node", "node2", is_local)
+        .build()
 }
 
 fn snapshot(services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    for (svc, eps) in services {
-        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    snap
+    testing::snapshot("node").services(services).build()
 }
 
 fn sync(dp: &mut EbpfDataplane, snap: &Snapshot) {

@@ -8,17 +8,14 @@
 //! The real `EbpfDataplane` (pinned maps on a private bpffs, socket LB on a test cgroup) and
 //! the shared topology: `pod-l0` is the client, `pod-l1`, `pod-l2` the backends.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::IpAddr;
 use std::process::Stdio;
-use std::sync::Arc;
 
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::model::{
-    ChangedSet, Endpoint, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType, Snapshot,
-};
+use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, Snapshot, testing};
 use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
 use kproxy_tests::topology::{POD_PORT, Topology, TopologySpec};
 
@@ -63,46 +60,22 @@ print(json.dumps(out), flush=True)
 "#;
 
 fn service() -> ServicePort {
-    ServicePort {
-        name: ServicePortName {
-            namespace: "kube-system".into(),
-            name: "dns".into(),
-            port: "dns".into(),
-            protocol: Protocol::Udp,
-        },
-        service_type: ServiceType::ClusterIp,
-        cluster_ips: vec![VIP_V4.parse().unwrap(), VIP_V6.parse().unwrap()],
-        port: PORT,
-        protocol: Protocol::Udp,
-        node_port: 0,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    testing::service_port("kube-system", "dns", "dns")
+        .protocol(Protocol::Udp)
+        .cluster_ip(VIP_V4)
+        .cluster_ip(VIP_V6)
+        .port(PORT)
+        .build()
 }
 
 fn endpoint(ip: IpAddr) -> Endpoint {
-    Endpoint {
-        ip,
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: true,
-        node_name: Some("node".into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(ip, POD_PORT)
+        .local_on("node", "node2", true)
+        .build()
 }
 
 /// The service with the endpoints of `pods` (both families).
 fn snapshot(topo: &Topology, pods: &[&str]) -> Snapshot {
-    let svc = service();
     let eps: Vec<Endpoint> = pods
         .iter()
         .flat_map(|n| {
@@ -110,17 +83,7 @@ fn snapshot(topo: &Topology, pods: &[&str]) -> Snapshot {
             [IpAddr::V4(p.ip), IpAddr::V6(p.ip6.unwrap())].map(endpoint)
         })
         .collect();
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
-    snap.services.insert(svc.name.clone(), Arc::new(svc));
-    snap
+    testing::snapshot("node").service(service(), eps).build()
 }
 
 fn check(family: &str) {

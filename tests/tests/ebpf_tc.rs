@@ -21,13 +21,13 @@ use std::time::{Duration, Instant};
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::ct_entries;
-use ebpf_tc_support::rig::{NODE_PORT, Rig, endpoint, port_name, service, snapshot};
+use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::EbpfDataplane;
 use kproxy::dataplane::ebpf_tc::addresses::AddressWatcher;
 use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy};
 use kproxy::dataplane::ebpf_tc::{TcPath, ct};
-use kproxy::model::{ChangedSet, Endpoint, IpMode, LoadBalancerIngress, Protocol, ServiceType};
+use kproxy::model::{ChangedSet, Endpoint, Protocol, ServiceType};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
 use kproxy_tests::netns::{Bpffs, require_root};
 use kproxy_tests::topology::{
@@ -62,30 +62,13 @@ fn nodeport_from_outside_reaches_local_and_remote_backends() {
             (service("web", Protocol::Udp), both_pods()),
         ],
     ));
-    for proto in ["tcp", "udp"] {
-        let addr = format!("{NODE_IP}:{NODE_PORT}");
-        let p = if proto == "tcp" {
-            Probe::tcp(addr, 40)
-        } else {
-            Probe::udp(addr, 40)
-        };
-        let r = rig.probe(p);
-        assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
-        assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
-        assert!(
-            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
-                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
-            "{proto}: both backends answer: {r:?}"
-        );
-        // eTP=Cluster: the remote backend's flows are SNATed to the node's address toward it
-        // (its replies come back through BPF reverse SNAT); the local one sees the client.
-        assert_eq!(
-            r.peer_ips("pod-r0"),
-            vec![NODE_LINK_IP.to_string()],
-            "{proto}"
-        );
-        assert_eq!(r.peer_ips("pod-l0"), vec![CLIENT_IP.to_string()], "{proto}");
-    }
+    // eTP=Cluster: the remote backend's flows are SNATed to the node's address toward it
+    // (its replies come back through BPF reverse SNAT); the local one sees the client.
+    rig.assert_both_backends(
+        &format!("{NODE_IP}:{NODE_PORT}"),
+        NODE_LINK_IP.into(),
+        CLIENT_IP.into(),
+    );
     // Attached to both node devices through pinned TCX links.
     let attached = rig.tc.attached();
     for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
@@ -161,37 +144,19 @@ fn external_ip_and_lb_vip_with_source_ranges() {
     ext.node_port = 0;
     ext.external_ips = vec![IpAddr::V4(EXTERNAL_IP)];
     let mut lb = service("lb", Protocol::Tcp);
-    lb.service_type = ServiceType::LoadBalancer;
     lb.cluster_ips = vec!["10.96.0.11".parse().unwrap()];
     lb.node_port = NODE_PORT + 2;
-    lb.load_balancer_ingress = vec![LoadBalancerIngress {
-        ip: IpAddr::V4(LB_IP),
-        ip_mode: IpMode::Vip,
-    }];
-    lb.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
-    let mut denied = lb.clone();
-    denied.name = port_name("denied", Protocol::Tcp);
-    denied.cluster_ips = vec!["10.96.0.12".parse().unwrap()];
-    denied.node_port = NODE_PORT + 3;
-    denied.port = 81;
-    denied.load_balancer_source_ranges = vec!["10.0.0.0/8".parse().unwrap()];
+    lb_vip(&mut lb, IpAddr::V4(LB_IP), "192.168.77.0/24");
+    let denied = denied_copy(&lb, &["10.96.0.12"], "10.0.0.0/8");
     rig.sync(&snapshot(
         node_ips(),
         vec![(ext, both_pods()), (lb, both_pods()), (denied, both_pods())],
     ));
-    for vip in [format!("{EXTERNAL_IP}:80"), format!("{LB_IP}:80")] {
-        let r = rig.probe(Probe::tcp(vip.clone(), 30));
-        assert_eq!(r.total_answers(), 30, "{vip}: {r:?}");
-        assert_eq!(r.answers.len(), 2, "{vip}: both backends: {r:?}");
-        assert_eq!(r.peer_ips("pod-r0"), vec![NODE_LINK_IP.to_string()]);
-    }
-    let r = rig.probe(Probe::tcp(format!("{LB_IP}:81"), 2).timeout(Duration::from_millis(700)));
-    assert_eq!(
-        r.total_answers(),
-        0,
-        "client outside the source ranges: {r:?}"
+    rig.assert_source_ranges(
+        &[format!("{EXTERNAL_IP}:80"), format!("{LB_IP}:80")],
+        &format!("{LB_IP}:81"),
+        NODE_LINK_IP.into(),
     );
-    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["source_range_drop"] >= 2);
 }
 
 #[test]
@@ -201,18 +166,8 @@ fn xdp_drops_source_range_denials_before_tc() {
     }
     let rig = Rig::new("tc-xdp");
     let mut lb = service("lb", Protocol::Tcp);
-    lb.service_type = ServiceType::LoadBalancer;
-    lb.load_balancer_ingress = vec![LoadBalancerIngress {
-        ip: IpAddr::V4(LB_IP),
-        ip_mode: IpMode::Vip,
-    }];
-    lb.load_balancer_source_ranges = vec!["192.168.77.0/24".parse().unwrap()];
-    let mut denied = lb.clone();
-    denied.name = port_name("denied", Protocol::Tcp);
-    denied.cluster_ips = vec!["10.96.0.12".parse().unwrap()];
-    denied.node_port = NODE_PORT + 3;
-    denied.port = 81;
-    denied.load_balancer_source_ranges = vec!["10.0.0.0/8".parse().unwrap()];
+    lb_vip(&mut lb, IpAddr::V4(LB_IP), "192.168.77.0/24");
+    let denied = denied_copy(&lb, &["10.96.0.12"], "10.0.0.0/8");
     rig.sync(&snapshot(
         node_ips(),
         vec![(lb, both_pods()), (denied, both_pods())],

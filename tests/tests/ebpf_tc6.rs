@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
-use ebpf_tc_support::rig::{NODE_PORT, Rig, endpoint, port_name, service, snapshot};
+use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy::dataplane::ebpf_tc::{TcPath, ct};
-use kproxy::model::{Endpoint, IpMode, LoadBalancerIngress, Protocol, ServicePort, ServiceType};
+use kproxy::model::{Endpoint, Protocol, ServicePort, ServiceType};
 use kproxy_common::ct::CtKind;
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
@@ -76,34 +76,13 @@ fn ipv6_nodeport_from_outside_reaches_local_and_remote_backends() {
             (service6("web", Protocol::Udp, 0), both_pods()),
         ],
     ));
-    for proto in ["tcp", "udp"] {
-        let addr = at(NODE_IP6, NODE_PORT);
-        let p = if proto == "tcp" {
-            Probe::tcp(addr, 40)
-        } else {
-            Probe::udp(addr, 40)
-        };
-        let r = rig.probe(p);
-        assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
-        assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
-        assert!(
-            r.answers.get("pod-l0").copied().unwrap_or(0) > 0
-                && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
-            "{proto}: both backends answer: {r:?}"
-        );
-        // eTP=Cluster: the remote backend sees the node's IPv6 address on the device toward
-        // it (BPF SNAT), the local one the client.
-        assert_eq!(
-            r.peer_ips("pod-r0"),
-            vec![NODE_LINK_IP6.to_string()],
-            "{proto}"
-        );
-        assert_eq!(
-            r.peer_ips("pod-l0"),
-            vec![CLIENT_IP6.to_string()],
-            "{proto}"
-        );
-    }
+    // eTP=Cluster: the remote backend sees the node's IPv6 address on the device toward it
+    // (BPF SNAT), the local one the client.
+    rig.assert_both_backends(
+        &at(NODE_IP6, NODE_PORT),
+        NODE_LINK_IP6.into(),
+        CLIENT_IP6.into(),
+    );
     // The second node address answers too.
     let r = rig.probe(Probe::tcp(at(NODE_LINK_IP6, NODE_PORT), 10));
     assert_eq!(r.total_answers(), 10, "{r:?}");
@@ -207,42 +186,17 @@ fn ipv6_external_ip_and_lb_vip_with_source_ranges() {
     ext.node_port = 0;
     ext.external_ips = vec![IpAddr::V6(EXTERNAL_IP6)];
     let mut lb = service6("lb", Protocol::Tcp, 1);
-    lb.service_type = ServiceType::LoadBalancer;
-    lb.load_balancer_ingress = vec![LoadBalancerIngress {
-        ip: IpAddr::V6(LB_IP6),
-        ip_mode: IpMode::Vip,
-    }];
-    lb.load_balancer_source_ranges = vec!["fd00:77::/64".parse().unwrap()];
-    let mut denied = lb.clone();
-    denied.name = port_name("denied", Protocol::Tcp);
-    denied.cluster_ips = vec![
-        "10.96.0.30".parse().unwrap(),
-        "fd00:96::30".parse().unwrap(),
-    ];
-    denied.node_port = NODE_PORT + 3;
-    denied.port = 81;
-    denied.load_balancer_source_ranges = vec!["fd00:99::/64".parse().unwrap()];
+    lb_vip(&mut lb, IpAddr::V6(LB_IP6), "fd00:77::/64");
+    let denied = denied_copy(&lb, &["10.96.0.30", "fd00:96::30"], "fd00:99::/64");
     rig.sync(&snapshot(
         node_ips(),
         vec![(ext, both_pods()), (lb, both_pods()), (denied, both_pods())],
     ));
-    for vip in [at(EXTERNAL_IP6, 80), at(LB_IP6, 80)] {
-        let r = rig.probe(Probe::tcp(vip.clone(), 30));
-        assert_eq!(r.total_answers(), 30, "{vip}: {r:?}");
-        assert_eq!(r.answers.len(), 2, "{vip}: both backends: {r:?}");
-        assert_eq!(
-            r.peer_ips("pod-r0"),
-            vec![NODE_LINK_IP6.to_string()],
-            "{vip}"
-        );
-    }
-    let r = rig.probe(Probe::tcp(at(LB_IP6, 81), 2).timeout(Duration::from_millis(700)));
-    assert_eq!(
-        r.total_answers(),
-        0,
-        "client outside the source ranges: {r:?}"
+    rig.assert_source_ranges(
+        &[at(EXTERNAL_IP6, 80), at(LB_IP6, 80)],
+        &at(LB_IP6, 81),
+        NODE_LINK_IP6.into(),
     );
-    assert!(TcPath::stats(&rig.tc_ebpf.lock().unwrap()).unwrap()["source_range_drop"] >= 2);
 }
 
 #[test]

@@ -12,13 +12,11 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::frames6::*;
-use ebpf_tc_support::{TCP, UDP, load, slots, tcp_frame};
+use ebpf_tc_support::{TCP, UDP, load, node_port_service, tcp_frame};
 use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
 use kproxy::dataplane::ebpf_tc::{CtKind, TcConfig, TcPath};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6, PROG_TC6_EGRESS, PROG_TC6_INGRESS};
-use kproxy_common::service::{
-    SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_EXTERNAL_IP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue,
-};
+use kproxy_common::service::{SVC_F_EXTERNAL_IP, SVC_F_NODE_PORT, SVC_F_REJECT};
 use kproxy_tests::netns::{Bpffs, require_root};
 
 const NEXT: i32 = -1;
@@ -50,22 +48,8 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv6Addr)]) -> (
             ..TcConfig::default()
         },
     );
-    for (id, addr) in backends {
-        backend6(&mut ebpf, *id, *addr, BPORT, 0);
-    }
-    slots(
-        &mut ebpf,
-        1,
-        &backends.iter().map(|b| b.0).collect::<Vec<_>>(),
-    );
-    let value = ServiceValue {
-        svc_id: 1,
-        count: backends.len() as u32,
-        flags,
-        affinity_timeout: 0,
-    };
-    frontend6(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
-    frontend6(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
+    let backends: Vec<_> = backends.iter().map(|&(id, addr)| (id, addr, 0)).collect();
+    node_port_service(&mut ebpf, (NODE, NODE_PORT, proto), flags, BPORT, &backends);
     TcPath::set_node_addresses6(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
     (bpffs, ebpf)
 }

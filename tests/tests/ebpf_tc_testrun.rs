@@ -58,22 +58,13 @@ fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) 
             ..TcConfig::default()
         },
     );
-    for (id, addr, bflags) in backends {
-        backend(&mut ebpf, *id, *addr, BPORT, *bflags);
-    }
-    slots(
+    node_port_service(
         &mut ebpf,
-        1,
-        &backends.iter().map(|b| b.0).collect::<Vec<_>>(),
+        (NODE, NODE_PORT, proto),
+        flags | SVC_F_NODE_PORT,
+        BPORT,
+        backends,
     );
-    let value = ServiceValue {
-        svc_id: 1,
-        count: backends.len() as u32,
-        flags: flags | SVC_F_NODE_PORT,
-        affinity_timeout: 0,
-    };
-    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_EXTERNAL, value);
-    frontend(&mut ebpf, NODE, NODE_PORT, proto, SCOPE_CLUSTER, value);
     TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER)]).unwrap();
     Fixture {
         _bpffs: bpffs,

@@ -28,8 +28,7 @@ use kproxy::dataplane::Dataplane as _;
 use kproxy::dataplane::ipvs::genl::{IpvsHandle, SVC_F_PERSISTENT, ServiceKey};
 use kproxy::dataplane::ipvs::{IpvsConfig, IpvsDataplane};
 use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
+    ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, ServiceType, Snapshot, testing,
 };
 use kproxy_tests::netns::{Netns, Veth, VethEnd, require_root};
 
@@ -270,60 +269,28 @@ fn serve(name: &str) -> anyhow::Result<()> {
 }
 
 fn service(name: &str, node_port: u16, affinity: Option<u32>) -> ServicePort {
-    ServicePort {
-        name: ServicePortName {
-            namespace: "default".into(),
-            name: name.into(),
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-        },
-        service_type: if node_port != 0 {
-            ServiceType::NodePort
-        } else {
-            ServiceType::ClusterIp
-        },
-        cluster_ips: vec![CLUSTER_IP.parse().unwrap()],
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: affinity,
+    let b = testing::service_port("default", name, "http")
+        .cluster_ip(CLUSTER_IP)
+        .affinity(affinity);
+    if node_port != 0 {
+        b.node_port(node_port)
+    } else {
+        b
     }
+    .build()
 }
 
 fn endpoint(i: usize) -> Endpoint {
-    Endpoint {
-        ip: pod_ip(i),
-        port: 8080,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: true,
-        node_name: Some("node".into()),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
-    }
+    testing::endpoint(pod_ip(i), 8080)
+        .local_on("node", "node2", true)
+        .build()
 }
 
 fn snapshot(svc: ServicePort, endpoints: Vec<Endpoint>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: vec![NODE_IP.parse().unwrap()],
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    snap.endpoints.insert(svc.name.clone(), Arc::new(endpoints));
-    snap.services.insert(svc.name.clone(), Arc::new(svc));
-    snap
+    testing::snapshot("node")
+        .node_addresses([NODE_IP])
+        .service(svc, endpoints)
+        .build()
 }
 
 fn vip() -> SocketAddr {

@@ -174,61 +174,34 @@ impl StaleFilters {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::model::{ServicePort, ServiceType};
+    use crate::model::{ServicePort, testing};
 
     fn name(svc: &str, port: &str, protocol: Protocol) -> ServicePortName {
-        ServicePortName {
-            namespace: "ns".into(),
-            name: svc.into(),
-            port: port.into(),
-            protocol,
-        }
+        testing::port_name("ns", svc, port, protocol)
     }
 
     fn svc(n: &ServicePortName, ip: &str, port: u16, node_port: u16) -> ServicePort {
-        ServicePort {
-            name: n.clone(),
-            service_type: ServiceType::NodePort,
-            cluster_ips: vec![ip.parse().unwrap()],
-            port,
-            protocol: n.protocol,
-            node_port,
-            external_ips: vec![],
-            load_balancer_ingress: vec![],
-            load_balancer_source_ranges: vec![],
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: 0,
-            session_affinity_timeout: None,
-        }
+        testing::service_port(&n.namespace, &n.name, &n.port)
+            .protocol(n.protocol)
+            .cluster_ip(ip)
+            .port(port)
+            .node_port(node_port)
+            .build()
     }
 
     fn ep(addr: &str, serving: bool) -> Endpoint {
         let sa: SocketAddr = addr.parse().unwrap();
-        Endpoint {
-            ip: sa.ip(),
-            port: sa.port(),
-            ready: serving,
-            serving,
-            terminating: false,
-            is_local: false,
-            node_name: None,
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
-        }
+        testing::endpoint(sa.ip(), sa.port())
+            .ready(serving)
+            .serving(serving)
+            .build()
     }
 
     fn snap(items: &[(&ServicePort, Vec<Endpoint>)]) -> Snapshot {
-        let mut s = Snapshot::default();
-        for (p, eps) in items {
-            s.services.insert(p.name.clone(), Arc::new((*p).clone()));
-            s.endpoints.insert(p.name.clone(), Arc::new(eps.clone()));
-        }
-        s
+        testing::SnapshotBuilder::default()
+            .services(items.iter().map(|(p, eps)| ((*p).clone(), eps.clone())))
+            .build()
     }
 
     fn changed(names: &[&ServicePortName]) -> ChangedSet {

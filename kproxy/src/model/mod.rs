@@ -6,10 +6,13 @@
 //!   EndpointSliceCache.
 //! - [`topology`]: upstream's `CategorizeEndpoints`.
 //! - [`tracker`]: folds source events into state and builds snapshots + change sets.
+//! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
 pub mod endpoints;
 pub mod service;
 pub mod snapshot;
+#[doc(hidden)]
+pub mod testing;
 pub mod topology;
 pub mod tracker;
 pub mod types;

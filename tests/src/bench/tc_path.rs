@@ -28,9 +28,7 @@
 //! output is checked (DNATed, reverse-translated or untouched), so a figure never times a
 //! path it does not name.
 
-use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use aya::Ebpf;
@@ -40,10 +38,7 @@ use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::testrun::{run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
-use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
-};
+use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use nix::net::if_::if_nametoindex;
 
 use crate::netns::{Bpffs, Netns};
@@ -111,15 +106,7 @@ pub fn baseline(case: &str) -> &'static str {
 }
 
 fn snapshot(services: u32) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "bench-node".into(),
-            addresses: vec![IpAddr::V4(NODE)],
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
+    let mut snap = testing::snapshot("bench-node").node_addresses([NODE]);
     for i in 0..services {
         // Port a (80) → cip:8081, port b (8081) → ext:80: each port's endpoint is the other
         // port's frontend (module docs).
@@ -127,44 +114,16 @@ fn snapshot(services: u32) -> Snapshot {
             ("a", 80u16, cluster_ip(i), 8081u16),
             ("b", 8081, ext_ip(i), 80),
         ] {
-            let name = ServicePortName {
-                namespace: "bench".into(),
-                name: format!("s{i}"),
-                port: port_name.into(),
-                protocol: Protocol::Tcp,
-            };
-            let sp = ServicePort {
-                name: name.clone(),
-                service_type: ServiceType::ClusterIp,
-                cluster_ips: vec![IpAddr::V4(cluster_ip(i))],
-                port,
-                protocol: Protocol::Tcp,
-                node_port: 0,
-                external_ips: vec![IpAddr::V4(ext_ip(i))],
-                load_balancer_ingress: vec![],
-                load_balancer_source_ranges: vec![],
-                external_policy_local: false,
-                internal_policy_local: false,
-                health_check_node_port: 0,
-                session_affinity_timeout: None,
-            };
-            let eps = vec![Endpoint {
-                ip: IpAddr::V4(ep_ip),
-                port: ep_port,
-                ready: true,
-                serving: true,
-                terminating: false,
-                is_local: false,
-                node_name: Some("node2".into()),
-                zone: None,
-                zone_hints: BTreeSet::new(),
-                node_hints: BTreeSet::new(),
-            }];
-            snap.endpoints.insert(name.clone(), Arc::new(eps));
-            snap.services.insert(name, Arc::new(sp));
+            let sp = testing::service_port("bench", &format!("s{i}"), port_name)
+                .cluster_ip(cluster_ip(i))
+                .port(port)
+                .external_ip(ext_ip(i))
+                .build();
+            let ep = testing::endpoint(ep_ip, ep_port).node("node2").build();
+            snap = snap.service(sp, vec![ep]);
         }
     }
-    snap
+    snap.build()
 }
 
 fn csum(data: &[u8]) -> u16 {

@@ -1,46 +1,10 @@
-//! IPv6 for the `ebpf_tc6*` tests: service-map writers for IPv6 frontends and backends,
+//! IPv6 for the `ebpf_tc6*` tests (the service-map writers in `super` take either family):
 //! Ethernet + IPv6 + TCP/UDP/ICMPv6 frames with valid checksums (pseudo header included),
 //! and a parser that verifies them.
 
 use std::net::Ipv6Addr;
 
-use aya::Ebpf;
-use aya::maps::HashMap as BpfHashMap;
-use kproxy::dataplane::ebpf_tc::attach::encode6;
-use kproxy_common::service::{BackendValue, MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue};
-
-use super::{MAC_A, MAC_B, TCP, UDP, csum};
-
-pub fn frontend6(
-    ebpf: &mut Ebpf,
-    addr: Ipv6Addr,
-    port: u16,
-    proto: u8,
-    scope: u8,
-    v: ServiceValue,
-) {
-    let mut m: BpfHashMap<_, ServiceKey, ServiceValue> =
-        BpfHashMap::try_from(ebpf.map_mut(MAP_SERVICES).unwrap()).unwrap();
-    let key = ServiceKey {
-        addr: encode6(addr),
-        port: port.to_be(),
-        proto,
-        scope,
-    };
-    m.insert(key, v, 0).unwrap();
-}
-
-pub fn backend6(ebpf: &mut Ebpf, id: u32, addr: Ipv6Addr, port: u16, flags: u8) {
-    let mut m: BpfHashMap<_, u32, BackendValue> =
-        BpfHashMap::try_from(ebpf.map_mut(MAP_BACKENDS).unwrap()).unwrap();
-    let v = BackendValue {
-        addr: encode6(addr),
-        port: port.to_be(),
-        flags,
-        _pad: 0,
-    };
-    m.insert(id, v, 0).unwrap();
-}
+use super::{MAC_A, MAC_B, TCP, UDP, csum, l4_ports};
 
 pub const ICMPV6: u8 = 58;
 
@@ -181,14 +145,7 @@ pub fn parse6_checked(frame: &[u8]) -> Parsed6 {
     let mut all = pseudo6(src, dst, proto, l4.len());
     all.extend_from_slice(&l4);
     assert_eq!(csum(&all), 0, "proto {proto} checksum is wrong");
-    let (sport, dport) = if proto == TCP || proto == UDP {
-        (
-            u16::from_be_bytes([l4[0], l4[1]]),
-            u16::from_be_bytes([l4[2], l4[3]]),
-        )
-    } else {
-        (0, 0)
-    };
+    let (sport, dport) = l4_ports(proto, &l4);
     Parsed6 {
         src,
         dst,

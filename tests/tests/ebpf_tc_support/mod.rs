@@ -6,16 +6,17 @@
 pub mod frames6;
 pub mod rig;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
+use kproxy::dataplane::ebpf_tc::attach::{encode6, load_object};
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
-    SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey, ServiceValue, SourceRangeKey, v4_mapped,
+    SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey,
+    ServiceValue, SourceRangeKey, v4_mapped,
 };
 use kproxy_tests::netns::Bpffs;
 
@@ -36,11 +37,27 @@ pub fn ip4(a: Ipv4Addr) -> u32 {
     u32::from_ne_bytes(a.octets())
 }
 
-pub fn frontend(ebpf: &mut Ebpf, addr: Ipv4Addr, port: u16, proto: u8, scope: u8, v: ServiceValue) {
+/// A service-map address as the applier encodes it: IPv4 v4-mapped, IPv6 as is.
+pub fn map_addr(addr: impl Into<IpAddr>) -> [u32; 4] {
+    match addr.into() {
+        IpAddr::V4(a) => v4_mapped(ip4(a)),
+        IpAddr::V6(a) => encode6(a),
+    }
+}
+
+/// Writes the frontend `addr:port` (either family).
+pub fn frontend(
+    ebpf: &mut Ebpf,
+    addr: impl Into<IpAddr>,
+    port: u16,
+    proto: u8,
+    scope: u8,
+    v: ServiceValue,
+) {
     let mut m: BpfHashMap<_, ServiceKey, ServiceValue> =
         BpfHashMap::try_from(ebpf.map_mut(MAP_SERVICES).unwrap()).unwrap();
     let key = ServiceKey {
-        addr: v4_mapped(ip4(addr)),
+        addr: map_addr(addr),
         port: port.to_be(),
         proto,
         scope,
@@ -60,11 +77,12 @@ pub fn remove_frontend(ebpf: &mut Ebpf, addr: Ipv4Addr, port: u16, proto: u8, sc
     let _ = m.remove(&key);
 }
 
-pub fn backend(ebpf: &mut Ebpf, id: u32, addr: Ipv4Addr, port: u16, flags: u8) {
+/// Writes backend `id` at `addr:port` (either family).
+pub fn backend(ebpf: &mut Ebpf, id: u32, addr: impl Into<IpAddr>, port: u16, flags: u8) {
     let mut m: BpfHashMap<_, u32, BackendValue> =
         BpfHashMap::try_from(ebpf.map_mut(MAP_BACKENDS).unwrap()).unwrap();
     let v = BackendValue {
-        addr: v4_mapped(ip4(addr)),
+        addr: map_addr(addr),
         port: port.to_be(),
         flags,
         _pad: 0,
@@ -286,14 +304,7 @@ pub fn parse_checked(frame: &[u8]) -> Parsed {
         ICMP => assert_eq!(csum(&l4), 0, "ICMP checksum is wrong"),
         _ => {}
     }
-    let (sport, dport) = if proto == TCP || proto == UDP {
-        (
-            u16::from_be_bytes([l4[0], l4[1]]),
-            u16::from_be_bytes([l4[2], l4[3]]),
-        )
-    } else {
-        (0, 0)
-    };
+    let (sport, dport) = l4_ports(proto, &l4);
     Parsed {
         src,
         dst,
@@ -302,4 +313,42 @@ pub fn parse_checked(frame: &[u8]) -> Parsed {
         dport,
         l4,
     }
+}
+
+/// The (source, destination) ports of a TCP or UDP header `l4` (of either family); (0, 0) for
+/// any other protocol.
+pub fn l4_ports(proto: u8, l4: &[u8]) -> (u16, u16) {
+    if proto == TCP || proto == UDP {
+        (
+            u16::from_be_bytes([l4[0], l4[1]]),
+            u16::from_be_bytes([l4[2], l4[3]]),
+        )
+    } else {
+        (0, 0)
+    }
+}
+
+/// One NodePort service written the way the eBPF planner does (svc 1, `flags`): backends
+/// `(id, addr, backend flags)` on port `bport`, their slots, and the frontend
+/// `node:node_port/proto` as its external-scope entry plus the cluster-scope twin the planner
+/// writes for every external frontend (the TC program's "is this a frontend at all" lookup).
+pub fn node_port_service<A: Into<IpAddr> + Copy>(
+    ebpf: &mut Ebpf,
+    (node, node_port, proto): (A, u16, u8),
+    flags: u32,
+    bport: u16,
+    backends: &[(u32, A, u8)],
+) {
+    for (id, addr, bflags) in backends {
+        backend(ebpf, *id, *addr, bport, *bflags);
+    }
+    slots(ebpf, 1, &backends.iter().map(|b| b.0).collect::<Vec<_>>());
+    let value = ServiceValue {
+        svc_id: 1,
+        count: backends.len() as u32,
+        flags,
+        affinity_timeout: 0,
+    };
+    frontend(ebpf, node, node_port, proto, SCOPE_EXTERNAL, value);
+    frontend(ebpf, node, node_port, proto, SCOPE_CLUSTER, value);
 }

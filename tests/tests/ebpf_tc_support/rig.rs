@@ -4,9 +4,9 @@
 //! the default rule selects inside the node namespace of the shared topology (one local pod
 //! `pod-l0`, one remote pod `pod-r0`, both serving), and snapshot builders.
 
-use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
@@ -16,8 +16,8 @@ use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
 use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, devices};
 use kproxy::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
+    ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ServicePort,
+    ServicePortName, ServiceType, Snapshot, testing,
 };
 use kproxy_tests::netns::Bpffs;
 use kproxy_tests::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
@@ -35,62 +35,71 @@ pub struct Rig {
 }
 
 pub fn port_name(name: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: "default".into(),
-        name: name.into(),
-        port: "p".into(),
-        protocol,
-    }
+    testing::port_name("default", name, "p", protocol)
 }
 
 pub fn service(name: &str, protocol: Protocol) -> ServicePort {
-    ServicePort {
-        name: port_name(name, protocol),
-        service_type: ServiceType::NodePort,
-        cluster_ips: vec!["10.96.0.10".parse().unwrap()],
-        port: 80,
-        protocol,
-        node_port: NODE_PORT,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    testing::service_port("default", name, "p")
+        .protocol(protocol)
+        .cluster_ip("10.96.0.10")
+        .node_port(NODE_PORT)
+        .build()
 }
 
 pub fn endpoint(ip: impl Into<IpAddr>, local: bool) -> Endpoint {
-    Endpoint {
-        ip: ip.into(),
-        port: POD_PORT,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "node" } else { "node2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(ip.into(), POD_PORT)
+        .local_on("node", "node2", local)
+        .build()
 }
 
 pub fn snapshot(node_addrs: Vec<IpAddr>, services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut snap = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: node_addrs,
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
+    testing::snapshot("node")
+        .node_addresses(node_addrs)
+        .services(services)
+        .build()
+}
+
+/// Makes `lb` a LoadBalancer with the VIP `ip` that admits only clients in `range`.
+pub fn lb_vip(lb: &mut ServicePort, ip: IpAddr, range: &str) {
+    lb.service_type = ServiceType::LoadBalancer;
+    lb.load_balancer_ingress = vec![LoadBalancerIngress {
+        ip,
+        ip_mode: IpMode::Vip,
+    }];
+    lb.load_balancer_source_ranges = vec![range.parse().unwrap()];
+}
+
+/// `denied`: the LoadBalancer `lb` again on port 81 (node port [`NODE_PORT`] + 3) with
+/// `cluster_ips`, admitting only `range`, which the client is outside of.
+pub fn denied_copy(lb: &ServicePort, cluster_ips: &[&str], range: &str) -> ServicePort {
+    let mut denied = lb.clone();
+    denied.name = port_name("denied", Protocol::Tcp);
+    denied.cluster_ips = cluster_ips.iter().map(|ip| ip.parse().unwrap()).collect();
+    denied.node_port = NODE_PORT + 3;
+    denied.port = 81;
+    denied.load_balancer_source_ranges = vec![range.parse().unwrap()];
+    denied
+}
+
+/// A fresh object instance over the maps pinned in `bpffs` (links pinned too), its TC programs
+/// loaded and attached to `devices` inside the node's namespace.
+fn load_and_attach(bpffs: &Bpffs, topo: &Topology, devices: &[String]) -> (Ebpf, TcPath) {
+    let pins = bpffs.path().join("kproxy");
+    let config = TcConfig {
+        pin_dir: Some(pins.join("links")),
+        ct_entries: 8192,
+        ..TcConfig::default()
     };
-    for (svc, eps) in services {
-        snap.endpoints.insert(svc.name.clone(), Arc::new(eps));
-        snap.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    snap
+    let mut ebpf = load_object(&pins, &config).unwrap();
+    let mut tc = TcPath::load(&mut ebpf, config).unwrap();
+    topo.node
+        .run(|| {
+            for dev in devices {
+                tc.attach(&mut ebpf, dev).unwrap();
+            }
+        })
+        .unwrap();
+    (ebpf, tc)
 }
 
 impl Rig {
@@ -134,14 +143,6 @@ impl Rig {
             ..EbpfConfig::default()
         };
         let dp = EbpfDataplane::new(cfg).unwrap();
-        let pins = bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
         // Default device selection, inside the node's namespace.
         let ifaces = topo.node.run(scan).unwrap().unwrap();
         let selected = devices::select(None, &ifaces).unwrap();
@@ -150,13 +151,7 @@ impl Rig {
                 && selected.contains(&NODE_PEER_IF.to_string()),
             "selected {selected:?}"
         );
-        topo.node
-            .run(|| {
-                for dev in &selected {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
+        let (mut ebpf, tc) = load_and_attach(&bpffs, &topo, &selected);
         let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
         TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
         TcPath::set_node_addresses6(&mut ebpf, &addrs.snat_v6()).unwrap();
@@ -173,23 +168,7 @@ impl Rig {
     /// map), programs loaded and attached again through the pinned links, then the old
     /// instance dropped.
     pub fn restart_tc(&mut self) {
-        let pins = self.bpffs.path().join("kproxy");
-        let config = TcConfig {
-            pin_dir: Some(pins.join("links")),
-            ct_entries: 8192,
-            ..TcConfig::default()
-        };
-        let mut ebpf = load_object(&pins, &config).unwrap();
-        let mut tc = TcPath::load(&mut ebpf, config).unwrap();
-        let devices = self.tc.attached();
-        self.topo
-            .node
-            .run(|| {
-                for dev in &devices {
-                    tc.attach(&mut ebpf, dev).unwrap();
-                }
-            })
-            .unwrap();
+        let (ebpf, tc) = load_and_attach(&self.bpffs, &self.topo, &self.tc.attached());
         self.tc = tc;
         *self.tc_ebpf.lock().unwrap() = ebpf;
     }
@@ -226,5 +205,56 @@ impl Rig {
 
     pub fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
         p.run(&self.topo.client, None).unwrap()
+    }
+
+    /// TCP probes to each of `vips` (frontends of `both_pods`) answered by both backends, the
+    /// remote one seeing `remote_peer`; none to `denied` (outside its source ranges), dropped
+    /// and counted by the TC program.
+    pub fn assert_source_ranges(&self, vips: &[String], denied: &str, remote_peer: IpAddr) {
+        for vip in vips {
+            let r = self.probe(Probe::tcp(vip.as_str(), 30));
+            assert_eq!(r.total_answers(), 30, "{vip}: {r:?}");
+            assert_eq!(r.answers.len(), 2, "{vip}: both backends: {r:?}");
+            assert_eq!(r.peer_ips("pod-r0"), vec![remote_peer.to_string()], "{vip}");
+        }
+        let r = self.probe(Probe::tcp(denied, 2).timeout(Duration::from_millis(700)));
+        assert_eq!(
+            r.total_answers(),
+            0,
+            "client outside the source ranges: {r:?}"
+        );
+        assert!(TcPath::stats(&self.tc_ebpf.lock().unwrap()).unwrap()["source_range_drop"] >= 2);
+    }
+
+    /// 40 TCP then 40 UDP probes from the client to `addr` (an eTP=Cluster NodePort with
+    /// `both_pods` as backends): every probe answered, both `pod-l0` and `pod-r0` answer, the
+    /// remote backend sees `remote_peer` (the node's BPF SNAT address toward it) and the local
+    /// one `local_peer` (the client).
+    pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) {
+        for proto in ["tcp", "udp"] {
+            let p = if proto == "tcp" {
+                Probe::tcp(addr, 40)
+            } else {
+                Probe::udp(addr, 40)
+            };
+            let r = self.probe(p);
+            assert_eq!(r.total_errors(), 0, "{proto}: {r:?}");
+            assert_eq!(r.total_answers(), 40, "{proto}: {r:?}");
+            assert!(
+                r.answers.get("pod-l0").copied().unwrap_or(0) > 0
+                    && r.answers.get("pod-r0").copied().unwrap_or(0) > 0,
+                "{proto}: both backends answer: {r:?}"
+            );
+            assert_eq!(
+                r.peer_ips("pod-r0"),
+                vec![remote_peer.to_string()],
+                "{proto}"
+            );
+            assert_eq!(
+                r.peer_ips("pod-l0"),
+                vec![local_peer.to_string()],
+                "{proto}"
+            );
+        }
     }
 }

@@ -18,62 +18,29 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn name(n: &str) -> ServicePortName {
-    ServicePortName {
-        namespace: "ns".into(),
-        name: n.into(),
-        port: "http".into(),
-        protocol: Protocol::Tcp,
-    }
+    testing::port_name("ns", n, "http", Protocol::Tcp)
 }
 
 fn svc(n: &str, cluster_ips: &[&str]) -> ServicePort {
-    ServicePort {
-        name: name(n),
-        service_type: ServiceType::ClusterIp,
-        cluster_ips: cluster_ips.iter().map(|s| ip(s)).collect(),
-        port: 80,
-        protocol: Protocol::Tcp,
-        node_port: 0,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    cluster_ips
+        .iter()
+        .fold(testing::service_port("ns", n, "http"), |b, ip| {
+            b.cluster_ip(*ip)
+        })
+        .build()
 }
 
 fn ep(addr: &str, local: bool) -> Endpoint {
-    Endpoint {
-        ip: ip(addr),
-        port: 8080,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "n1" } else { "n2" }.into()),
-        zone: None,
-        zone_hints: BTreeSet::new(),
-        node_hints: BTreeSet::new(),
-    }
+    testing::endpoint(addr, 8080)
+        .local_on("n1", "n2", local)
+        .build()
 }
 
 fn snap(items: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut s = Snapshot {
-        generation: 1,
-        node: NodeInfo {
-            name: "n1".into(),
-            addresses: vec![ip("192.168.0.1"), ip("fd00::1")],
-            ..NodeInfo::default()
-        },
-        ..Snapshot::default()
-    };
-    for (p, e) in items {
-        s.endpoints.insert(p.name.clone(), Arc::new(e));
-        s.services.insert(p.name.clone(), Arc::new(p));
-    }
-    s
+    testing::snapshot("n1")
+        .node_addresses(["192.168.0.1", "fd00::1"])
+        .services(items)
+        .build()
 }
 
 fn key(addr: &str, port: u16, scope: u8) -> ServiceKey {

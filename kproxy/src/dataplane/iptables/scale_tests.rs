@@ -8,10 +8,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::model::{
-    ChangedSet, Endpoint, IpFamily, NodeInfo, Protocol, ServicePort, ServicePortName, ServiceType,
-    Snapshot,
-};
+use crate::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePortName, Snapshot, testing};
 
 use super::backend::{IptablesBackend, IptablesError, RestoreMode};
 use super::{IptablesConfig, LocalTrafficDetector, Proxier, plan, render};
@@ -65,67 +62,32 @@ fn v4(n: usize, base: u8) -> IpAddr {
 }
 
 fn port_name(i: usize) -> ServicePortName {
-    ServicePortName {
-        namespace: "scale".into(),
-        name: format!("svc{i}"),
-        port: "p".into(),
-        protocol: Protocol::Tcp,
-    }
+    testing::port_name("scale", &format!("svc{i}"), "p", Protocol::Tcp)
 }
 
 fn endpoints(i: usize, moved: bool) -> Vec<Endpoint> {
     (0..5)
-        .map(|e| Endpoint {
-            ip: if moved && e == 0 {
+        .map(|e| {
+            let ip = if moved && e == 0 {
                 v4(1, 127)
             } else {
                 v4(i * 5 + e + 1, 128)
-            },
-            port: 8080,
-            ready: true,
-            serving: true,
-            terminating: false,
-            is_local: false,
-            node_name: Some("other".into()),
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
+            };
+            testing::endpoint(ip, 8080).node("other").build()
         })
         .collect()
 }
 
 /// `n` ClusterIP services × 5 endpoints.
 pub(super) fn scale_snapshot(n: usize) -> Snapshot {
-    let mut snap = Snapshot {
-        node: NodeInfo {
-            name: "node".into(),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    for i in 0..n {
-        let name = port_name(i);
-        snap.services.insert(
-            name.clone(),
-            Arc::new(ServicePort {
-                name: name.clone(),
-                service_type: ServiceType::ClusterIp,
-                cluster_ips: vec![v4(i, 96)],
-                port: 80,
-                protocol: Protocol::Tcp,
-                node_port: 0,
-                external_ips: vec![],
-                load_balancer_ingress: vec![],
-                load_balancer_source_ranges: vec![],
-                external_policy_local: false,
-                internal_policy_local: false,
-                health_check_node_port: 0,
-                session_affinity_timeout: None,
-            }),
-        );
-        snap.endpoints.insert(name, Arc::new(endpoints(i, false)));
-    }
-    snap
+    (0..n)
+        .fold(testing::snapshot("node").generation(0), |snap, i| {
+            let port = testing::service_port("scale", &format!("svc{i}"), "p")
+                .cluster_ip(v4(i, 96))
+                .build();
+            snap.service(port, endpoints(i, false))
+        })
+        .build()
 }
 
 fn services() -> usize {

@@ -2,11 +2,10 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use super::*;
 use crate::dataplane::ipvs::genl::SVC_F_PERSISTENT;
-use crate::model::{IpMode, LoadBalancerIngress, NodeInfo, ServiceType};
+use crate::model::{IpMode, LoadBalancerIngress, ServiceType, testing};
 
 const NODE_IP: &str = "192.168.0.10";
 
@@ -15,41 +14,16 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn svc(name: &str, cluster_ip: &str, protocol: Protocol) -> ServicePort {
-    ServicePort {
-        name: ServicePortName {
-            namespace: "ns".into(),
-            name: name.into(),
-            port: "p".into(),
-            protocol,
-        },
-        service_type: ServiceType::ClusterIp,
-        cluster_ips: vec![ip(cluster_ip)],
-        port: 80,
-        protocol,
-        node_port: 0,
-        external_ips: vec![],
-        load_balancer_ingress: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: 0,
-        session_affinity_timeout: None,
-    }
+    testing::service_port("ns", name, "p")
+        .protocol(protocol)
+        .cluster_ip(cluster_ip)
+        .build()
 }
 
 fn ep(addr: &str, local: bool) -> Endpoint {
-    Endpoint {
-        ip: ip(addr),
-        port: 8080,
-        ready: true,
-        serving: true,
-        terminating: false,
-        is_local: local,
-        node_name: Some(if local { "node" } else { "other" }.into()),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
-    }
+    testing::endpoint(addr, 8080)
+        .local_on("node", "other", local)
+        .build()
 }
 
 fn terminating(mut e: Endpoint, serving: bool) -> Endpoint {
@@ -60,19 +34,11 @@ fn terminating(mut e: Endpoint, serving: bool) -> Endpoint {
 }
 
 fn snap(items: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
-    let mut s = Snapshot {
-        node: NodeInfo {
-            name: "node".into(),
-            addresses: vec![ip(NODE_IP)],
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    for (svc, eps) in items {
-        s.endpoints.insert(svc.name.clone(), Arc::new(eps));
-        s.services.insert(svc.name.clone(), Arc::new(svc));
-    }
-    s
+    testing::snapshot("node")
+        .generation(0)
+        .node_addresses([NODE_IP])
+        .services(items)
+        .build()
 }
 
 fn cfg() -> IpvsConfig {
