@@ -45,7 +45,8 @@
 //!
 //! Weights: Kubernetes endpoints carry none (the model has no weight), so every backend has one
 //! turn per round. With `N > M` only `M` backends get an entry (the table size should be well
-//! above the backend count; the paper suggests `M ≥ 100·N`).
+//! above the backend count; the paper suggests `M ≥ 100·N`, the 1.5/N disruption bound needs
+//! about `M ≥ 600·N`, see above).
 
 use std::net::IpAddr;
 
