@@ -5,8 +5,37 @@
 //! identity: `offset = h1 % M`, `skip = h2 % (M − 1) + 1`, `permutation[j] = (offset + j·skip)
 //! % M`. Backends then take turns, in a fixed order, claiming their next preferred entry that
 //! is still free until the table is full. So every backend gets `⌊M/N⌋` or `⌈M/N⌉` entries, and
-//! removing one backend frees only its entries plus a few the others reshuffle (the paper's
-//! figure 12; our test bounds the moved share of flows at 1.5/N).
+//! removing one backend frees only its entries plus some the others reshuffle (the paper's
+//! figure 12).
+//!
+//! # Disruption (issue #4: ≤ 1.5/N when 1 of N backends is removed)
+//!
+//! The reshuffle is real Maglev disruption, not sampling noise, and it grows with `N/M`.
+//! Measured (backends 10.1.x.y:8080, removing backend `N/2`; "exact" = changed entries over all
+//! `M` slots × N/M, "10k flows" = the test's 10,000 synthetic flows × N/10,000; both in units
+//! of 1/N):
+//!
+//! | M | N | M/N | exact | 10k flows |
+//! |---|---|---|---|---|
+//! | 16381 | 10 | 1638 | 1.05 | 1.05 |
+//! | 16381 | 30 | 546 | 1.27 | 1.14 |
+//! | 16381 | 50 | 327 | 1.51 | 1.43 |
+//! | 16381 | 100 | 163 | 2.45 | 2.19 |
+//! | 16381 | 256 | 63 | 5.28 | 5.48 |
+//! | 32749 | 50 | 654 | 1.34 | 1.34 |
+//! | 32749 | 100 | 327 | 1.82 | 1.62 |
+//! | 65521 | 50 | 1310 | 1.23 | 1.14 |
+//! | 65521 | 100 | 655 | 1.54 | 1.57 |
+//! | 65521 | 256 | 255 | 2.89 | 2.92 |
+//! | 131071 | 100 | 1310 | 1.35 | 1.58 |
+//! | 131071 | 256 | 511 | 2.17 | 2.05 |
+//!
+//! So the bound needs roughly `M ≥ 600·N` (exact); at the default `M = 16381` it holds up to
+//! `N ≈ 40`. The 10,000-flow figure has a sampling error of about `√(moved)·N/10⁴` ≈ 0.12/N at
+//! N = 100, so it cannot certify the bound there by itself; the test asserts the exact count
+//! too. A larger default table would cost `tables × M × 4` bytes preallocated (256 tables ×
+//! 131071 × 4 = 128 MiB), and shrinking tables per service only raises `N/M`: neither was
+//! changed. Larger services should set `--bpf-lb-maglev-table-size` (up to 131071, N ≈ 200).
 //!
 //! The identity is the backend's address and port (not its id, which is local to one agent),
 //! so the table is the same after a restart and on every node that has the same backends —
@@ -16,7 +45,8 @@
 //!
 //! Weights: Kubernetes endpoints carry none (the model has no weight), so every backend has one
 //! turn per round. With `N > M` only `M` backends get an entry (the table size should be well
-//! above the backend count; the paper suggests `M ≥ 100·N`).
+//! above the backend count; the paper suggests `M ≥ 100·N`, the 1.5/N disruption bound needs
+//! about `M ≥ 600·N`, see above).
 
 use std::net::IpAddr;
 
@@ -219,22 +249,26 @@ mod tests {
     }
 
     /// Issue #4: the fraction of 10,000 synthetic flows that change backend when 1 of N
-    /// backends is removed is ≤ 1.5/N — asserted for N = 2..30 at the default M = 16381
-    /// (M ≥ 500·N). Plain Maglev's disruption grows towards ~2/N for larger N (the paper's
-    /// figure 12 shows the same); those figures are printed, not asserted.
+    /// backends is removed is ≤ 1.5/N, and so is the exact share of changed entries over all
+    /// `M` slots (the flow sample's error is ≈ √moved/10⁴, about 0.12/N at N = 100). Asserted
+    /// where the table is large enough (`M ≳ 600·N`, see the module docs): N = 2..30 at the
+    /// default M = 16381, N = 50 at 65521 and N = 100 at 131071 (exact count only: the 10k
+    /// flows read 1.58/N there, 2σ above the exact 1.35/N). The rest is printed.
     #[test]
     fn removing_one_of_n_backends_moves_at_most_1_5_over_n_of_the_flows() {
+        // (N, M, assert the 10k-flow share, assert the exact share)
         let cases = [
-            (2u32, DEFAULT_TABLE_SIZE, true),
-            (3, DEFAULT_TABLE_SIZE, true),
-            (5, DEFAULT_TABLE_SIZE, true),
-            (10, DEFAULT_TABLE_SIZE, true),
-            (20, DEFAULT_TABLE_SIZE, true),
-            (30, DEFAULT_TABLE_SIZE, true),
-            (50, DEFAULT_TABLE_SIZE, false),
-            (100, 65_521, false),
+            (2u32, DEFAULT_TABLE_SIZE, true, true),
+            (3, DEFAULT_TABLE_SIZE, true, true),
+            (5, DEFAULT_TABLE_SIZE, true, true),
+            (10, DEFAULT_TABLE_SIZE, true, true),
+            (20, DEFAULT_TABLE_SIZE, true, true),
+            (30, DEFAULT_TABLE_SIZE, true, true),
+            (50, DEFAULT_TABLE_SIZE, false, false),
+            (50, 65_521, true, true),
+            (100, 131_071, false, true),
         ];
-        for (n, m, asserted) in cases {
+        for (n, m, flows_asserted, exact_asserted) in cases {
             let all = backends(n);
             let before = build(&all, m);
             let removed = all[(n / 2) as usize].1;
@@ -242,21 +276,39 @@ mod tests {
             let after = build(&rest, m);
             let (moved, of_removed) = moved(&before, &after, removed);
             let fraction = moved as f64 / 10_000.0;
+            let changed = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+            let exact = changed as f64 / f64::from(m);
             let bound = 1.5 / f64::from(n);
             println!(
-                "maglev M={m} N={n}: {moved}/10000 flows moved = {fraction:.4} = {:.2}/N \
-                 (bound 1.5/N = {bound:.4}{}); {of_removed} were on the removed backend",
+                "maglev M={m} N={n}: {moved}/10000 flows moved = {:.2}/N{}, exact {changed}/{m} \
+                 entries = {:.2}/N{} (bound 1.5/N); {of_removed} flows were on the removed backend",
                 fraction * f64::from(n),
-                if asserted { "" } else { ", not asserted" }
+                if flows_asserted {
+                    ""
+                } else {
+                    " (not asserted)"
+                },
+                exact * f64::from(n),
+                if exact_asserted {
+                    ""
+                } else {
+                    " (not asserted)"
+                },
             );
             assert!(
                 moved >= of_removed,
                 "every flow of the removed backend moves"
             );
-            if asserted {
+            if flows_asserted {
                 assert!(
                     fraction <= bound,
                     "N={n} M={m}: {fraction} of the flows moved, more than 1.5/N"
+                );
+            }
+            if exact_asserted {
+                assert!(
+                    exact <= bound,
+                    "N={n} M={m}: {exact} of the entries changed, more than 1.5/N"
                 );
             }
         }
