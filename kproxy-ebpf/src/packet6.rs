@@ -1,5 +1,5 @@
 //! Direct packet access for IPv6 on the TC service path ([`crate::tc6`]): the Ethernet + IPv6
-//! parser. Bounds-checked pointers and checksum folding come from [`crate::packet`].
+//! parser. Bounds-checked pointers, the L4 header parser and checksum folding come from [`crate::packet`].
 //!
 //! Only packets whose IPv6 header is followed directly by TCP, UDP or ICMPv6 are parsed
 //! (`next header` of the fixed header); packets with extension headers (hop-by-hop, routing,
@@ -10,9 +10,8 @@
 //! [`crate::tc6`]).
 
 use kproxy_common::ct6::PROTO_ICMPV6;
-use kproxy_common::service::{PROTO_TCP, PROTO_UDP};
 
-use crate::packet::{ETH_HLEN, at};
+use crate::packet::{ETH_HLEN, L4, at, parse_l4};
 
 /// `ETH_P_IPV6` as the frame carries it (network order, read as a native `u16`).
 pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -86,28 +85,10 @@ pub fn parse6(data: usize, end: usize) -> Parsed6 {
     let proto = (w[1] >> 16) as u8;
     let saddr = [w[2], w[3], w[4], w[5]];
     let daddr = [w[6], w[7], w[8], w[9]];
-    let (sport, dport, tcp_flags) = match proto {
-        PROTO_TCP => {
-            let Some(t) = at::<[u16; 7]>(data, end, L4_OFF) else {
-                return Parsed6::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
-        }
-        PROTO_UDP => {
-            let Some(u) = at::<[u16; 4]>(data, end, L4_OFF) else {
-                return Parsed6::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*u)[0], (*u)[1], 0) }
-        }
-        PROTO_ICMPV6 => {
-            if at::<[u16; 4]>(data, end, L4_OFF).is_none() {
-                return Parsed6::Short;
-            }
-            (0, 0, 0)
-        }
-        _ => return Parsed6::Other,
+    let (sport, dport, tcp_flags) = match parse_l4(data, end, L4_OFF, proto, PROTO_ICMPV6) {
+        L4::Ports(sport, dport, flags) => (sport, dport, flags),
+        L4::Short => return Parsed6::Short,
+        L4::Other => return Parsed6::Other,
     };
     Parsed6::Packet(Packet6 {
         saddr,

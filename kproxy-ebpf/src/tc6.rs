@@ -28,34 +28,28 @@
 //! IPv4 sets only, so IPv6 frontends never carry `SVC_F_MAGLEV`).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},
-    helpers::{bpf_get_prandom_u32, bpf_redirect, bpf_skb_change_tail},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
-    maps::lpm_trie::Key,
     maps::{HashMap, LruHashMap},
     programs::TcContext,
 };
-use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES,
-    SNAT_PORT_TRIES, TcStat,
-};
+use kproxy_common::ct::{CT_F_CLOSING, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
-    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
-    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
-    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES,
-    ServiceKey, ServiceValue, SourceRangeKey, is_v4_mapped,
+    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
 };
 
 use crate::flow::{
-    KP_NAT_CFG, NS_PER_SEC, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, in_snat_range, now, now_coarse,
+    Family, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port_in, choose_backend_in,
+    create_flow_in, in_snat_range, now, now_coarse,
 };
+use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
 use crate::packet6::{
     IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, Parsed6, parse6,
 };
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
 use crate::tc::{DROP, NEXT, Verdict, stat};
 
 /// `kproxy_common::ct6::MAP_CT6`.
@@ -120,55 +114,7 @@ fn parse_tc6(ctx: &TcContext) -> Option<Packet6> {
 
 #[inline(always)]
 fn key6(p: &Packet6, kind: CtKind) -> CtKey6 {
-    CtKey6 {
-        saddr: p.saddr,
-        daddr: p.daddr,
-        sport: p.sport,
-        dport: p.dport,
-        proto: p.proto,
-        kind: kind as u8,
-        _pad: [0; 2],
-    }
-}
-
-// ---- frontends (the IPv6 twins of `crate::frontend`) -----------------------------------------
-
-#[inline(always)]
-fn service_entry(p: &Packet6, scope: u8) -> Option<ServiceValue> {
-    let k = ServiceKey {
-        addr: p.daddr,
-        port: p.dport,
-        proto: p.proto,
-        scope,
-    };
-    // SAFETY: read by value right away.
-    unsafe { KP_SERVICES.get(k) }.copied()
-}
-
-/// The entry a new flow uses, given the cluster entry (see `crate::frontend::new_flow_entry`).
-#[inline(always)]
-fn new_flow_entry6(p: &Packet6, cluster: &ServiceValue) -> Option<ServiceValue> {
-    if cluster.flags & SVC_F_CLUSTER_IP != 0 {
-        return Some(*cluster);
-    }
-    service_entry(p, SCOPE_EXTERNAL)
-}
-
-/// loadBalancerSourceRanges for an IPv6 client: the LPM key's prefix covers `svc_id` and all
-/// 128 address bits (IPv6 ranges are stored unmapped by the planner).
-#[inline(always)]
-fn source_allowed6(svc: &ServiceValue, saddr: [u32; 4]) -> bool {
-    if svc.flags & SVC_F_SOURCE_RANGES == 0 {
-        return true;
-    }
-    let k = Key::new(
-        SOURCE_RANGE_ID_BITS + 128,
-        SourceRangeKey {
-            svc_id: svc.svc_id,
-            addr: saddr,
-        },
-    );
-    KP_SRC_RANGES.get(&k).is_some()
+    V6::key(p.saddr, p.daddr, p.sport, p.dport, p.proto, kind)
 }
 
 // ---- rewriting ------------------------------------------------------------------------------
@@ -274,7 +220,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    let Some(cluster) = service_entry(p, SCOPE_CLUSTER) else {
+    let Some(cluster) = service_entry(p.daddr, p.dport, p.proto, SCOPE_CLUSTER) else {
         return Ok(NEXT);
     };
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
@@ -285,10 +231,10 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    let Some(svc) = new_flow_entry6(p, &cluster) else {
+    let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, &cluster) else {
         return Ok(NEXT);
     };
-    if !source_allowed6(&svc, p.saddr) {
+    if !source_allowed_at(&svc, p.saddr) {
         stat(TcStat::SourceRangeDrop);
         return Ok(DROP);
     }
@@ -309,58 +255,6 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     Ok(new_flow6(TcContext::new(ctx.skb.skb), p, &svc))
 }
 
-/// The backend of a new flow: a fresh ClientIP affinity entry's, else a random slot's (no
-/// Maglev for IPv6, see the module docs). `None`: no (IPv6) backend.
-#[inline(always)]
-fn choose_backend6(svc: &ServiceValue, p: &Packet6, ts: u64) -> Option<(u32, BackendValue)> {
-    let aff_key = AffinityKey {
-        client: p.saddr,
-        svc_id: svc.svc_id,
-        kind: AFFINITY_CLIENT_IP,
-    };
-    let mut backend_id = 0u32;
-    if svc.flags & SVC_F_AFFINITY != 0
-        && let Some(a) = KP_AFFINITY.get_ptr_mut(aff_key)
-    {
-        // SAFETY: lookup result.
-        unsafe {
-            if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC {
-                backend_id = (*a).backend_id;
-            }
-        }
-    }
-    // SAFETY: read by value right away.
-    let mut backend = if backend_id != 0 {
-        unsafe { KP_BACKENDS.get(backend_id) }.copied()
-    } else {
-        None
-    };
-    if backend.is_none() {
-        // SAFETY: helper without arguments.
-        let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
-        let slot_key = BackendSlotKey {
-            svc_id: svc.svc_id,
-            slot,
-        };
-        // SAFETY: read by value right away.
-        backend_id = *unsafe { KP_BE_SLOTS.get(slot_key) }?;
-        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
-    }
-    let be = backend?;
-    if is_v4_mapped(&be.addr) {
-        return None;
-    }
-    if svc.flags & SVC_F_AFFINITY != 0 {
-        let v = AffinityValue {
-            backend_id,
-            _pad: 0,
-            last_used_ns: ts,
-        };
-        let _ = KP_AFFINITY.insert(aff_key, v, 0);
-    }
-    Some((backend_id, be))
-}
-
 /// A new flow to `svc` (which has endpoints and admits the client): backend choice, CT6
 /// entries, DNAT. A BPF-to-BPF call, like the other large steps of the IPv6 programs: each
 /// gets its own stack frame, and only the caller's small one adds to it.
@@ -377,54 +271,10 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
         return Ok(DROP);
     }
     let ts = now();
-    let Some((backend_id, be)) = choose_backend6(svc, p, ts) else {
+    let Some((backend_id, be)) = choose_backend_in::<V6>(svc, p, ts) else {
         return Ok(DROP);
     };
-    let local = be.flags & BE_F_LOCAL != 0;
-    // As for IPv4: SNAT only eTP=Cluster flows to remote backends, and hairpin flows.
-    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be.addr;
-    let mut flags = 0u16;
-    if snat {
-        flags |= CT_F_SNAT;
-    }
-    if local {
-        flags |= CT_F_LOCAL_BACKEND;
-    }
-    let mut entry = CtEntry6 {
-        nat_addr: be.addr,
-        nat_port: be.port,
-        flags,
-        backend_id,
-        svc_id: svc.svc_id,
-        _pad: 0,
-        created_ns: ts,
-        last_seen_ns: ts,
-    };
-    // One key, rewritten for each entry (the BPF stack is tight: see `new_flow6`).
-    let mut k = key6(p, CtKind::Service);
-    let mut ok = KP_CT6.insert(&k, &entry, 0).is_ok();
-    // Reply: B:bp → C:cp.
-    k.saddr = be.addr;
-    k.daddr = p.saddr;
-    k.sport = be.port;
-    k.dport = p.sport;
-    k.kind = CtKind::RevDnat as u8;
-    entry.nat_addr = p.daddr;
-    entry.nat_port = p.dport;
-    ok &= KP_CT6.insert(&k, &entry, 0).is_ok();
-    if snat {
-        // Forwarded: C:cp → B:bp; the source is allocated by the egress program once the
-        // route (device) is known.
-        k.saddr = p.saddr;
-        k.daddr = be.addr;
-        k.sport = p.sport;
-        k.dport = be.port;
-        k.kind = CtKind::SnatOut as u8;
-        entry.nat_addr = [0; 4];
-        entry.nat_port = 0;
-        ok &= KP_CT6.insert(&k, &entry, 0).is_ok();
-    }
-    if !ok {
+    if create_flow_in::<V6>(p, svc, backend_id, &be, ts).is_err() {
         stat(TcStat::CtInsertFailed);
         return Ok(DROP);
     }
@@ -459,7 +309,9 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         addr = node.addr;
         // SAFETY: lookup result, read by value.
         let template = unsafe { *e };
-        port = match allocate_port6(p, &addr, &template) {
+        port = match allocate_port_in::<V6>(
+            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, &template,
+        ) {
             Some(port) => port,
             None => {
                 stat(TcStat::SnatExhausted);
@@ -477,45 +329,97 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     Ok(NEXT)
 }
 
-/// Claims a free SNAT port on `node` for `p` (`C:cp → B:bp`) by inserting the flow's `SnatIn`
-/// entry with `BPF_NOEXIST`; network order.
-#[inline(always)]
-fn allocate_port6(p: &Packet6, node: &[u32; 4], template: &CtEntry6) -> Option<u16> {
-    let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
-    let (min, max) = (u32::from(cfg.snat_port_min), u32::from(cfg.snat_port_max));
-    if min == 0 || max < min {
-        return None;
+/// IPv6: `KP_CT6`.
+struct V6;
+
+impl Family for V6 {
+    type Addr = [u32; 4];
+    type Key = CtKey6;
+    type Entry = CtEntry6;
+    type Packet = Packet6;
+    const MAGLEV: bool = false;
+    const UNSET: [u32; 4] = [0; 4];
+
+    #[inline(always)]
+    fn tuple(p: &Packet6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
+        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
     }
-    let range = max - min + 1;
-    if range == 0 {
-        // Unreachable; drops the division-by-zero panic path the verifier would reject.
-        return None;
+
+    #[inline(always)]
+    fn mapped(addr: [u32; 4]) -> [u32; 4] {
+        // IPv6 addresses are stored as they are.
+        addr
     }
-    let entry = CtEntry6 {
-        nat_addr: p.saddr,
-        nat_port: p.sport,
-        ..*template
-    };
-    // SAFETY: helper without arguments.
-    let start = unsafe { bpf_get_prandom_u32() } % range;
-    let mut i = 0;
-    while i < SNAT_PORT_TRIES {
-        let port = ((min + (start + i) % range) as u16).to_be();
-        let key = CtKey6 {
-            saddr: p.daddr,
-            daddr: *node,
-            sport: p.dport,
-            dport: port,
-            proto: p.proto,
-            kind: CtKind::SnatIn as u8,
-            _pad: [0; 2],
-        };
-        if KP_CT6.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
-            return Some(port);
+
+    #[inline(always)]
+    fn is_family(addr: &[u32; 4]) -> bool {
+        !is_v4_mapped(addr)
+    }
+
+    #[inline(always)]
+    fn backend_addr(addr: &[u32; 4]) -> [u32; 4] {
+        *addr
+    }
+
+    #[inline(always)]
+    fn maglev(_: u32, _: [u32; 4], _: [u32; 4], _: u16, _: u16, _: u8) -> Option<u32> {
+        None
+    }
+
+    #[inline(always)]
+    fn entry(
+        nat_addr: [u32; 4],
+        nat_port: u16,
+        flags: u16,
+        backend_id: u32,
+        svc_id: u32,
+        ts: u64,
+    ) -> CtEntry6 {
+        CtEntry6 {
+            nat_addr,
+            nat_port,
+            flags,
+            backend_id,
+            svc_id,
+            _pad: 0,
+            created_ns: ts,
+            last_seen_ns: ts,
         }
-        i += 1;
     }
-    None
+
+    #[inline(always)]
+    fn ct() -> &'static LruHashMap<CtKey6, CtEntry6> {
+        &KP_CT6
+    }
+
+    #[inline(always)]
+    fn key(
+        saddr: [u32; 4],
+        daddr: [u32; 4],
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    ) -> CtKey6 {
+        CtKey6 {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            kind: kind as u8,
+            _pad: [0; 2],
+        }
+    }
+
+    #[inline(always)]
+    fn with_nat(template: &CtEntry6, addr: [u32; 4], port: u16) -> CtEntry6 {
+        CtEntry6 {
+            nat_addr: addr,
+            nat_port: port,
+            ..*template
+        }
+    }
 }
 
 // ---- no endpoints ---------------------------------------------------------------------------
