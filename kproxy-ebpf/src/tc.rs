@@ -31,16 +31,16 @@ use aya_ebpf::{
     maps::PerCpuArray,
     programs::TcContext,
 };
-use kproxy_common::ct::{CtKey, CtKind, PROTO_ICMP, TC_STATS, TcStat};
+use kproxy_common::ct::{CtEntry, CtKind, PROTO_ICMP, TC_STATS, TcStat};
 use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue};
 
 // The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
 // the old paths.
-pub(crate) use crate::flow::{KP_CT, key};
 use crate::flow::{
-    KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port, choose_backend,
-    create_flow, in_snat_range, now, touch,
+    Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
+    choose_backend, create_flow, in_snat_range, now, touch,
 };
+pub(crate) use crate::flow::{KP_CT, key};
 use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
@@ -151,7 +151,7 @@ pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
-        return icmp_error_in(&mut ctx, &p).unwrap_or(NEXT);
+        return icmp_error::<V4, true>(&mut ctx, &p).unwrap_or(NEXT);
     }
     ingress(&mut ctx, &p).unwrap_or(DROP)
 }
@@ -163,7 +163,7 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
-        return icmp_error_out(&mut ctx, &p).unwrap_or(NEXT);
+        return icmp_error::<V4, false>(&mut ctx, &p).unwrap_or(NEXT);
     }
     egress(&mut ctx, &p).unwrap_or(DROP)
 }
@@ -466,7 +466,7 @@ fn udp_unreachable(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
 }
 
 /// The quoted packet of an ICMP error: offsets and its tuple (network order).
-struct Quoted {
+pub(crate) struct Quoted {
     /// Offset of the ICMP checksum.
     icmp_csum: usize,
     /// Offset of the quoted IP header.
@@ -549,57 +549,105 @@ fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(
         .map_err(|_| ())
 }
 
-/// Ingress: an ICMP error about a SNATed flow (quoted `N:np → B:bp`) goes to its client.
-#[inline(always)]
-fn icmp_error_in(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    let Some(q) = quoted(ctx, p) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::SnatIn as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    if p.daddr != q.saddr {
-        return Ok(NEXT);
+impl IcmpErrors for V4 {
+    type Quoted = Quoted;
+
+    #[inline(always)]
+    fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
+        quoted(ctx, p)
     }
-    rewrite_quoted(ctx, &q, false, e.nat_addr, e.nat_port)?;
-    rewrite_outer(ctx, true, p.daddr, e.nat_addr)?;
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
+
+    #[inline(always)]
+    fn quoted_tuple(q: &Quoted) -> (u32, u32, u16, u16, u8) {
+        (q.saddr, q.daddr, q.sport, q.dport, q.proto)
+    }
+
+    #[inline(always)]
+    fn nat(e: &CtEntry) -> (u32, u16) {
+        (e.nat_addr, e.nat_port)
+    }
+
+    #[inline(always)]
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Quoted,
+        dst: bool,
+        addr: u32,
+        port: u16,
+    ) -> Result<(), ()> {
+        rewrite_quoted(ctx, q, dst, addr, port)
+    }
+
+    #[inline(always)]
+    fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
+        rewrite_outer(ctx, dst, old, new)
+    }
 }
 
-/// Egress: an ICMP error about a DNATed flow (quoted `C:cp → B:bp`) names the frontend.
+/// The family-specific pieces of ICMP error translation (the quoted packet, rewrites);
+/// [`icmp_error`] is the skeleton both families' TC programs share.
+pub(crate) trait IcmpErrors: Family {
+    /// The quoted packet of an ICMP error.
+    type Quoted;
+    /// The quoted packet of `p`, if `p` is an ICMP error about a TCP/UDP flow we parse.
+    fn quoted(ctx: &TcContext, p: &Self::Packet) -> Option<Self::Quoted>;
+    /// The quoted `(saddr, daddr, sport, dport, proto)`, network order.
+    fn quoted_tuple(q: &Self::Quoted) -> (Self::Addr, Self::Addr, u16, u16, u8);
+    /// A CT entry's NAT address and port.
+    fn nat(e: &Self::Entry) -> (Self::Addr, u16);
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port.
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Self::Quoted,
+        dst: bool,
+        addr: Self::Addr,
+        port: u16,
+    ) -> Result<(), ()>;
+    /// Rewrites the outer source (`dst == false`) or destination address `old` to `new`.
+    fn rewrite_outer(
+        ctx: &mut TcContext,
+        dst: bool,
+        old: Self::Addr,
+        new: Self::Addr,
+    ) -> Result<(), ()>;
+}
+
+/// ICMP error translation for both families. Ingress (`INGRESS`): an error about a SNATed flow
+/// (quoted `N:np → B:bp`) goes to its client. Egress: an error about a DNATed flow (quoted
+/// `C:cp → B:bp`) names the frontend.
 #[inline(always)]
-fn icmp_error_out(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    let Some(q) = quoted(ctx, p) else {
+pub(crate) fn icmp_error<F: IcmpErrors, const INGRESS: bool>(
+    ctx: &mut TcContext,
+    p: &F::Packet,
+) -> Result<Verdict, ()> {
+    let Some(q) = F::quoted(ctx, p) else {
         return Ok(NEXT);
     };
-    let key = CtKey {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
+    let (q_saddr, q_daddr, q_sport, q_dport, proto) = F::quoted_tuple(&q);
+    let kind = if INGRESS {
+        CtKind::SnatIn
+    } else {
+        CtKind::RevDnat
     };
+    let key = F::key(q_daddr, q_saddr, q_dport, q_sport, proto, kind);
     // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
+    let Some(e) = (unsafe { F::ct().get(key) }).copied() else {
         return Ok(NEXT);
     };
-    rewrite_quoted(ctx, &q, true, e.nat_addr, e.nat_port)?;
-    if p.saddr == q.daddr {
-        // Sent by the backend itself (port unreachable): it speaks as the frontend.
-        rewrite_outer(ctx, false, p.saddr, e.nat_addr)?;
+    let (nat_addr, nat_port) = F::nat(&e);
+    let (saddr, daddr, ..) = F::tuple(p);
+    if INGRESS {
+        if daddr != q_saddr {
+            return Ok(NEXT);
+        }
+        F::rewrite_quoted(ctx, &q, false, nat_addr, nat_port)?;
+        F::rewrite_outer(ctx, true, daddr, nat_addr)?;
+    } else {
+        F::rewrite_quoted(ctx, &q, true, nat_addr, nat_port)?;
+        if saddr == q_daddr {
+            // Sent by the backend itself (port unreachable): it speaks as the frontend.
+            F::rewrite_outer(ctx, false, saddr, nat_addr)?;
+        }
     }
     stat(TcStat::IcmpError);
     Ok(NEXT)

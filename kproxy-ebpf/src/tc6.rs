@@ -50,7 +50,7 @@ use crate::packet6::is_ipv6;
 use crate::packet6::{
     IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, Parsed6, parse6,
 };
-use crate::tc::{DROP, NEXT, Verdict, stat};
+use crate::tc::{DROP, IcmpErrors, NEXT, Verdict, icmp_error, stat};
 
 /// `kproxy_common::ct6::MAP_CT6`.
 #[map]
@@ -330,7 +330,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
 }
 
 /// IPv6: `KP_CT6`.
-struct V6;
+pub(crate) struct V6;
 
 impl Family for V6 {
     type Addr = [u32; 4];
@@ -600,7 +600,7 @@ fn udp_unreachable6(ctx: TcContext) -> Verdict {
 // ---- ICMPv6 errors --------------------------------------------------------------------------
 
 /// The quoted packet of an ICMPv6 error (its tuple, network order).
-struct Quoted6 {
+pub(crate) struct Quoted6 {
     saddr: [u32; 4],
     daddr: [u32; 4],
     sport: u16,
@@ -676,68 +676,54 @@ fn rewrite_outer6(
         .map_err(|_| ())
 }
 
-/// Ingress: an ICMPv6 error about a SNATed flow (quoted `N:np → B:bp`) goes to its client.
+impl IcmpErrors for V6 {
+    type Quoted = Quoted6;
+
+    #[inline(always)]
+    fn quoted(ctx: &TcContext, _: &Packet6) -> Option<Quoted6> {
+        quoted6(ctx)
+    }
+
+    #[inline(always)]
+    fn quoted_tuple(q: &Quoted6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
+        (q.saddr, q.daddr, q.sport, q.dport, q.proto)
+    }
+
+    #[inline(always)]
+    fn nat(e: &CtEntry6) -> ([u32; 4], u16) {
+        (e.nat_addr, e.nat_port)
+    }
+
+    #[inline(always)]
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Quoted6,
+        dst: bool,
+        addr: [u32; 4],
+        port: u16,
+    ) -> Result<(), ()> {
+        rewrite_quoted6(ctx, q, dst, &addr, port)
+    }
+
+    #[inline(always)]
+    fn rewrite_outer(
+        ctx: &mut TcContext,
+        dst: bool,
+        old: [u32; 4],
+        new: [u32; 4],
+    ) -> Result<(), ()> {
+        rewrite_outer6(ctx, dst, &old, &new)
+    }
+}
+
+/// Ingress ICMPv6 errors ([`icmp_error`]): a BPF-to-BPF call with its own stack frame.
 #[inline(never)]
 fn icmp_error_in6(mut ctx: TcContext, p: &Packet6) -> Verdict {
-    icmp_error_in6_inner(&mut ctx, p).unwrap_or(NEXT)
+    icmp_error::<V6, true>(&mut ctx, p).unwrap_or(NEXT)
 }
 
-#[inline(always)]
-fn icmp_error_in6_inner(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
-    let Some(q) = quoted6(ctx) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey6 {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::SnatIn as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT6.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    if p.daddr != q.saddr {
-        return Ok(NEXT);
-    }
-    rewrite_quoted6(ctx, &q, false, &e.nat_addr, e.nat_port)?;
-    rewrite_outer6(ctx, true, &p.daddr, &e.nat_addr)?;
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
-}
-
-/// Egress: an ICMPv6 error about a DNATed flow (quoted `C:cp → B:bp`) names the frontend.
+/// Egress ICMPv6 errors ([`icmp_error`]): a BPF-to-BPF call with its own stack frame.
 #[inline(never)]
 fn icmp_error_out6(mut ctx: TcContext, p: &Packet6) -> Verdict {
-    icmp_error_out6_inner(&mut ctx, p).unwrap_or(NEXT)
-}
-
-#[inline(always)]
-fn icmp_error_out6_inner(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
-    let Some(q) = quoted6(ctx) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey6 {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT6.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    rewrite_quoted6(ctx, &q, true, &e.nat_addr, e.nat_port)?;
-    if p.saddr == q.daddr {
-        // Sent by the backend itself: it speaks as the frontend.
-        rewrite_outer6(ctx, false, &p.saddr, &e.nat_addr)?;
-    }
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
+    icmp_error::<V6, false>(&mut ctx, p).unwrap_or(NEXT)
 }
