@@ -66,18 +66,25 @@ pub(crate) fn now_coarse() -> u64 {
 
 /// Refreshes an entry's timestamp and records TCP close.
 #[inline(always)]
-pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
+pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
+    let (last_seen_ns, flags) = F::stamps(entry);
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
     unsafe {
         let t = now_coarse();
-        if (*entry).last_seen_ns != t {
-            (*entry).last_seen_ns = t;
+        if *last_seen_ns != t {
+            *last_seen_ns = t;
         }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
-            (*entry).flags |= CT_F_CLOSING;
+        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && *flags & CT_F_CLOSING == 0 {
+            *flags |= CT_F_CLOSING;
         }
     }
+}
+
+/// [`touch_in`] for IPv4.
+#[inline(always)]
+pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
+    touch_in::<V4>(entry, tcp_flags)
 }
 
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
@@ -252,6 +259,8 @@ pub(crate) trait Family {
     type Entry: Copy + 'static;
     /// The family's parsed packet.
     type Packet;
+    /// Where an entry keeps `last_seen_ns` and `flags` (see [`touch_in`]).
+    fn stamps(e: *mut Self::Entry) -> (*mut u64, *mut u16);
     /// Whether Maglev tables may apply (IPv4 only: the planner builds none for IPv6).
     const MAGLEV: bool;
     /// The unset NAT address of a `SnatOut` entry before its SNAT source is allocated.
@@ -306,6 +315,12 @@ impl Family for V4 {
     type Entry = CtEntry;
     type Packet = Packet;
     const MAGLEV: bool = true;
+
+    #[inline(always)]
+    fn stamps(e: *mut CtEntry) -> (*mut u64, *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+    }
     const UNSET: u32 = 0;
 
     #[inline(always)]

@@ -48,14 +48,26 @@ pub struct Packet {
     pub l4: usize,
 }
 
-/// What [`parse`] found.
-pub enum Parsed {
-    Packet(Packet),
+/// What [`parse`] (IPv4), [`crate::packet6::parse6`] (IPv6) or [`parse_l4`] found.
+pub enum Parsed<P = Packet> {
+    Packet(P),
     /// The headers end beyond `data_end`: not in the linear area (or a truncated packet).
     Short,
-    /// Not an IPv4 TCP/UDP/ICMP packet we translate (other ethertype or protocol,
-    /// non-first fragment).
+    /// Not a TCP/UDP/ICMP packet we translate (other ethertype or protocol, IPv4 non-first
+    /// fragment, IPv6 extension headers).
     Other,
+}
+
+impl<P> Parsed<P> {
+    /// The found packet mapped by `f`; `Short` and `Other` as they are.
+    #[inline(always)]
+    pub fn map<Q>(self, f: impl FnOnce(P) -> Q) -> Parsed<Q> {
+        match self {
+            Parsed::Packet(p) => Parsed::Packet(f(p)),
+            Parsed::Short => Parsed::Short,
+            Parsed::Other => Parsed::Other,
+        }
+    }
 }
 
 /// Parses Ethernet + IPv4 (+ TCP/UDP ports, ICMP) by direct access.
@@ -89,12 +101,7 @@ pub fn parse(data: usize, end: usize) -> Parsed {
     }
     let proto = (w2 >> 8) as u8;
     let l4 = IP_OFF + ihl;
-    let (sport, dport, tcp_flags) = match parse_l4(data, end, l4, proto, PROTO_ICMP) {
-        L4::Ports(sport, dport, flags) => (sport, dport, flags),
-        L4::Short => return Parsed::Short,
-        L4::Other => return Parsed::Other,
-    };
-    Parsed::Packet(Packet {
+    parse_l4(data, end, l4, proto, PROTO_ICMP).map(|(sport, dport, tcp_flags)| Packet {
         saddr,
         daddr,
         sport,
@@ -105,42 +112,33 @@ pub fn parse(data: usize, end: usize) -> Parsed {
     })
 }
 
-/// What [`parse_l4`] found after an IP header.
-pub enum L4 {
-    /// Source port, destination port (network order; 0 for ICMP) and TCP flags (0 for others).
-    Ports(u16, u16, u8),
-    /// The L4 header ends beyond `data_end`.
-    Short,
-    /// Not TCP, UDP or the family's ICMP.
-    Other,
-}
-
 /// Parses the L4 header of protocol `proto` at offset `l4` (both families: `icmp` is the
-/// family's ICMP protocol number, whose 8-byte header must be present).
+/// family's ICMP protocol number, whose 8-byte header must be present): source port,
+/// destination port (network order; 0 for ICMP) and TCP flags (0 for others).
 #[inline(always)]
-pub fn parse_l4(data: usize, end: usize, l4: usize, proto: u8, icmp: u8) -> L4 {
+pub fn parse_l4(data: usize, end: usize, l4: usize, proto: u8, icmp: u8) -> Parsed<(u16, u16, u8)> {
     match proto {
         PROTO_TCP => {
             let Some(t) = at::<[u16; 7]>(data, end, l4) else {
-                return L4::Short;
+                return Parsed::Short;
             };
             // SAFETY: bounds-checked above.
-            unsafe { L4::Ports((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
+            unsafe { Parsed::Packet(((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8)) }
         }
         PROTO_UDP => {
             let Some(u) = at::<[u16; 4]>(data, end, l4) else {
-                return L4::Short;
+                return Parsed::Short;
             };
             // SAFETY: bounds-checked above.
-            unsafe { L4::Ports((*u)[0], (*u)[1], 0) }
+            unsafe { Parsed::Packet(((*u)[0], (*u)[1], 0)) }
         }
         _ if proto == icmp => {
             if at::<[u16; 4]>(data, end, l4).is_none() {
-                return L4::Short;
+                return Parsed::Short;
             }
-            L4::Ports(0, 0, 0)
+            Parsed::Packet((0, 0, 0))
         }
-        _ => L4::Other,
+        _ => Parsed::Other,
     }
 }
 

@@ -84,12 +84,23 @@ pub(crate) fn stat(s: TcStat) {
 /// `None`: not an IPv4 packet we handle.
 #[inline(always)]
 fn parse_tc(ctx: &TcContext) -> Option<Packet> {
+    parse_pulled(ctx, parse, PARSE_LEN)
+}
+
+/// [`parse_tc`] for either family: `parse` is the family's parser, `parse_len` the bytes its
+/// headers take at most.
+#[inline(always)]
+pub(crate) fn parse_pulled<P>(
+    ctx: &TcContext,
+    parse: impl Fn(usize, usize) -> Parsed<P>,
+    parse_len: u32,
+) -> Option<P> {
     match parse(ctx.data(), ctx.data_end()) {
         Parsed::Packet(p) => return Some(p),
         Parsed::Other => return None,
         Parsed::Short => {}
     }
-    let len = ctx.len().min(PARSE_LEN);
+    let len = ctx.len().min(parse_len);
     ctx.pull_data(len).ok()?;
     match parse(ctx.data(), ctx.data_end()) {
         Parsed::Packet(p) => Some(p),
@@ -478,83 +489,37 @@ pub(crate) struct Quoted {
     proto: u8,
 }
 
-#[inline(always)]
-fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
-    let ty: u8 = ctx.load(p.l4).ok()?;
-    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED && ty != ICMP_PARAMETERPROB {
-        return None;
-    }
-    let ip = p.l4 + 8;
-    let vihl: u8 = ctx.load(ip).ok()?;
-    if vihl != 0x45 {
-        return None;
-    }
-    let frag = u16::from_be(ctx.load::<u16>(ip + 6).ok()?);
-    if frag & IP_OFFSET_MASK != 0 {
-        return None;
-    }
-    let proto: u8 = ctx.load(ip + 9).ok()?;
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        return None;
-    }
-    Some(Quoted {
-        icmp_csum: p.l4 + 2,
-        ip,
-        saddr: ctx.load(ip + 12).ok()?,
-        daddr: ctx.load(ip + 16).ok()?,
-        sport: ctx.load(ip + 20).ok()?,
-        dport: ctx.load(ip + 22).ok()?,
-        proto,
-    })
-}
-
-/// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
-/// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
-/// (receivers do not verify it on truncated quotes).
-#[inline(always)]
-fn rewrite_quoted(
-    ctx: &mut TcContext,
-    q: &Quoted,
-    dst: bool,
-    addr: u32,
-    port: u16,
-) -> Result<(), ()> {
-    let (old_addr, old_port, addr_off, port_off) = if dst {
-        (q.daddr, q.dport, q.ip + 16, q.ip + 22)
-    } else {
-        (q.saddr, q.sport, q.ip + 12, q.ip + 20)
-    };
-    let ip_csum = q.ip + 10;
-    let old_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
-    ctx.l3_csum_replace(ip_csum, old_addr as u64, addr as u64, 4)
-        .map_err(|_| ())?;
-    let new_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_addr as u64, addr as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_port as u64, port as u64, 2)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_ip_csum as u64, new_ip_csum as u64, 2)
-        .map_err(|_| ())?;
-    ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
-    ctx.store(port_off, &port, 0).map_err(|_| ())?;
-    Ok(())
-}
-
-/// Outer address rewrite of an ICMP packet (no pseudo header in the ICMP checksum).
-#[inline(always)]
-fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
-    ctx.l3_csum_replace(IP_CSUM, old as u64, new as u64, 4)
-        .map_err(|_| ())?;
-    ctx.store(if dst { IP_DADDR } else { IP_SADDR }, &new, 0)
-        .map_err(|_| ())
-}
-
 impl IcmpErrors for V4 {
     type Quoted = Quoted;
 
     #[inline(always)]
     fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
-        quoted(ctx, p)
+        let ty: u8 = ctx.load(p.l4).ok()?;
+        if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED && ty != ICMP_PARAMETERPROB {
+            return None;
+        }
+        let ip = p.l4 + 8;
+        let vihl: u8 = ctx.load(ip).ok()?;
+        if vihl != 0x45 {
+            return None;
+        }
+        let frag = u16::from_be(ctx.load::<u16>(ip + 6).ok()?);
+        if frag & IP_OFFSET_MASK != 0 {
+            return None;
+        }
+        let proto: u8 = ctx.load(ip + 9).ok()?;
+        if proto != PROTO_TCP && proto != PROTO_UDP {
+            return None;
+        }
+        Some(Quoted {
+            icmp_csum: p.l4 + 2,
+            ip,
+            saddr: ctx.load(ip + 12).ok()?,
+            daddr: ctx.load(ip + 16).ok()?,
+            sport: ctx.load(ip + 20).ok()?,
+            dport: ctx.load(ip + 22).ok()?,
+            proto,
+        })
     }
 
     #[inline(always)]
@@ -567,6 +532,9 @@ impl IcmpErrors for V4 {
         (e.nat_addr, e.nat_port)
     }
 
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
+    /// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
+    /// (receivers do not verify it on truncated quotes).
     #[inline(always)]
     fn rewrite_quoted(
         ctx: &mut TcContext,
@@ -575,12 +543,34 @@ impl IcmpErrors for V4 {
         addr: u32,
         port: u16,
     ) -> Result<(), ()> {
-        rewrite_quoted(ctx, q, dst, addr, port)
+        let (old_addr, old_port, addr_off, port_off) = if dst {
+            (q.daddr, q.dport, q.ip + 16, q.ip + 22)
+        } else {
+            (q.saddr, q.sport, q.ip + 12, q.ip + 20)
+        };
+        let ip_csum = q.ip + 10;
+        let old_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+        ctx.l3_csum_replace(ip_csum, old_addr as u64, addr as u64, 4)
+            .map_err(|_| ())?;
+        let new_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_addr as u64, addr as u64, 4)
+            .map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_port as u64, port as u64, 2)
+            .map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_ip_csum as u64, new_ip_csum as u64, 2)
+            .map_err(|_| ())?;
+        ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
+        ctx.store(port_off, &port, 0).map_err(|_| ())?;
+        Ok(())
     }
 
+    /// Outer address rewrite of an ICMP packet (no pseudo header in the ICMP checksum).
     #[inline(always)]
     fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
-        rewrite_outer(ctx, dst, old, new)
+        ctx.l3_csum_replace(IP_CSUM, old as u64, new as u64, 4)
+            .map_err(|_| ())?;
+        ctx.store(if dst { IP_DADDR } else { IP_SADDR }, &new, 0)
+            .map_err(|_| ())
     }
 }
 

@@ -34,7 +34,7 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap},
     programs::TcContext,
 };
-use kproxy_common::ct::{CT_F_CLOSING, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
+use kproxy_common::ct::{CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
     PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
@@ -42,15 +42,13 @@ use kproxy_common::service::{
 
 use crate::flow::{
     Family, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port_in, choose_backend_in,
-    create_flow_in, in_snat_range, now, now_coarse,
+    create_flow_in, in_snat_range, now, touch_in,
 };
 use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
-use crate::packet6::{
-    IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, Parsed6, parse6,
-};
-use crate::tc::{DROP, IcmpErrors, NEXT, Verdict, icmp_error, stat};
+use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
+use crate::tc::{DROP, IcmpErrors, NEXT, Verdict, icmp_error, parse_pulled, stat};
 
 /// `kproxy_common::ct6::MAP_CT6`.
 #[map]
@@ -99,17 +97,7 @@ pub fn kp_tc_eg6(mut ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn parse_tc6(ctx: &TcContext) -> Option<Packet6> {
-    match parse6(ctx.data(), ctx.data_end()) {
-        Parsed6::Packet(p) => return Some(p),
-        Parsed6::Other => return None,
-        Parsed6::Short => {}
-    }
-    let len = ctx.len().min(PARSE6_LEN);
-    ctx.pull_data(len).ok()?;
-    match parse6(ctx.data(), ctx.data_end()) {
-        Parsed6::Packet(p) => Some(p),
-        _ => None,
-    }
+    parse_pulled(ctx, parse6, PARSE6_LEN)
 }
 
 #[inline(always)]
@@ -190,22 +178,6 @@ fn rewrite6(
     Ok(())
 }
 
-/// Refreshes an entry's timestamp and records TCP close.
-#[inline(always)]
-fn touch6(entry: *mut CtEntry6, tcp_flags: u8) {
-    // SAFETY: pointer from a successful lookup; racing writers only make the timestamp or
-    // flags stale, which the agent's expiry tolerates.
-    unsafe {
-        let t = now_coarse();
-        if (*entry).last_seen_ns != t {
-            (*entry).last_seen_ns = t;
-        }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
-            (*entry).flags |= CT_F_CLOSING;
-        }
-    }
-}
-
 // ---- ingress / egress -----------------------------------------------------------------------
 
 #[inline(always)]
@@ -213,7 +185,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatIn))
     {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -224,7 +196,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         return Ok(NEXT);
     };
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -286,7 +258,7 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
 #[inline(always)]
 fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::RevDnat)) {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, false, &addr, port)?;
@@ -296,7 +268,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatOut)) else {
         return Ok(NEXT);
     };
-    touch6(e, p.tcp_flags);
+    touch_in::<V6>(e, p.tcp_flags);
     // SAFETY: lookup result.
     let (mut addr, mut port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
     if addr == [0; 4] {
@@ -338,6 +310,12 @@ impl Family for V6 {
     type Entry = CtEntry6;
     type Packet = Packet6;
     const MAGLEV: bool = false;
+
+    #[inline(always)]
+    fn stamps(e: *mut CtEntry6) -> (*mut u64, *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+    }
     const UNSET: [u32; 4] = [0; 4];
 
     #[inline(always)]
@@ -611,77 +589,34 @@ pub(crate) struct Quoted6 {
 /// Offset of the quoted IPv6 header.
 const Q_IP: usize = L4 + 8;
 
-#[inline(always)]
-fn quoted6(ctx: &TcContext) -> Option<Quoted6> {
-    let ty: u8 = ctx.load(L4).ok()?;
-    if ty != ICMP6_DEST_UNREACH
-        && ty != ICMP6_PACKET_TOO_BIG
-        && ty != ICMP6_TIME_EXCEEDED
-        && ty != ICMP6_PARAMPROB
-    {
-        return None;
-    }
-    let v: u8 = ctx.load(Q_IP).ok()?;
-    if v >> 4 != 6 {
-        return None;
-    }
-    let proto: u8 = ctx.load(Q_IP + 6).ok()?;
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        return None;
-    }
-    Some(Quoted6 {
-        saddr: ctx.load(Q_IP + 8).ok()?,
-        daddr: ctx.load(Q_IP + 24).ok()?,
-        sport: ctx.load(Q_IP + IP6_HLEN).ok()?,
-        dport: ctx.load(Q_IP + IP6_HLEN + 2).ok()?,
-        proto,
-    })
-}
-
-/// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
-/// keeping the ICMPv6 checksum right (the quoted L4 checksum is left as is, like IPv4).
-#[inline(always)]
-fn rewrite_quoted6(
-    ctx: &mut TcContext,
-    q: &Quoted6,
-    dst: bool,
-    addr: &[u32; 4],
-    port: u16,
-) -> Result<(), ()> {
-    let (old_addr, old_port, addr_off, port_off) = if dst {
-        (q.daddr, q.dport, Q_IP + 24, Q_IP + IP6_HLEN + 2)
-    } else {
-        (q.saddr, q.sport, Q_IP + 8, Q_IP + IP6_HLEN)
-    };
-    let (csum, _) = l4_csum(PROTO_ICMPV6);
-    csum_addr(ctx, csum, &old_addr, addr, 0)?;
-    ctx.l4_csum_replace(csum, old_port as u64, port as u64, 2)
-        .map_err(|_| ())?;
-    ctx.store(addr_off, addr, 0).map_err(|_| ())?;
-    ctx.store(port_off, &port, 0).map_err(|_| ())?;
-    Ok(())
-}
-
-/// Outer address rewrite of an ICMPv6 packet (its checksum covers the pseudo header).
-#[inline(always)]
-fn rewrite_outer6(
-    ctx: &mut TcContext,
-    dst: bool,
-    old: &[u32; 4],
-    new: &[u32; 4],
-) -> Result<(), ()> {
-    let (csum, _) = l4_csum(PROTO_ICMPV6);
-    csum_addr(ctx, csum, old, new, BPF_F_PSEUDO_HDR as u64)?;
-    ctx.store(if dst { IP6_DADDR } else { IP6_SADDR }, new, 0)
-        .map_err(|_| ())
-}
-
 impl IcmpErrors for V6 {
     type Quoted = Quoted6;
 
     #[inline(always)]
     fn quoted(ctx: &TcContext, _: &Packet6) -> Option<Quoted6> {
-        quoted6(ctx)
+        let ty: u8 = ctx.load(L4).ok()?;
+        if ty != ICMP6_DEST_UNREACH
+            && ty != ICMP6_PACKET_TOO_BIG
+            && ty != ICMP6_TIME_EXCEEDED
+            && ty != ICMP6_PARAMPROB
+        {
+            return None;
+        }
+        let v: u8 = ctx.load(Q_IP).ok()?;
+        if v >> 4 != 6 {
+            return None;
+        }
+        let proto: u8 = ctx.load(Q_IP + 6).ok()?;
+        if proto != PROTO_TCP && proto != PROTO_UDP {
+            return None;
+        }
+        Some(Quoted6 {
+            saddr: ctx.load(Q_IP + 8).ok()?,
+            daddr: ctx.load(Q_IP + 24).ok()?,
+            sport: ctx.load(Q_IP + IP6_HLEN).ok()?,
+            dport: ctx.load(Q_IP + IP6_HLEN + 2).ok()?,
+            proto,
+        })
     }
 
     #[inline(always)]
@@ -694,6 +629,8 @@ impl IcmpErrors for V6 {
         (e.nat_addr, e.nat_port)
     }
 
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
+    /// keeping the ICMPv6 checksum right (the quoted L4 checksum is left as is, like IPv4).
     #[inline(always)]
     fn rewrite_quoted(
         ctx: &mut TcContext,
@@ -702,9 +639,22 @@ impl IcmpErrors for V6 {
         addr: [u32; 4],
         port: u16,
     ) -> Result<(), ()> {
-        rewrite_quoted6(ctx, q, dst, &addr, port)
+        let addr = &addr;
+        let (old_addr, old_port, addr_off, port_off) = if dst {
+            (q.daddr, q.dport, Q_IP + 24, Q_IP + IP6_HLEN + 2)
+        } else {
+            (q.saddr, q.sport, Q_IP + 8, Q_IP + IP6_HLEN)
+        };
+        let (csum, _) = l4_csum(PROTO_ICMPV6);
+        csum_addr(ctx, csum, &old_addr, addr, 0)?;
+        ctx.l4_csum_replace(csum, old_port as u64, port as u64, 2)
+            .map_err(|_| ())?;
+        ctx.store(addr_off, addr, 0).map_err(|_| ())?;
+        ctx.store(port_off, &port, 0).map_err(|_| ())?;
+        Ok(())
     }
 
+    /// Outer address rewrite of an ICMPv6 packet (its checksum covers the pseudo header).
     #[inline(always)]
     fn rewrite_outer(
         ctx: &mut TcContext,
@@ -712,7 +662,10 @@ impl IcmpErrors for V6 {
         old: [u32; 4],
         new: [u32; 4],
     ) -> Result<(), ()> {
-        rewrite_outer6(ctx, dst, &old, &new)
+        let (csum, _) = l4_csum(PROTO_ICMPV6);
+        csum_addr(ctx, csum, &old, &new, BPF_F_PSEUDO_HDR as u64)?;
+        ctx.store(if dst { IP6_DADDR } else { IP6_SADDR }, &new, 0)
+            .map_err(|_| ())
     }
 }
 
