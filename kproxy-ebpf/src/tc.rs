@@ -302,72 +302,10 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         return Ok(DROP);
     }
     let tot_len = u16::from_be(ctx.load::<u16>(IP_OFF + 2).map_err(|_| ())?);
-    let doff_word: u16 = ctx.load(p.l4 + 12).map_err(|_| ())?;
-    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
-    if !(20..=60).contains(&doff) {
-        return Ok(DROP);
-    }
     let tcp_len = (tot_len as usize).wrapping_sub(20);
-    if tcp_len != doff {
+    if !reset_tcp_header(ctx, p.l4, p.tcp_flags, p.sport, p.dport, tcp_len)? {
         return Ok(DROP);
     }
-    let seq = u32::from_be(ctx.load::<u32>(p.l4 + 4).map_err(|_| ())?);
-    let ack = u32::from_be(ctx.load::<u32>(p.l4 + 8).map_err(|_| ())?);
-    let (new_seq, new_ack, new_flags) = if p.tcp_flags & TCP_ACK != 0 {
-        (ack, 0u32, TCP_RST)
-    } else {
-        let mut len = 0u32;
-        if p.tcp_flags & TCP_SYN != 0 {
-            len += 1;
-        }
-        if p.tcp_flags & TCP_FIN != 0 {
-            len += 1;
-        }
-        (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
-    };
-    let csum = p.l4 + 16;
-    // Options are dropped: take their sum out of the checksum (ignored for CHECKSUM_PARTIAL,
-    // where the stack sums the data later).
-    let opt_words = (doff - 20) / 4;
-    let mut i = 0usize;
-    while i < 10 {
-        if i >= opt_words {
-            break;
-        }
-        let w: u32 = ctx.load(p.l4 + 20 + i * 4).map_err(|_| ())?;
-        ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
-        i += 1;
-    }
-    let new_doff_word = ((5u16 << 12) | u16::from(new_flags)).to_be();
-    ctx.l4_csum_replace(csum, seq.to_be() as u64, new_seq.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, ack.to_be() as u64, new_ack.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
-        .map_err(|_| ())?;
-    let window: u16 = ctx.load(p.l4 + 14).map_err(|_| ())?;
-    let urg: u16 = ctx.load(p.l4 + 18).map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, window as u64, 0, 2)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, urg as u64, 0, 2)
-        .map_err(|_| ())?;
-    let old_len = (tcp_len as u16).to_be();
-    let new_len = 20u16.to_be();
-    ctx.l4_csum_replace(
-        csum,
-        old_len as u64,
-        new_len as u64,
-        BPF_F_PSEUDO_HDR as u64 | 2,
-    )
-    .map_err(|_| ())?;
-    // Swapping addresses and ports leaves both checksums unchanged.
-    ctx.store(p.l4, &p.dport, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 2, &p.sport, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 12, &new_doff_word, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 14, &0u16, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 18, &0u16, 0).map_err(|_| ())?;
     ctx.store(IP_SADDR, &p.daddr, 0).map_err(|_| ())?;
     ctx.store(IP_DADDR, &p.saddr, 0).map_err(|_| ())?;
     let old_tot = tot_len.to_be();
@@ -387,6 +325,86 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         let ifindex = (*ctx.skb.skb).ifindex;
         Ok(bpf_redirect(ifindex, 0) as i32)
     }
+}
+
+/// Turns the TCP header at `l4` of a segment without data (`tcp_len` bytes from the IP
+/// header's length) into a RST answering it, for both families: sequence numbers per RFC 9293
+/// §3.10.7.1, ports swapped, options dropped, the checksum updated (the pseudo header's length
+/// included; the caller swaps the addresses, which leaves it unchanged). `Ok(false)`: the
+/// segment carries data or a bad data offset; nothing was changed.
+#[inline(always)]
+pub(crate) fn reset_tcp_header(
+    ctx: &TcContext,
+    l4: usize,
+    tcp_flags: u8,
+    sport: u16,
+    dport: u16,
+    tcp_len: usize,
+) -> Result<bool, ()> {
+    let doff_word: u16 = ctx.load(l4 + 12).map_err(|_| ())?;
+    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
+    if !(20..=60).contains(&doff) || tcp_len != doff {
+        return Ok(false);
+    }
+    let seq = u32::from_be(ctx.load::<u32>(l4 + 4).map_err(|_| ())?);
+    let ack = u32::from_be(ctx.load::<u32>(l4 + 8).map_err(|_| ())?);
+    let (new_seq, new_ack, new_flags) = if tcp_flags & TCP_ACK != 0 {
+        (ack, 0u32, TCP_RST)
+    } else {
+        let mut len = 0u32;
+        if tcp_flags & TCP_SYN != 0 {
+            len += 1;
+        }
+        if tcp_flags & TCP_FIN != 0 {
+            len += 1;
+        }
+        (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
+    };
+    let csum = l4 + 16;
+    // Options are dropped: take their sum out of the checksum (ignored for CHECKSUM_PARTIAL,
+    // where the stack sums the data later).
+    let opt_words = (doff - 20) / 4;
+    let mut i = 0usize;
+    while i < 10 {
+        if i >= opt_words {
+            break;
+        }
+        let w: u32 = ctx.load(l4 + 20 + i * 4).map_err(|_| ())?;
+        ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
+        i += 1;
+    }
+    let new_doff_word = ((5u16 << 12) | u16::from(new_flags)).to_be();
+    ctx.l4_csum_replace(csum, seq.to_be() as u64, new_seq.to_be() as u64, 4)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, ack.to_be() as u64, new_ack.to_be() as u64, 4)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
+        .map_err(|_| ())?;
+    let window: u16 = ctx.load(l4 + 14).map_err(|_| ())?;
+    let urg: u16 = ctx.load(l4 + 18).map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, window as u64, 0, 2)
+        .map_err(|_| ())?;
+    ctx.l4_csum_replace(csum, urg as u64, 0, 2)
+        .map_err(|_| ())?;
+    // The pseudo header's upper-layer length.
+    let old_len = (tcp_len as u16).to_be();
+    let new_len = 20u16.to_be();
+    ctx.l4_csum_replace(
+        csum,
+        old_len as u64,
+        new_len as u64,
+        BPF_F_PSEUDO_HDR as u64 | 2,
+    )
+    .map_err(|_| ())?;
+    // Swapping addresses and ports leaves the checksum unchanged.
+    ctx.store(l4, &dport, 0).map_err(|_| ())?;
+    ctx.store(l4 + 2, &sport, 0).map_err(|_| ())?;
+    ctx.store(l4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
+    ctx.store(l4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
+    ctx.store(l4 + 12, &new_doff_word, 0).map_err(|_| ())?;
+    ctx.store(l4 + 14, &0u16, 0).map_err(|_| ())?;
+    ctx.store(l4 + 18, &0u16, 0).map_err(|_| ())?;
+    Ok(true)
 }
 
 /// Bytes of the ICMP port-unreachable reply [`udp_unreachable`] builds: Ethernet, IPv4, ICMP

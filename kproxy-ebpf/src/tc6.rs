@@ -41,14 +41,16 @@ use kproxy_common::service::{
 };
 
 use crate::flow::{
-    Family, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port_in, choose_backend_in,
-    create_flow_in, in_snat_range, now, touch_in,
+    Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, in_snat_range, now,
+    touch_in,
 };
 use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
 use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
-use crate::tc::{DROP, IcmpErrors, NEXT, Verdict, icmp_error, parse_pulled, stat};
+use crate::tc::{
+    DROP, IcmpErrors, NEXT, Verdict, icmp_error, parse_pulled, reset_tcp_header, stat,
+};
 
 /// `kproxy_common::ct6::MAP_CT6`.
 #[map]
@@ -416,68 +418,10 @@ fn tcp_reset6_inner(ctx: &TcContext, p: &Packet6) -> Result<Verdict, ()> {
         return Ok(DROP);
     }
     let tcp_len = u16::from_be(ctx.load::<u16>(IP6_PLEN).map_err(|_| ())?) as usize;
-    let doff_word: u16 = ctx.load(L4 + 12).map_err(|_| ())?;
-    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
-    if !(20..=60).contains(&doff) || tcp_len != doff {
+    if !reset_tcp_header(ctx, L4, p.tcp_flags, p.sport, p.dport, tcp_len)? {
         return Ok(DROP);
     }
-    let seq = u32::from_be(ctx.load::<u32>(L4 + 4).map_err(|_| ())?);
-    let ack = u32::from_be(ctx.load::<u32>(L4 + 8).map_err(|_| ())?);
-    let (new_seq, new_ack, new_flags) = if p.tcp_flags & TCP_ACK != 0 {
-        (ack, 0u32, TCP_RST)
-    } else {
-        let mut len = 0u32;
-        if p.tcp_flags & TCP_SYN != 0 {
-            len += 1;
-        }
-        if p.tcp_flags & TCP_FIN != 0 {
-            len += 1;
-        }
-        (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
-    };
-    let csum = L4 + 16;
-    // Options are dropped: take their sum out of the checksum.
-    let opt_words = (doff - 20) / 4;
-    let mut i = 0usize;
-    while i < 10 {
-        if i >= opt_words {
-            break;
-        }
-        let w: u32 = ctx.load(L4 + 20 + i * 4).map_err(|_| ())?;
-        ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
-        i += 1;
-    }
-    let new_doff_word = ((5u16 << 12) | u16::from(new_flags)).to_be();
-    ctx.l4_csum_replace(csum, seq.to_be() as u64, new_seq.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, ack.to_be() as u64, new_ack.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
-        .map_err(|_| ())?;
-    let window: u16 = ctx.load(L4 + 14).map_err(|_| ())?;
-    let urg: u16 = ctx.load(L4 + 18).map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, window as u64, 0, 2)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, urg as u64, 0, 2)
-        .map_err(|_| ())?;
-    // The pseudo header's upper-layer length (a 32-bit field whose high half stays 0).
-    let old_len = (tcp_len as u16).to_be();
     let new_len = 20u16.to_be();
-    ctx.l4_csum_replace(
-        csum,
-        old_len as u64,
-        new_len as u64,
-        BPF_F_PSEUDO_HDR as u64 | 2,
-    )
-    .map_err(|_| ())?;
-    // Swapping addresses and ports leaves the checksum unchanged.
-    ctx.store(L4, &p.dport, 0).map_err(|_| ())?;
-    ctx.store(L4 + 2, &p.sport, 0).map_err(|_| ())?;
-    ctx.store(L4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
-    ctx.store(L4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
-    ctx.store(L4 + 12, &new_doff_word, 0).map_err(|_| ())?;
-    ctx.store(L4 + 14, &0u16, 0).map_err(|_| ())?;
-    ctx.store(L4 + 18, &0u16, 0).map_err(|_| ())?;
     ctx.store(IP6_SADDR, &p.daddr, 0).map_err(|_| ())?;
     ctx.store(IP6_DADDR, &p.saddr, 0).map_err(|_| ())?;
     ctx.store(IP6_PLEN, &new_len, 0).map_err(|_| ())?;
