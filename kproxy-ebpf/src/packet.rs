@@ -48,7 +48,7 @@ pub struct Packet {
     pub l4: usize,
 }
 
-/// What [`parse`] (IPv4), [`crate::packet6::parse6`] (IPv6) or [`parse_l4`] found.
+/// What [`parse`] (IPv4) or [`crate::packet6::parse6`] (IPv6) found.
 pub enum Parsed<P = Packet> {
     Packet(P),
     /// The headers end beyond `data_end`: not in the linear area (or a truncated packet).
@@ -56,18 +56,6 @@ pub enum Parsed<P = Packet> {
     /// Not a TCP/UDP/ICMP packet we translate (other ethertype or protocol, IPv4 non-first
     /// fragment, IPv6 extension headers).
     Other,
-}
-
-impl<P> Parsed<P> {
-    /// The found packet mapped by `f`; `Short` and `Other` as they are.
-    #[inline(always)]
-    pub fn map<Q>(self, f: impl FnOnce(P) -> Q) -> Parsed<Q> {
-        match self {
-            Parsed::Packet(p) => Parsed::Packet(f(p)),
-            Parsed::Short => Parsed::Short,
-            Parsed::Other => Parsed::Other,
-        }
-    }
 }
 
 /// Parses Ethernet + IPv4 (+ TCP/UDP ports, ICMP) by direct access.
@@ -101,7 +89,12 @@ pub fn parse(data: usize, end: usize) -> Parsed {
     }
     let proto = (w2 >> 8) as u8;
     let l4 = IP_OFF + ihl;
-    parse_l4(data, end, l4, proto, PROTO_ICMP).map(|(sport, dport, tcp_flags)| Packet {
+    let (sport, dport, tcp_flags) = match parse_l4(data, end, l4, proto, PROTO_ICMP) {
+        L4::Ports(sport, dport, flags) => (sport, dport, flags),
+        L4::Short => return Parsed::Short,
+        L4::Other => return Parsed::Other,
+    };
+    Parsed::Packet(Packet {
         saddr,
         daddr,
         sport,
@@ -112,33 +105,42 @@ pub fn parse(data: usize, end: usize) -> Parsed {
     })
 }
 
+/// What [`parse_l4`] found after an IP header.
+pub enum L4 {
+    /// Source port, destination port (network order; 0 for ICMP) and TCP flags (0 for others).
+    Ports(u16, u16, u8),
+    /// The L4 header ends beyond `data_end`.
+    Short,
+    /// Not TCP, UDP or the family's ICMP.
+    Other,
+}
+
 /// Parses the L4 header of protocol `proto` at offset `l4` (both families: `icmp` is the
-/// family's ICMP protocol number, whose 8-byte header must be present): source port,
-/// destination port (network order; 0 for ICMP) and TCP flags (0 for others).
+/// family's ICMP protocol number, whose 8-byte header must be present).
 #[inline(always)]
-pub fn parse_l4(data: usize, end: usize, l4: usize, proto: u8, icmp: u8) -> Parsed<(u16, u16, u8)> {
+pub fn parse_l4(data: usize, end: usize, l4: usize, proto: u8, icmp: u8) -> L4 {
     match proto {
         PROTO_TCP => {
             let Some(t) = at::<[u16; 7]>(data, end, l4) else {
-                return Parsed::Short;
+                return L4::Short;
             };
             // SAFETY: bounds-checked above.
-            unsafe { Parsed::Packet(((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8)) }
+            unsafe { L4::Ports((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
         }
         PROTO_UDP => {
             let Some(u) = at::<[u16; 4]>(data, end, l4) else {
-                return Parsed::Short;
+                return L4::Short;
             };
             // SAFETY: bounds-checked above.
-            unsafe { Parsed::Packet(((*u)[0], (*u)[1], 0)) }
+            unsafe { L4::Ports((*u)[0], (*u)[1], 0) }
         }
         _ if proto == icmp => {
             if at::<[u16; 4]>(data, end, l4).is_none() {
-                return Parsed::Short;
+                return L4::Short;
             }
-            Parsed::Packet((0, 0, 0))
+            L4::Ports(0, 0, 0)
         }
-        _ => Parsed::Other,
+        _ => L4::Other,
     }
 }
 

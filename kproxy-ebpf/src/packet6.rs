@@ -11,7 +11,7 @@
 
 use kproxy_common::ct6::PROTO_ICMPV6;
 
-use crate::packet::{ETH_HLEN, Parsed, at, parse_l4};
+use crate::packet::{ETH_HLEN, L4, Parsed, at, parse_l4};
 
 /// `ETH_P_IPV6` as the frame carries it (network order, read as a native `u16`).
 pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -80,7 +80,12 @@ pub fn parse6(data: usize, end: usize) -> Parsed6 {
     let proto = (w[1] >> 16) as u8;
     let saddr = [w[2], w[3], w[4], w[5]];
     let daddr = [w[6], w[7], w[8], w[9]];
-    parse_l4(data, end, L4_OFF, proto, PROTO_ICMPV6).map(|(sport, dport, tcp_flags)| Packet6 {
+    let (sport, dport, tcp_flags) = match parse_l4(data, end, L4_OFF, proto, PROTO_ICMPV6) {
+        L4::Ports(sport, dport, flags) => (sport, dport, flags),
+        L4::Short => return Parsed::Short,
+        L4::Other => return Parsed::Other,
+    };
+    Parsed::Packet(Packet6 {
         saddr,
         daddr,
         sport,
