@@ -313,13 +313,20 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     ctx.l3_csum_replace(IP_CSUM, old_tot as u64, new_tot as u64, 2)
         .map_err(|_| ())?;
     ctx.store(IP_OFF + 2, &new_tot, 0).map_err(|_| ())?;
+    bounce(ctx, (ETH_HLEN + 40) as u32)
+}
+
+/// Sends a reply built in place back out of the device it came in on, for both families:
+/// swaps the Ethernet addresses, trims the frame to `len` bytes and redirects it.
+#[inline(always)]
+pub(crate) fn bounce(ctx: &TcContext, len: u32) -> Result<Verdict, ()> {
     let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
     let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
     ctx.store(0, &src_mac, 0).map_err(|_| ())?;
     ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
     // SAFETY: the context pointer is valid for the program's run.
     unsafe {
-        if bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + 40) as u32, 0) != 0 {
+        if bpf_skb_change_tail(ctx.skb.skb, len, 0) != 0 {
             return Ok(DROP);
         }
         let ifindex = (*ctx.skb.skb).ifindex;

@@ -49,7 +49,7 @@ use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
 use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
 use crate::tc::{
-    DROP, IcmpErrors, NEXT, Verdict, icmp_error, parse_pulled, reset_tcp_header, stat,
+    DROP, IcmpErrors, NEXT, Verdict, bounce, icmp_error, parse_pulled, reset_tcp_header, stat,
 };
 
 /// `kproxy_common::ct6::MAP_CT6`.
@@ -425,18 +425,7 @@ fn tcp_reset6_inner(ctx: &TcContext, p: &Packet6) -> Result<Verdict, ()> {
     ctx.store(IP6_SADDR, &p.daddr, 0).map_err(|_| ())?;
     ctx.store(IP6_DADDR, &p.saddr, 0).map_err(|_| ())?;
     ctx.store(IP6_PLEN, &new_len, 0).map_err(|_| ())?;
-    let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
-    let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
-    ctx.store(0, &src_mac, 0).map_err(|_| ())?;
-    ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
-    // SAFETY: the context pointer is valid for the program's run.
-    unsafe {
-        if bpf_skb_change_tail(ctx.skb.skb, (L4 + 20) as u32, 0) != 0 {
-            return Ok(DROP);
-        }
-        let ifindex = (*ctx.skb.skb).ifindex;
-        Ok(bpf_redirect(ifindex, 0) as i32)
-    }
+    bounce(ctx, (L4 + 20) as u32)
 }
 
 /// Bytes of the ICMPv6 port-unreachable reply [`udp_unreachable6`] builds: Ethernet, IPv6,
