@@ -44,15 +44,7 @@ pub(crate) static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_
 
 #[inline(always)]
 pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
-    CtKey {
-        saddr: p.saddr,
-        daddr: p.daddr,
-        sport: p.sport,
-        dport: p.dport,
-        proto: p.proto,
-        kind: kind as u8,
-        _pad: [0; 2],
-    }
+    V4::key(p.saddr, p.daddr, p.sport, p.dport, p.proto, kind)
 }
 
 /// CLOCK_MONOTONIC ns, precise: stamps new entries (their creation time also tells flows
@@ -74,18 +66,25 @@ pub(crate) fn now_coarse() -> u64 {
 
 /// Refreshes an entry's timestamp and records TCP close.
 #[inline(always)]
-pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
+pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
+    let (last_seen_ns, flags) = F::stamps(entry);
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
     unsafe {
         let t = now_coarse();
-        if (*entry).last_seen_ns != t {
-            (*entry).last_seen_ns = t;
+        if *last_seen_ns != t {
+            *last_seen_ns = t;
         }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
-            (*entry).flags |= CT_F_CLOSING;
+        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && *flags & CT_F_CLOSING == 0 {
+            *flags |= CT_F_CLOSING;
         }
     }
+}
+
+/// [`touch_in`] for IPv4.
+#[inline(always)]
+pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
+    touch_in::<V4>(entry, tcp_flags)
 }
 
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
@@ -100,16 +99,18 @@ pub(crate) fn in_snat_range(port: u16) -> bool {
 }
 
 /// The backend a new flow of `svc` from `p`'s client goes to: the client's affinity entry
-/// when the service has ClientIP affinity and it is fresh, else a random slot. Records the
-/// choice for affinity. `None`: no backend (slot or backend entry missing, or not IPv4).
+/// when the service has ClientIP affinity and it is fresh, else (IPv4) the Maglev choice, else a
+/// random slot. Records the choice for affinity. `None`: no backend (slot or backend entry
+/// missing, or not of the family). The caller ensures `svc.count != 0`.
 #[inline(always)]
-pub(crate) fn choose_backend(
+pub(crate) fn choose_backend_in<F: Family>(
     svc: &ServiceValue,
-    p: &Packet,
+    p: &F::Packet,
     ts: u64,
 ) -> Option<(u32, BackendValue)> {
+    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
     let aff_key = AffinityKey {
-        client: v4_mapped(p.saddr),
+        client: F::mapped(saddr),
         svc_id: svc.svc_id,
         kind: AFFINITY_CLIENT_IP,
     };
@@ -130,9 +131,8 @@ pub(crate) fn choose_backend(
     } else {
         None
     };
-    if backend.is_none() && svc.flags & SVC_F_MAGLEV != 0 {
-        backend_id =
-            maglev_backend(svc.svc_id, p.saddr, p.daddr, p.sport, p.dport, p.proto).unwrap_or(0);
+    if F::MAGLEV && backend.is_none() && svc.flags & SVC_F_MAGLEV != 0 {
+        backend_id = F::maglev(svc.svc_id, saddr, daddr, sport, dport, proto).unwrap_or(0);
         // SAFETY: read by value right away.
         backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
     }
@@ -148,7 +148,7 @@ pub(crate) fn choose_backend(
         backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
     }
     let be = backend?;
-    if !is_v4_mapped(&be.addr) {
+    if !F::is_family(&be.addr) {
         return None;
     }
     if svc.flags & SVC_F_AFFINITY != 0 {
@@ -162,6 +162,66 @@ pub(crate) fn choose_backend(
     Some((backend_id, be))
 }
 
+/// [`choose_backend_in`] for IPv4.
+#[inline(always)]
+pub(crate) fn choose_backend(
+    svc: &ServiceValue,
+    p: &Packet,
+    ts: u64,
+) -> Option<(u32, BackendValue)> {
+    choose_backend_in::<V4>(svc, p, ts)
+}
+
+/// Records a new flow `p` (`C:cp → F:fp`) of `svc` to backend `backend_id`/`be`: its
+/// [`CtKind::Service`] and [`CtKind::RevDnat`] entries and, when it is SNATed, its
+/// [`CtKind::SnatOut`] entry with the SNAT address/port still unset ([`Family::UNSET`], 0; see
+/// [`allocate_port_in`]). Returns the backend address and the entries' `CT_F_*` flags. `Err`:
+/// an insert failed (map full and not LRU-evictable). `be` is of the family
+/// ([`choose_backend_in`] checked).
+#[inline(always)]
+pub(crate) fn create_flow_in<F: Family>(
+    p: &F::Packet,
+    svc: &ServiceValue,
+    backend_id: u32,
+    be: &BackendValue,
+    ts: u64,
+) -> Result<(F::Addr, u16), ()> {
+    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
+    let be_addr = F::backend_addr(&be.addr);
+    let local = be.flags & BE_F_LOCAL != 0;
+    // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
+    // through this node anyway, so its flows keep the client address (like Cilium; upstream
+    // iptables would SNAT them too). A pod reaching itself through a NodePort (hairpin) is
+    // always SNATed: it would drop a packet with its own address as source.
+    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || saddr == be_addr;
+    let mut flags = 0u16;
+    if snat {
+        flags |= CT_F_SNAT;
+    }
+    if local {
+        flags |= CT_F_LOCAL_BACKEND;
+    }
+    let mut entry = F::entry(be_addr, be.port, flags, backend_id, svc.svc_id, ts);
+    // One key and one entry, rewritten for each insert (the IPv6 programs' stack is tight).
+    let mut k = F::key(saddr, daddr, sport, dport, proto, CtKind::Service);
+    let mut ok = F::ct().insert(&k, &entry, 0).is_ok();
+    // Reply: B:bp → C:cp.
+    k = F::key(be_addr, saddr, be.port, sport, proto, CtKind::RevDnat);
+    entry = F::with_nat(&entry, daddr, dport);
+    ok &= F::ct().insert(&k, &entry, 0).is_ok();
+    if snat {
+        // Forwarded: C:cp → B:bp; the SNAT address/port is allocated once the egress device
+        // is known.
+        k = F::key(saddr, be_addr, sport, be.port, proto, CtKind::SnatOut);
+        entry = F::with_nat(&entry, F::UNSET, 0);
+        ok &= F::ct().insert(&k, &entry, 0).is_ok();
+    }
+    if !ok {
+        return Err(());
+    }
+    Ok((be_addr, flags))
+}
+
 /// What [`create_flow`] recorded for a new flow.
 pub(crate) struct NewFlow {
     /// The backend (network order).
@@ -171,10 +231,7 @@ pub(crate) struct NewFlow {
     pub flags: u16,
 }
 
-/// Records a new flow `p` (`C:cp → F:fp`) of `svc` to backend `backend_id`/`be`: its
-/// [`CtKind::Service`] and [`CtKind::RevDnat`] entries and, when it is SNATed, its
-/// [`CtKind::SnatOut`] entry with the SNAT address/port still unallocated (0; see
-/// [`allocate_port`]). `Err`: an insert failed (map full and not LRU-evictable).
+/// [`create_flow_in`] for IPv4.
 #[inline(always)]
 pub(crate) fn create_flow(
     p: &Packet,
@@ -183,61 +240,7 @@ pub(crate) fn create_flow(
     be: &BackendValue,
     ts: u64,
 ) -> Result<NewFlow, ()> {
-    let be_addr = be.addr[3];
-    let local = be.flags & BE_F_LOCAL != 0;
-    // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
-    // through this node anyway, so its flows keep the client address (like Cilium; upstream
-    // iptables would SNAT them too). A pod reaching itself through a NodePort (hairpin) is
-    // always SNATed: it would drop a packet with its own address as source.
-    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be_addr;
-    let mut flags = 0u16;
-    if snat {
-        flags |= CT_F_SNAT;
-    }
-    if local {
-        flags |= CT_F_LOCAL_BACKEND;
-    }
-    let mut entry = CtEntry {
-        nat_addr: be_addr,
-        nat_port: be.port,
-        flags,
-        backend_id,
-        svc_id: svc.svc_id,
-        created_ns: ts,
-        last_seen_ns: ts,
-    };
-    let fwd = key(p, CtKind::Service);
-    let rev = CtKey {
-        saddr: be_addr,
-        daddr: p.saddr,
-        sport: be.port,
-        dport: p.sport,
-        proto: p.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    let mut ok = KP_CT.insert(fwd, entry, 0).is_ok();
-    entry.nat_addr = p.daddr;
-    entry.nat_port = p.dport;
-    ok &= KP_CT.insert(rev, entry, 0).is_ok();
-    if snat {
-        let out = CtKey {
-            saddr: p.saddr,
-            daddr: be_addr,
-            sport: p.sport,
-            dport: be.port,
-            proto: p.proto,
-            kind: CtKind::SnatOut as u8,
-            _pad: [0; 2],
-        };
-        // The SNAT address/port is allocated once the egress device is known.
-        entry.nat_addr = 0;
-        entry.nat_port = 0;
-        ok &= KP_CT.insert(out, entry, 0).is_ok();
-    }
-    if !ok {
-        return Err(());
-    }
+    let (be_addr, flags) = create_flow_in::<V4>(p, svc, backend_id, be, ts)?;
     Ok(NewFlow {
         be_addr,
         be_port: be.port,
@@ -245,11 +248,174 @@ pub(crate) fn create_flow(
     })
 }
 
-/// Picks a free SNAT port for `p` (`C:cp → B:bp`) on node address `node` and claims it by
-/// inserting the flow's [`CtKind::SnatIn`] entry with `BPF_NOEXIST` (atomic against other
-/// CPUs). Returns it in network order.
+/// What the flow logic shared by the IPv4 and IPv6 programs needs to know about an address
+/// family: its address, connection-table key and entry types and its connection table.
+/// Generic functions over it are `#[inline(always)]`, so each program gets code specialized to
+/// its family (no run-time dispatch, no extra stack).
+pub(crate) trait Family {
+    /// An address as the family's CT keys and entries hold it (network order words).
+    type Addr: Copy + PartialEq;
+    type Key: 'static;
+    type Entry: Copy + 'static;
+    /// The family's parsed packet.
+    type Packet;
+    /// Where an entry keeps `last_seen_ns` and `flags` (see [`touch_in`]).
+    fn stamps(e: *mut Self::Entry) -> (*mut u64, *mut u16);
+    /// Whether Maglev tables may apply (IPv4 only: the planner builds none for IPv6).
+    const MAGLEV: bool;
+    /// The unset NAT address of a `SnatOut` entry before its SNAT source is allocated.
+    const UNSET: Self::Addr;
+    /// A packet's `(saddr, daddr, sport, dport, proto)`, network order.
+    fn tuple(p: &Self::Packet) -> (Self::Addr, Self::Addr, u16, u16, u8);
+    /// `addr` in the 16-byte form of the service maps (IPv4 v4-mapped).
+    fn mapped(addr: Self::Addr) -> [u32; 4];
+    /// Whether a backend address (16-byte form) belongs to the family.
+    fn is_family(addr: &[u32; 4]) -> bool;
+    /// A backend address of the family (see [`Family::is_family`]) in `Addr` form.
+    fn backend_addr(addr: &[u32; 4]) -> Self::Addr;
+    /// The Maglev backend of a flow (only called when [`Family::MAGLEV`]).
+    fn maglev(
+        svc_id: u32,
+        saddr: Self::Addr,
+        daddr: Self::Addr,
+        sport: u16,
+        dport: u16,
+        proto: u8,
+    ) -> Option<u32>;
+    /// A new flow's CT entry.
+    fn entry(
+        nat_addr: Self::Addr,
+        nat_port: u16,
+        flags: u16,
+        backend_id: u32,
+        svc_id: u32,
+        ts: u64,
+    ) -> Self::Entry;
+    /// The family's connection table.
+    fn ct() -> &'static LruHashMap<Self::Key, Self::Entry>;
+    /// A CT key (addresses and ports in network order).
+    fn key(
+        saddr: Self::Addr,
+        daddr: Self::Addr,
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    ) -> Self::Key;
+    /// `template` with its NAT address and port replaced.
+    fn with_nat(template: &Self::Entry, addr: Self::Addr, port: u16) -> Self::Entry;
+}
+
+/// IPv4: `KP_CT`.
+pub(crate) struct V4;
+
+impl Family for V4 {
+    type Addr = u32;
+    type Key = CtKey;
+    type Entry = CtEntry;
+    type Packet = Packet;
+    const MAGLEV: bool = true;
+
+    #[inline(always)]
+    fn stamps(e: *mut CtEntry) -> (*mut u64, *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+    }
+    const UNSET: u32 = 0;
+
+    #[inline(always)]
+    fn tuple(p: &Packet) -> (u32, u32, u16, u16, u8) {
+        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
+    }
+
+    #[inline(always)]
+    fn mapped(addr: u32) -> [u32; 4] {
+        v4_mapped(addr)
+    }
+
+    #[inline(always)]
+    fn is_family(addr: &[u32; 4]) -> bool {
+        is_v4_mapped(addr)
+    }
+
+    #[inline(always)]
+    fn backend_addr(addr: &[u32; 4]) -> u32 {
+        addr[3]
+    }
+
+    #[inline(always)]
+    fn maglev(
+        svc_id: u32,
+        saddr: u32,
+        daddr: u32,
+        sport: u16,
+        dport: u16,
+        proto: u8,
+    ) -> Option<u32> {
+        maglev_backend(svc_id, saddr, daddr, sport, dport, proto)
+    }
+
+    #[inline(always)]
+    fn entry(
+        nat_addr: u32,
+        nat_port: u16,
+        flags: u16,
+        backend_id: u32,
+        svc_id: u32,
+        ts: u64,
+    ) -> CtEntry {
+        CtEntry {
+            nat_addr,
+            nat_port,
+            flags,
+            backend_id,
+            svc_id,
+            created_ns: ts,
+            last_seen_ns: ts,
+        }
+    }
+
+    #[inline(always)]
+    fn ct() -> &'static LruHashMap<CtKey, CtEntry> {
+        &KP_CT
+    }
+
+    #[inline(always)]
+    fn key(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, kind: CtKind) -> CtKey {
+        CtKey {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            kind: kind as u8,
+            _pad: [0; 2],
+        }
+    }
+
+    #[inline(always)]
+    fn with_nat(template: &CtEntry, addr: u32, port: u16) -> CtEntry {
+        CtEntry {
+            nat_addr: addr,
+            nat_port: port,
+            ..*template
+        }
+    }
+}
+
+/// Picks a free SNAT port for the flow `saddr:sport → daddr:dport` (`C:cp → B:bp`, network
+/// order) on node address `node` and claims it by inserting the flow's [`CtKind::SnatIn`]
+/// entry with `BPF_NOEXIST` (atomic against other CPUs). Returns it in network order.
 #[inline(always)]
-pub(crate) fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
+pub(crate) fn allocate_port_in<F: Family>(
+    saddr: F::Addr,
+    daddr: F::Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+    node: F::Addr,
+    template: &F::Entry,
+) -> Option<u16> {
     // SAFETY: lookup result, read by value.
     let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
     let (min, max) = (u32::from(cfg.snat_port_min), u32::from(cfg.snat_port_max));
@@ -262,29 +428,23 @@ pub(crate) fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option
         // which the verifier would reject.
         return None;
     }
-    let entry = CtEntry {
-        nat_addr: p.saddr,
-        nat_port: p.sport,
-        ..*template
-    };
+    let entry = F::with_nat(template, saddr, sport);
     // SAFETY: helper without arguments.
     let start = unsafe { bpf_get_prandom_u32() } % range;
     let mut i = 0;
     while i < SNAT_PORT_TRIES {
         let port = ((min + (start + i) % range) as u16).to_be();
-        let key = CtKey {
-            saddr: p.daddr,
-            daddr: node,
-            sport: p.dport,
-            dport: port,
-            proto: p.proto,
-            kind: CtKind::SnatIn as u8,
-            _pad: [0; 2],
-        };
-        if KP_CT.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
+        let key = F::key(daddr, node, dport, port, proto, CtKind::SnatIn);
+        if F::ct().insert(key, entry, BPF_NOEXIST as u64).is_ok() {
             return Some(port);
         }
         i += 1;
     }
     None
+}
+
+/// [`allocate_port_in`] for an IPv4 packet `p` (`C:cp → B:bp`).
+#[inline(always)]
+pub(crate) fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
+    allocate_port_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template)
 }

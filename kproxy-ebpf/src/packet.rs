@@ -48,13 +48,13 @@ pub struct Packet {
     pub l4: usize,
 }
 
-/// What [`parse`] found.
-pub enum Parsed {
-    Packet(Packet),
+/// What [`parse`] (IPv4) or [`crate::packet6::parse6`] (IPv6) found.
+pub enum Parsed<P = Packet> {
+    Packet(P),
     /// The headers end beyond `data_end`: not in the linear area (or a truncated packet).
     Short,
-    /// Not an IPv4 TCP/UDP/ICMP packet we translate (other ethertype or protocol,
-    /// non-first fragment).
+    /// Not a TCP/UDP/ICMP packet we translate (other ethertype or protocol, IPv4 non-first
+    /// fragment, IPv6 extension headers).
     Other,
 }
 
@@ -89,28 +89,10 @@ pub fn parse(data: usize, end: usize) -> Parsed {
     }
     let proto = (w2 >> 8) as u8;
     let l4 = IP_OFF + ihl;
-    let (sport, dport, tcp_flags) = match proto {
-        PROTO_TCP => {
-            let Some(t) = at::<[u16; 7]>(data, end, l4) else {
-                return Parsed::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
-        }
-        PROTO_UDP => {
-            let Some(u) = at::<[u16; 4]>(data, end, l4) else {
-                return Parsed::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*u)[0], (*u)[1], 0) }
-        }
-        PROTO_ICMP => {
-            if at::<[u16; 4]>(data, end, l4).is_none() {
-                return Parsed::Short;
-            }
-            (0, 0, 0)
-        }
-        _ => return Parsed::Other,
+    let (sport, dport, tcp_flags) = match parse_l4(data, end, l4, proto, PROTO_ICMP) {
+        L4::Ports(sport, dport, flags) => (sport, dport, flags),
+        L4::Short => return Parsed::Short,
+        L4::Other => return Parsed::Other,
     };
     Parsed::Packet(Packet {
         saddr,
@@ -121,6 +103,45 @@ pub fn parse(data: usize, end: usize) -> Parsed {
         tcp_flags,
         l4,
     })
+}
+
+/// What [`parse_l4`] found after an IP header.
+pub enum L4 {
+    /// Source port, destination port (network order; 0 for ICMP) and TCP flags (0 for others).
+    Ports(u16, u16, u8),
+    /// The L4 header ends beyond `data_end`.
+    Short,
+    /// Not TCP, UDP or the family's ICMP.
+    Other,
+}
+
+/// Parses the L4 header of protocol `proto` at offset `l4` (both families: `icmp` is the
+/// family's ICMP protocol number, whose 8-byte header must be present).
+#[inline(always)]
+pub fn parse_l4(data: usize, end: usize, l4: usize, proto: u8, icmp: u8) -> L4 {
+    match proto {
+        PROTO_TCP => {
+            let Some(t) = at::<[u16; 7]>(data, end, l4) else {
+                return L4::Short;
+            };
+            // SAFETY: bounds-checked above.
+            unsafe { L4::Ports((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
+        }
+        PROTO_UDP => {
+            let Some(u) = at::<[u16; 4]>(data, end, l4) else {
+                return L4::Short;
+            };
+            // SAFETY: bounds-checked above.
+            unsafe { L4::Ports((*u)[0], (*u)[1], 0) }
+        }
+        _ if proto == icmp => {
+            if at::<[u16; 4]>(data, end, l4).is_none() {
+                return L4::Short;
+            }
+            L4::Ports(0, 0, 0)
+        }
+        _ => L4::Other,
+    }
 }
 
 /// Folds a 32-bit one's-complement sum to 16 bits.

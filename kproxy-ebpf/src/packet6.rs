@@ -1,18 +1,17 @@
 //! Direct packet access for IPv6 on the TC service path ([`crate::tc6`]): the Ethernet + IPv6
-//! parser. Bounds-checked pointers and checksum folding come from [`crate::packet`].
+//! parser. Bounds-checked pointers, the L4 header parser and checksum folding come from [`crate::packet`].
 //!
 //! Only packets whose IPv6 header is followed directly by TCP, UDP or ICMPv6 are parsed
 //! (`next header` of the fixed header); packets with extension headers (hop-by-hop, routing,
-//! fragment, destination options, …) are [`Parsed6::Other`] and pass the TC programs
+//! fragment, destination options, …) are [`Parsed::Other`] and pass the TC programs
 //! unchanged. Kubernetes service traffic carries none in practice; a fragmented datagram to a
 //! frontend is therefore not translated (IPv6 fragments are rare: the sender does PMTU
 //! discovery, and `Packet Too Big` errors about translated flows are translated, see
 //! [`crate::tc6`]).
 
 use kproxy_common::ct6::PROTO_ICMPV6;
-use kproxy_common::service::{PROTO_TCP, PROTO_UDP};
 
-use crate::packet::{ETH_HLEN, at};
+use crate::packet::{ETH_HLEN, L4, Parsed, at, parse_l4};
 
 /// `ETH_P_IPV6` as the frame carries it (network order, read as a native `u16`).
 pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -45,14 +44,9 @@ impl Packet6 {
     pub const L4: usize = L4_OFF;
 }
 
-/// What [`parse6`] found.
-pub enum Parsed6 {
-    Packet(Packet6),
-    /// The headers end beyond `data_end`.
-    Short,
-    /// Not an IPv6 TCP/UDP/ICMPv6 packet without extension headers.
-    Other,
-}
+/// What [`parse6`] found (`Other`: not an IPv6 TCP/UDP/ICMPv6 packet without extension
+/// headers).
+pub type Parsed6 = Parsed<Packet6>;
 
 /// Whether the frame at `data` is IPv6 (ethertype only; no bounds beyond the Ethernet header).
 #[inline(always)]
@@ -68,48 +62,30 @@ pub fn is_ipv6(data: usize, end: usize) -> bool {
 #[inline(always)]
 pub fn parse6(data: usize, end: usize) -> Parsed6 {
     let Some(eth) = at::<[u16; 7]>(data, end, 0) else {
-        return Parsed6::Short;
+        return Parsed::Short;
     };
     // SAFETY: bounds-checked above.
     if unsafe { (*eth)[6] } != ETH_P_IPV6_BE {
-        return Parsed6::Other;
+        return Parsed::Other;
     }
     let Some(ip) = at::<[u32; 10]>(data, end, IP6_OFF) else {
-        return Parsed6::Short;
+        return Parsed::Short;
     };
     // SAFETY: bounds-checked above; raw network-order words.
     let w = unsafe { *ip };
     if (w[0] as u8) >> 4 != 6 {
-        return Parsed6::Other;
+        return Parsed::Other;
     }
     // Next header is byte 6 of the header: the third byte of word 1 in memory order.
     let proto = (w[1] >> 16) as u8;
     let saddr = [w[2], w[3], w[4], w[5]];
     let daddr = [w[6], w[7], w[8], w[9]];
-    let (sport, dport, tcp_flags) = match proto {
-        PROTO_TCP => {
-            let Some(t) = at::<[u16; 7]>(data, end, L4_OFF) else {
-                return Parsed6::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*t)[0], (*t)[1], ((*t)[6] >> 8) as u8) }
-        }
-        PROTO_UDP => {
-            let Some(u) = at::<[u16; 4]>(data, end, L4_OFF) else {
-                return Parsed6::Short;
-            };
-            // SAFETY: bounds-checked above.
-            unsafe { ((*u)[0], (*u)[1], 0) }
-        }
-        PROTO_ICMPV6 => {
-            if at::<[u16; 4]>(data, end, L4_OFF).is_none() {
-                return Parsed6::Short;
-            }
-            (0, 0, 0)
-        }
-        _ => return Parsed6::Other,
+    let (sport, dport, tcp_flags) = match parse_l4(data, end, L4_OFF, proto, PROTO_ICMPV6) {
+        L4::Ports(sport, dport, flags) => (sport, dport, flags),
+        L4::Short => return Parsed::Short,
+        L4::Other => return Parsed::Other,
     };
-    Parsed6::Packet(Packet6 {
+    Parsed::Packet(Packet6 {
         saddr,
         daddr,
         sport,

@@ -31,16 +31,16 @@ use aya_ebpf::{
     maps::PerCpuArray,
     programs::TcContext,
 };
-use kproxy_common::ct::{CtKey, CtKind, PROTO_ICMP, TC_STATS, TcStat};
+use kproxy_common::ct::{CtEntry, CtKind, PROTO_ICMP, TC_STATS, TcStat};
 use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue};
 
 // The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
 // the old paths.
-pub(crate) use crate::flow::{KP_CT, key};
 use crate::flow::{
-    KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, allocate_port, choose_backend,
-    create_flow, in_snat_range, now, touch,
+    Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
+    choose_backend, create_flow, in_snat_range, now, touch,
 };
+pub(crate) use crate::flow::{KP_CT, key};
 use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
@@ -84,12 +84,23 @@ pub(crate) fn stat(s: TcStat) {
 /// `None`: not an IPv4 packet we handle.
 #[inline(always)]
 fn parse_tc(ctx: &TcContext) -> Option<Packet> {
+    parse_pulled(ctx, parse, PARSE_LEN)
+}
+
+/// [`parse_tc`] for either family: `parse` is the family's parser, `parse_len` the bytes its
+/// headers take at most.
+#[inline(always)]
+pub(crate) fn parse_pulled<P>(
+    ctx: &TcContext,
+    parse: impl Fn(usize, usize) -> Parsed<P>,
+    parse_len: u32,
+) -> Option<P> {
     match parse(ctx.data(), ctx.data_end()) {
         Parsed::Packet(p) => return Some(p),
         Parsed::Other => return None,
         Parsed::Short => {}
     }
-    let len = ctx.len().min(PARSE_LEN);
+    let len = ctx.len().min(parse_len);
     ctx.pull_data(len).ok()?;
     match parse(ctx.data(), ctx.data_end()) {
         Parsed::Packet(p) => Some(p),
@@ -151,7 +162,7 @@ pub fn kp_tc_in(mut ctx: TcContext) -> i32 {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
-        return icmp_error_in(&mut ctx, &p).unwrap_or(NEXT);
+        return icmp_error::<V4, true>(&mut ctx, &p).unwrap_or(NEXT);
     }
     ingress(&mut ctx, &p).unwrap_or(DROP)
 }
@@ -163,7 +174,7 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
         return NEXT;
     };
     if p.proto == PROTO_ICMP {
-        return icmp_error_out(&mut ctx, &p).unwrap_or(NEXT);
+        return icmp_error::<V4, false>(&mut ctx, &p).unwrap_or(NEXT);
     }
     egress(&mut ctx, &p).unwrap_or(DROP)
 }
@@ -291,30 +302,72 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         return Ok(DROP);
     }
     let tot_len = u16::from_be(ctx.load::<u16>(IP_OFF + 2).map_err(|_| ())?);
-    let doff_word: u16 = ctx.load(p.l4 + 12).map_err(|_| ())?;
-    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
-    if !(20..=60).contains(&doff) {
-        return Ok(DROP);
-    }
     let tcp_len = (tot_len as usize).wrapping_sub(20);
-    if tcp_len != doff {
+    if !reset_tcp_header(ctx, p.l4, p.tcp_flags, p.sport, p.dport, tcp_len)? {
         return Ok(DROP);
     }
-    let seq = u32::from_be(ctx.load::<u32>(p.l4 + 4).map_err(|_| ())?);
-    let ack = u32::from_be(ctx.load::<u32>(p.l4 + 8).map_err(|_| ())?);
-    let (new_seq, new_ack, new_flags) = if p.tcp_flags & TCP_ACK != 0 {
+    ctx.store(IP_SADDR, &p.daddr, 0).map_err(|_| ())?;
+    ctx.store(IP_DADDR, &p.saddr, 0).map_err(|_| ())?;
+    let old_tot = tot_len.to_be();
+    let new_tot = 40u16.to_be();
+    ctx.l3_csum_replace(IP_CSUM, old_tot as u64, new_tot as u64, 2)
+        .map_err(|_| ())?;
+    ctx.store(IP_OFF + 2, &new_tot, 0).map_err(|_| ())?;
+    bounce(ctx, (ETH_HLEN + 40) as u32)
+}
+
+/// Sends a reply built in place back out of the device it came in on, for both families:
+/// swaps the Ethernet addresses, trims the frame to `len` bytes and redirects it.
+#[inline(always)]
+pub(crate) fn bounce(ctx: &TcContext, len: u32) -> Result<Verdict, ()> {
+    let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
+    let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
+    ctx.store(0, &src_mac, 0).map_err(|_| ())?;
+    ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
+    // SAFETY: the context pointer is valid for the program's run.
+    unsafe {
+        if bpf_skb_change_tail(ctx.skb.skb, len, 0) != 0 {
+            return Ok(DROP);
+        }
+        let ifindex = (*ctx.skb.skb).ifindex;
+        Ok(bpf_redirect(ifindex, 0) as i32)
+    }
+}
+
+/// Turns the TCP header at `l4` of a segment without data (`tcp_len` bytes from the IP
+/// header's length) into a RST answering it, for both families: sequence numbers per RFC 9293
+/// §3.10.7.1, ports swapped, options dropped, the checksum updated (the pseudo header's length
+/// included; the caller swaps the addresses, which leaves it unchanged). `Ok(false)`: the
+/// segment carries data or a bad data offset; nothing was changed.
+#[inline(always)]
+pub(crate) fn reset_tcp_header(
+    ctx: &TcContext,
+    l4: usize,
+    tcp_flags: u8,
+    sport: u16,
+    dport: u16,
+    tcp_len: usize,
+) -> Result<bool, ()> {
+    let doff_word: u16 = ctx.load(l4 + 12).map_err(|_| ())?;
+    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
+    if !(20..=60).contains(&doff) || tcp_len != doff {
+        return Ok(false);
+    }
+    let seq = u32::from_be(ctx.load::<u32>(l4 + 4).map_err(|_| ())?);
+    let ack = u32::from_be(ctx.load::<u32>(l4 + 8).map_err(|_| ())?);
+    let (new_seq, new_ack, new_flags) = if tcp_flags & TCP_ACK != 0 {
         (ack, 0u32, TCP_RST)
     } else {
         let mut len = 0u32;
-        if p.tcp_flags & TCP_SYN != 0 {
+        if tcp_flags & TCP_SYN != 0 {
             len += 1;
         }
-        if p.tcp_flags & TCP_FIN != 0 {
+        if tcp_flags & TCP_FIN != 0 {
             len += 1;
         }
         (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
     };
-    let csum = p.l4 + 16;
+    let csum = l4 + 16;
     // Options are dropped: take their sum out of the checksum (ignored for CHECKSUM_PARTIAL,
     // where the stack sums the data later).
     let opt_words = (doff - 20) / 4;
@@ -323,7 +376,7 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         if i >= opt_words {
             break;
         }
-        let w: u32 = ctx.load(p.l4 + 20 + i * 4).map_err(|_| ())?;
+        let w: u32 = ctx.load(l4 + 20 + i * 4).map_err(|_| ())?;
         ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
         i += 1;
     }
@@ -334,12 +387,13 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         .map_err(|_| ())?;
     ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
         .map_err(|_| ())?;
-    let window: u16 = ctx.load(p.l4 + 14).map_err(|_| ())?;
-    let urg: u16 = ctx.load(p.l4 + 18).map_err(|_| ())?;
+    let window: u16 = ctx.load(l4 + 14).map_err(|_| ())?;
+    let urg: u16 = ctx.load(l4 + 18).map_err(|_| ())?;
     ctx.l4_csum_replace(csum, window as u64, 0, 2)
         .map_err(|_| ())?;
     ctx.l4_csum_replace(csum, urg as u64, 0, 2)
         .map_err(|_| ())?;
+    // The pseudo header's upper-layer length.
     let old_len = (tcp_len as u16).to_be();
     let new_len = 20u16.to_be();
     ctx.l4_csum_replace(
@@ -349,33 +403,15 @@ fn tcp_reset(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         BPF_F_PSEUDO_HDR as u64 | 2,
     )
     .map_err(|_| ())?;
-    // Swapping addresses and ports leaves both checksums unchanged.
-    ctx.store(p.l4, &p.dport, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 2, &p.sport, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 12, &new_doff_word, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 14, &0u16, 0).map_err(|_| ())?;
-    ctx.store(p.l4 + 18, &0u16, 0).map_err(|_| ())?;
-    ctx.store(IP_SADDR, &p.daddr, 0).map_err(|_| ())?;
-    ctx.store(IP_DADDR, &p.saddr, 0).map_err(|_| ())?;
-    let old_tot = tot_len.to_be();
-    let new_tot = 40u16.to_be();
-    ctx.l3_csum_replace(IP_CSUM, old_tot as u64, new_tot as u64, 2)
-        .map_err(|_| ())?;
-    ctx.store(IP_OFF + 2, &new_tot, 0).map_err(|_| ())?;
-    let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
-    let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
-    ctx.store(0, &src_mac, 0).map_err(|_| ())?;
-    ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
-    // SAFETY: the context pointer is valid for the program's run.
-    unsafe {
-        if bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + 40) as u32, 0) != 0 {
-            return Ok(DROP);
-        }
-        let ifindex = (*ctx.skb.skb).ifindex;
-        Ok(bpf_redirect(ifindex, 0) as i32)
-    }
+    // Swapping addresses and ports leaves the checksum unchanged.
+    ctx.store(l4, &dport, 0).map_err(|_| ())?;
+    ctx.store(l4 + 2, &sport, 0).map_err(|_| ())?;
+    ctx.store(l4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
+    ctx.store(l4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
+    ctx.store(l4 + 12, &new_doff_word, 0).map_err(|_| ())?;
+    ctx.store(l4 + 14, &0u16, 0).map_err(|_| ())?;
+    ctx.store(l4 + 18, &0u16, 0).map_err(|_| ())?;
+    Ok(true)
 }
 
 /// Bytes of the ICMP port-unreachable reply [`udp_unreachable`] builds: Ethernet, IPv4, ICMP
@@ -466,7 +502,7 @@ fn udp_unreachable(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
 }
 
 /// The quoted packet of an ICMP error: offsets and its tuple (network order).
-struct Quoted {
+pub(crate) struct Quoted {
     /// Offset of the ICMP checksum.
     icmp_csum: usize,
     /// Offset of the quoted IP header.
@@ -478,128 +514,155 @@ struct Quoted {
     proto: u8,
 }
 
-#[inline(always)]
-fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
-    let ty: u8 = ctx.load(p.l4).ok()?;
-    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED && ty != ICMP_PARAMETERPROB {
-        return None;
+impl IcmpErrors for V4 {
+    type Quoted = Quoted;
+
+    #[inline(always)]
+    fn quoted(ctx: &TcContext, p: &Packet) -> Option<Quoted> {
+        let ty: u8 = ctx.load(p.l4).ok()?;
+        if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED && ty != ICMP_PARAMETERPROB {
+            return None;
+        }
+        let ip = p.l4 + 8;
+        let vihl: u8 = ctx.load(ip).ok()?;
+        if vihl != 0x45 {
+            return None;
+        }
+        let frag = u16::from_be(ctx.load::<u16>(ip + 6).ok()?);
+        if frag & IP_OFFSET_MASK != 0 {
+            return None;
+        }
+        let proto: u8 = ctx.load(ip + 9).ok()?;
+        if proto != PROTO_TCP && proto != PROTO_UDP {
+            return None;
+        }
+        Some(Quoted {
+            icmp_csum: p.l4 + 2,
+            ip,
+            saddr: ctx.load(ip + 12).ok()?,
+            daddr: ctx.load(ip + 16).ok()?,
+            sport: ctx.load(ip + 20).ok()?,
+            dport: ctx.load(ip + 22).ok()?,
+            proto,
+        })
     }
-    let ip = p.l4 + 8;
-    let vihl: u8 = ctx.load(ip).ok()?;
-    if vihl != 0x45 {
-        return None;
+
+    #[inline(always)]
+    fn quoted_tuple(q: &Quoted) -> (u32, u32, u16, u16, u8) {
+        (q.saddr, q.daddr, q.sport, q.dport, q.proto)
     }
-    let frag = u16::from_be(ctx.load::<u16>(ip + 6).ok()?);
-    if frag & IP_OFFSET_MASK != 0 {
-        return None;
+
+    #[inline(always)]
+    fn nat(e: &CtEntry) -> (u32, u16) {
+        (e.nat_addr, e.nat_port)
     }
-    let proto: u8 = ctx.load(ip + 9).ok()?;
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        return None;
+
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
+    /// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
+    /// (receivers do not verify it on truncated quotes).
+    #[inline(always)]
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Quoted,
+        dst: bool,
+        addr: u32,
+        port: u16,
+    ) -> Result<(), ()> {
+        let (old_addr, old_port, addr_off, port_off) = if dst {
+            (q.daddr, q.dport, q.ip + 16, q.ip + 22)
+        } else {
+            (q.saddr, q.sport, q.ip + 12, q.ip + 20)
+        };
+        let ip_csum = q.ip + 10;
+        let old_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+        ctx.l3_csum_replace(ip_csum, old_addr as u64, addr as u64, 4)
+            .map_err(|_| ())?;
+        let new_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_addr as u64, addr as u64, 4)
+            .map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_port as u64, port as u64, 2)
+            .map_err(|_| ())?;
+        ctx.l4_csum_replace(q.icmp_csum, old_ip_csum as u64, new_ip_csum as u64, 2)
+            .map_err(|_| ())?;
+        ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
+        ctx.store(port_off, &port, 0).map_err(|_| ())?;
+        Ok(())
     }
-    Some(Quoted {
-        icmp_csum: p.l4 + 2,
-        ip,
-        saddr: ctx.load(ip + 12).ok()?,
-        daddr: ctx.load(ip + 16).ok()?,
-        sport: ctx.load(ip + 20).ok()?,
-        dport: ctx.load(ip + 22).ok()?,
-        proto,
-    })
+
+    /// Outer address rewrite of an ICMP packet (no pseudo header in the ICMP checksum).
+    #[inline(always)]
+    fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
+        ctx.l3_csum_replace(IP_CSUM, old as u64, new as u64, 4)
+            .map_err(|_| ())?;
+        ctx.store(if dst { IP_DADDR } else { IP_SADDR }, &new, 0)
+            .map_err(|_| ())
+    }
 }
 
-/// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
-/// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
-/// (receivers do not verify it on truncated quotes).
+/// The family-specific pieces of ICMP error translation (the quoted packet, rewrites);
+/// [`icmp_error`] is the skeleton both families' TC programs share.
+pub(crate) trait IcmpErrors: Family {
+    /// The quoted packet of an ICMP error.
+    type Quoted;
+    /// The quoted packet of `p`, if `p` is an ICMP error about a TCP/UDP flow we parse.
+    fn quoted(ctx: &TcContext, p: &Self::Packet) -> Option<Self::Quoted>;
+    /// The quoted `(saddr, daddr, sport, dport, proto)`, network order.
+    fn quoted_tuple(q: &Self::Quoted) -> (Self::Addr, Self::Addr, u16, u16, u8);
+    /// A CT entry's NAT address and port.
+    fn nat(e: &Self::Entry) -> (Self::Addr, u16);
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port.
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Self::Quoted,
+        dst: bool,
+        addr: Self::Addr,
+        port: u16,
+    ) -> Result<(), ()>;
+    /// Rewrites the outer source (`dst == false`) or destination address `old` to `new`.
+    fn rewrite_outer(
+        ctx: &mut TcContext,
+        dst: bool,
+        old: Self::Addr,
+        new: Self::Addr,
+    ) -> Result<(), ()>;
+}
+
+/// ICMP error translation for both families. Ingress (`INGRESS`): an error about a SNATed flow
+/// (quoted `N:np → B:bp`) goes to its client. Egress: an error about a DNATed flow (quoted
+/// `C:cp → B:bp`) names the frontend.
 #[inline(always)]
-fn rewrite_quoted(
+pub(crate) fn icmp_error<F: IcmpErrors, const INGRESS: bool>(
     ctx: &mut TcContext,
-    q: &Quoted,
-    dst: bool,
-    addr: u32,
-    port: u16,
-) -> Result<(), ()> {
-    let (old_addr, old_port, addr_off, port_off) = if dst {
-        (q.daddr, q.dport, q.ip + 16, q.ip + 22)
+    p: &F::Packet,
+) -> Result<Verdict, ()> {
+    let Some(q) = F::quoted(ctx, p) else {
+        return Ok(NEXT);
+    };
+    let (q_saddr, q_daddr, q_sport, q_dport, proto) = F::quoted_tuple(&q);
+    let kind = if INGRESS {
+        CtKind::SnatIn
     } else {
-        (q.saddr, q.sport, q.ip + 12, q.ip + 20)
+        CtKind::RevDnat
     };
-    let ip_csum = q.ip + 10;
-    let old_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
-    ctx.l3_csum_replace(ip_csum, old_addr as u64, addr as u64, 4)
-        .map_err(|_| ())?;
-    let new_ip_csum: u16 = ctx.load(ip_csum).map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_addr as u64, addr as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_port as u64, port as u64, 2)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(q.icmp_csum, old_ip_csum as u64, new_ip_csum as u64, 2)
-        .map_err(|_| ())?;
-    ctx.store(addr_off, &addr, 0).map_err(|_| ())?;
-    ctx.store(port_off, &port, 0).map_err(|_| ())?;
-    Ok(())
-}
-
-/// Outer address rewrite of an ICMP packet (no pseudo header in the ICMP checksum).
-#[inline(always)]
-fn rewrite_outer(ctx: &mut TcContext, dst: bool, old: u32, new: u32) -> Result<(), ()> {
-    ctx.l3_csum_replace(IP_CSUM, old as u64, new as u64, 4)
-        .map_err(|_| ())?;
-    ctx.store(if dst { IP_DADDR } else { IP_SADDR }, &new, 0)
-        .map_err(|_| ())
-}
-
-/// Ingress: an ICMP error about a SNATed flow (quoted `N:np → B:bp`) goes to its client.
-#[inline(always)]
-fn icmp_error_in(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    let Some(q) = quoted(ctx, p) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::SnatIn as u8,
-        _pad: [0; 2],
-    };
+    let key = F::key(q_daddr, q_saddr, q_dport, q_sport, proto, kind);
     // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
+    let Some(e) = (unsafe { F::ct().get(key) }).copied() else {
         return Ok(NEXT);
     };
-    if p.daddr != q.saddr {
-        return Ok(NEXT);
-    }
-    rewrite_quoted(ctx, &q, false, e.nat_addr, e.nat_port)?;
-    rewrite_outer(ctx, true, p.daddr, e.nat_addr)?;
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
-}
-
-/// Egress: an ICMP error about a DNATed flow (quoted `C:cp → B:bp`) names the frontend.
-#[inline(always)]
-fn icmp_error_out(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    let Some(q) = quoted(ctx, p) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    rewrite_quoted(ctx, &q, true, e.nat_addr, e.nat_port)?;
-    if p.saddr == q.daddr {
-        // Sent by the backend itself (port unreachable): it speaks as the frontend.
-        rewrite_outer(ctx, false, p.saddr, e.nat_addr)?;
+    let (nat_addr, nat_port) = F::nat(&e);
+    let (saddr, daddr, ..) = F::tuple(p);
+    if INGRESS {
+        if daddr != q_saddr {
+            return Ok(NEXT);
+        }
+        F::rewrite_quoted(ctx, &q, false, nat_addr, nat_port)?;
+        F::rewrite_outer(ctx, true, daddr, nat_addr)?;
+    } else {
+        F::rewrite_quoted(ctx, &q, true, nat_addr, nat_port)?;
+        if saddr == q_daddr {
+            // Sent by the backend itself (port unreachable): it speaks as the frontend.
+            F::rewrite_outer(ctx, false, saddr, nat_addr)?;
+        }
     }
     stat(TcStat::IcmpError);
     Ok(NEXT)

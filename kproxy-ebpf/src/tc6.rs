@@ -28,35 +28,29 @@
 //! IPv4 sets only, so IPv6 frontends never carry `SVC_F_MAGLEV`).
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},
-    helpers::{bpf_get_prandom_u32, bpf_redirect, bpf_skb_change_tail},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
-    maps::lpm_trie::Key,
     maps::{HashMap, LruHashMap},
     programs::TcContext,
 };
-use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES,
-    SNAT_PORT_TRIES, TcStat,
-};
+use kproxy_common::ct::{CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
-    AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
-    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_AFFINITY,
-    SVC_F_CLUSTER_IP, SVC_F_LOCAL_ONLY, SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES,
-    ServiceKey, ServiceValue, SourceRangeKey, is_v4_mapped,
+    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
 };
 
 use crate::flow::{
-    KP_NAT_CFG, NS_PER_SEC, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, in_snat_range, now, now_coarse,
+    Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, in_snat_range, now,
+    touch_in,
 };
+use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold};
 use crate::packet6::is_ipv6;
-use crate::packet6::{
-    IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, Parsed6, parse6,
+use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
+use crate::tc::{
+    DROP, IcmpErrors, NEXT, Verdict, bounce, icmp_error, parse_pulled, reset_tcp_header, stat,
 };
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SRC_RANGES};
-use crate::tc::{DROP, NEXT, Verdict, stat};
 
 /// `kproxy_common::ct6::MAP_CT6`.
 #[map]
@@ -105,70 +99,12 @@ pub fn kp_tc_eg6(mut ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn parse_tc6(ctx: &TcContext) -> Option<Packet6> {
-    match parse6(ctx.data(), ctx.data_end()) {
-        Parsed6::Packet(p) => return Some(p),
-        Parsed6::Other => return None,
-        Parsed6::Short => {}
-    }
-    let len = ctx.len().min(PARSE6_LEN);
-    ctx.pull_data(len).ok()?;
-    match parse6(ctx.data(), ctx.data_end()) {
-        Parsed6::Packet(p) => Some(p),
-        _ => None,
-    }
+    parse_pulled(ctx, parse6, PARSE6_LEN)
 }
 
 #[inline(always)]
 fn key6(p: &Packet6, kind: CtKind) -> CtKey6 {
-    CtKey6 {
-        saddr: p.saddr,
-        daddr: p.daddr,
-        sport: p.sport,
-        dport: p.dport,
-        proto: p.proto,
-        kind: kind as u8,
-        _pad: [0; 2],
-    }
-}
-
-// ---- frontends (the IPv6 twins of `crate::frontend`) -----------------------------------------
-
-#[inline(always)]
-fn service_entry(p: &Packet6, scope: u8) -> Option<ServiceValue> {
-    let k = ServiceKey {
-        addr: p.daddr,
-        port: p.dport,
-        proto: p.proto,
-        scope,
-    };
-    // SAFETY: read by value right away.
-    unsafe { KP_SERVICES.get(k) }.copied()
-}
-
-/// The entry a new flow uses, given the cluster entry (see `crate::frontend::new_flow_entry`).
-#[inline(always)]
-fn new_flow_entry6(p: &Packet6, cluster: &ServiceValue) -> Option<ServiceValue> {
-    if cluster.flags & SVC_F_CLUSTER_IP != 0 {
-        return Some(*cluster);
-    }
-    service_entry(p, SCOPE_EXTERNAL)
-}
-
-/// loadBalancerSourceRanges for an IPv6 client: the LPM key's prefix covers `svc_id` and all
-/// 128 address bits (IPv6 ranges are stored unmapped by the planner).
-#[inline(always)]
-fn source_allowed6(svc: &ServiceValue, saddr: [u32; 4]) -> bool {
-    if svc.flags & SVC_F_SOURCE_RANGES == 0 {
-        return true;
-    }
-    let k = Key::new(
-        SOURCE_RANGE_ID_BITS + 128,
-        SourceRangeKey {
-            svc_id: svc.svc_id,
-            addr: saddr,
-        },
-    );
-    KP_SRC_RANGES.get(&k).is_some()
+    V6::key(p.saddr, p.daddr, p.sport, p.dport, p.proto, kind)
 }
 
 // ---- rewriting ------------------------------------------------------------------------------
@@ -244,22 +180,6 @@ fn rewrite6(
     Ok(())
 }
 
-/// Refreshes an entry's timestamp and records TCP close.
-#[inline(always)]
-fn touch6(entry: *mut CtEntry6, tcp_flags: u8) {
-    // SAFETY: pointer from a successful lookup; racing writers only make the timestamp or
-    // flags stale, which the agent's expiry tolerates.
-    unsafe {
-        let t = now_coarse();
-        if (*entry).last_seen_ns != t {
-            (*entry).last_seen_ns = t;
-        }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*entry).flags & CT_F_CLOSING == 0 {
-            (*entry).flags |= CT_F_CLOSING;
-        }
-    }
-}
-
 // ---- ingress / egress -----------------------------------------------------------------------
 
 #[inline(always)]
@@ -267,28 +187,28 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatIn))
     {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    let Some(cluster) = service_entry(p, SCOPE_CLUSTER) else {
+    let Some(cluster) = service_entry(p.daddr, p.dport, p.proto, SCOPE_CLUSTER) else {
         return Ok(NEXT);
     };
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    let Some(svc) = new_flow_entry6(p, &cluster) else {
+    let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, &cluster) else {
         return Ok(NEXT);
     };
-    if !source_allowed6(&svc, p.saddr) {
+    if !source_allowed_at(&svc, p.saddr) {
         stat(TcStat::SourceRangeDrop);
         return Ok(DROP);
     }
@@ -309,58 +229,6 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     Ok(new_flow6(TcContext::new(ctx.skb.skb), p, &svc))
 }
 
-/// The backend of a new flow: a fresh ClientIP affinity entry's, else a random slot's (no
-/// Maglev for IPv6, see the module docs). `None`: no (IPv6) backend.
-#[inline(always)]
-fn choose_backend6(svc: &ServiceValue, p: &Packet6, ts: u64) -> Option<(u32, BackendValue)> {
-    let aff_key = AffinityKey {
-        client: p.saddr,
-        svc_id: svc.svc_id,
-        kind: AFFINITY_CLIENT_IP,
-    };
-    let mut backend_id = 0u32;
-    if svc.flags & SVC_F_AFFINITY != 0
-        && let Some(a) = KP_AFFINITY.get_ptr_mut(aff_key)
-    {
-        // SAFETY: lookup result.
-        unsafe {
-            if ts.wrapping_sub((*a).last_used_ns) < u64::from(svc.affinity_timeout) * NS_PER_SEC {
-                backend_id = (*a).backend_id;
-            }
-        }
-    }
-    // SAFETY: read by value right away.
-    let mut backend = if backend_id != 0 {
-        unsafe { KP_BACKENDS.get(backend_id) }.copied()
-    } else {
-        None
-    };
-    if backend.is_none() {
-        // SAFETY: helper without arguments.
-        let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
-        let slot_key = BackendSlotKey {
-            svc_id: svc.svc_id,
-            slot,
-        };
-        // SAFETY: read by value right away.
-        backend_id = *unsafe { KP_BE_SLOTS.get(slot_key) }?;
-        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
-    }
-    let be = backend?;
-    if is_v4_mapped(&be.addr) {
-        return None;
-    }
-    if svc.flags & SVC_F_AFFINITY != 0 {
-        let v = AffinityValue {
-            backend_id,
-            _pad: 0,
-            last_used_ns: ts,
-        };
-        let _ = KP_AFFINITY.insert(aff_key, v, 0);
-    }
-    Some((backend_id, be))
-}
-
 /// A new flow to `svc` (which has endpoints and admits the client): backend choice, CT6
 /// entries, DNAT. A BPF-to-BPF call, like the other large steps of the IPv6 programs: each
 /// gets its own stack frame, and only the caller's small one adds to it.
@@ -377,54 +245,10 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
         return Ok(DROP);
     }
     let ts = now();
-    let Some((backend_id, be)) = choose_backend6(svc, p, ts) else {
+    let Some((backend_id, be)) = choose_backend_in::<V6>(svc, p, ts) else {
         return Ok(DROP);
     };
-    let local = be.flags & BE_F_LOCAL != 0;
-    // As for IPv4: SNAT only eTP=Cluster flows to remote backends, and hairpin flows.
-    let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || p.saddr == be.addr;
-    let mut flags = 0u16;
-    if snat {
-        flags |= CT_F_SNAT;
-    }
-    if local {
-        flags |= CT_F_LOCAL_BACKEND;
-    }
-    let mut entry = CtEntry6 {
-        nat_addr: be.addr,
-        nat_port: be.port,
-        flags,
-        backend_id,
-        svc_id: svc.svc_id,
-        _pad: 0,
-        created_ns: ts,
-        last_seen_ns: ts,
-    };
-    // One key, rewritten for each entry (the BPF stack is tight: see `new_flow6`).
-    let mut k = key6(p, CtKind::Service);
-    let mut ok = KP_CT6.insert(&k, &entry, 0).is_ok();
-    // Reply: B:bp → C:cp.
-    k.saddr = be.addr;
-    k.daddr = p.saddr;
-    k.sport = be.port;
-    k.dport = p.sport;
-    k.kind = CtKind::RevDnat as u8;
-    entry.nat_addr = p.daddr;
-    entry.nat_port = p.dport;
-    ok &= KP_CT6.insert(&k, &entry, 0).is_ok();
-    if snat {
-        // Forwarded: C:cp → B:bp; the source is allocated by the egress program once the
-        // route (device) is known.
-        k.saddr = p.saddr;
-        k.daddr = be.addr;
-        k.sport = p.sport;
-        k.dport = be.port;
-        k.kind = CtKind::SnatOut as u8;
-        entry.nat_addr = [0; 4];
-        entry.nat_port = 0;
-        ok &= KP_CT6.insert(&k, &entry, 0).is_ok();
-    }
-    if !ok {
+    if create_flow_in::<V6>(p, svc, backend_id, &be, ts).is_err() {
         stat(TcStat::CtInsertFailed);
         return Ok(DROP);
     }
@@ -436,7 +260,7 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
 #[inline(always)]
 fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::RevDnat)) {
-        touch6(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, false, &addr, port)?;
@@ -446,7 +270,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatOut)) else {
         return Ok(NEXT);
     };
-    touch6(e, p.tcp_flags);
+    touch_in::<V6>(e, p.tcp_flags);
     // SAFETY: lookup result.
     let (mut addr, mut port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
     if addr == [0; 4] {
@@ -459,7 +283,9 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         addr = node.addr;
         // SAFETY: lookup result, read by value.
         let template = unsafe { *e };
-        port = match allocate_port6(p, &addr, &template) {
+        port = match allocate_port_in::<V6>(
+            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, &template,
+        ) {
             Some(port) => port,
             None => {
                 stat(TcStat::SnatExhausted);
@@ -477,45 +303,103 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     Ok(NEXT)
 }
 
-/// Claims a free SNAT port on `node` for `p` (`C:cp → B:bp`) by inserting the flow's `SnatIn`
-/// entry with `BPF_NOEXIST`; network order.
-#[inline(always)]
-fn allocate_port6(p: &Packet6, node: &[u32; 4], template: &CtEntry6) -> Option<u16> {
-    let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
-    let (min, max) = (u32::from(cfg.snat_port_min), u32::from(cfg.snat_port_max));
-    if min == 0 || max < min {
-        return None;
+/// IPv6: `KP_CT6`.
+pub(crate) struct V6;
+
+impl Family for V6 {
+    type Addr = [u32; 4];
+    type Key = CtKey6;
+    type Entry = CtEntry6;
+    type Packet = Packet6;
+    const MAGLEV: bool = false;
+
+    #[inline(always)]
+    fn stamps(e: *mut CtEntry6) -> (*mut u64, *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
     }
-    let range = max - min + 1;
-    if range == 0 {
-        // Unreachable; drops the division-by-zero panic path the verifier would reject.
-        return None;
+    const UNSET: [u32; 4] = [0; 4];
+
+    #[inline(always)]
+    fn tuple(p: &Packet6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
+        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
     }
-    let entry = CtEntry6 {
-        nat_addr: p.saddr,
-        nat_port: p.sport,
-        ..*template
-    };
-    // SAFETY: helper without arguments.
-    let start = unsafe { bpf_get_prandom_u32() } % range;
-    let mut i = 0;
-    while i < SNAT_PORT_TRIES {
-        let port = ((min + (start + i) % range) as u16).to_be();
-        let key = CtKey6 {
-            saddr: p.daddr,
-            daddr: *node,
-            sport: p.dport,
-            dport: port,
-            proto: p.proto,
-            kind: CtKind::SnatIn as u8,
-            _pad: [0; 2],
-        };
-        if KP_CT6.insert(key, entry, BPF_NOEXIST as u64).is_ok() {
-            return Some(port);
+
+    #[inline(always)]
+    fn mapped(addr: [u32; 4]) -> [u32; 4] {
+        // IPv6 addresses are stored as they are.
+        addr
+    }
+
+    #[inline(always)]
+    fn is_family(addr: &[u32; 4]) -> bool {
+        !is_v4_mapped(addr)
+    }
+
+    #[inline(always)]
+    fn backend_addr(addr: &[u32; 4]) -> [u32; 4] {
+        *addr
+    }
+
+    #[inline(always)]
+    fn maglev(_: u32, _: [u32; 4], _: [u32; 4], _: u16, _: u16, _: u8) -> Option<u32> {
+        None
+    }
+
+    #[inline(always)]
+    fn entry(
+        nat_addr: [u32; 4],
+        nat_port: u16,
+        flags: u16,
+        backend_id: u32,
+        svc_id: u32,
+        ts: u64,
+    ) -> CtEntry6 {
+        CtEntry6 {
+            nat_addr,
+            nat_port,
+            flags,
+            backend_id,
+            svc_id,
+            _pad: 0,
+            created_ns: ts,
+            last_seen_ns: ts,
         }
-        i += 1;
     }
-    None
+
+    #[inline(always)]
+    fn ct() -> &'static LruHashMap<CtKey6, CtEntry6> {
+        &KP_CT6
+    }
+
+    #[inline(always)]
+    fn key(
+        saddr: [u32; 4],
+        daddr: [u32; 4],
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    ) -> CtKey6 {
+        CtKey6 {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            kind: kind as u8,
+            _pad: [0; 2],
+        }
+    }
+
+    #[inline(always)]
+    fn with_nat(template: &CtEntry6, addr: [u32; 4], port: u16) -> CtEntry6 {
+        CtEntry6 {
+            nat_addr: addr,
+            nat_port: port,
+            ..*template
+        }
+    }
 }
 
 // ---- no endpoints ---------------------------------------------------------------------------
@@ -534,83 +418,14 @@ fn tcp_reset6_inner(ctx: &TcContext, p: &Packet6) -> Result<Verdict, ()> {
         return Ok(DROP);
     }
     let tcp_len = u16::from_be(ctx.load::<u16>(IP6_PLEN).map_err(|_| ())?) as usize;
-    let doff_word: u16 = ctx.load(L4 + 12).map_err(|_| ())?;
-    let doff = ((u16::from_be(doff_word) >> 12) as usize) * 4;
-    if !(20..=60).contains(&doff) || tcp_len != doff {
+    if !reset_tcp_header(ctx, L4, p.tcp_flags, p.sport, p.dport, tcp_len)? {
         return Ok(DROP);
     }
-    let seq = u32::from_be(ctx.load::<u32>(L4 + 4).map_err(|_| ())?);
-    let ack = u32::from_be(ctx.load::<u32>(L4 + 8).map_err(|_| ())?);
-    let (new_seq, new_ack, new_flags) = if p.tcp_flags & TCP_ACK != 0 {
-        (ack, 0u32, TCP_RST)
-    } else {
-        let mut len = 0u32;
-        if p.tcp_flags & TCP_SYN != 0 {
-            len += 1;
-        }
-        if p.tcp_flags & TCP_FIN != 0 {
-            len += 1;
-        }
-        (0u32, seq.wrapping_add(len), TCP_RST | TCP_ACK)
-    };
-    let csum = L4 + 16;
-    // Options are dropped: take their sum out of the checksum.
-    let opt_words = (doff - 20) / 4;
-    let mut i = 0usize;
-    while i < 10 {
-        if i >= opt_words {
-            break;
-        }
-        let w: u32 = ctx.load(L4 + 20 + i * 4).map_err(|_| ())?;
-        ctx.l4_csum_replace(csum, w as u64, 0, 4).map_err(|_| ())?;
-        i += 1;
-    }
-    let new_doff_word = ((5u16 << 12) | u16::from(new_flags)).to_be();
-    ctx.l4_csum_replace(csum, seq.to_be() as u64, new_seq.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, ack.to_be() as u64, new_ack.to_be() as u64, 4)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, doff_word as u64, new_doff_word as u64, 2)
-        .map_err(|_| ())?;
-    let window: u16 = ctx.load(L4 + 14).map_err(|_| ())?;
-    let urg: u16 = ctx.load(L4 + 18).map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, window as u64, 0, 2)
-        .map_err(|_| ())?;
-    ctx.l4_csum_replace(csum, urg as u64, 0, 2)
-        .map_err(|_| ())?;
-    // The pseudo header's upper-layer length (a 32-bit field whose high half stays 0).
-    let old_len = (tcp_len as u16).to_be();
     let new_len = 20u16.to_be();
-    ctx.l4_csum_replace(
-        csum,
-        old_len as u64,
-        new_len as u64,
-        BPF_F_PSEUDO_HDR as u64 | 2,
-    )
-    .map_err(|_| ())?;
-    // Swapping addresses and ports leaves the checksum unchanged.
-    ctx.store(L4, &p.dport, 0).map_err(|_| ())?;
-    ctx.store(L4 + 2, &p.sport, 0).map_err(|_| ())?;
-    ctx.store(L4 + 4, &new_seq.to_be(), 0).map_err(|_| ())?;
-    ctx.store(L4 + 8, &new_ack.to_be(), 0).map_err(|_| ())?;
-    ctx.store(L4 + 12, &new_doff_word, 0).map_err(|_| ())?;
-    ctx.store(L4 + 14, &0u16, 0).map_err(|_| ())?;
-    ctx.store(L4 + 18, &0u16, 0).map_err(|_| ())?;
     ctx.store(IP6_SADDR, &p.daddr, 0).map_err(|_| ())?;
     ctx.store(IP6_DADDR, &p.saddr, 0).map_err(|_| ())?;
     ctx.store(IP6_PLEN, &new_len, 0).map_err(|_| ())?;
-    let dst_mac: [u8; 6] = ctx.load(0).map_err(|_| ())?;
-    let src_mac: [u8; 6] = ctx.load(6).map_err(|_| ())?;
-    ctx.store(0, &src_mac, 0).map_err(|_| ())?;
-    ctx.store(6, &dst_mac, 0).map_err(|_| ())?;
-    // SAFETY: the context pointer is valid for the program's run.
-    unsafe {
-        if bpf_skb_change_tail(ctx.skb.skb, (L4 + 20) as u32, 0) != 0 {
-            return Ok(DROP);
-        }
-        let ifindex = (*ctx.skb.skb).ifindex;
-        Ok(bpf_redirect(ifindex, 0) as i32)
-    }
+    bounce(ctx, (L4 + 20) as u32)
 }
 
 /// Bytes of the ICMPv6 port-unreachable reply [`udp_unreachable6`] builds: Ethernet, IPv6,
@@ -696,7 +511,7 @@ fn udp_unreachable6(ctx: TcContext) -> Verdict {
 // ---- ICMPv6 errors --------------------------------------------------------------------------
 
 /// The quoted packet of an ICMPv6 error (its tuple, network order).
-struct Quoted6 {
+pub(crate) struct Quoted6 {
     saddr: [u32; 4],
     daddr: [u32; 4],
     sport: u16,
@@ -707,133 +522,94 @@ struct Quoted6 {
 /// Offset of the quoted IPv6 header.
 const Q_IP: usize = L4 + 8;
 
-#[inline(always)]
-fn quoted6(ctx: &TcContext) -> Option<Quoted6> {
-    let ty: u8 = ctx.load(L4).ok()?;
-    if ty != ICMP6_DEST_UNREACH
-        && ty != ICMP6_PACKET_TOO_BIG
-        && ty != ICMP6_TIME_EXCEEDED
-        && ty != ICMP6_PARAMPROB
-    {
-        return None;
+impl IcmpErrors for V6 {
+    type Quoted = Quoted6;
+
+    #[inline(always)]
+    fn quoted(ctx: &TcContext, _: &Packet6) -> Option<Quoted6> {
+        let ty: u8 = ctx.load(L4).ok()?;
+        if ty != ICMP6_DEST_UNREACH
+            && ty != ICMP6_PACKET_TOO_BIG
+            && ty != ICMP6_TIME_EXCEEDED
+            && ty != ICMP6_PARAMPROB
+        {
+            return None;
+        }
+        let v: u8 = ctx.load(Q_IP).ok()?;
+        if v >> 4 != 6 {
+            return None;
+        }
+        let proto: u8 = ctx.load(Q_IP + 6).ok()?;
+        if proto != PROTO_TCP && proto != PROTO_UDP {
+            return None;
+        }
+        Some(Quoted6 {
+            saddr: ctx.load(Q_IP + 8).ok()?,
+            daddr: ctx.load(Q_IP + 24).ok()?,
+            sport: ctx.load(Q_IP + IP6_HLEN).ok()?,
+            dport: ctx.load(Q_IP + IP6_HLEN + 2).ok()?,
+            proto,
+        })
     }
-    let v: u8 = ctx.load(Q_IP).ok()?;
-    if v >> 4 != 6 {
-        return None;
+
+    #[inline(always)]
+    fn quoted_tuple(q: &Quoted6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
+        (q.saddr, q.daddr, q.sport, q.dport, q.proto)
     }
-    let proto: u8 = ctx.load(Q_IP + 6).ok()?;
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        return None;
+
+    #[inline(always)]
+    fn nat(e: &CtEntry6) -> ([u32; 4], u16) {
+        (e.nat_addr, e.nat_port)
     }
-    Some(Quoted6 {
-        saddr: ctx.load(Q_IP + 8).ok()?,
-        daddr: ctx.load(Q_IP + 24).ok()?,
-        sport: ctx.load(Q_IP + IP6_HLEN).ok()?,
-        dport: ctx.load(Q_IP + IP6_HLEN + 2).ok()?,
-        proto,
-    })
+
+    /// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
+    /// keeping the ICMPv6 checksum right (the quoted L4 checksum is left as is, like IPv4).
+    #[inline(always)]
+    fn rewrite_quoted(
+        ctx: &mut TcContext,
+        q: &Quoted6,
+        dst: bool,
+        addr: [u32; 4],
+        port: u16,
+    ) -> Result<(), ()> {
+        let addr = &addr;
+        let (old_addr, old_port, addr_off, port_off) = if dst {
+            (q.daddr, q.dport, Q_IP + 24, Q_IP + IP6_HLEN + 2)
+        } else {
+            (q.saddr, q.sport, Q_IP + 8, Q_IP + IP6_HLEN)
+        };
+        let (csum, _) = l4_csum(PROTO_ICMPV6);
+        csum_addr(ctx, csum, &old_addr, addr, 0)?;
+        ctx.l4_csum_replace(csum, old_port as u64, port as u64, 2)
+            .map_err(|_| ())?;
+        ctx.store(addr_off, addr, 0).map_err(|_| ())?;
+        ctx.store(port_off, &port, 0).map_err(|_| ())?;
+        Ok(())
+    }
+
+    /// Outer address rewrite of an ICMPv6 packet (its checksum covers the pseudo header).
+    #[inline(always)]
+    fn rewrite_outer(
+        ctx: &mut TcContext,
+        dst: bool,
+        old: [u32; 4],
+        new: [u32; 4],
+    ) -> Result<(), ()> {
+        let (csum, _) = l4_csum(PROTO_ICMPV6);
+        csum_addr(ctx, csum, &old, &new, BPF_F_PSEUDO_HDR as u64)?;
+        ctx.store(if dst { IP6_DADDR } else { IP6_SADDR }, &new, 0)
+            .map_err(|_| ())
+    }
 }
 
-/// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
-/// keeping the ICMPv6 checksum right (the quoted L4 checksum is left as is, like IPv4).
-#[inline(always)]
-fn rewrite_quoted6(
-    ctx: &mut TcContext,
-    q: &Quoted6,
-    dst: bool,
-    addr: &[u32; 4],
-    port: u16,
-) -> Result<(), ()> {
-    let (old_addr, old_port, addr_off, port_off) = if dst {
-        (q.daddr, q.dport, Q_IP + 24, Q_IP + IP6_HLEN + 2)
-    } else {
-        (q.saddr, q.sport, Q_IP + 8, Q_IP + IP6_HLEN)
-    };
-    let (csum, _) = l4_csum(PROTO_ICMPV6);
-    csum_addr(ctx, csum, &old_addr, addr, 0)?;
-    ctx.l4_csum_replace(csum, old_port as u64, port as u64, 2)
-        .map_err(|_| ())?;
-    ctx.store(addr_off, addr, 0).map_err(|_| ())?;
-    ctx.store(port_off, &port, 0).map_err(|_| ())?;
-    Ok(())
-}
-
-/// Outer address rewrite of an ICMPv6 packet (its checksum covers the pseudo header).
-#[inline(always)]
-fn rewrite_outer6(
-    ctx: &mut TcContext,
-    dst: bool,
-    old: &[u32; 4],
-    new: &[u32; 4],
-) -> Result<(), ()> {
-    let (csum, _) = l4_csum(PROTO_ICMPV6);
-    csum_addr(ctx, csum, old, new, BPF_F_PSEUDO_HDR as u64)?;
-    ctx.store(if dst { IP6_DADDR } else { IP6_SADDR }, new, 0)
-        .map_err(|_| ())
-}
-
-/// Ingress: an ICMPv6 error about a SNATed flow (quoted `N:np → B:bp`) goes to its client.
+/// Ingress ICMPv6 errors ([`icmp_error`]): a BPF-to-BPF call with its own stack frame.
 #[inline(never)]
 fn icmp_error_in6(mut ctx: TcContext, p: &Packet6) -> Verdict {
-    icmp_error_in6_inner(&mut ctx, p).unwrap_or(NEXT)
+    icmp_error::<V6, true>(&mut ctx, p).unwrap_or(NEXT)
 }
 
-#[inline(always)]
-fn icmp_error_in6_inner(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
-    let Some(q) = quoted6(ctx) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey6 {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::SnatIn as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT6.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    if p.daddr != q.saddr {
-        return Ok(NEXT);
-    }
-    rewrite_quoted6(ctx, &q, false, &e.nat_addr, e.nat_port)?;
-    rewrite_outer6(ctx, true, &p.daddr, &e.nat_addr)?;
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
-}
-
-/// Egress: an ICMPv6 error about a DNATed flow (quoted `C:cp → B:bp`) names the frontend.
+/// Egress ICMPv6 errors ([`icmp_error`]): a BPF-to-BPF call with its own stack frame.
 #[inline(never)]
 fn icmp_error_out6(mut ctx: TcContext, p: &Packet6) -> Verdict {
-    icmp_error_out6_inner(&mut ctx, p).unwrap_or(NEXT)
-}
-
-#[inline(always)]
-fn icmp_error_out6_inner(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
-    let Some(q) = quoted6(ctx) else {
-        return Ok(NEXT);
-    };
-    let key = CtKey6 {
-        saddr: q.daddr,
-        daddr: q.saddr,
-        sport: q.dport,
-        dport: q.sport,
-        proto: q.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { KP_CT6.get(key) }).copied() else {
-        return Ok(NEXT);
-    };
-    rewrite_quoted6(ctx, &q, true, &e.nat_addr, e.nat_port)?;
-    if p.saddr == q.daddr {
-        // Sent by the backend itself: it speaks as the frontend.
-        rewrite_outer6(ctx, false, &p.saddr, &e.nat_addr)?;
-    }
-    stat(TcStat::IcmpError);
-    Ok(NEXT)
+    icmp_error::<V6, false>(&mut ctx, p).unwrap_or(NEXT)
 }
