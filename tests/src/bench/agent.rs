@@ -125,7 +125,10 @@ impl AgentSpec<'_> {
             File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
         let mut cmd = self.node.command(kproxy_bin()?);
         cmd.args(self.args())
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("KP_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -188,6 +188,12 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         }),
         Err(e) => results.unavailable(format!("change/{mode}/{n}"), format!("{e:#}")),
     }
+    if let Ok(dst) = std::env::var("KP_BENCH_KEEP_LOG") {
+        let _ = std::fs::copy(
+            scratch.path().join("agent.log"),
+            format!("{dst}-{mode}-{n}.log"),
+        );
+    }
     for (what, unit, value, target) in [
         ("rss", "MB", agent.peak_rss_mb()?, Some(60.0)),
         ("cpu", "s", agent.cpu_seconds()?, None),

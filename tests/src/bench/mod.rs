@@ -15,6 +15,15 @@
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
 //! "unavailable" with the agent's own error, never silently dropped. Output ([`report`]):
 //! `REPORT.md`, `results.json` (commit, machine, every sample) and SVG plots.
+//!
+//! Knobs for investigating (environment variables of `cargo xtask bench` / `kp-bench`; a full
+//! run for the report sets none of them):
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `KP_BENCH_MODES` | comma-separated datapath modes to measure (e.g. `ebpf` or `ebpf,iptables-nft`) instead of `ebpf,iptables-nft,iptables-legacy`; a figure of a mode left out is simply missing, not "unavailable" |
+//! | `KP_BENCH_AGENT_LOG` | the agents' `RUST_LOG` (default `warn`), e.g. `info` to see where the agent's cold start goes (initial list vs first sync) |
+//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the scratch dir holding it is removed at the end) |
 
 pub mod agent;
 pub mod connect;
@@ -203,9 +212,12 @@ pub struct Plan {
 
 impl Plan {
     pub fn new(quick: bool) -> Plan {
-        let modes = ["ebpf", "iptables-nft", "iptables-legacy"]
-            .map(String::from)
-            .to_vec();
+        let modes: Vec<String> = match std::env::var("KP_BENCH_MODES") {
+            Ok(m) => m.split(',').map(String::from).collect(),
+            Err(_) => ["ebpf", "iptables-nft", "iptables-legacy"]
+                .map(String::from)
+                .to_vec(),
+        };
         let direct = "direct".to_string();
         if quick {
             Plan {

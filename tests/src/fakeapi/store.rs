@@ -3,8 +3,19 @@
 //!
 //! History covers `(oldest_rv, rv]`: a watch or snapshot from a version older than
 //! `oldest_rv` is answered with 410 Expired. [`Store::compact`] drops the history.
+//!
+//! Objects are immutable once stored (`Arc<Value>`; a write stores a new `Arc`), so the
+//! current map, the history and list pages share them. A list page reads the state at its
+//! version as a merged view: the current objects from the page's start key on, overlaid with
+//! what the history says each object changed since was at that version. A page therefore costs
+//! the page, the changes since its version and a cheap count of the rest (for
+//! `remainingItemCount`) — not a copy of every object, which made a paged list of N objects
+//! O(N²) deep copies.
 
 use std::collections::BTreeMap;
+use std::iter::Peekable;
+use std::ops::Bound;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde_json::{Value, json};
@@ -27,12 +38,12 @@ struct Change {
     rv: u64,
     key: Key,
     /// The object before the write (`None`: created).
-    old: Option<Value>,
+    old: Option<Arc<Value>>,
     /// The object after the write (`None`: deleted).
-    new: Option<Value>,
+    new: Option<Arc<Value>>,
     /// The object a watch reports: `new`, or for a delete the last state with the deletion's
     /// resourceVersion.
-    reported: Value,
+    reported: Arc<Value>,
 }
 
 /// A watch event: type, the object, and the resourceVersion it happened at.
@@ -53,7 +64,8 @@ impl WatchEvent {
 /// One page of a list.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ListPage {
-    pub items: Vec<Value>,
+    /// Shared with the store: the page's objects are copied only when it is serialized.
+    pub items: Vec<Arc<Value>>,
     /// The version the list is consistent at.
     pub resource_version: u64,
     pub continue_token: Option<String>,
@@ -84,7 +96,7 @@ impl ListPage {
 pub struct Store {
     rv: u64,
     oldest_rv: u64,
-    objects: BTreeMap<Key, Value>,
+    objects: BTreeMap<Key, Arc<Value>>,
     history: Vec<Change>,
     uids: u64,
 }
@@ -123,22 +135,32 @@ impl Store {
     }
 
     pub fn get(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Option<&Value> {
-        self.objects.get(&key(kind, namespace, name))
+        self.objects.get(&key(kind, namespace, name)).map(|v| &**v)
     }
 
     /// Every object of `kind` matching `filter`, in key order.
     pub fn matching(&self, kind: Kind, filter: &Filter) -> Vec<Value> {
-        self.of_kind(kind)
+        self.of_kind(kind, None)
+            .map(|(_, v)| v)
             .filter(|o| filter.matches(o))
-            .cloned()
+            .map(|o| (**o).clone())
             .collect()
     }
 
-    fn of_kind(&self, kind: Kind) -> impl Iterator<Item = &Value> {
+    /// The current objects of `kind` in key order, from after `after` on (if given).
+    fn of_kind<'a>(
+        &'a self,
+        kind: Kind,
+        after: Option<&Key>,
+    ) -> impl Iterator<Item = (&'a Key, &'a Arc<Value>)> + 'a {
+        let first = kind_start(kind);
+        let start = match after {
+            Some(k) => Bound::Excluded(k),
+            None => Bound::Included(&first),
+        };
         self.objects
-            .iter()
-            .filter(move |(k, _)| k.kind == kind)
-            .map(|(_, v)| v)
+            .range::<Key, _>((start, Bound::Unbounded))
+            .take_while(move |(k, _)| k.kind == kind)
     }
 
     /// Creates `obj`; `path_namespace` is the namespace of the request path, if any.
@@ -210,8 +232,8 @@ impl Store {
                 }
             }
         }
-        if obj == old {
-            return Ok(old);
+        if obj == *old {
+            return Ok((*old).clone());
         }
         Ok(self.write(k, Some(old), Some(obj)))
     }
@@ -231,19 +253,19 @@ impl Store {
     }
 
     /// Records one write at the next resourceVersion; returns the reported object.
-    fn write(&mut self, k: Key, old: Option<Value>, new: Option<Value>) -> Value {
+    fn write(&mut self, k: Key, old: Option<Arc<Value>>, new: Option<Value>) -> Value {
         self.rv += 1;
         let rv = json!(self.rv.to_string());
         let new = new.map(|mut o| {
             o["metadata"]["resourceVersion"] = rv.clone();
-            o
+            Arc::new(o)
         });
         let reported = match &new {
             Some(o) => o.clone(),
             None => {
-                let mut o = old.clone().expect("a delete has an old object");
+                let mut o = Value::clone(old.as_deref().expect("a delete has an old object"));
                 o["metadata"]["resourceVersion"] = rv;
-                o
+                Arc::new(o)
             }
         };
         match &new {
@@ -257,33 +279,38 @@ impl Store {
             new,
             reported: reported.clone(),
         });
-        reported
+        (*reported).clone()
     }
 
-    /// The objects of `kind` as they were at `rv` (needs history back to `rv`).
-    fn state_at(&self, kind: Kind, rv: u64) -> Result<BTreeMap<Key, Value>, ApiError> {
+    /// The objects of `kind` as they were at `rv`, in key order, from after `after` on (needs
+    /// history back to `rv`): the current objects overlaid with the state at `rv` of every
+    /// object written since.
+    fn state_at<'a>(
+        &'a self,
+        kind: Kind,
+        rv: u64,
+        after: Option<&Key>,
+    ) -> Result<impl Iterator<Item = (&'a Key, &'a Arc<Value>)> + 'a, ApiError> {
         if rv < self.oldest_rv {
             return Err(too_old(rv, self.oldest_rv));
         }
-        let mut state: BTreeMap<Key, Value> = self
-            .objects
-            .iter()
-            .filter(|(k, _)| k.kind == kind)
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        // Newest first, so each key ends with its first change after `rv`, whose `old` is
+        // the object at `rv` (`None`: it did not exist then).
+        let mut changed: BTreeMap<&Key, Option<&Arc<Value>>> = BTreeMap::new();
         for c in self
             .history
             .iter()
             .rev()
             .take_while(|c| c.rv > rv)
             .filter(|c| c.key.kind == kind)
+            .filter(|c| after.is_none_or(|a| &c.key > a))
         {
-            match &c.old {
-                Some(o) => state.insert(c.key.clone(), o.clone()),
-                None => state.remove(&c.key),
-            };
+            changed.insert(&c.key, c.old.as_ref());
         }
-        Ok(state)
+        Ok(Overlay {
+            base: self.of_kind(kind, after).peekable(),
+            over: changed.into_iter().peekable(),
+        })
     }
 
     /// One page of a list of `kind` in `namespace` (from the path), per `params`: the current
@@ -297,25 +324,24 @@ impl Store {
         let filter = params.filter(namespace);
         let (at, after) = match &params.continue_token {
             Some(token) => {
-                let (at, after) = parse_continue(token)?;
+                let (at, (namespace, name)) = parse_continue(token)?;
                 if at < self.oldest_rv {
                     return Err(ApiError::expired(
                         "The provided continue parameter is too old to display a consistent list result. \
                          You can start a new list without the continue parameter.",
                     ));
                 }
+                let after = Key {
+                    kind,
+                    namespace,
+                    name,
+                };
                 (at, Some(after))
             }
             None => (self.list_version(params)?, None),
         };
-        let state = self.state_at(kind, at)?;
-        let mut matching = state
-            .into_iter()
-            .filter(|(k, _)| {
-                after
-                    .as_ref()
-                    .is_none_or(|(ns, name)| (&k.namespace, &k.name) > (ns, name))
-            })
+        let mut matching = self
+            .state_at(kind, at, after.as_ref())?
             .filter(|(_, v)| filter.matches(v));
         let mut items = vec![];
         let mut last = None;
@@ -332,7 +358,7 @@ impl Store {
                 });
             }
             last = Some((k.namespace.clone(), k.name.clone()));
-            items.push(v);
+            items.push(v.clone());
         }
         Ok(ListPage {
             items,
@@ -391,11 +417,61 @@ impl Store {
                 Some(WatchEvent {
                     rv: c.rv,
                     kind,
-                    object: c.reported.clone(),
+                    object: (*c.reported).clone(),
                 })
             })
             .collect();
         Ok((events, self.rv.max(after)))
+    }
+}
+
+/// A key-ordered merge of the current objects (`base`) with overriding entries (`over`; `None`
+/// hides the key): what [`Store::state_at`] reads.
+struct Overlay<'a, B: Iterator<Item = (&'a Key, &'a Arc<Value>)>, O>
+where
+    O: Iterator<Item = (&'a Key, Option<&'a Arc<Value>>)>,
+{
+    base: Peekable<B>,
+    over: Peekable<O>,
+}
+
+impl<'a, B, O> Iterator for Overlay<'a, B, O>
+where
+    B: Iterator<Item = (&'a Key, &'a Arc<Value>)>,
+    O: Iterator<Item = (&'a Key, Option<&'a Arc<Value>>)>,
+{
+    type Item = (&'a Key, &'a Arc<Value>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let order = match (self.base.peek(), self.over.peek()) {
+                (None, None) => return None,
+                (Some(_), None) => std::cmp::Ordering::Less,
+                (None, Some(_)) => std::cmp::Ordering::Greater,
+                (Some((b, _)), Some((o, _))) => b.cmp(o),
+            };
+            match order {
+                std::cmp::Ordering::Less => return self.base.next(),
+                std::cmp::Ordering::Equal | std::cmp::Ordering::Greater => {
+                    if order.is_eq() {
+                        self.base.next();
+                    }
+                    let (k, v) = self.over.next().expect("peeked");
+                    if let Some(v) = v {
+                        return Some((k, v));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The smallest key of `kind`.
+fn kind_start(kind: Kind) -> Key {
+    Key {
+        kind,
+        namespace: String::new(),
+        name: String::new(),
     }
 }
 
@@ -499,7 +575,7 @@ mod tests {
         json!({"metadata": {"name": name, "namespace": ns, "labels": labels}, "spec": {"clusterIP": "10.0.0.1"}})
     }
 
-    fn names(items: &[Value]) -> Vec<String> {
+    fn names(items: &[Arc<Value>]) -> Vec<String> {
         items
             .iter()
             .map(|o| o["metadata"]["name"].as_str().unwrap().to_owned())
@@ -598,6 +674,145 @@ mod tests {
                 .code,
             410
         );
+    }
+
+    /// Service `j` of [`paged_store`]: key order is `j` order.
+    fn nth(j: usize) -> (String, String) {
+        (format!("ns-{}", j / 500), format!("svc-{j:04}"))
+    }
+
+    /// 2,000 Services in 4 namespaces, every other one labelled `tier=a`, and a Node.
+    fn paged_store() -> Store {
+        let mut s = Store::new();
+        s.create(Kind::Node, json!({"metadata": {"name": "n1"}}), None)
+            .unwrap();
+        for j in 0..2000 {
+            let (ns, name) = nth(j);
+            let tier = if j % 2 == 0 { "a" } else { "b" };
+            s.create(Kind::Service, svc(&ns, &name, json!({"tier": tier})), None)
+                .unwrap();
+        }
+        s
+    }
+
+    /// Writes between pages, around the `done`-th Service: updates (twice, flipping the label),
+    /// a delete + re-create and a delete ahead of the cursor; a delete, an update and creates
+    /// behind it; a create ahead; a Node write.
+    fn write_between_pages(s: &mut Store, page: usize, done: usize) {
+        let relabel = |s: &mut Store, j: usize, ip: &str| {
+            let (ns, name) = nth(j);
+            let mut o = s.get(Kind::Service, Some(&ns), &name).unwrap().clone();
+            let tier = if o["metadata"]["labels"]["tier"] == "a" {
+                "b"
+            } else {
+                "a"
+            };
+            o["metadata"]["labels"]["tier"] = json!(tier);
+            o["spec"]["clusterIP"] = json!(ip);
+            s.update(Kind::Service, o, None, false).unwrap();
+        };
+        let ahead = |off: usize| (done + off < 2000).then(|| nth(done + off));
+        if ahead(10).is_some() {
+            relabel(s, done + 10, "10.1.0.1");
+            relabel(s, done + 10, "10.1.0.2");
+        }
+        if let Some((ns, name)) = ahead(20) {
+            s.delete(Kind::Service, Some(&ns), &name).unwrap();
+            s.create(Kind::Service, svc(&ns, &name, json!({"tier": "a"})), None)
+                .unwrap();
+        }
+        if let Some((ns, name)) = ahead(30) {
+            s.delete(Kind::Service, Some(&ns), &name).unwrap();
+        }
+        if let Some((ns, name)) = ahead(40) {
+            let name = format!("{name}-new");
+            s.create(Kind::Service, svc(&ns, &name, json!({"tier": "a"})), None)
+                .unwrap();
+        }
+        if done >= 7 {
+            let (ns, name) = nth(done - 5);
+            s.delete(Kind::Service, Some(&ns), &name).unwrap();
+            relabel(s, done - 7, "10.1.0.3");
+        }
+        s.create(
+            Kind::Service,
+            svc("ns-0", &format!("aaa-{page}"), json!({"tier": "a"})),
+            None,
+        )
+        .unwrap();
+        let mut node = s.get(Kind::Node, None, "n1").unwrap().clone();
+        node["metadata"]["labels"] = json!({"page": page.to_string()});
+        s.update(Kind::Node, node, None, false).unwrap();
+    }
+
+    #[test]
+    fn a_paged_list_of_2000_is_one_consistent_snapshot_while_objects_change() {
+        for selector in [None, Some("tier=a")] {
+            let mut s = paged_store();
+            let mut base: Vec<(&str, &str)> = vec![("limit", "300")];
+            base.extend(selector.map(|sel| ("labelSelector", sel)));
+            let filter = params(&base).filter(None);
+            // What the list must return: the objects as they are when it starts.
+            let expected = s.matching(Kind::Service, &filter);
+            let first_rv = s.resource_version();
+
+            let mut listed: Vec<Value> = vec![];
+            let mut token: Option<String> = None;
+            let mut first_token = None;
+            for page in 0.. {
+                let mut p = base.clone();
+                p.extend(token.as_deref().map(|t| ("continue", t)));
+                let got = s.list(Kind::Service, None, &params(&p)).unwrap();
+                assert_eq!(got.resource_version, first_rv, "page {page}");
+                listed.extend(got.items.iter().map(|o| (**o).clone()));
+                let left = (expected.len() - listed.len()) as u64;
+                assert_eq!(got.remaining, (left > 0).then_some(left), "page {page}");
+                token = got.continue_token;
+                first_token = first_token.or(token.clone());
+                if token.is_none() {
+                    break;
+                }
+                let done = listed.len() * if selector.is_some() { 2 } else { 1 };
+                write_between_pages(&mut s, page, done);
+            }
+            let selector = selector.unwrap_or("");
+            assert!(
+                s.resource_version() > first_rv,
+                "{selector}: nothing changed"
+            );
+            assert_eq!(listed.len(), expected.len(), "{selector}");
+            // Same objects, same order, same content (so each exactly once, as at first_rv).
+            assert!(
+                listed == expected,
+                "{selector}: the pages differ from the snapshot"
+            );
+
+            // The same version read in one go agrees, and a fresh list sees the writes.
+            let mut exact = vec![
+                ("resourceVersion", first_rv.to_string()),
+                ("resourceVersionMatch", "Exact".to_string()),
+            ];
+            exact.extend(base[1..].iter().map(|(k, v)| (*k, v.to_string())));
+            let exact: Vec<(&str, &str)> = exact.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let whole = s.list(Kind::Service, None, &params(&exact)).unwrap();
+            assert!(whole.items.iter().map(|o| &**o).eq(expected.iter()));
+            let now = s.list(Kind::Service, None, &params(&base[1..])).unwrap();
+            assert_eq!(now.resource_version, s.resource_version());
+            assert!(
+                now.items
+                    .iter()
+                    .map(|o| &**o)
+                    .eq(s.matching(Kind::Service, &filter).iter())
+            );
+            assert!(!now.items.iter().map(|o| &**o).eq(expected.iter()));
+
+            // Once the history is gone, continuing the old list is 410 Expired.
+            s.compact();
+            let mut p = base.clone();
+            p.push(("continue", first_token.as_deref().unwrap()));
+            let e = s.list(Kind::Service, None, &params(&p)).unwrap_err();
+            assert_eq!((e.code, e.reason.as_str()), (410, "Expired"), "{selector}");
+        }
     }
 
     #[test]
