@@ -189,10 +189,10 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         Err(e) => results.unavailable(format!("change/{mode}/{n}"), format!("{e:#}")),
     }
     if let Ok(dst) = std::env::var("KP_BENCH_KEEP_LOG") {
-        let _ = std::fs::copy(
-            scratch.path().join("agent.log"),
-            format!("{dst}-{mode}-{n}.log"),
-        );
+        let to = format!("{dst}-{mode}-{n}.log");
+        if let Err(e) = std::fs::copy(scratch.path().join("agent.log"), &to) {
+            eprintln!("kp-bench: KP_BENCH_KEEP_LOG: copying the agent log to {to}: {e}");
+        }
     }
     for (what, unit, value, target) in [
         ("rss", "MB", agent.peak_rss_mb()?, Some(60.0)),
