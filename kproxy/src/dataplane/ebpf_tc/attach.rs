@@ -248,25 +248,9 @@ impl TcPath {
     /// Replaces `KP_NODE_ADDR4` with `sources` (ifindex → SNAT source of that device); see
     /// [`super::addresses::NodeAddresses::snat_v4`].
     pub fn set_node_addresses(ebpf: &mut Ebpf, sources: &[(u32, Ipv4Addr)]) -> Result<(), TcError> {
-        let name = MAP_NODE_ADDR4;
-        let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
-        let mut table =
-            BpfHashMap::<_, u32, NodeAddr4>::try_from(map).map_err(TcError::map(name))?;
-        for (index, addr) in sources {
-            let value = NodeAddr4 {
-                addr: u32::from_ne_bytes(addr.octets()),
-            };
-            table.insert(index, value, 0).map_err(TcError::map(name))?;
-        }
-        let stale: Vec<u32> = table
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !sources.iter().any(|(i, _)| i == k))
-            .collect();
-        for k in stale {
-            let _ = table.remove(&k);
-        }
-        Ok(())
+        replace_node_addresses(ebpf, MAP_NODE_ADDR4, sources, |a| NodeAddr4 {
+            addr: u32::from_ne_bytes(a.octets()),
+        })
     }
 
     /// Replaces `KP_NODE_ADDR6` with `sources` (ifindex → IPv6 SNAT source of that device);
@@ -275,25 +259,9 @@ impl TcPath {
         ebpf: &mut Ebpf,
         sources: &[(u32, Ipv6Addr)],
     ) -> Result<(), TcError> {
-        let name = MAP_NODE_ADDR6;
-        let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
-        let mut table =
-            BpfHashMap::<_, u32, NodeAddr6>::try_from(map).map_err(TcError::map(name))?;
-        for (index, addr) in sources {
-            let value = NodeAddr6 {
-                addr: encode6(*addr),
-            };
-            table.insert(index, value, 0).map_err(TcError::map(name))?;
-        }
-        let stale: Vec<u32> = table
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !sources.iter().any(|(i, _)| i == k))
-            .collect();
-        for k in stale {
-            let _ = table.remove(&k);
-        }
-        Ok(())
+        replace_node_addresses(ebpf, MAP_NODE_ADDR6, sources, |a| NodeAddr6 {
+            addr: encode6(a),
+        })
     }
 
     /// The programs' counters, summed over CPUs.
@@ -342,6 +310,33 @@ pub(crate) fn classifier<'a>(
         .ok_or(TcError::MissingProgram(name))?;
     prog.try_into()
         .map_err(|error| TcError::Program { name, error })
+}
+
+/// Makes the node-address map `name` hold exactly `sources` (ifindex → `encode(address)`):
+/// inserts or overwrites every given device first, then removes the devices no longer given,
+/// so a device that keeps its address never misses an entry.
+fn replace_node_addresses<A: Copy, V: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    sources: &[(u32, A)],
+    encode: impl Fn(A) -> V,
+) -> Result<(), TcError> {
+    let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
+    let mut table = BpfHashMap::<_, u32, V>::try_from(map).map_err(TcError::map(name))?;
+    for (index, addr) in sources {
+        table
+            .insert(index, encode(*addr), 0)
+            .map_err(TcError::map(name))?;
+    }
+    let stale: Vec<u32> = table
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !sources.iter().any(|(i, _)| i == k))
+        .collect();
+    for k in stale {
+        let _ = table.remove(&k);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
