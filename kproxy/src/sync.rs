@@ -430,6 +430,17 @@ impl Runner {
         }
         match result {
             Ok(report) => {
+                if self.status.borrow().last_success.is_none() {
+                    // The first full programming is what a cold start waits for: worth one
+                    // line at the default level (every later sync logs at debug).
+                    info!(
+                        generation = snap.generation,
+                        services = report.services,
+                        endpoints = report.endpoints,
+                        took_ms = took.as_millis() as u64,
+                        "first sync done"
+                    );
+                }
                 debug!(
                     generation = snap.generation,
                     changed = changed_all.services.len(),

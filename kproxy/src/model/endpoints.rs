@@ -28,7 +28,9 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub struct SliceData {
     /// (namespace, service name)
     pub service: (String, String),
-    pub ports: BTreeMap<ServicePortName, Vec<Endpoint>>,
+    /// Endpoints per port, in the slice's port order (a Vec, not a map: a slice has one or a
+    /// few ports, and the tracker keeps one `SliceData` per slice in the cluster).
+    pub ports: Vec<(ServicePortName, Vec<Endpoint>)>,
 }
 
 /// Parses one slice; `None` when it cannot be attributed to a service (with a warning) or is
@@ -115,7 +117,7 @@ pub fn parse_slice(
         });
     }
 
-    let mut ports = BTreeMap::new();
+    let mut ports = Vec::with_capacity(slice.ports.as_ref().map_or(0, Vec::len));
     for (i, p) in slice.ports.iter().flatten().enumerate() {
         let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
             warn(
@@ -149,7 +151,11 @@ pub fn parse_slice(
             .iter()
             .map(|e| Endpoint { port, ..e.clone() })
             .collect();
-        ports.insert(spn, eps);
+        // A port listed twice keeps its last entry, as a map insert did.
+        match ports.iter_mut().find(|(k, _)| *k == spn) {
+            Some((_, old)) => *old = eps,
+            None => ports.push((spn, eps)),
+        }
     }
     (
         Some(SliceData {

@@ -277,7 +277,9 @@ pub fn service_ports(svc: &Service) -> (Vec<ServicePort>, Vec<ModelWarning>) {
         }
     };
 
-    let mut ports = vec![];
+    // Exact capacity: the tracker keeps this Vec for the service's lifetime (a default-grown
+    // one holds 4 ports of ≈ 200 bytes for the usual single port).
+    let mut ports = Vec::with_capacity(spec.ports.as_ref().map_or(0, Vec::len));
     for (i, p) in spec.ports.iter().flatten().enumerate() {
         let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
             warn(

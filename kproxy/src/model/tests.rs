@@ -176,7 +176,7 @@ fn slice_conditions_defaults_and_locality() {
     assert_eq!(w.len(), 1);
     assert_eq!(w[0].field, "endpoints[3].addresses[0]");
     assert_eq!(w[0].object, "EndpointSlice ns/web-1");
-    let eps = d.ports.values().next().unwrap();
+    let eps = &d.ports.first().unwrap().1;
     assert_eq!(eps.len(), 2);
     assert!(eps[0].ready && eps[0].serving && !eps[0].terminating && eps[0].is_local);
     assert_eq!(eps[0].port, 8080);
@@ -417,7 +417,7 @@ proptest! {
         let ep_warnings = warnings.iter().filter(|w| w.field.starts_with("endpoints[")).count();
         let port_warnings = warnings.iter().filter(|w| w.field.starts_with("ports[")).count();
         prop_assert!(data.ports.len() + port_warnings >= 1 || ports.is_empty());
-        for eps in data.ports.values() {
+        for (_, eps) in &data.ports {
             prop_assert_eq!(eps.len() + ep_warnings, n_with_addr);
         }
     }
