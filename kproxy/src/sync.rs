@@ -344,10 +344,11 @@ impl Runner {
     fn apply(&mut self, ev: Event, schedule: &mut Schedule) {
         let before = self.tracker.pending();
         let (service_events, endpoint_events) = match &ev {
-            Event::Service(Delta::Replace(_)) => (None, Some(0)),
-            Event::Service(_) => (Some(1), Some(0)),
-            Event::EndpointSlice(Delta::Replace(_)) => (Some(0), None),
-            Event::EndpointSlice(_) => (Some(0), Some(1)),
+            // Lists count what they changed; watch events count one each.
+            Event::Service(Delta::Apply(_) | Delta::Delete(_)) => (Some(1), Some(0)),
+            Event::Service(_) => (None, Some(0)),
+            Event::EndpointSlice(Delta::Apply(_) | Delta::Delete(_)) => (Some(0), Some(1)),
+            Event::EndpointSlice(_) => (Some(0), None),
             Event::Node(_) => (Some(0), Some(0)),
         };
         for w in self.tracker.apply(ev) {

@@ -1,6 +1,11 @@
 //! kproxy's Kubernetes source (`kproxy::source::kube::{client, spawn}`) against the fake API
-//! server: initial lists as one Replace per kind, selectors, watch events, re-lists after
-//! 410, server restarts, slow watches and injected failures.
+//! server: initial lists (streamed for Services and EndpointSlices, one Replace for the Node),
+//! selectors, watch events, re-lists after 410, server restarts, slow watches and injected
+//! failures.
+//!
+//! [`Source`] reassembles a streamed list (`ListStart`, `Listed…`, `ListDone`) into one
+//! `Replace` so the tests read a list as one event; `lists_of_services_and_slices_stream`
+//! checks the raw stream itself.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -71,6 +76,9 @@ fn node(name: &str) -> Node {
 struct Source {
     rx: mpsc::Receiver<Event>,
     task: tokio::task::JoinHandle<()>,
+    /// Objects of the Service / EndpointSlice list being streamed.
+    services: Option<Vec<Service>>,
+    slices: Option<Vec<EndpointSlice>>,
 }
 
 impl Source {
@@ -84,24 +92,68 @@ impl Source {
         Source {
             rx,
             task: spawn(c, NODE.into(), tx),
+            services: None,
+            slices: None,
+        }
+    }
+
+    /// The next event as the source sent it, within the liveness bound (`None`: none came).
+    async fn next_raw(&mut self) -> Option<Event> {
+        tokio::time::timeout(WAIT, self.rx.recv())
+            .await
+            .ok()
+            .map(|ev| ev.expect("source still running"))
+    }
+
+    /// The next event, a streamed list reassembled into one `Replace` (`None`: none came
+    /// within the liveness bound).
+    async fn try_next(&mut self) -> Option<Event> {
+        fn fold<K>(buf: &mut Option<Vec<K>>, d: Delta<K>, kind: &str) -> Option<Delta<K>> {
+            match d {
+                Delta::ListStart => {
+                    *buf = Some(vec![]);
+                    None
+                }
+                Delta::Listed(o) => {
+                    buf.as_mut()
+                        .unwrap_or_else(|| panic!("{kind} Listed outside a list"))
+                        .push(o);
+                    None
+                }
+                Delta::ListDone => {
+                    Some(Delta::Replace(buf.take().unwrap_or_else(|| {
+                        panic!("{kind} ListDone without ListStart")
+                    })))
+                }
+                d => Some(d),
+            }
+        }
+        loop {
+            let ev = match self.next_raw().await? {
+                Event::Service(d) => fold(&mut self.services, d, "Service").map(Event::Service),
+                Event::EndpointSlice(d) => {
+                    fold(&mut self.slices, d, "EndpointSlice").map(Event::EndpointSlice)
+                }
+                ev => Some(ev),
+            };
+            if let Some(ev) = ev {
+                return Some(ev);
+            }
         }
     }
 
     async fn next(&mut self) -> Event {
-        tokio::time::timeout(WAIT, self.rx.recv())
-            .await
-            .expect("an event in time")
-            .expect("source still running")
+        self.try_next().await.expect("an event in time")
     }
 
     /// Skips events until `f` picks one (each event within the liveness bound).
     async fn wait_for<T>(&mut self, what: &str, mut f: impl FnMut(&Event) -> Option<T>) -> T {
         let mut skipped = vec![];
         loop {
-            let ev = tokio::time::timeout(WAIT, self.rx.recv())
+            let ev = self
+                .try_next()
                 .await
-                .unwrap_or_else(|_| panic!("no {what} in time; skipped {skipped:?}"))
-                .expect("source still running");
+                .unwrap_or_else(|| panic!("no {what} in time; skipped {skipped:?}"));
             if let Some(t) = f(&ev) {
                 return t;
             }
@@ -144,6 +196,9 @@ fn summary(ev: &Event) -> String {
             Delta::Apply(o) => format!("{kind} Apply({:?})", o.meta().name),
             Delta::Delete(o) => format!("{kind} Delete({:?})", o.meta().name),
             Delta::Replace(v) => format!("{kind} Replace({:?})", names(v)),
+            Delta::ListStart => format!("{kind} ListStart"),
+            Delta::Listed(o) => format!("{kind} Listed({:?})", o.meta().name),
+            Delta::ListDone => format!("{kind} ListDone"),
         }
     }
     match ev {
@@ -249,6 +304,46 @@ async fn initial_list_is_paged_into_one_replace() {
         .filter(|r| r.is_list() && r.kind() == Some(Kind::Service))
         .count();
     assert_eq!(pages, 2, "two list pages were served");
+}
+
+#[tokio::test]
+async fn lists_of_services_and_slices_stream() {
+    let api = FakeApi::start().await.unwrap();
+    populate(&api);
+    let mut src = Source::start(&api).await;
+    // Per kind, in arrival order (the three watches interleave in the channel).
+    let (mut svc, mut slc, mut node) = (vec![], vec![], vec![]);
+    while !(svc.last().is_some_and(|s: &String| s.ends_with("ListDone"))
+        && slc.last().is_some_and(|s: &String| s.ends_with("ListDone"))
+        && !node.is_empty())
+    {
+        let ev = src.next_raw().await.expect("list events in time");
+        let s = summary(&ev);
+        match ev {
+            Event::Service(_) => svc.push(s),
+            Event::EndpointSlice(_) => slc.push(s),
+            Event::Node(_) => node.push(s),
+        }
+    }
+    assert_eq!(
+        svc,
+        [
+            "Service ListStart",
+            "Service Listed(Some(\"a\"))",
+            "Service Listed(Some(\"b\"))",
+            "Service ListDone"
+        ]
+    );
+    assert_eq!(
+        slc,
+        [
+            "EndpointSlice ListStart",
+            "EndpointSlice Listed(Some(\"a-1\"))",
+            "EndpointSlice Listed(Some(\"b-1\"))",
+            "EndpointSlice ListDone"
+        ]
+    );
+    assert_eq!(node, [format!("Node Replace({:?})", set(&[NODE]))]);
 }
 
 #[tokio::test]
@@ -465,7 +560,7 @@ async fn injected_failures_are_retried() {
 async fn source_stops_when_the_channel_closes() {
     let api = FakeApi::start().await.unwrap();
     let src = Source::start(&api).await;
-    let Source { rx, task } = src;
+    let Source { rx, task, .. } = src;
     drop(rx);
     tokio::time::timeout(WAIT, task)
         .await

@@ -422,3 +422,69 @@ proptest! {
         }
     }
 }
+
+fn named_service(name: &str, ip: &str) -> Service {
+    svc(&format!(
+        "metadata: {{name: {name}, namespace: ns}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]}}"
+    ))
+}
+
+fn service_names(t: &mut Tracker) -> Vec<String> {
+    let (snap, _) = t.snapshot();
+    snap.services.keys().map(|k| k.name.clone()).collect()
+}
+
+#[test]
+fn streamed_list_removes_what_it_did_not_list_only_when_done() {
+    let mut t = tracker_with_web();
+    t.apply(Event::Service(Delta::Apply(named_service(
+        "old", "10.0.0.9",
+    ))));
+    assert_eq!(service_names(&mut t), ["old", "web"]);
+
+    t.apply(Event::Service(Delta::ListStart));
+    t.apply(Event::Service(Delta::Listed(named_service(
+        "new", "10.0.0.8",
+    ))));
+    t.apply(Event::Service(Delta::Listed(web_service())));
+    // Half-way: listed objects are in, unlisted ones not yet gone.
+    assert_eq!(service_names(&mut t), ["new", "old", "web"]);
+    t.apply(Event::Service(Delta::ListDone));
+    assert_eq!(service_names(&mut t), ["new", "web"]);
+}
+
+#[test]
+fn restarted_streamed_list_keeps_only_the_last_lists_objects() {
+    let mut t = tracker_with_web();
+    t.apply(Event::Service(Delta::ListStart));
+    t.apply(Event::Service(Delta::Listed(named_service(
+        "a", "10.0.0.2",
+    ))));
+    // The list failed half-way and starts again without `a` (deleted meanwhile).
+    t.apply(Event::Service(Delta::ListStart));
+    t.apply(Event::Service(Delta::Listed(web_service())));
+    t.apply(Event::Service(Delta::ListDone));
+    assert_eq!(service_names(&mut t), ["web"]);
+}
+
+#[test]
+fn streamed_lists_sync_the_tracker_like_replace() {
+    let mut streamed = Tracker::new("me");
+    streamed.apply(Event::Service(Delta::ListStart));
+    streamed.apply(Event::Service(Delta::Listed(web_service())));
+    streamed.apply(Event::EndpointSlice(Delta::ListStart));
+    streamed.apply(Event::EndpointSlice(Delta::Listed(slice(&format!(
+        "{SLICE}endpoints: [{{addresses: [10.0.0.1]}}]"
+    )))));
+    streamed.apply(Event::Node(Delta::ListStart));
+    assert!(!streamed.is_synced(), "no list is done yet");
+    streamed.apply(Event::Service(Delta::ListDone));
+    streamed.apply(Event::EndpointSlice(Delta::ListDone));
+    assert!(!streamed.is_synced(), "the Node list is not done");
+    streamed.apply(Event::Node(Delta::ListDone));
+    assert!(streamed.is_synced());
+    let (a, _) = streamed.snapshot();
+    let (b, _) = tracker_with_web().snapshot();
+    assert_eq!(a.services, b.services);
+    assert_eq!(a.endpoints, b.endpoints);
+}

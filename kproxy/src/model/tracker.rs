@@ -6,7 +6,7 @@
 //! the previous snapshot — in place when nobody else holds it any more, else on a clone (maps
 //! of `Arc`s) — and reports exactly the service ports whose `ServicePort` or endpoints differ.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
 
@@ -42,6 +42,11 @@ pub struct Tracker {
     dirty_endpoints: BTreeSet<SvcKey>,
     node_dirty: bool,
     synced: [bool; 3],
+    /// Keys listed so far by a Service / EndpointSlice list in progress; the Node listed so
+    /// far by a Node list in progress.
+    listing_services: Option<HashSet<SvcKey>>,
+    listing_slices: Option<HashSet<SvcKey>>,
+    listing_node: Option<Option<Node>>,
     last: Arc<Snapshot>,
 }
 
@@ -130,10 +135,19 @@ impl Tracker {
             dirty_endpoints: BTreeSet::new(),
             node_dirty: false,
             synced: [false; 3],
+            listing_services: None,
+            listing_slices: None,
+            listing_node: None,
         }
     }
 
     /// Folds one source event into state; returns warnings for skipped parts.
+    ///
+    /// A streamed list ([`Delta::ListStart`] … [`Delta::ListDone`]) is applied as it arrives:
+    /// listed objects are upserted at once, and what was not listed is removed at `ListDone`.
+    /// A snapshot taken half-way through a re-list therefore shows updated objects before
+    /// removed ones disappear — the states a sequence of watch events passes through too.
+    /// [`Delta::Replace`] is the same sequence delivered at once.
     pub fn apply(&mut self, event: Event) -> Vec<ModelWarning> {
         let mut warnings = vec![];
         match event {
@@ -143,24 +157,15 @@ impl Tracker {
                     self.remove_service(key(&s.metadata.namespace, &s.metadata.name))
                 }
                 Delta::Replace(all) => {
-                    let keep: BTreeSet<SvcKey> = all
-                        .iter()
-                        .map(|s| key(&s.metadata.namespace, &s.metadata.name))
-                        .collect();
-                    let gone: Vec<SvcKey> = self
-                        .services
-                        .keys()
-                        .filter(|k| !keep.contains(*k))
-                        .cloned()
-                        .collect();
-                    for k in gone {
-                        self.remove_service(k);
-                    }
+                    self.listing_services = Some(HashSet::new());
                     for s in &all {
-                        self.upsert_service(s, &mut warnings);
+                        self.list_service(s, &mut warnings);
                     }
-                    self.synced[0] = true;
+                    self.finish_service_list();
                 }
+                Delta::ListStart => self.listing_services = Some(HashSet::new()),
+                Delta::Listed(s) => self.list_service(&s, &mut warnings),
+                Delta::ListDone => self.finish_service_list(),
             },
             Event::EndpointSlice(d) => match d {
                 Delta::Apply(s) => self.upsert_slice(&s, &mut warnings),
@@ -168,37 +173,45 @@ impl Tracker {
                     self.remove_slice(&key(&s.metadata.namespace, &s.metadata.name))
                 }
                 Delta::Replace(all) => {
-                    let keep: BTreeSet<SvcKey> = all
-                        .iter()
-                        .map(|s| key(&s.metadata.namespace, &s.metadata.name))
-                        .collect();
-                    let gone: Vec<SvcKey> = self
-                        .slices
-                        .keys()
-                        .filter(|k| !keep.contains(*k))
-                        .cloned()
-                        .collect();
-                    for k in gone {
-                        self.remove_slice(&k);
-                    }
+                    self.listing_slices = Some(HashSet::new());
                     for s in &all {
-                        self.upsert_slice(s, &mut warnings);
+                        self.list_slice(s, &mut warnings);
                     }
-                    self.synced[1] = true;
+                    self.finish_slice_list();
                 }
+                Delta::ListStart => self.listing_slices = Some(HashSet::new()),
+                Delta::Listed(s) => self.list_slice(&s, &mut warnings),
+                Delta::ListDone => self.finish_slice_list(),
             },
             Event::Node(d) => {
+                // `Some(state)`: the node's state is now known to be `state`.
                 let node = match d {
-                    Delta::Apply(n) => Some(n),
-                    Delta::Delete(_) => None,
+                    Delta::Apply(n) => Some(Some(n)),
+                    Delta::Delete(_) => Some(None),
                     Delta::Replace(all) => {
                         self.synced[2] = true;
-                        all.into_iter()
-                            .find(|n| n.metadata.name.as_deref() == Some(self.node_name.as_str()))
+                        Some(all.into_iter().find(|n| self.is_this_node(n)))
+                    }
+                    Delta::ListStart => {
+                        self.listing_node = Some(None);
+                        None
+                    }
+                    Delta::Listed(n) => {
+                        if self.is_this_node(&n) {
+                            self.listing_node = Some(Some(n));
+                        }
+                        None
+                    }
+                    Delta::ListDone => {
+                        self.synced[2] = true;
+                        Some(self.listing_node.take().flatten())
                     }
                 };
+                let Some(node) = node else {
+                    return warnings;
+                };
                 if let Some(n) = &node
-                    && n.metadata.name.as_deref() != Some(self.node_name.as_str())
+                    && !self.is_this_node(n)
                 {
                     return warnings; // not this node
                 }
@@ -216,6 +229,56 @@ impl Tracker {
             }
         }
         warnings
+    }
+
+    fn is_this_node(&self, n: &Node) -> bool {
+        n.metadata.name.as_deref() == Some(self.node_name.as_str())
+    }
+
+    /// One object of a Service list: upserted, and remembered as still present.
+    fn list_service(&mut self, s: &Service, warnings: &mut Vec<ModelWarning>) {
+        if let Some(seen) = &mut self.listing_services {
+            seen.insert(key(&s.metadata.namespace, &s.metadata.name));
+        }
+        self.upsert_service(s, warnings);
+    }
+
+    /// The Service list is complete: services it did not hold are gone.
+    fn finish_service_list(&mut self) {
+        let seen = self.listing_services.take().unwrap_or_default();
+        let gone: Vec<SvcKey> = self
+            .services
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.remove_service(k);
+        }
+        self.synced[0] = true;
+    }
+
+    /// One object of an EndpointSlice list: upserted, and remembered as still present.
+    fn list_slice(&mut self, s: &EndpointSlice, warnings: &mut Vec<ModelWarning>) {
+        if let Some(seen) = &mut self.listing_slices {
+            seen.insert(key(&s.metadata.namespace, &s.metadata.name));
+        }
+        self.upsert_slice(s, warnings);
+    }
+
+    /// The EndpointSlice list is complete: slices it did not hold are gone.
+    fn finish_slice_list(&mut self) {
+        let seen = self.listing_slices.take().unwrap_or_default();
+        let gone: Vec<SvcKey> = self
+            .slices
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.remove_slice(&k);
+        }
+        self.synced[1] = true;
     }
 
     fn upsert_service(&mut self, s: &Service, warnings: &mut Vec<ModelWarning>) {

@@ -125,16 +125,18 @@ pub fn spawn(
         let services = run::<Service>(
             Api::all(client.clone()),
             proxyable.clone(),
+            Lists::Streamed,
             Event::Service,
             &tx,
         );
         let slices = run::<EndpointSlice>(
             Api::all(client.clone()),
             proxyable,
+            Lists::Streamed,
             Event::EndpointSlice,
             &tx,
         );
-        let node = run::<Node>(Api::all(client), this_node, Event::Node, &tx);
+        let node = run::<Node>(Api::all(client), this_node, Lists::Whole, Event::Node, &tx);
         tokio::select! {
             _ = futures::future::join3(services, slices, node) => {}
             _ = tx.closed() => {}
@@ -143,10 +145,21 @@ pub fn spawn(
     })
 }
 
+/// How a kind's (re-)lists are delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lists {
+    /// One [`Delta::Replace`] holding the whole list (the Node watch: one object).
+    Whole,
+    /// [`Delta::ListStart`], a [`Delta::Listed`] per object as pages arrive, [`Delta::ListDone`]:
+    /// the raw objects of a big list are never all in memory at once.
+    Streamed,
+}
+
 /// One kind's list+watch loop; returns when `tx` is closed.
 async fn run<K>(
     api: Api<K>,
     config: watcher::Config,
+    lists: Lists,
     wrap: fn(Delta<K>) -> Event,
     tx: &mpsc::Sender<Event>,
 ) where
@@ -154,7 +167,7 @@ async fn run<K>(
 {
     let kind = K::kind(&());
     let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
-    let mut relist = Relist::default();
+    let mut relist = Relist::new(lists);
     while let Some(item) = stream.next().await {
         let delta = match item {
             Ok(ev) => match relist.push(ev) {
@@ -168,8 +181,10 @@ async fn run<K>(
         };
         match &delta {
             Delta::Replace(all) => info!(%kind, objects = all.len(), "listed"),
+            Delta::ListDone => info!(%kind, objects = relist.listed, "listed"),
             Delta::Apply(o) => debug!(%kind, name = %display_name(o), "applied"),
             Delta::Delete(o) => debug!(%kind, name = %display_name(o), "deleted"),
+            Delta::ListStart | Delta::Listed(_) => {}
         }
         if tx.send(wrap(delta)).await.is_err() {
             return;
@@ -194,38 +209,54 @@ fn log_watch_error(kind: &str, e: &watcher::Error) {
     }
 }
 
-/// Folds kube-runtime's watcher events into [`Delta`]s: a re-list (`Init`, `InitApply…`,
-/// `InitDone`) becomes one [`Delta::Replace`]; `Apply`/`Delete` pass through.
+/// Folds kube-runtime's watcher events into [`Delta`]s. A re-list (`Init`, `InitApply…`,
+/// `InitDone`) becomes one [`Delta::Replace`] ([`Lists::Whole`]) or `ListStart`, `Listed…`,
+/// `ListDone` ([`Lists::Streamed`]); `Apply`/`Delete` pass through.
 #[derive(Debug)]
 pub struct Relist<K> {
-    /// Objects of a re-list in progress; `None` outside one.
+    lists: Lists,
+    /// Objects of a whole re-list in progress; `None` outside one.
     buffer: Option<Vec<K>>,
-}
-
-impl<K> Default for Relist<K> {
-    fn default() -> Self {
-        Relist { buffer: None }
-    }
+    /// Objects of the current (or last) streamed list so far.
+    pub listed: usize,
 }
 
 impl<K> Relist<K> {
+    pub fn new(lists: Lists) -> Self {
+        Relist {
+            lists,
+            buffer: None,
+            listed: 0,
+        }
+    }
+
     /// The delta to emit for `ev`, if any.
     pub fn push(&mut self, ev: watcher::Event<K>) -> Option<Delta<K>> {
-        match ev {
+        match (self.lists, ev) {
             // A new Init drops a re-list that failed half-way.
-            watcher::Event::Init => {
+            (Lists::Whole, watcher::Event::Init) => {
                 self.buffer = Some(Vec::new());
                 None
             }
-            watcher::Event::InitApply(obj) => {
+            (Lists::Whole, watcher::Event::InitApply(obj)) => {
                 self.buffer.get_or_insert_with(Vec::new).push(obj);
                 None
             }
-            watcher::Event::InitDone => {
+            (Lists::Whole, watcher::Event::InitDone) => {
                 Some(Delta::Replace(self.buffer.take().unwrap_or_default()))
             }
-            watcher::Event::Apply(obj) => Some(Delta::Apply(obj)),
-            watcher::Event::Delete(obj) => Some(Delta::Delete(obj)),
+            // A new ListStart restarts the list in the tracker too.
+            (Lists::Streamed, watcher::Event::Init) => {
+                self.listed = 0;
+                Some(Delta::ListStart)
+            }
+            (Lists::Streamed, watcher::Event::InitApply(obj)) => {
+                self.listed += 1;
+                Some(Delta::Listed(obj))
+            }
+            (Lists::Streamed, watcher::Event::InitDone) => Some(Delta::ListDone),
+            (_, watcher::Event::Apply(obj)) => Some(Delta::Apply(obj)),
+            (_, watcher::Event::Delete(obj)) => Some(Delta::Delete(obj)),
         }
     }
 }
@@ -251,12 +282,15 @@ mod tests {
             Delta::Apply(s) => ("apply".into(), vec![n(s)]),
             Delta::Delete(s) => ("delete".into(), vec![n(s)]),
             Delta::Replace(v) => ("replace".into(), v.iter().map(n).collect()),
+            Delta::ListStart => ("start".into(), vec![]),
+            Delta::Listed(s) => ("listed".into(), vec![n(s)]),
+            Delta::ListDone => ("done".into(), vec![]),
         }
     }
 
     #[test]
     fn relist_sequence_becomes_one_replace() {
-        let mut r = Relist::default();
+        let mut r = Relist::new(Lists::Whole);
         assert!(r.push(watcher::Event::Init).is_none());
         assert!(r.push(watcher::Event::InitApply(svc("a"))).is_none());
         assert!(r.push(watcher::Event::InitApply(svc("b"))).is_none());
@@ -266,7 +300,7 @@ mod tests {
 
     #[test]
     fn empty_relist_is_an_empty_replace() {
-        let mut r = Relist::<Service>::default();
+        let mut r = Relist::<Service>::new(Lists::Whole);
         assert!(r.push(watcher::Event::Init).is_none());
         let d = r.push(watcher::Event::InitDone).expect("replace");
         assert_eq!(names(&d), ("replace".into(), vec![]));
@@ -274,7 +308,7 @@ mod tests {
 
     #[test]
     fn interrupted_relist_is_dropped_on_the_next_init() {
-        let mut r = Relist::default();
+        let mut r = Relist::new(Lists::Whole);
         r.push(watcher::Event::Init);
         r.push(watcher::Event::InitApply(svc("stale")));
         r.push(watcher::Event::Init);
@@ -285,14 +319,38 @@ mod tests {
 
     #[test]
     fn watch_events_pass_through() {
-        let mut r = Relist::default();
+        for lists in [Lists::Whole, Lists::Streamed] {
+            let mut r = Relist::new(lists);
+            assert_eq!(
+                names(&r.push(watcher::Event::Apply(svc("a"))).unwrap()),
+                ("apply".into(), vec!["a".into()])
+            );
+            assert_eq!(
+                names(&r.push(watcher::Event::Delete(svc("a"))).unwrap()),
+                ("delete".into(), vec!["a".into()])
+            );
+        }
+    }
+
+    #[test]
+    fn streamed_list_is_passed_object_by_object_and_counted() {
+        let mut r = Relist::new(Lists::Streamed);
+        let mut out = vec![];
+        for ev in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(svc("stale")),
+            watcher::Event::Init,
+            watcher::Event::InitApply(svc("a")),
+            watcher::Event::InitApply(svc("b")),
+            watcher::Event::InitDone,
+        ] {
+            out.push(names(&r.push(ev).expect("every list event is passed on")));
+        }
+        let kinds: Vec<&str> = out.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(
-            names(&r.push(watcher::Event::Apply(svc("a"))).unwrap()),
-            ("apply".into(), vec!["a".into()])
+            kinds,
+            ["start", "listed", "start", "listed", "listed", "done"]
         );
-        assert_eq!(
-            names(&r.push(watcher::Event::Delete(svc("a"))).unwrap()),
-            ("delete".into(), vec!["a".into()])
-        );
+        assert_eq!(r.listed, 2, "the restarted list's objects only");
     }
 }

@@ -3,9 +3,13 @@
 //! - [`kube`]: Services, EndpointSlices and the node's own Node from the API server (kube-rs).
 //! - [`manifests`]: the same kinds from a file or directory of YAML (standalone mode).
 //!
-//! Each kind first arrives as a [`Delta::Replace`] with the complete initial list; that is also
-//! how a source reports "initial sync done" for the kind, and how a re-list (after 410 Gone or a
-//! file re-read) swaps the whole state.
+//! Each kind first arrives as a complete list — one [`Delta::Replace`], or streamed as
+//! [`Delta::ListStart`], one [`Delta::Listed`] per object, [`Delta::ListDone`]. A finished list
+//! is how a source reports "initial sync done" for the kind, and how a re-list (after 410 Gone
+//! or a file re-read) swaps the whole state. The kube source streams Services and
+//! EndpointSlices so that a list of 10k objects is never held in memory as raw API objects
+//! (they are parsed into the model one by one; a raw Service alone is ≈ 1.4 KB before its
+//! strings); the manifests source and the Node watch send `Replace`.
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -22,6 +26,12 @@ pub enum Delta<T> {
     Delete(T),
     /// The complete current set of this kind; replaces everything known before.
     Replace(Vec<T>),
+    /// A list of this kind begins (a later `ListStart` restarts it).
+    ListStart,
+    /// One object of the list in progress (added or updated, like `Apply`).
+    Listed(T),
+    /// The list is complete: objects not `Listed` since `ListStart` are gone.
+    ListDone,
 }
 
 /// One event from a source.

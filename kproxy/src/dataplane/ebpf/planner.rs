@@ -53,6 +53,7 @@ use kproxy_common::service::{
 };
 
 use super::ids::{BackendAddr, IdAllocator, SetKey, SetKind};
+use super::vecmap::VecMap;
 use super::{EbpfConfig, LbAlgorithm};
 use crate::model::topology::categorize_endpoints;
 use crate::model::{Endpoint, IpFamily, NodeInfo, ServicePort, ServicePortName, Snapshot};
@@ -121,9 +122,9 @@ pub type PlanSource = (Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>);
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ServicePlan {
     /// The frontends this service port owns (programmed).
-    pub frontends: BTreeMap<ServiceKey, ServiceValue>,
+    pub frontends: VecMap<ServiceKey, ServiceValue>,
     /// Frontends it wants that another service port owns (not programmed; see the module docs).
-    pub contested: BTreeMap<ServiceKey, ServiceValue>,
+    pub contested: VecMap<ServiceKey, ServiceValue>,
     pub sets: Vec<SetPlan>,
     pub source_ranges: BTreeSet<SourceRangeEntry>,
     /// Problems planning this service port (what was left out and why).
@@ -243,8 +244,9 @@ struct BackendRefs {
 pub struct Planner {
     ids: IdAllocator,
     plan: Plan,
-    /// Every service port wanting a frontend; the first (by name) owns it.
-    claims: HashMap<ServiceKey, BTreeSet<ServicePortName>>,
+    /// Every service port wanting a frontend; the first (by name) owns it. (Nearly always one
+    /// claimant: a `VecMap` holds it in ≈ 100 bytes where a B-tree set takes ≈ 900.)
+    claims: HashMap<ServiceKey, VecMap<ServicePortName, ()>>,
     backend_refs: HashMap<u32, BackendRefs>,
     /// What the current plan was made from (`None`: nothing planned yet).
     inputs: Option<Inputs>,
@@ -389,7 +391,7 @@ impl Planner {
             if let Some(new) = &new {
                 for (k, _) in new.wanted() {
                     touched_keys.insert(*k);
-                    self.claims.entry(*k).or_default().insert(name.clone());
+                    self.claims.entry(*k).or_default().insert(name.clone(), ());
                 }
                 touched_backends.extend(new.backend_flags.iter().map(|(id, _)| *id));
             }
@@ -449,7 +451,7 @@ impl Planner {
         let mut affected: BTreeSet<ServicePortName> = dirty.clone();
         for k in &touched_keys {
             if let Some(c) = self.claims.get(k) {
-                affected.extend(c.iter().cloned());
+                affected.extend(c.keys().cloned());
             }
         }
         for name in affected {
@@ -467,14 +469,14 @@ impl Planner {
 
     /// `sp` with its wanted frontends divided into owned and contested by the current claims.
     fn split(&self, name: &ServicePortName, sp: &ServicePlan) -> ServicePlan {
-        let mut frontends = BTreeMap::new();
-        let mut contested = BTreeMap::new();
+        let mut frontends = VecMap::new();
+        let mut contested = VecMap::new();
         let mut errors = Vec::new();
         for (k, v) in sp.wanted() {
             let owner = self
                 .claims
                 .get(k)
-                .and_then(|c| c.first())
+                .and_then(|c| c.keys().next())
                 .expect("a wanted frontend is claimed");
             if owner == name {
                 frontends.insert(*k, *v);
@@ -661,12 +663,15 @@ impl Planner {
             }
             // The same frontend twice in one service port (e.g. an external IP that is also a
             // node address): the first wins.
-            sp.frontends.entry(front).or_insert(ServiceValue {
-                svc_id,
-                count,
-                flags,
-                affinity_timeout: timeout,
-            });
+            sp.frontends.insert_if_absent(
+                front,
+                ServiceValue {
+                    svc_id,
+                    count,
+                    flags,
+                    affinity_timeout: timeout,
+                },
+            );
         }
     }
 }

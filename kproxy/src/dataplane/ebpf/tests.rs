@@ -144,7 +144,12 @@ fn node_port_with_etp_local_external_scope_uses_local_endpoints_cluster_scope_al
     let p = plan(&s, &c, &mut IdAllocator::new());
     let sp = &p.services[&name("np")];
     // ClusterIP + 2 node addresses x 2 scopes.
-    assert_eq!(sp.frontends.len(), 5, "{:?}", sp.frontends.keys());
+    assert_eq!(
+        sp.frontends.len(),
+        5,
+        "{:?}",
+        sp.frontends.keys().collect::<Vec<_>>()
+    );
     let cip = sp.frontends[&key("10.96.0.2", 80, SCOPE_CLUSTER)];
     assert_eq!(backends_of(&p, "np", &cip), set(&["10.0.0.1", "10.0.0.2"]));
     for node in ["192.168.0.1", "192.168.1.1"] {
