@@ -289,10 +289,8 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
     let mut announced = false;
     while let Some(ev) = rx.recv().await {
         match &ev {
-            Event::EndpointSlice(Delta::Apply(s) | Delta::Listed(s)) => {
-                metrics.endpoint_slice_seen(s)
-            }
-            Event::EndpointSlice(Delta::Replace(all)) => {
+            Event::EndpointSlice(Delta::Apply(s)) => metrics.endpoint_slice_seen(s),
+            Event::EndpointSlice(Delta::Replace(all) | Delta::Listed(all)) => {
                 for s in all {
                     metrics.endpoint_slice_seen(s);
                 }
@@ -300,14 +298,14 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
             _ => {}
         }
         // The kube source delivers Node lists whole (`Lists::Whole`); were one streamed, its
-        // object would arrive as `Listed` and its bounds would carry nothing to look at here.
+        // objects would arrive in `Listed` and its bounds would carry nothing to look at here.
         if let Event::Node(d) = &ev
             && !matches!(d, Delta::ListStart | Delta::ListDone)
         {
             let node = match d {
-                Delta::Apply(n) | Delta::Listed(n) => Some(n),
+                Delta::Apply(n) => Some(n),
                 Delta::Delete(_) | Delta::ListStart | Delta::ListDone => None,
-                Delta::Replace(all) => all
+                Delta::Replace(all) | Delta::Listed(all) => all
                     .iter()
                     .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str())),
             };

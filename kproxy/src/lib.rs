@@ -23,3 +23,4 @@ pub mod nodeip;
 pub mod source;
 pub mod sync;
 pub mod sysctl;
+pub mod vecmap;

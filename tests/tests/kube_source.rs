@@ -114,10 +114,10 @@ impl Source {
                     *buf = Some(vec![]);
                     None
                 }
-                Delta::Listed(o) => {
+                Delta::Listed(page) => {
                     buf.as_mut()
                         .unwrap_or_else(|| panic!("{kind} Listed outside a list"))
-                        .push(o);
+                        .extend(page);
                     None
                 }
                 Delta::ListDone => {
@@ -197,7 +197,7 @@ fn summary(ev: &Event) -> String {
             Delta::Delete(o) => format!("{kind} Delete({:?})", o.meta().name),
             Delta::Replace(v) => format!("{kind} Replace({:?})", names(v)),
             Delta::ListStart => format!("{kind} ListStart"),
-            Delta::Listed(o) => format!("{kind} Listed({:?})", o.meta().name),
+            Delta::Listed(v) => format!("{kind} Listed({:?})", names(v)),
             Delta::ListDone => format!("{kind} ListDone"),
         }
     }
@@ -328,19 +328,17 @@ async fn lists_of_services_and_slices_stream() {
     assert_eq!(
         svc,
         [
-            "Service ListStart",
-            "Service Listed(Some(\"a\"))",
-            "Service Listed(Some(\"b\"))",
-            "Service ListDone"
+            "Service ListStart".to_string(),
+            format!("Service Listed({:?})", set(&["a", "b"])),
+            "Service ListDone".to_string(),
         ]
     );
     assert_eq!(
         slc,
         [
-            "EndpointSlice ListStart",
-            "EndpointSlice Listed(Some(\"a-1\"))",
-            "EndpointSlice Listed(Some(\"b-1\"))",
-            "EndpointSlice ListDone"
+            "EndpointSlice ListStart".to_string(),
+            format!("EndpointSlice Listed({:?})", set(&["a-1", "b-1"])),
+            "EndpointSlice ListDone".to_string(),
         ]
     );
     assert_eq!(node, [format!("Node Replace({:?})", set(&[NODE]))]);

@@ -11,8 +11,13 @@
 //!   not-ready endpoints without a serving condition, where kproxy follows upstream's code);
 //! - the same `IP:port` in several slices is kept once: the first in slice-name order, unless
 //!   a later copy is local (upstream prefers a local copy).
+//!
+//! A parsed slice already holds its endpoints in that merged form (sorted, deduplicated) behind
+//! an `Arc`, so a service port served by one slice — the usual case — shares one list between
+//! the tracker and the snapshot instead of holding two copies.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
@@ -30,7 +35,7 @@ pub struct SliceData {
     pub service: (String, String),
     /// Endpoints per port, in the slice's port order (a Vec, not a map: a slice has one or a
     /// few ports, and the tracker keeps one `SliceData` per slice in the cluster).
-    pub ports: Vec<(ServicePortName, Vec<Endpoint>)>,
+    pub ports: Vec<(ServicePortName, Arc<Vec<Endpoint>>)>,
 }
 
 /// Parses one slice; `None` when it cannot be attributed to a service (with a warning) or is
@@ -147,10 +152,9 @@ pub fn parse_slice(
             port: p.name.clone().unwrap_or_default(),
             protocol,
         };
-        let eps = endpoints
-            .iter()
-            .map(|e| Endpoint { port, ..e.clone() })
-            .collect();
+        let eps = Arc::new(canonical(
+            endpoints.iter().map(|e| Endpoint { port, ..e.clone() }),
+        ));
         // A port listed twice keeps its last entry, as a map insert did.
         match ports.iter_mut().find(|(k, _)| *k == spn) {
             Some((_, old)) => *old = eps,
@@ -166,29 +170,42 @@ pub fn parse_slice(
     )
 }
 
+/// Endpoints (in slice-name order) deduplicated by `IP:port` and sorted: the first copy wins
+/// unless a later one is local.
+fn canonical(eps: impl IntoIterator<Item = Endpoint>) -> Vec<Endpoint> {
+    let mut set: BTreeMap<(std::net::IpAddr, u16), Endpoint> = BTreeMap::new();
+    for e in eps {
+        let key = (e.ip, e.port);
+        match set.get(&key) {
+            Some(_) if !e.is_local => {}
+            _ => {
+                set.insert(key, e);
+            }
+        }
+    }
+    set.into_values().collect()
+}
+
 /// Merges the slices of one service (given in slice-name order) into endpoints per port,
-/// deduplicated by `IP:port` and sorted.
+/// deduplicated by `IP:port` and sorted. A port only one slice serves gets that slice's list
+/// itself (shared, not copied).
 pub fn merge<'a>(
     slices: impl IntoIterator<Item = &'a SliceData>,
-) -> BTreeMap<ServicePortName, Vec<Endpoint>> {
-    let mut by_port: BTreeMap<ServicePortName, BTreeMap<(std::net::IpAddr, u16), Endpoint>> =
-        BTreeMap::new();
+) -> BTreeMap<ServicePortName, Arc<Vec<Endpoint>>> {
+    let mut by_port: BTreeMap<&ServicePortName, Vec<&Arc<Vec<Endpoint>>>> = BTreeMap::new();
     for s in slices {
         for (spn, eps) in &s.ports {
-            let set = by_port.entry(spn.clone()).or_default();
-            for e in eps {
-                let key = (e.ip, e.port);
-                match set.get(&key) {
-                    Some(_) if !e.is_local => {}
-                    _ => {
-                        set.insert(key, e.clone());
-                    }
-                }
-            }
+            by_port.entry(spn).or_default().push(eps);
         }
     }
     by_port
         .into_iter()
-        .map(|(k, v)| (k, v.into_values().collect()))
+        .map(|(spn, lists)| {
+            let eps = match lists.as_slice() {
+                [one] => Arc::clone(one),
+                _ => Arc::new(canonical(lists.into_iter().flat_map(|l| l.iter().cloned()))),
+            };
+            (spn.clone(), eps)
+        })
         .collect()
 }

@@ -443,10 +443,10 @@ fn streamed_list_removes_what_it_did_not_list_only_when_done() {
     assert_eq!(service_names(&mut t), ["old", "web"]);
 
     t.apply(Event::Service(Delta::ListStart));
-    t.apply(Event::Service(Delta::Listed(named_service(
+    t.apply(Event::Service(Delta::Listed(vec![named_service(
         "new", "10.0.0.8",
-    ))));
-    t.apply(Event::Service(Delta::Listed(web_service())));
+    )])));
+    t.apply(Event::Service(Delta::Listed(vec![web_service()])));
     // Half-way: listed objects are in, unlisted ones not yet gone.
     assert_eq!(service_names(&mut t), ["new", "old", "web"]);
     t.apply(Event::Service(Delta::ListDone));
@@ -457,12 +457,12 @@ fn streamed_list_removes_what_it_did_not_list_only_when_done() {
 fn restarted_streamed_list_keeps_only_the_last_lists_objects() {
     let mut t = tracker_with_web();
     t.apply(Event::Service(Delta::ListStart));
-    t.apply(Event::Service(Delta::Listed(named_service(
+    t.apply(Event::Service(Delta::Listed(vec![named_service(
         "a", "10.0.0.2",
-    ))));
+    )])));
     // The list failed half-way and starts again without `a` (deleted meanwhile).
     t.apply(Event::Service(Delta::ListStart));
-    t.apply(Event::Service(Delta::Listed(web_service())));
+    t.apply(Event::Service(Delta::Listed(vec![web_service()])));
     t.apply(Event::Service(Delta::ListDone));
     assert_eq!(service_names(&mut t), ["web"]);
 }
@@ -471,11 +471,11 @@ fn restarted_streamed_list_keeps_only_the_last_lists_objects() {
 fn streamed_lists_sync_the_tracker_like_replace() {
     let mut streamed = Tracker::new("me");
     streamed.apply(Event::Service(Delta::ListStart));
-    streamed.apply(Event::Service(Delta::Listed(web_service())));
+    streamed.apply(Event::Service(Delta::Listed(vec![web_service()])));
     streamed.apply(Event::EndpointSlice(Delta::ListStart));
-    streamed.apply(Event::EndpointSlice(Delta::Listed(slice(&format!(
+    streamed.apply(Event::EndpointSlice(Delta::Listed(vec![slice(&format!(
         "{SLICE}endpoints: [{{addresses: [10.0.0.1]}}]"
-    )))));
+    ))])));
     streamed.apply(Event::Node(Delta::ListStart));
     assert!(!streamed.is_synced(), "no list is done yet");
     streamed.apply(Event::Service(Delta::ListDone));

@@ -18,6 +18,7 @@ use super::service::{parse_cidr_sloppy, parse_ip_sloppy, service_ports};
 use super::types::{NodeInfo, Protocol, ServicePort, ServicePortName};
 use super::{ChangedSet, ModelWarning, Snapshot};
 use crate::source::{Delta, Event};
+use crate::vecmap::VecMap;
 
 /// Counts of changes not yet in a snapshot (upstream's `*_changes_pending` metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -36,7 +37,7 @@ pub struct Tracker {
     /// Parsed slices per (namespace, slice name).
     slices: HashMap<SvcKey, SliceData>,
     /// Slice names per service, in name order.
-    slices_by_service: HashMap<SvcKey, BTreeSet<String>>,
+    slices_by_service: HashMap<SvcKey, VecMap<String, ()>>,
     node: NodeInfo,
     dirty_services: BTreeSet<SvcKey>,
     dirty_endpoints: BTreeSet<SvcKey>,
@@ -164,7 +165,11 @@ impl Tracker {
                     self.finish_service_list();
                 }
                 Delta::ListStart => self.listing_services = Some(HashSet::new()),
-                Delta::Listed(s) => self.list_service(&s, &mut warnings),
+                Delta::Listed(page) => {
+                    for s in &page {
+                        self.list_service(s, &mut warnings);
+                    }
+                }
                 Delta::ListDone => self.finish_service_list(),
             },
             Event::EndpointSlice(d) => match d {
@@ -180,7 +185,11 @@ impl Tracker {
                     self.finish_slice_list();
                 }
                 Delta::ListStart => self.listing_slices = Some(HashSet::new()),
-                Delta::Listed(s) => self.list_slice(&s, &mut warnings),
+                Delta::Listed(page) => {
+                    for s in &page {
+                        self.list_slice(s, &mut warnings);
+                    }
+                }
                 Delta::ListDone => self.finish_slice_list(),
             },
             Event::Node(d) => {
@@ -196,8 +205,8 @@ impl Tracker {
                         self.listing_node = Some(None);
                         None
                     }
-                    Delta::Listed(n) => {
-                        if self.is_this_node(&n) {
+                    Delta::Listed(page) => {
+                        if let Some(n) = page.into_iter().find(|n| self.is_this_node(n)) {
                             self.listing_node = Some(Some(n));
                         }
                         None
@@ -322,7 +331,7 @@ impl Tracker {
                 self.slices_by_service
                     .entry(data.service.clone())
                     .or_default()
-                    .insert(sk.1.clone());
+                    .insert(sk.1.clone(), ());
                 self.slices.insert(sk, data);
             }
         }
@@ -401,14 +410,14 @@ impl Tracker {
                 .slices_by_service
                 .get(k)
                 .into_iter()
-                .flatten()
+                .flat_map(VecMap::keys)
                 .filter_map(|n| self.slices.get(&(k.0.clone(), n.clone())));
             for (n, eps) in merge(slices) {
                 let arc = match old_eps.get(&n) {
-                    Some(old) if **old == eps => old.clone(),
+                    Some(old) if **old == *eps => old.clone(),
                     _ => {
                         changed.services.insert(n.clone());
-                        Arc::new(eps)
+                        eps
                     }
                 };
                 next.endpoints.insert(n, arc);

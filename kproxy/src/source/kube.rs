@@ -169,25 +169,24 @@ async fn run<K>(
     let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
     let mut relist = Relist::new(lists);
     while let Some(item) = stream.next().await {
-        let delta = match item {
-            Ok(ev) => match relist.push(ev) {
-                Some(delta) => delta,
-                None => continue,
-            },
+        let deltas = match item {
+            Ok(ev) => relist.push(ev),
             Err(e) => {
                 log_watch_error(&kind, &e);
                 continue;
             }
         };
-        match &delta {
-            Delta::Replace(all) => info!(%kind, objects = all.len(), "listed"),
-            Delta::ListDone => info!(%kind, objects = relist.listed, "listed"),
-            Delta::Apply(o) => debug!(%kind, name = %display_name(o), "applied"),
-            Delta::Delete(o) => debug!(%kind, name = %display_name(o), "deleted"),
-            Delta::ListStart | Delta::Listed(_) => {}
-        }
-        if tx.send(wrap(delta)).await.is_err() {
-            return;
+        for delta in deltas {
+            match &delta {
+                Delta::Replace(all) => info!(%kind, objects = all.len(), "listed"),
+                Delta::ListDone => info!(%kind, objects = relist.listed, "listed"),
+                Delta::Apply(o) => debug!(%kind, name = %display_name(o), "applied"),
+                Delta::Delete(o) => debug!(%kind, name = %display_name(o), "deleted"),
+                Delta::ListStart | Delta::Listed(_) => {}
+            }
+            if tx.send(wrap(delta)).await.is_err() {
+                return;
+            }
         }
     }
 }
@@ -209,13 +208,19 @@ fn log_watch_error(kind: &str, e: &watcher::Error) {
     }
 }
 
+/// Objects per [`Delta::Listed`]: kube-runtime's list page size, so a streamed list holds at
+/// most about one page of raw objects, and the sync loop handles one event per page rather
+/// than per object.
+pub const LIST_BATCH: usize = 500;
+
 /// Folds kube-runtime's watcher events into [`Delta`]s. A re-list (`Init`, `InitApply…`,
-/// `InitDone`) becomes one [`Delta::Replace`] ([`Lists::Whole`]) or `ListStart`, `Listed…`,
-/// `ListDone` ([`Lists::Streamed`]); `Apply`/`Delete` pass through.
+/// `InitDone`) becomes one [`Delta::Replace`] ([`Lists::Whole`]) or `ListStart`, a `Listed`
+/// per [`LIST_BATCH`] objects, `ListDone` ([`Lists::Streamed`]); `Apply`/`Delete` pass
+/// through.
 #[derive(Debug)]
 pub struct Relist<K> {
     lists: Lists,
-    /// Objects of a whole re-list in progress; `None` outside one.
+    /// Objects of a re-list in progress not yet passed on; `None` outside one.
     buffer: Option<Vec<K>>,
     /// Objects of the current (or last) streamed list so far.
     pub listed: usize,
@@ -230,33 +235,43 @@ impl<K> Relist<K> {
         }
     }
 
-    /// The delta to emit for `ev`, if any.
-    pub fn push(&mut self, ev: watcher::Event<K>) -> Option<Delta<K>> {
+    /// The deltas to emit for `ev`, in order (often none).
+    pub fn push(&mut self, ev: watcher::Event<K>) -> Vec<Delta<K>> {
         match (self.lists, ev) {
-            // A new Init drops a re-list that failed half-way.
-            (Lists::Whole, watcher::Event::Init) => {
+            // A new Init drops a re-list that failed half-way (streamed: restarts it in the
+            // tracker too).
+            (lists, watcher::Event::Init) => {
                 self.buffer = Some(Vec::new());
-                None
+                self.listed = 0;
+                match lists {
+                    Lists::Whole => vec![],
+                    Lists::Streamed => vec![Delta::ListStart],
+                }
             }
-            (Lists::Whole, watcher::Event::InitApply(obj)) => {
-                self.buffer.get_or_insert_with(Vec::new).push(obj);
-                None
+            (lists, watcher::Event::InitApply(obj)) => {
+                let buffer = self.buffer.get_or_insert_with(Vec::new);
+                buffer.push(obj);
+                self.listed += 1;
+                if lists == Lists::Streamed && buffer.len() >= LIST_BATCH {
+                    vec![Delta::Listed(std::mem::take(buffer))]
+                } else {
+                    vec![]
+                }
             }
             (Lists::Whole, watcher::Event::InitDone) => {
-                Some(Delta::Replace(self.buffer.take().unwrap_or_default()))
+                vec![Delta::Replace(self.buffer.take().unwrap_or_default())]
             }
-            // A new ListStart restarts the list in the tracker too.
-            (Lists::Streamed, watcher::Event::Init) => {
-                self.listed = 0;
-                Some(Delta::ListStart)
+            (Lists::Streamed, watcher::Event::InitDone) => {
+                let rest = self.buffer.take().unwrap_or_default();
+                let mut out = Vec::with_capacity(2);
+                if !rest.is_empty() {
+                    out.push(Delta::Listed(rest));
+                }
+                out.push(Delta::ListDone);
+                out
             }
-            (Lists::Streamed, watcher::Event::InitApply(obj)) => {
-                self.listed += 1;
-                Some(Delta::Listed(obj))
-            }
-            (Lists::Streamed, watcher::Event::InitDone) => Some(Delta::ListDone),
-            (_, watcher::Event::Apply(obj)) => Some(Delta::Apply(obj)),
-            (_, watcher::Event::Delete(obj)) => Some(Delta::Delete(obj)),
+            (_, watcher::Event::Apply(obj)) => vec![Delta::Apply(obj)],
+            (_, watcher::Event::Delete(obj)) => vec![Delta::Delete(obj)],
         }
     }
 }
@@ -283,74 +298,116 @@ mod tests {
             Delta::Delete(s) => ("delete".into(), vec![n(s)]),
             Delta::Replace(v) => ("replace".into(), v.iter().map(n).collect()),
             Delta::ListStart => ("start".into(), vec![]),
-            Delta::Listed(s) => ("listed".into(), vec![n(s)]),
+            Delta::Listed(v) => ("listed".into(), v.iter().map(n).collect()),
             Delta::ListDone => ("done".into(), vec![]),
         }
+    }
+
+    /// The deltas `events` produce, summarized.
+    fn run(
+        r: &mut Relist<Service>,
+        events: Vec<watcher::Event<Service>>,
+    ) -> Vec<(String, Vec<String>)> {
+        events
+            .into_iter()
+            .flat_map(|ev| r.push(ev))
+            .map(|d| names(&d))
+            .collect()
+    }
+
+    fn s(kind: &str, objs: &[&str]) -> (String, Vec<String>) {
+        (kind.into(), objs.iter().map(|o| o.to_string()).collect())
     }
 
     #[test]
     fn relist_sequence_becomes_one_replace() {
         let mut r = Relist::new(Lists::Whole);
-        assert!(r.push(watcher::Event::Init).is_none());
-        assert!(r.push(watcher::Event::InitApply(svc("a"))).is_none());
-        assert!(r.push(watcher::Event::InitApply(svc("b"))).is_none());
-        let d = r.push(watcher::Event::InitDone).expect("replace");
-        assert_eq!(names(&d), ("replace".into(), vec!["a".into(), "b".into()]));
+        let out = run(
+            &mut r,
+            vec![
+                watcher::Event::Init,
+                watcher::Event::InitApply(svc("a")),
+                watcher::Event::InitApply(svc("b")),
+                watcher::Event::InitDone,
+            ],
+        );
+        assert_eq!(out, [s("replace", &["a", "b"])]);
     }
 
     #[test]
     fn empty_relist_is_an_empty_replace() {
-        let mut r = Relist::<Service>::new(Lists::Whole);
-        assert!(r.push(watcher::Event::Init).is_none());
-        let d = r.push(watcher::Event::InitDone).expect("replace");
-        assert_eq!(names(&d), ("replace".into(), vec![]));
+        let mut r = Relist::new(Lists::Whole);
+        let out = run(&mut r, vec![watcher::Event::Init, watcher::Event::InitDone]);
+        assert_eq!(out, [s("replace", &[])]);
     }
 
     #[test]
     fn interrupted_relist_is_dropped_on_the_next_init() {
         let mut r = Relist::new(Lists::Whole);
-        r.push(watcher::Event::Init);
-        r.push(watcher::Event::InitApply(svc("stale")));
-        r.push(watcher::Event::Init);
-        r.push(watcher::Event::InitApply(svc("fresh")));
-        let d = r.push(watcher::Event::InitDone).expect("replace");
-        assert_eq!(names(&d), ("replace".into(), vec!["fresh".into()]));
+        let out = run(
+            &mut r,
+            vec![
+                watcher::Event::Init,
+                watcher::Event::InitApply(svc("stale")),
+                watcher::Event::Init,
+                watcher::Event::InitApply(svc("fresh")),
+                watcher::Event::InitDone,
+            ],
+        );
+        assert_eq!(out, [s("replace", &["fresh"])]);
     }
 
     #[test]
     fn watch_events_pass_through() {
         for lists in [Lists::Whole, Lists::Streamed] {
             let mut r = Relist::new(lists);
-            assert_eq!(
-                names(&r.push(watcher::Event::Apply(svc("a"))).unwrap()),
-                ("apply".into(), vec!["a".into()])
+            let out = run(
+                &mut r,
+                vec![
+                    watcher::Event::Apply(svc("a")),
+                    watcher::Event::Delete(svc("a")),
+                ],
             );
-            assert_eq!(
-                names(&r.push(watcher::Event::Delete(svc("a"))).unwrap()),
-                ("delete".into(), vec!["a".into()])
-            );
+            assert_eq!(out, [s("apply", &["a"]), s("delete", &["a"])]);
         }
     }
 
     #[test]
-    fn streamed_list_is_passed_object_by_object_and_counted() {
+    fn streamed_list_is_passed_on_in_pages_and_counted() {
         let mut r = Relist::new(Lists::Streamed);
-        let mut out = vec![];
-        for ev in [
+        let mut events = vec![
             watcher::Event::Init,
             watcher::Event::InitApply(svc("stale")),
             watcher::Event::Init,
-            watcher::Event::InitApply(svc("a")),
-            watcher::Event::InitApply(svc("b")),
-            watcher::Event::InitDone,
-        ] {
-            out.push(names(&r.push(ev).expect("every list event is passed on")));
-        }
-        let kinds: Vec<&str> = out.iter().map(|(k, _)| k.as_str()).collect();
+        ];
+        let names: Vec<String> = (0..LIST_BATCH + 2).map(|i| format!("s{i:04}")).collect();
+        events.extend(names.iter().map(|n| watcher::Event::InitApply(svc(n))));
+        events.push(watcher::Event::InitDone);
+        let out = run(&mut r, events);
+        let first: Vec<&str> = names[..LIST_BATCH].iter().map(String::as_str).collect();
+        let rest: Vec<&str> = names[LIST_BATCH..].iter().map(String::as_str).collect();
         assert_eq!(
-            kinds,
-            ["start", "listed", "start", "listed", "listed", "done"]
+            out,
+            [
+                s("start", &[]),
+                // The interrupted list's object was never passed on.
+                s("start", &[]),
+                s("listed", &first),
+                s("listed", &rest),
+                s("done", &[]),
+            ]
         );
-        assert_eq!(r.listed, 2, "the restarted list's objects only");
+        assert_eq!(
+            r.listed,
+            LIST_BATCH + 2,
+            "the restarted list's objects only"
+        );
+    }
+
+    #[test]
+    fn empty_streamed_list_is_start_and_done() {
+        let mut r = Relist::new(Lists::Streamed);
+        let out = run(&mut r, vec![watcher::Event::Init, watcher::Event::InitDone]);
+        assert_eq!(out, [s("start", &[]), s("done", &[])]);
     }
 }

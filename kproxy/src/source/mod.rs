@@ -4,7 +4,7 @@
 //! - [`manifests`]: the same kinds from a file or directory of YAML (standalone mode).
 //!
 //! Each kind first arrives as a complete list — one [`Delta::Replace`], or streamed as
-//! [`Delta::ListStart`], one [`Delta::Listed`] per object, [`Delta::ListDone`]. A finished list
+//! [`Delta::ListStart`], a [`Delta::Listed`] per page of objects, [`Delta::ListDone`]. A finished list
 //! is how a source reports "initial sync done" for the kind, and how a re-list (after 410 Gone
 //! or a file re-read) swaps the whole state. The kube source streams Services and
 //! EndpointSlices so that a list of 10k objects is never held in memory as raw API objects
@@ -28,8 +28,8 @@ pub enum Delta<T> {
     Replace(Vec<T>),
     /// A list of this kind begins (a later `ListStart` restarts it).
     ListStart,
-    /// One object of the list in progress (added or updated, like `Apply`).
-    Listed(T),
+    /// Objects of the list in progress (added or updated, like `Apply`), a page at a time.
+    Listed(Vec<T>),
     /// The list is complete: objects not `Listed` since `ListStart` are gone.
     ListDone,
 }

@@ -56,7 +56,6 @@ pub mod sockdiag;
 pub mod tables;
 #[cfg(test)]
 mod tests;
-pub mod vecmap;
 
 use std::net::IpAddr;
 use std::path::PathBuf;

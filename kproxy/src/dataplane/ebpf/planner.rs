@@ -53,10 +53,10 @@ use kproxy_common::service::{
 };
 
 use super::ids::{BackendAddr, IdAllocator, SetKey, SetKind};
-use super::vecmap::VecMap;
 use super::{EbpfConfig, LbAlgorithm};
 use crate::model::topology::categorize_endpoints;
 use crate::model::{Endpoint, IpFamily, NodeInfo, ServicePort, ServicePortName, Snapshot};
+use crate::vecmap::VecMap;
 
 /// An address in the maps' encoding (v4-mapped for IPv4, network order words).
 pub fn encode_addr(ip: IpAddr) -> [u32; 4] {

@@ -1,9 +1,11 @@
 //! [`VecMap`]: a small ordered map kept as a sorted `Vec`.
 //!
-//! A service port has one to a handful of frontends, and the planner and applier each keep one
-//! [`super::planner::ServicePlan`] per service port in the cluster: as `BTreeMap`s those
-//! frontend maps cost a whole B-tree leaf (≈ 0.9 KB) each, ≈ 9 MB at 10k services, against
-//! ≈ 50 bytes per entry here. Lookups are binary searches; inserts shift (fine at these sizes).
+//! For the many tiny maps kept per service (a service port's frontends, the claimants of a
+//! frontend, the slices of a service): a `BTreeMap` or `BTreeSet` allocates a whole B-tree
+//! leaf for its first entry (11 slots, ≈ 0.3–0.9 KB), ≈ 3–9 MB per such map at 10k services;
+//! here an entry costs its own size. The first four inserts grow the Vec one slot at a time.
+//! Lookups are binary searches; inserts shift, which is fine at these sizes and wrong for big
+//! maps.
 
 use std::borrow::Borrow;
 use std::ops::Index;
@@ -39,6 +41,7 @@ impl<K: Ord, V> VecMap<K, V> {
         match self.position(&key) {
             Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
             Err(i) => {
+                self.grow();
                 self.entries.insert(i, (key, value));
                 None
             }
@@ -51,9 +54,18 @@ impl<K: Ord, V> VecMap<K, V> {
         match self.position(&key) {
             Ok(_) => false,
             Err(i) => {
+                self.grow();
                 self.entries.insert(i, (key, value));
                 true
             }
+        }
+    }
+
+    /// Room for one more entry: exact up to four, then doubling.
+    fn grow(&mut self) {
+        let len = self.entries.len();
+        if len == self.entries.capacity() {
+            self.entries.reserve_exact(if len < 4 { 1 } else { len });
         }
     }
 
@@ -150,6 +162,16 @@ mod tests {
         assert!(m.contains_key(&3));
         assert_eq!(m.remove(&3), Some("c"));
         assert_eq!(m.len(), 3);
+        // Four distinct keys were inserted: exactly four slots (a default Vec has 4 too, but
+        // after one insert it would already hold 4).
+        assert_eq!(m.entries.capacity(), 4);
+        let mut one = VecMap::new();
+        one.insert("k", ());
+        assert_eq!(
+            one.entries.capacity(),
+            1,
+            "small maps grow one slot at a time"
+        );
         let collected: VecMap<_, _> = [(5, 1), (4, 2), (5, 3)].into_iter().collect();
         assert_eq!(collected.iter().collect::<Vec<_>>(), [(&4, &2), (&5, &3)]);
     }
