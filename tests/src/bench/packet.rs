@@ -252,7 +252,7 @@ where
         .ebpf_mut()
         .program(name)
         .ok_or_else(|| anyhow::anyhow!("no program {name}"))?;
-    Ok(<&T>::try_from(&*prog)?)
+    Ok(<&T>::try_from(prog)?)
 }
 
 /// [`xdp_ns_per_packet`] for a TC classifier.
