@@ -4,11 +4,11 @@
 //! ([`crate::flow`]), so a flow may start in either path and continue in the other.
 //!
 //! - **Client → backend** (`C:cp → F:fp`, the flow's `Service` entry exists or is created
-//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` from the
-//!   flow's `RevDnat` entry (TC egress's `snat_slot`). When it has no SNAT address yet (TC started the flow but
-//!   none of its packets left through the stack, or the flow is new here), `N` is the node
-//!   address of the FIB's egress device (`KP_NODE_ADDR4`, like TC egress) and `np` is claimed
-//!   with TC's [`allocate_port`].
+//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` kept in the
+//!   flow's `RevDnat` entry ([`snat_slot`], as TC egress finds it). When it has no SNAT address
+//!   yet (TC started the flow but none of its packets left through the stack, or the flow is
+//!   new here), `N` is the node address of the FIB's egress device (`KP_NODE_ADDR4`, like TC
+//!   egress) and `np` is claimed with TC's [`allocate_port`].
 //! - **Backend → client** (`B:bp → N:np`, its `SnatIn` entry exists): dst := `C:cp`, src :=
 //!   `F:fp` from the flow's `RevDnat` entry.
 //!
