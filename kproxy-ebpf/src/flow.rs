@@ -10,9 +10,10 @@
 //! touches a cold bucket, chain and element: several hundred ns under `BPF_PROG_TEST_RUN`
 //! here, against ≈ 100 ns for the counter program), so a new flow makes two (`Service`,
 //! `RevDnat`) and keeps its SNAT source in the `RevDnat` entry ([`snat_slot_in`]) instead of a
-//! third. The map type is not the lever: measured with the same bench, a per-CPU LRU
-//! (`BPF_F_NO_COMMON_LRU`) was slower at 100k services and a plain preallocated hash map only
-//! a few percent faster (without LRU eviction).
+//! third. The map type is not the lever: measured with the same bench (the table swapped for
+//! one made with other flags), a per-CPU LRU (`BPF_F_NO_COMMON_LRU`) was no faster with one
+//! service and slower with 100k, and a plain preallocated hash map (no LRU eviction) showed
+//! no clear gain.
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
