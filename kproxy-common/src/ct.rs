@@ -6,15 +6,22 @@
 //! ExternalIP or LoadBalancer VIP) that is DNATed to backend `B:bp` — and, when upstream would
 //! masquerade (externalTrafficPolicy=Cluster, backend not on this node), SNATed to `N:np` (`N` =
 //! the node address of the device the packet leaves through, `np` from the SNAT port range) —
-//! owns up to four entries in [`MAP_CT`], each keyed by the 5-tuple the packet carries where the
-//! entry is used and saying which translation to apply there:
+//! owns up to three entries in [`MAP_CT`], each keyed by the 5-tuple the packet carries where
+//! the entry is used and saying which translation to apply there:
 //!
 //! | kind | where | key (as seen there) | translation |
 //! |---|---|---|---|
 //! | [`CtKind::Service`] | ingress | `C:cp → F:fp` | dst := `B:bp` (the flow's backend) |
-//! | [`CtKind::RevDnat`] | egress | `B:bp → C:cp` | src := `F:fp` |
-//! | [`CtKind::SnatOut`] | egress | `C:cp → B:bp` | src := `N:np` (allocated on first packet) |
+//! | [`CtKind::RevDnat`] | egress | `B:bp → C:cp` | src := `F:fp`; and for `C:cp → B:bp` (looked up reversed), src := `N:np` ([`CtEntry::snat_addr`], allocated on the first packet) |
 //! | [`CtKind::SnatIn`] | ingress | `B:bp → N:np` | dst := `C:cp` |
+//!
+//! The flow's two tuples between client and backend are one pair seen from either end, so one
+//! entry serves both egress directions: a SNATed flow's SNAT source lives in its `RevDnat`
+//! entry ([`CT_F_SNAT_HERE`]), which saves a new flow a third connection-table insert (each
+//! costs a few cold cache lines; see `tests/src/bench/tc_path.rs`). Flows created by builds
+//! before that kept it in a separate [`CtKind::SnatOut`] entry (`C:cp → B:bp`); the programs
+//! still read such an entry for a flow whose `RevDnat` entry lacks [`CT_F_SNAT_HERE`], so flows
+//! survive an upgrade, but no longer create one.
 //!
 //! DNAT happens at ingress before routing and SNAT at egress after it, like netfilter's
 //! PREROUTING/POSTROUTING, so every rewrite leaves a packet whose source is valid for the
@@ -78,7 +85,7 @@ pub const MAPS: [&str; 6] = [
     MAP_XDP_FWD_DEVS,
 ];
 
-/// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses four).
+/// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses three).
 pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
 /// Capacity of [`MAP_NODE_ADDR4`] (devices).
 pub const NODE_ADDR_ENTRIES: u32 = 256;
@@ -108,6 +115,7 @@ pub const PROTO_ICMP: u8 = 1;
 pub enum CtKind {
     Service = 1,
     RevDnat = 2,
+    /// Only in tables written by earlier builds (see the module docs).
     SnatOut = 3,
     SnatIn = 4,
 }
@@ -138,12 +146,16 @@ pub struct CtKey {
     pub _pad: [u8; 2],
 }
 
-/// The entry is part of a SNATed flow (its [`CtKind::SnatOut`] entry exists).
+/// The entry is part of a SNATed flow.
 pub const CT_F_SNAT: u16 = 1 << 0;
 /// The flow's backend is on this node.
 pub const CT_F_LOCAL_BACKEND: u16 = 1 << 1;
 /// A TCP FIN or RST was seen: the agent expires the entry after the short close timeout.
 pub const CT_F_CLOSING: u16 = 1 << 2;
+/// With [`CT_F_SNAT`]: the flow's SNAT source is in its [`CtKind::RevDnat`] entry's
+/// `snat_addr`/`snat_port` (every flow this build creates); without, in its legacy
+/// [`CtKind::SnatOut`] entry (see the module docs).
+pub const CT_F_SNAT_HERE: u16 = 1 << 3;
 
 /// Value of [`MAP_CT`]: the address/port written by this entry's translation, the flow's
 /// backend and service, and when it was created/last used (`bpf_ktime_get_ns`, CLOCK_MONOTONIC
@@ -152,8 +164,8 @@ pub const CT_F_CLOSING: u16 = 1 << 2;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtEntry {
     /// New destination ([`CtKind::Service`], [`CtKind::SnatIn`]) or source ([`CtKind::RevDnat`],
-    /// [`CtKind::SnatOut`]) address, network order. 0 in a [`CtKind::SnatOut`] entry whose port
-    /// is not allocated yet.
+    /// [`CtKind::SnatOut`]) address, network order. 0 in a legacy [`CtKind::SnatOut`] entry
+    /// whose port is not allocated yet.
     pub nat_addr: u32,
     /// New port, network order (0 for ICMP echo).
     pub nat_port: u16,
@@ -165,6 +177,13 @@ pub struct CtEntry {
     pub svc_id: u32,
     pub created_ns: u64,
     pub last_seen_ns: u64,
+    /// In the [`CtKind::RevDnat`] entry of a flow with [`CT_F_SNAT_HERE`]: the SNAT source
+    /// `N` of the flow's packets to its backend (network order), 0 until the first one leaves
+    /// and allocates it. Copied unchanged into the flow's other entries, 0 elsewhere.
+    pub snat_addr: u32,
+    /// The SNAT port `np` (network order) beside [`Self::snat_addr`].
+    pub snat_port: u16,
+    pub _pad: u16,
 }
 
 /// Value of [`MAP_NAT_CONFIG`].
@@ -316,7 +335,7 @@ mod tests {
     #[test]
     fn types_have_no_implicit_padding() {
         assert_eq!(size_of::<CtKey>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntry>(), 4 + 2 + 2 + 4 + 4 + 8 + 8);
+        assert_eq!(size_of::<CtEntry>(), 4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2);
         assert_eq!(size_of::<NatConfig>(), 8);
         assert_eq!(size_of::<NodeAddr4>(), 4);
     }

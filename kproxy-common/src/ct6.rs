@@ -53,8 +53,8 @@ pub struct CtKey6 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtEntry6 {
     /// New destination ([`CtKind::Service`], [`CtKind::SnatIn`]) or source ([`CtKind::RevDnat`],
-    /// [`CtKind::SnatOut`]) address. All zero in a [`CtKind::SnatOut`] entry whose port is not
-    /// allocated yet.
+    /// [`CtKind::SnatOut`]) address. All zero in a legacy [`CtKind::SnatOut`] entry whose port
+    /// is not allocated yet.
     pub nat_addr: [u32; 4],
     /// New port, network order.
     pub nat_port: u16,
@@ -67,6 +67,12 @@ pub struct CtEntry6 {
     pub _pad: u32,
     pub created_ns: u64,
     pub last_seen_ns: u64,
+    /// The flow's SNAT source in its [`CtKind::RevDnat`] entry (as
+    /// [`crate::ct::CtEntry::snat_addr`]); all zero until allocated.
+    pub snat_addr: [u32; 4],
+    /// The SNAT port (network order).
+    pub snat_port: u16,
+    pub _pad2: [u16; 3],
 }
 
 /// Value of [`MAP_NODE_ADDR6`].
@@ -93,7 +99,10 @@ mod tests {
     #[test]
     fn types_have_no_implicit_padding() {
         assert_eq!(size_of::<CtKey6>(), 16 + 16 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntry6>(), 16 + 2 + 2 + 4 + 4 + 4 + 8 + 8);
+        assert_eq!(
+            size_of::<CtEntry6>(),
+            16 + 2 + 2 + 4 + 4 + 4 + 8 + 8 + 16 + 2 + 6
+        );
         assert_eq!(size_of::<NodeAddr6>(), 16);
     }
 

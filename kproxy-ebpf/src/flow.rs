@@ -5,6 +5,15 @@
 //! per-packet refresh of an entry (timestamps, TCP close). Entry kinds: `kproxy_common::ct`.
 //!
 //! Moved out of `tc.rs` unchanged (IPv4); TC and XDP call the same functions.
+//!
+//! Per-packet cost: a new flow's connection-table inserts are its most expensive part (each
+//! touches a cold bucket, chain and element: several hundred ns under `BPF_PROG_TEST_RUN`
+//! here, against ≈ 100 ns for the counter program), so a new flow makes two (`Service`,
+//! `RevDnat`) and keeps its SNAT source in the `RevDnat` entry ([`snat_slot_in`]) instead of a
+//! third. The map type is not the lever: measured with the same bench (the table swapped for
+//! one made with other flags), a per-CPU LRU (`BPF_F_NO_COMMON_LRU`) was no faster with one
+//! service and slower with 100k, and a plain preallocated hash map (no LRU eviction) showed
+//! no clear gain.
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -13,8 +22,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap},
 };
 use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
-    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
+    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind,
+    DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
@@ -173,11 +182,10 @@ pub(crate) fn choose_backend(
 }
 
 /// Records a new flow `p` (`C:cp → F:fp`) of `svc` to backend `backend_id`/`be`: its
-/// [`CtKind::Service`] and [`CtKind::RevDnat`] entries and, when it is SNATed, its
-/// [`CtKind::SnatOut`] entry with the SNAT address/port still unset ([`Family::UNSET`], 0; see
-/// [`allocate_port_in`]). Returns the backend address and the entries' `CT_F_*` flags. `Err`:
-/// an insert failed (map full and not LRU-evictable). `be` is of the family
-/// ([`choose_backend_in`] checked).
+/// [`CtKind::Service`] and [`CtKind::RevDnat`] entries; when it is SNATed, the latter holds its
+/// SNAT source, still unset (zero; see [`snat_slot_in`], [`allocate_port_in`]).
+/// Returns the backend address and the entries' `CT_F_*` flags. `Err`: an insert failed (map
+/// full and not LRU-evictable). `be` is of the family ([`choose_backend_in`] checked).
 #[inline(always)]
 pub(crate) fn create_flow_in<F: Family>(
     p: &F::Packet,
@@ -196,7 +204,7 @@ pub(crate) fn create_flow_in<F: Family>(
     let snat = (svc.flags & SVC_F_LOCAL_ONLY == 0 && !local) || saddr == be_addr;
     let mut flags = 0u16;
     if snat {
-        flags |= CT_F_SNAT;
+        flags |= CT_F_SNAT | CT_F_SNAT_HERE;
     }
     if local {
         flags |= CT_F_LOCAL_BACKEND;
@@ -205,17 +213,11 @@ pub(crate) fn create_flow_in<F: Family>(
     // One key and one entry, rewritten for each insert (the IPv6 programs' stack is tight).
     let mut k = F::key(saddr, daddr, sport, dport, proto, CtKind::Service);
     let mut ok = F::ct().insert(&k, &entry, 0).is_ok();
-    // Reply: B:bp → C:cp.
+    // Reply: B:bp → C:cp; forwarded packets C:cp → B:bp find it reversed and take their SNAT
+    // source from it, allocated once the egress device is known.
     k = F::key(be_addr, saddr, be.port, sport, proto, CtKind::RevDnat);
     entry = F::with_nat(&entry, daddr, dport);
     ok &= F::ct().insert(&k, &entry, 0).is_ok();
-    if snat {
-        // Forwarded: C:cp → B:bp; the SNAT address/port is allocated once the egress device
-        // is known.
-        k = F::key(saddr, be_addr, sport, be.port, proto, CtKind::SnatOut);
-        entry = F::with_nat(&entry, F::UNSET, 0);
-        ok &= F::ct().insert(&k, &entry, 0).is_ok();
-    }
     if !ok {
         return Err(());
     }
@@ -263,8 +265,6 @@ pub(crate) trait Family {
     fn stamps(e: *mut Self::Entry) -> (*mut u64, *mut u16);
     /// Whether Maglev tables may apply (IPv4 only: the planner builds none for IPv6).
     const MAGLEV: bool;
-    /// The unset NAT address of a `SnatOut` entry before its SNAT source is allocated.
-    const UNSET: Self::Addr;
     /// A packet's `(saddr, daddr, sport, dport, proto)`, network order.
     fn tuple(p: &Self::Packet) -> (Self::Addr, Self::Addr, u16, u16, u8);
     /// `addr` in the 16-byte form of the service maps (IPv4 v4-mapped).
@@ -302,8 +302,14 @@ pub(crate) trait Family {
         proto: u8,
         kind: CtKind,
     ) -> Self::Key;
+    /// Sets a key's destination port (network order).
+    fn set_dport(k: &mut Self::Key, port: u16);
     /// `template` with its NAT address and port replaced.
     fn with_nat(template: &Self::Entry, addr: Self::Addr, port: u16) -> Self::Entry;
+    /// Where an entry keeps its NAT address and port.
+    fn nat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
+    /// Where an entry keeps its SNAT address and port (`snat_addr`, `snat_port`).
+    fn snat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
 }
 
 /// IPv4: `KP_CT`.
@@ -321,7 +327,6 @@ impl Family for V4 {
         // SAFETY: field addresses of a valid entry pointer, no access.
         unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
     }
-    const UNSET: u32 = 0;
 
     #[inline(always)]
     fn tuple(p: &Packet) -> (u32, u32, u16, u16, u8) {
@@ -372,6 +377,9 @@ impl Family for V4 {
             svc_id,
             created_ns: ts,
             last_seen_ns: ts,
+            snat_addr: 0,
+            snat_port: 0,
+            _pad: 0,
         }
     }
 
@@ -394,6 +402,11 @@ impl Family for V4 {
     }
 
     #[inline(always)]
+    fn set_dport(k: &mut CtKey, port: u16) {
+        k.dport = port;
+    }
+
+    #[inline(always)]
     fn with_nat(template: &CtEntry, addr: u32, port: u16) -> CtEntry {
         CtEntry {
             nat_addr: addr,
@@ -401,6 +414,97 @@ impl Family for V4 {
             ..*template
         }
     }
+
+    #[inline(always)]
+    fn nat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
+    }
+
+    #[inline(always)]
+    fn snat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
+        // SAFETY: as above.
+        unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
+    }
+}
+
+/// Where the SNAT source of a packet `C:cp → B:bp` leaving through a node device (network
+/// order) is kept, if it belongs to a SNATed flow: the entry to refresh and its address and
+/// port fields (zero until the flow's first packet allocates them with [`allocate_port_in`]).
+/// That is the flow's `RevDnat` entry (`B:bp → C:cp`, the packet's tuple reversed) for flows of
+/// this build ([`CT_F_SNAT_HERE`]), else the legacy `SnatOut` entry an earlier build created
+/// (`kproxy_common::ct` module docs). One lookup for a flow of this build, whether SNATed or
+/// not.
+#[inline(always)]
+pub(crate) fn snat_slot_in<F: Family>(
+    saddr: F::Addr,
+    daddr: F::Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> Option<(*mut F::Entry, *mut F::Addr, *mut u16)> {
+    let mut k = F::key(daddr, saddr, dport, sport, proto, CtKind::RevDnat);
+    snat_slot_with::<F>(&mut k, saddr, daddr, sport, dport, proto)
+}
+
+/// [`snat_slot_in`] with the caller's key buffer (one key on the stack for all lookups: the
+/// IPv6 programs' stack is tight).
+#[inline(always)]
+fn snat_slot_with<F: Family>(
+    k: &mut F::Key,
+    saddr: F::Addr,
+    daddr: F::Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> Option<(*mut F::Entry, *mut F::Addr, *mut u16)> {
+    *k = F::key(daddr, saddr, dport, sport, proto, CtKind::RevDnat);
+    let e = F::ct().get_ptr_mut(&*k)?;
+    // SAFETY: lookup result.
+    let flags = unsafe { *F::stamps(e).1 };
+    if flags & CT_F_SNAT == 0 {
+        return None;
+    }
+    if flags & CT_F_SNAT_HERE != 0 {
+        let (addr, port) = F::snat_slot(e);
+        return Some((e, addr, port));
+    }
+    *k = F::key(saddr, daddr, sport, dport, proto, CtKind::SnatOut);
+    let o = F::ct().get_ptr_mut(&*k)?;
+    let (addr, port) = F::nat_slot(o);
+    Some((o, addr, port))
+}
+
+/// What a packet leaving through a node device is to the TC egress programs.
+pub(crate) enum Egress<F: Family> {
+    /// A backend's reply `B:bp → C:cp`: its flow's `RevDnat` entry (src := its NAT address).
+    Reply(*mut F::Entry),
+    /// A packet `C:cp → B:bp` of a SNATed flow: [`snat_slot_in`]'s entry and SNAT fields.
+    Snat(*mut F::Entry, *mut F::Addr, *mut u16),
+}
+
+/// The entries a packet `saddr:sport → daddr:dport` leaving through a node device is
+/// translated by (see [`Egress`]); `None`: not ours.
+#[inline(always)]
+pub(crate) fn egress_entry_in<F: Family>(
+    saddr: F::Addr,
+    daddr: F::Addr,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> Option<Egress<F>> {
+    let mut k = F::key(saddr, daddr, sport, dport, proto, CtKind::RevDnat);
+    if let Some(e) = F::ct().get_ptr_mut(&k) {
+        return Some(Egress::Reply(e));
+    }
+    let (e, addr, port) = snat_slot_with::<F>(&mut k, saddr, daddr, sport, dport, proto)?;
+    Some(Egress::Snat(e, addr, port))
+}
+
+/// [`snat_slot_in`] for an IPv4 packet `p` (`C:cp → B:bp`).
+#[inline(always)]
+pub(crate) fn snat_slot(p: &Packet) -> Option<(*mut CtEntry, *mut u32, *mut u16)> {
+    snat_slot_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto)
 }
 
 /// Picks a free SNAT port for the flow `saddr:sport → daddr:dport` (`C:cp → B:bp`, network
@@ -428,14 +532,17 @@ pub(crate) fn allocate_port_in<F: Family>(
         // which the verifier would reject.
         return None;
     }
+    // One entry and one key on the stack, passed by reference (the IPv6 programs' stack is
+    // tight).
     let entry = F::with_nat(template, saddr, sport);
     // SAFETY: helper without arguments.
     let start = unsafe { bpf_get_prandom_u32() } % range;
+    let mut key = F::key(daddr, node, dport, 0, proto, CtKind::SnatIn);
     let mut i = 0;
     while i < SNAT_PORT_TRIES {
         let port = ((min + (start + i) % range) as u16).to_be();
-        let key = F::key(daddr, node, dport, port, proto, CtKind::SnatIn);
-        if F::ct().insert(key, entry, BPF_NOEXIST as u64).is_ok() {
+        F::set_dport(&mut key, port);
+        if F::ct().insert(&key, &entry, BPF_NOEXIST as u64).is_ok() {
             return Some(port);
         }
         i += 1;

@@ -37,8 +37,8 @@ use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT
 // The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
 // the old paths.
 use crate::flow::{
-    Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
-    choose_backend, create_flow, in_snat_range, now, touch,
+    Egress, Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
+    choose_backend, create_flow, egress_entry_in, in_snat_range, now, touch,
 };
 pub(crate) use crate::flow::{KP_CT, key};
 use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
@@ -250,21 +250,24 @@ fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdi
 
 #[inline(always)]
 fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
-    // A reply from a backend: its source becomes the frontend again.
-    if let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::RevDnat)) {
-        touch(e, p.tcp_flags);
-        // SAFETY: lookup result, read by value.
-        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
-        rewrite(ctx, p, false, addr, port)?;
-        stat(TcStat::Reply);
-        return Ok(NEXT);
-    }
-    let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::SnatOut)) else {
-        return Ok(NEXT);
-    };
+    let (e, n_addr, n_port) =
+        match egress_entry_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto) {
+            None => return Ok(NEXT),
+            // A reply from a backend: its source becomes the frontend again.
+            Some(Egress::Reply(e)) => {
+                touch(e, p.tcp_flags);
+                // SAFETY: lookup result, read by value.
+                let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+                rewrite(ctx, p, false, addr, port)?;
+                stat(TcStat::Reply);
+                return Ok(NEXT);
+            }
+            // A packet to a backend: its flow's SNAT source (see `crate::flow::snat_slot_in`).
+            Some(Egress::Snat(e, addr, port)) => (e, addr, port),
+        };
     touch(e, p.tcp_flags);
-    // SAFETY: lookup result.
-    let (mut addr, mut port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+    // SAFETY: fields of a lookup result.
+    let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == 0 {
         // SAFETY: reads the context's ifindex field.
         let ifindex = unsafe { (*ctx.skb.skb).ifindex };
@@ -273,19 +276,19 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             return Ok(DROP);
         };
         addr = node.addr;
-        // SAFETY: lookup result, read by value.
-        let template = unsafe { *e };
-        port = match allocate_port(p, addr, &template) {
+        // SAFETY: lookup result, read in place (a copy would cost stack).
+        let template = unsafe { &*e };
+        port = match allocate_port(p, addr, template) {
             Some(port) => port,
             None => {
                 stat(TcStat::SnatExhausted);
                 return Ok(DROP);
             }
         };
-        // SAFETY: lookup result; only the flow's first packet gets here.
+        // SAFETY: fields of a lookup result; only the flow's first packet gets here.
         unsafe {
-            (*e).nat_addr = addr;
-            (*e).nat_port = port;
+            *n_addr = addr;
+            *n_port = port;
         }
     }
     rewrite(ctx, p, false, addr, port)?;

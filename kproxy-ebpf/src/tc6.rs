@@ -11,9 +11,10 @@
 //! - Ingress: reply to a SNATed flow (`SnatIn`, dst := client) → frontend lookup (cluster
 //!   scope) → established flow (`Service`) → new flow (external scope: source ranges, no
 //!   endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
-//! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (`SnatOut`, port
-//!   allocated on the flow's first packet from the range of `KP_NAT_CFG`, collisions resolved
-//!   by `BPF_NOEXIST` inserts of the `SnatIn` entry).
+//! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (the source kept in the
+//!   flow's `RevDnat` entry, looked up reversed; port allocated on the flow's first packet from
+//!   the range of `KP_NAT_CFG`, collisions resolved by `BPF_NOEXIST` inserts of the `SnatIn`
+//!   entry).
 //! - ICMPv6 errors (destination unreachable, packet too big, time exceeded, parameter
 //!   problem) about translated flows are translated like IPv4's (quoted tuple reversed → the
 //!   flow's entry); other ICMPv6 (echo, neighbour discovery) passes unchanged.
@@ -41,8 +42,8 @@ use kproxy_common::service::{
 };
 
 use crate::flow::{
-    Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, in_snat_range, now,
-    touch_in,
+    Egress, Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, egress_entry_in,
+    in_snat_range, now, touch_in,
 };
 use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold};
@@ -259,20 +260,22 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
 
 #[inline(always)]
 fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
-    if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::RevDnat)) {
-        touch_in::<V6>(e, p.tcp_flags);
-        // SAFETY: lookup result, read by value.
-        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
-        rewrite6(ctx, p, false, &addr, port)?;
-        stat(TcStat::Reply);
-        return Ok(NEXT);
-    }
-    let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatOut)) else {
-        return Ok(NEXT);
-    };
+    let (e, n_addr, n_port) =
+        match egress_entry_in::<V6>(p.saddr, p.daddr, p.sport, p.dport, p.proto) {
+            None => return Ok(NEXT),
+            Some(Egress::Reply(e)) => {
+                touch_in::<V6>(e, p.tcp_flags);
+                // SAFETY: lookup result, read by value.
+                let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+                rewrite6(ctx, p, false, &addr, port)?;
+                stat(TcStat::Reply);
+                return Ok(NEXT);
+            }
+            Some(Egress::Snat(e, addr, port)) => (e, addr, port),
+        };
     touch_in::<V6>(e, p.tcp_flags);
-    // SAFETY: lookup result.
-    let (mut addr, mut port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+    // SAFETY: fields of a lookup result.
+    let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == [0; 4] {
         // SAFETY: reads the context's ifindex field.
         let ifindex = unsafe { (*ctx.skb.skb).ifindex };
@@ -281,10 +284,10 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
             return Ok(DROP);
         };
         addr = node.addr;
-        // SAFETY: lookup result, read by value.
-        let template = unsafe { *e };
+        // SAFETY: lookup result, read in place (a copy would cost stack).
+        let template = unsafe { &*e };
         port = match allocate_port_in::<V6>(
-            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, &template,
+            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, template,
         ) {
             Some(port) => port,
             None => {
@@ -292,10 +295,10 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
                 return Ok(DROP);
             }
         };
-        // SAFETY: lookup result; only the flow's first packet gets here.
+        // SAFETY: fields of a lookup result; only the flow's first packet gets here.
         unsafe {
-            (*e).nat_addr = addr;
-            (*e).nat_port = port;
+            *n_addr = addr;
+            *n_port = port;
         }
     }
     rewrite6(ctx, p, false, &addr, port)?;
@@ -318,7 +321,6 @@ impl Family for V6 {
         // SAFETY: field addresses of a valid entry pointer, no access.
         unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
     }
-    const UNSET: [u32; 4] = [0; 4];
 
     #[inline(always)]
     fn tuple(p: &Packet6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
@@ -364,6 +366,9 @@ impl Family for V6 {
             _pad: 0,
             created_ns: ts,
             last_seen_ns: ts,
+            snat_addr: [0; 4],
+            snat_port: 0,
+            _pad2: [0; 3],
         }
     }
 
@@ -393,12 +398,29 @@ impl Family for V6 {
     }
 
     #[inline(always)]
+    fn set_dport(k: &mut CtKey6, port: u16) {
+        k.dport = port;
+    }
+
+    #[inline(always)]
     fn with_nat(template: &CtEntry6, addr: [u32; 4], port: u16) -> CtEntry6 {
         CtEntry6 {
             nat_addr: addr,
             nat_port: port,
             ..*template
         }
+    }
+
+    #[inline(always)]
+    fn nat_slot(e: *mut CtEntry6) -> (*mut [u32; 4], *mut u16) {
+        // SAFETY: field addresses of a valid entry pointer, no access.
+        unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
+    }
+
+    #[inline(always)]
+    fn snat_slot(e: *mut CtEntry6) -> (*mut [u32; 4], *mut u16) {
+        // SAFETY: as above.
+        unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
 }
 

@@ -4,11 +4,11 @@
 //! ([`crate::flow`]), so a flow may start in either path and continue in the other.
 //!
 //! - **Client → backend** (`C:cp → F:fp`, the flow's `Service` entry exists or is created
-//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` from the
-//!   flow's `SnatOut` entry. When that entry has no SNAT address yet (TC started the flow but
-//!   none of its packets left through the stack, or the flow is new here), `N` is the node
-//!   address of the FIB's egress device (`KP_NODE_ADDR4`, like TC egress) and `np` is claimed
-//!   with TC's [`allocate_port`].
+//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` kept in the
+//!   flow's `RevDnat` entry ([`snat_slot`], as TC egress finds it). When it has no SNAT address
+//!   yet (TC started the flow but none of its packets left through the stack, or the flow is
+//!   new here), `N` is the node address of the FIB's egress device (`KP_NODE_ADDR4`, like TC
+//!   egress) and `np` is claimed with TC's [`allocate_port`].
 //! - **Backend → client** (`B:bp → N:np`, its `SnatIn` entry exists): dst := `C:cp`, src :=
 //!   `F:fp` from the flow's `RevDnat` entry.
 //!
@@ -42,7 +42,8 @@ use kproxy_common::ct::{
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
 use crate::flow::{
-    KP_CT, KP_NODE_ADDR4, NewFlow, allocate_port, choose_backend, create_flow, key, now, touch,
+    KP_CT, KP_NODE_ADDR4, NewFlow, allocate_port, choose_backend, create_flow, now, snat_slot,
+    touch,
 };
 use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
@@ -273,12 +274,12 @@ pub(crate) fn forward(
         tcp_flags: p.tcp_flags,
         l4: p.l4,
     };
-    let Some(out) = KP_CT.get_ptr_mut(key(&out_pkt, CtKind::SnatOut)) else {
+    let Some((out, n_slot, np_slot)) = snat_slot(&out_pkt) else {
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
     };
-    // SAFETY: lookup result, read by value.
-    let (mut n_addr, mut n_port) = unsafe { ((*out).nat_addr, (*out).nat_port) };
+    // SAFETY: fields of a lookup result, read by value.
+    let (mut n_addr, mut n_port) = unsafe { (*n_slot, *np_slot) };
     let src = if n_addr != 0 {
         (n_addr, n_port)
     } else {
@@ -293,9 +294,9 @@ pub(crate) fn forward(
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
-        // SAFETY: lookup result, read by value.
-        let template = unsafe { *out };
-        let Some(port) = allocate_port(&out_pkt, node.addr, &template) else {
+        // SAFETY: lookup result, read in place (a copy would cost stack).
+        let template = unsafe { &*out };
+        let Some(port) = allocate_port(&out_pkt, node.addr, template) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
@@ -304,8 +305,8 @@ pub(crate) fn forward(
         // SAFETY: lookup result; a racing TC egress allocating for the same flow leaves one
         // of the two `SnatIn` entries unused until it expires (replies to both work).
         unsafe {
-            (*out).nat_addr = n_addr;
-            (*out).nat_port = n_port;
+            *n_slot = n_addr;
+            *np_slot = n_port;
         }
     }
     if let Some(e) = svc_entry {

@@ -15,7 +15,7 @@ use ebpf_tc_support::*;
 use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
-use kproxy_common::ct::{CT_F_SNAT, NodeAddr4};
+use kproxy_common::ct::{CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, MAP_CT, NodeAddr4};
 use kproxy_common::service::{
     BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
     SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
@@ -106,20 +106,30 @@ fn tcp_flow_through_dnat_snat_and_both_reverse_translations() {
     let p = parse_checked(&out.frame);
     assert_eq!((p.src, p.sport), (CLIENT, CPORT));
     assert_eq!((p.dst, p.dport), (BACKEND, BPORT));
+    // Two entries; the reverse one will hold the SNAT source.
+    assert_eq!(kinds(&f), vec![CtKind::Service, CtKind::RevDnat]);
+    let rev = |f: &Fixture| {
+        ct_entries(&f.ebpf)
+            .into_iter()
+            .find(|(k, _)| k.kind == CtKind::RevDnat as u8)
+            .unwrap()
+    };
+    let (rev_key, rev_entry) = rev(&f);
     assert_eq!(
-        kinds(&f),
-        vec![CtKind::Service, CtKind::RevDnat, CtKind::SnatOut]
+        (rev_key.saddr, rev_key.daddr),
+        (ip4(BACKEND), ip4(CLIENT)),
+        "keyed as the backend's reply"
     );
-    let snat_out = ct_entries(&f.ebpf)
-        .into_iter()
-        .find(|(k, _)| k.kind == CtKind::SnatOut as u8)
-        .unwrap();
     assert_eq!(
-        snat_out.1.nat_addr, 0,
+        (rev_entry.snat_addr, rev_entry.snat_port),
+        (0, 0),
         "SNAT source not allocated before egress"
     );
-    assert_ne!(snat_out.1.flags & CT_F_SNAT, 0);
-    assert_eq!(snat_out.1.backend_id, 7);
+    assert_eq!(
+        rev_entry.flags & (CT_F_SNAT | CT_F_SNAT_HERE),
+        CT_F_SNAT | CT_F_SNAT_HERE
+    );
+    assert_eq!(rev_entry.backend_id, 7);
 
     // The DNATed packet leaving toward the remote backend: SNAT to the device's node address.
     let out = run_eg(&mut f, &out.frame);
@@ -135,12 +145,13 @@ fn tcp_flow_through_dnat_snat_and_both_reverse_translations() {
     let snat_port = p.sport;
     assert_eq!(
         kinds(&f),
-        vec![
-            CtKind::Service,
-            CtKind::RevDnat,
-            CtKind::SnatOut,
-            CtKind::SnatIn
-        ]
+        vec![CtKind::Service, CtKind::RevDnat, CtKind::SnatIn]
+    );
+    let (_, rev_entry) = rev(&f);
+    assert_eq!(
+        (rev_entry.snat_addr, rev_entry.snat_port),
+        (ip4(NODE_INNER), snat_port.to_be()),
+        "the allocated SNAT source is kept in the reverse entry"
     );
 
     // The backend's SYN-ACK arriving: reverse SNAT (destination back to the client).
@@ -194,6 +205,57 @@ fn tcp_flow_through_dnat_snat_and_both_reverse_translations() {
     assert_eq!(stats["reply"], 2);
 }
 
+/// A flow an earlier build created keeps its SNAT source in a separate `SnatOut` entry
+/// (`kproxy_common::ct` module docs): after an upgrade its packets still leave with it.
+#[test]
+fn a_flow_of_an_earlier_build_keeps_its_snat_out_entry() {
+    if !require_root() {
+        return;
+    }
+    let mut f = fixture("tctr-legacy", TCP, 0, &[(7, BACKEND, 0)]);
+    let dnat = run_in(&mut f, &syn((CLIENT, CPORT)));
+    // Rewrite the flow's entries into the earlier layout: the reverse entry without the SNAT
+    // source, a `SnatOut` entry holding an already allocated one.
+    let legacy_port = *SNAT_PORTS.end();
+    {
+        let mut m: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(f.ebpf.map_mut(MAP_CT).unwrap()).unwrap();
+        let (rev_key, rev) = m
+            .iter()
+            .map(Result::unwrap)
+            .find(|(k, _)| k.kind == CtKind::RevDnat as u8)
+            .unwrap();
+        let old = CtEntry {
+            flags: rev.flags & !CT_F_SNAT_HERE,
+            ..rev
+        };
+        m.insert(rev_key, old, 0).unwrap();
+        let out_key = CtKey {
+            saddr: ip4(CLIENT),
+            daddr: ip4(BACKEND),
+            sport: CPORT.to_be(),
+            dport: BPORT.to_be(),
+            proto: TCP,
+            kind: CtKind::SnatOut as u8,
+            _pad: [0; 2],
+        };
+        let out = CtEntry {
+            nat_addr: ip4(NODE_INNER),
+            nat_port: legacy_port.to_be(),
+            ..old
+        };
+        m.insert(out_key, out, 0).unwrap();
+    }
+    let out = run_eg(&mut f, &dnat.frame);
+    assert_eq!(out.verdict, NEXT);
+    let p = parse_checked(&out.frame);
+    assert_eq!((p.src, p.sport), (NODE_INNER, legacy_port));
+    assert_eq!((p.dst, p.dport), (BACKEND, BPORT));
+    // Nothing allocated, the reverse entry left without a SNAT source.
+    assert!(!kinds(&f).contains(&CtKind::SnatIn));
+    assert!(ct_entries(&f.ebpf).iter().all(|(_, e)| e.snat_addr == 0));
+}
+
 #[test]
 fn established_flows_keep_their_backend_and_new_flows_spread() {
     if !require_root() {
@@ -230,8 +292,13 @@ fn established_flows_keep_their_backend_and_new_flows_spread() {
         2,
         "32 new flows all went to one of two backends: {seen:?}"
     );
-    // Local backends: no SNAT entries.
-    assert!(!kinds(&f).contains(&CtKind::SnatOut));
+    // Local backends: no SNAT entries, no SNAT source.
+    assert!(!kinds(&f).contains(&CtKind::SnatIn));
+    assert!(
+        ct_entries(&f.ebpf)
+            .iter()
+            .all(|(_, e)| e.flags & CT_F_SNAT == 0 && e.snat_addr == 0)
+    );
 }
 
 #[test]
@@ -483,20 +550,21 @@ fn expiry_removes_idle_flows_whole() {
     let mut f = fixture("tctr-expire", UDP, 0, &[(1, BACKEND, 0)]);
     let out = run_in(&mut f, &udp_frame((CLIENT, CPORT), (NODE, NODE_PORT), b"x"));
     let _ = run_eg(&mut f, &out.frame);
-    assert_eq!(ct_entries(&f.ebpf).len(), 4);
+    // Service, RevDnat (with the SNAT source), SnatIn.
+    assert_eq!(ct_entries(&f.ebpf).len(), 3);
     // Generous timeouts: nothing is idle yet.
     assert_eq!(
         ct::expire(&mut f.ebpf, &ct::Timeouts::default()).unwrap(),
         0
     );
-    assert_eq!(ct_entries(&f.ebpf).len(), 4);
+    assert_eq!(ct_entries(&f.ebpf).len(), 3);
     std::thread::sleep(std::time::Duration::from_millis(20));
     let zero = ct::Timeouts {
         tcp: std::time::Duration::ZERO,
         tcp_closing: std::time::Duration::ZERO,
         udp: std::time::Duration::ZERO,
     };
-    assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 4);
+    assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 3);
     assert!(ct_entries(&f.ebpf).is_empty());
 }
 

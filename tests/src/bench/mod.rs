@@ -23,6 +23,8 @@
 //! |---|---|
 //! | `KP_BENCH_MODES` | comma-separated datapath modes to measure (e.g. `ebpf` or `ebpf,iptables-nft`) instead of `ebpf,iptables-nft,iptables-legacy`; a figure of a mode left out is simply missing, not "unavailable" |
 //! | `KP_BENCH_AGENT_LOG` | the agents' `RUST_LOG` (default `warn`), e.g. `info` to see where the agent's cold start goes (initial list vs first sync) |
+//! | `KP_BENCH_PACKET_SCALES` | the [`packet`] group's service counts (comma-separated) instead of the plan's |
+//! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
 //! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;

@@ -10,7 +10,13 @@
 //! fast path (`kp_xdp`: new flow, established, reverse, miss; see [`super::tc_path::XDP_CASES`])
 //! is timed at every scale too, forwarded cases against [`BASELINE_SINGLE`], `miss` against
 //! [`BASELINE`].
+//!
+//! Samples are interleaved ([`run`]): each round takes one sample of every figure, baselines
+//! included, visiting the scales in alternating order.
 
+use std::collections::BTreeMap;
+
+use anyhow::Context as _;
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
 use kproxy::bpf::{CounterSlot, PacketCounter};
 
@@ -98,149 +104,207 @@ pub fn single_runs(plan: &Plan) -> u32 {
     (plan.packet_repeat / 16).max(256)
 }
 
-/// Measures the counter baseline and every registered datapath path.
+/// Measures the counter baselines and every registered datapath path, interleaved: every
+/// scale's datapath is set up first, then each of the `packet_samples` rounds takes one sample
+/// of every figure — the baselines, then the scales in alternating order (ascending in even
+/// rounds, descending in odd ones). Drift of the shared machine (another process's load, a
+/// CPU's frequency) then spreads over all scales and the baselines alike instead of shifting
+/// whole figures, so a difference between scales is growth, not the moment it was measured
+/// (before, each scale's samples were taken back to back, and one figure could sit in a busy
+/// minute: the 1k `established` outlier).
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
     // The object declares pinned maps: keep them on a private bpffs.
     let counter_fs = crate::netns::Bpffs::new("bench-counter")?;
     let mut counter = PacketCounter::load_with_pins(counter_fs.path())?;
-    let name = CounterSlot::Xdp.program();
-    let prog: &Xdp = counter
-        .ebpf_mut()
-        .program(name)
-        .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
-        .try_into()?;
     // 256 flows (source ports): the same rotation the datapath paths use.
     let packets: Vec<Vec<u8>> = (0..256u16).map(|i| udp_packet(40_000 + i)).collect();
-    let samples = (0..plan.packet_samples)
-        .map(|_| xdp_ns_per_packet(prog, &packets, plan.packet_repeat))
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    results.push(Figure {
-        id: BASELINE.into(),
-        group: "packet".into(),
-        mode: "baseline".into(),
-        services: 0,
-        unit: "ns".into(),
-        samples,
-        baseline: None,
-        target: None,
-    });
-    // The same counter as a TC classifier: the floor of any TC program (skb context).
-    let name = CounterSlot::TcIngress.program();
-    let tc: &SchedClassifier = counter
-        .ebpf_mut()
-        .program(name)
-        .ok_or_else(|| anyhow::anyhow!("no program {name}"))?
-        .try_into()?;
-    let samples = (0..plan.packet_samples)
-        .map(|_| {
-            let per = (plan.packet_repeat / packets.len() as u32).max(1);
-            let mut total = 0.0;
-            for p in &packets {
-                let r = tc.test_run(TestRunOptions {
-                    data_in: Some(p),
-                    repeat: per,
-                    ..Default::default()
-                })?;
-                total += r.duration.as_nanos() as f64;
-            }
-            Ok(total / packets.len() as f64)
-        })
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    results.push(Figure {
-        id: COUNTER_TC.into(),
-        group: "packet".into(),
-        mode: "baseline".into(),
-        services: 0,
-        unit: "ns".into(),
-        samples,
-        baseline: None,
-        target: None,
-    });
-    let prog: &Xdp = counter
-        .ebpf_mut()
-        .program(CounterSlot::Xdp.program())
-        .ok_or_else(|| anyhow::anyhow!("no XDP counter program"))?
-        .try_into()?;
     let runs = single_runs(plan);
-    let samples = (0..plan.packet_samples)
-        .map(|_| xdp_ns_single(prog, &packets, runs / packets.len() as u32))
-        .collect::<anyhow::Result<Vec<f64>>>()?;
-    results.push(Figure {
-        id: BASELINE_SINGLE.into(),
-        group: "packet".into(),
-        mode: "baseline".into(),
-        services: 0,
-        unit: "ns".into(),
-        samples,
-        baseline: None,
-        target: None,
-    });
-    for &scale in &plan.packet_scales {
-        let mut bench = match super::tc_path::TcBench::new(scale, 524_288) {
-            Ok(b) => b,
-            Err(e) => {
-                for case in super::tc_path::CASES {
-                    results.unavailable(
-                        format!("packet/tc-service/{case}/{scale}"),
-                        format!("{e:#}"),
-                    );
-                }
-                for case in super::tc_path::XDP_CASES {
-                    results.unavailable(
-                        format!("packet/xdp-nodeport/{case}/{scale}"),
-                        format!("{e:#}"),
-                    );
-                }
-                continue;
+    let scales = scales(plan)?;
+    let (tc, xdp) = paths()?;
+    let mut benches = Vec::new();
+    for &scale in &scales {
+        benches.push((
+            scale,
+            // The connection table's size: the agent's default. (This used to ask for 524,288
+            // entries, but the service maps' loader runs first and pins `KP_CT` at the object's
+            // default size, which the TC loader then reuses — as in the agent.)
+            super::tc_path::TcBench::new(scale, kproxy_common::ct::DEFAULT_CT_ENTRIES)
+                .map_err(|e| format!("{e:#}")),
+        ));
+    }
+    let mut ids: Vec<(String, &'static str, u32, Option<&'static str>)> = vec![
+        (BASELINE.into(), "baseline", 0, None),
+        (COUNTER_TC.into(), "baseline", 0, None),
+        (BASELINE_SINGLE.into(), "baseline", 0, None),
+    ];
+    for &scale in &scales {
+        if tc {
+            for case in super::tc_path::CASES {
+                let base = super::tc_path::baseline(case);
+                ids.push((tc_id(case, scale), "ebpf", scale, Some(base)));
             }
+        }
+        if xdp {
+            for case in super::tc_path::XDP_CASES {
+                let base = super::tc_path::xdp_baseline(case);
+                ids.push((xdp_id(case, scale), "ebpf", scale, Some(base)));
+            }
+        }
+    }
+    let mut samples: BTreeMap<String, Result<Vec<f64>, String>> = ids
+        .iter()
+        .map(|(id, ..)| (id.clone(), Ok(Vec::new())))
+        .collect();
+    let mut record = |id: String, sample: anyhow::Result<f64>| {
+        let entry = samples.get_mut(&id).expect("every id is listed");
+        if let Ok(v) = entry {
+            match sample {
+                Ok(s) => v.push(s),
+                Err(e) => *entry = Err(format!("{e:#}")),
+            }
+        }
+    };
+    for round in 0..plan.packet_samples {
+        {
+            let prog: &Xdp = program(&mut counter, CounterSlot::Xdp)?;
+            record(
+                BASELINE.into(),
+                xdp_ns_per_packet(prog, &packets, plan.packet_repeat),
+            );
+            record(
+                BASELINE_SINGLE.into(),
+                xdp_ns_single(prog, &packets, runs / packets.len() as u32),
+            );
+        }
+        // The same counter as a TC classifier: the floor of any TC program (skb context).
+        let prog: &SchedClassifier = program(&mut counter, CounterSlot::TcIngress)?;
+        record(
+            COUNTER_TC.into(),
+            tc_ns_per_packet(prog, &packets, plan.packet_repeat),
+        );
+        let order: Vec<usize> = if round % 2 == 0 {
+            (0..benches.len()).collect()
+        } else {
+            (0..benches.len()).rev().collect()
         };
-        for case in super::tc_path::CASES {
-            let id = format!("packet/tc-service/{case}/{scale}");
-            let samples = (0..plan.packet_samples)
-                .map(|_| {
+        for i in order {
+            let (scale, bench) = &mut benches[i];
+            let Ok(bench) = bench else { continue };
+            if tc {
+                for case in super::tc_path::CASES {
                     let n = if super::tc_path::single_run(case) {
                         runs
                     } else {
                         plan.packet_repeat
                     };
-                    bench.sample(case, n)
-                })
-                .collect::<anyhow::Result<Vec<f64>>>();
-            match samples {
-                Ok(samples) => results.push(Figure {
-                    id,
-                    group: "packet".into(),
-                    mode: "ebpf".into(),
-                    services: scale,
-                    unit: "ns".into(),
-                    samples,
-                    baseline: Some(super::tc_path::baseline(case).into()),
-                    target: Some(target()),
-                }),
-                Err(e) => results.unavailable(id, format!("{e:#}")),
+                    record(tc_id(case, *scale), bench.sample(case, n));
+                }
             }
-        }
-        for case in super::tc_path::XDP_CASES {
-            let id = format!("packet/xdp-nodeport/{case}/{scale}");
-            let samples = (0..plan.packet_samples)
-                .map(|_| bench.xdp_sample(case, runs, plan.packet_repeat / 32))
-                .collect::<anyhow::Result<Vec<f64>>>();
-            match samples {
-                Ok(samples) => results.push(Figure {
-                    id,
-                    group: "packet".into(),
-                    mode: "ebpf".into(),
-                    services: scale,
-                    unit: "ns".into(),
-                    samples,
-                    baseline: Some(super::tc_path::xdp_baseline(case).into()),
-                    target: Some(target()),
-                }),
-                Err(e) => results.unavailable(id, format!("{e:#}")),
+            if xdp {
+                for case in super::tc_path::XDP_CASES {
+                    let sample = bench.xdp_sample(case, runs, plan.packet_repeat / 32);
+                    record(xdp_id(case, *scale), sample);
+                }
             }
         }
     }
+    let setup_errors: BTreeMap<u32, String> = benches
+        .into_iter()
+        .filter_map(|(scale, b)| b.err().map(|e| (scale, e)))
+        .collect();
+    for (id, mode, services, baseline) in ids {
+        if let Some(e) = setup_errors.get(&services).filter(|_| mode != "baseline") {
+            results.unavailable(id, e);
+            continue;
+        }
+        match samples.remove(&id).expect("every id is listed") {
+            Ok(samples) => results.push(Figure {
+                id,
+                group: "packet".into(),
+                mode: mode.into(),
+                services,
+                unit: "ns".into(),
+                samples,
+                baseline: baseline.map(String::from),
+                target: baseline.map(|_| target()),
+            }),
+            Err(e) => results.unavailable(id, e),
+        }
+    }
     Ok(())
+}
+
+fn tc_id(case: &str, scale: u32) -> String {
+    format!("packet/tc-service/{case}/{scale}")
+}
+
+fn xdp_id(case: &str, scale: u32) -> String {
+    format!("packet/xdp-nodeport/{case}/{scale}")
+}
+
+/// A program of the counter object.
+fn program<'a, T>(counter: &'a mut PacketCounter, slot: CounterSlot) -> anyhow::Result<&'a T>
+where
+    &'a T: TryFrom<&'a aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    let name = slot.program();
+    let prog = counter
+        .ebpf_mut()
+        .program(name)
+        .ok_or_else(|| anyhow::anyhow!("no program {name}"))?;
+    Ok(<&T>::try_from(prog)?)
+}
+
+/// [`xdp_ns_per_packet`] for a TC classifier.
+fn tc_ns_per_packet(
+    prog: &SchedClassifier,
+    packets: &[Vec<u8>],
+    repeat: u32,
+) -> anyhow::Result<f64> {
+    let per = (repeat / packets.len().max(1) as u32).max(1);
+    let mut total = 0.0;
+    for p in packets {
+        let r = prog.test_run(TestRunOptions {
+            data_in: Some(p),
+            repeat: per,
+            ..Default::default()
+        })?;
+        total += r.duration.as_nanos() as f64;
+    }
+    Ok(total / packets.len() as f64)
+}
+
+/// The plan's scales, or `KP_BENCH_PACKET_SCALES` (comma-separated service counts; for
+/// investigating, see the knobs in [`super`]).
+fn scales(plan: &Plan) -> anyhow::Result<Vec<u32>> {
+    match std::env::var("KP_BENCH_PACKET_SCALES") {
+        Ok(s) => s
+            .split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .with_context(|| format!("KP_BENCH_PACKET_SCALES: {x:?} is not a count"))
+            })
+            .collect(),
+        Err(_) => Ok(plan.packet_scales.clone()),
+    }
+}
+
+/// Which datapath programs to time: `(tc, xdp)`, both unless `KP_BENCH_PACKET_PATHS` names
+/// them (`tc`, `xdp`, comma-separated).
+fn paths() -> anyhow::Result<(bool, bool)> {
+    let Ok(v) = std::env::var("KP_BENCH_PACKET_PATHS") else {
+        return Ok((true, true));
+    };
+    let (mut tc, mut xdp) = (false, false);
+    for p in v.split(',') {
+        match p.trim() {
+            "tc" => tc = true,
+            "xdp" => xdp = true,
+            other => anyhow::bail!("KP_BENCH_PACKET_PATHS: unknown path {other:?} (tc, xdp)"),
+        }
+    }
+    Ok((tc, xdp))
 }
 
 /// The per-packet target: ≤ 3× the counter program (measured the same way).
