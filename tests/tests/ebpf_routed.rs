@@ -12,12 +12,13 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, MapSizes};
 use kproxy::dataplane::ebpf_mode::{EbpfMode, EbpfModeConfig};
 use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, CtKind, MAP_CT, ct};
 use kproxy::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, testing};
+use kproxy_common::ct6::MAP_CT6;
 use kproxy_tests::netns::{Bpffs, require_root};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, POD_PORT, Probe, TopologySpec,
@@ -79,18 +80,24 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
                 affinity: 256,
                 source_ranges: 16,
                 sock_rev_nat: 256,
+                ct: 4096,
                 ..MapSizes::default()
             },
             ..EbpfConfig::default()
         },
         devices: None,
         tc: true,
-        ct_entries: 4096,
         ct_timeouts: ct::Timeouts::default(),
         node_port_cidrs: vec![],
         xdp: kproxy::dataplane::ebpf_tc::xdp::XdpPolicy::Off,
     };
     let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
+    // `mapSizes.ct` sizes both connection tables (the socket-LB object creates their pins,
+    // the TC object reuses them).
+    for name in [MAP_CT, MAP_CT6] {
+        let info = MapInfo::from_pin(bpffs.path().join("kproxy").join(name)).unwrap();
+        assert_eq!(info.max_entries(), 4096, "{name} has the configured size");
+    }
     let devices = mode.tc_devices();
     assert!(
         devices.contains(&NODE_CLIENT_IF.to_string())

@@ -53,8 +53,6 @@ pub struct EbpfModeConfig {
     pub tc: bool,
     /// `bpf.xdp`: where the XDP early-drop program goes beside TC (TC path only).
     pub xdp: XdpPolicy,
-    /// `max_entries` of each TC connection table, `KP_CT` and `KP_CT6` (`bpf.mapSizes.ct`).
-    pub ct_entries: u32,
     /// Idle timeouts of the TC connection table.
     pub ct_timeouts: ct::Timeouts,
     /// `nodePortAddresses` as CIDRs; empty: every node address.
@@ -126,7 +124,7 @@ impl EbpfMode {
             let pins = super::ebpf::loader::pin_dir(&cfg.ebpf);
             let tc_cfg = TcConfig {
                 pin_dir: Some(pins.join("links")),
-                ct_entries: cfg.ct_entries,
+                ct_entries: cfg.ebpf.map_sizes.ct,
                 ..TcConfig::default()
             };
             let mut ebpf = load_object(&pins, &tc_cfg)?;
@@ -171,7 +169,7 @@ impl EbpfMode {
             sock,
             addresses,
             node_port_cidrs: cfg.node_port_cidrs,
-            ct_entries: cfg.ct_entries,
+            ct_entries: cfg.ebpf.map_sizes.ct,
             ct_timeouts: cfg.ct_timeouts,
             metrics,
             skipped_sctp: 0,

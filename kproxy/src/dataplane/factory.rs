@@ -213,6 +213,7 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         backends: size("backends", d.backends),
         affinity: size("affinity", d.affinity),
         source_ranges: size("sourceRanges", d.source_ranges),
+        ct: size("ct", d.ct),
         sock_rev_nat: size("revNat", d.sock_rev_nat),
         maglev: size("maglev", d.maglev),
     };
@@ -247,7 +248,6 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
             XdpMode::BestEffort => XdpPolicy::BestEffort,
             XdpMode::Native => XdpPolicy::Native,
         },
-        ct_entries: size("ct", kproxy_common::ct::DEFAULT_CT_ENTRIES),
         ct_timeouts: timeouts,
         node_port_cidrs: node_port_cidrs(cfg),
     })
@@ -825,7 +825,7 @@ mod tests {
         let c = cfg(&["--bpf-map-sizes=services=4096,ct=1024", "--bpffs=/tmp/x"]);
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
         assert_eq!(e.ebpf.map_sizes.services, 4096);
-        assert_eq!(e.ct_entries, 1024);
+        assert_eq!(e.ebpf.map_sizes.ct, 1024);
         assert_eq!(e.ebpf.bpffs, std::path::PathBuf::from("/tmp/x"));
         let c = cfg(&[
             "--bpf-lb-algorithm=maglev",

@@ -269,6 +269,7 @@ impl TcBench {
                 affinity: 1024,
                 source_ranges: 1024,
                 sock_rev_nat: 1024,
+                ct: ct_entries,
                 ..MapSizes::default()
             },
             ..EbpfConfig::default()

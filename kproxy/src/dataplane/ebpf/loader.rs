@@ -29,6 +29,8 @@ use aya::maps::MapData;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
+use kproxy_common::ct::MAP_CT;
+use kproxy_common::ct6::MAP_CT6;
 use kproxy_common::maglev::{
     DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAP_MAGLEV, MAP_MAGLEV_REF, maglev_elems,
 };
@@ -143,6 +145,8 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         .map_max_entries(MAP_SOURCE_RANGES, sizes.source_ranges)
         .map_max_entries(MAP_SOCK_REV_NAT, sizes.sock_rev_nat)
         .map_max_entries(MAP_SOCK_FWD, sizes.sock_rev_nat)
+        .map_max_entries(MAP_CT, sizes.ct)
+        .map_max_entries(MAP_CT6, sizes.ct)
         .map_max_entries(MAP_MAGLEV, maglev_entries)
         .map_max_entries(MAP_MAGLEV_REF, maglev_refs)
         .load(OBJECT)

@@ -86,6 +86,10 @@ pub struct MapSizes {
     /// Maglev tables (`--bpf-map-sizes maglev=N`, maglev mode only): `KP_MAGLEV` holds
     /// `N × table size` entries, `KP_MAGLEV_REF` `N`.
     pub maglev: u32,
+    /// Each TC connection table, `KP_CT` and `KP_CT6` (`bpf.mapSizes.ct`). The socket-LB
+    /// object loads and pins them first, so this is where their size is set; a later TC
+    /// object ([`crate::dataplane::ebpf_tc`]) reuses the pins.
+    pub ct: u32,
 }
 
 impl Default for MapSizes {
@@ -98,6 +102,7 @@ impl Default for MapSizes {
             source_ranges: DEFAULT_SOURCE_RANGES_MAX,
             sock_rev_nat: DEFAULT_SOCK_REV_NAT_MAX,
             maglev: kproxy_common::maglev::DEFAULT_MAGLEV_TABLES,
+            ct: kproxy_common::ct::DEFAULT_CT_ENTRIES,
         }
     }
 }
