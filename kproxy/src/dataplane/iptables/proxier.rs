@@ -118,6 +118,38 @@ pub struct Proxier<B: IptablesBackend> {
     planner: IncrementalPlanner,
 }
 
+/// Wall time of the phases of one sync, for the debug log.
+struct Phases {
+    last: Instant,
+    laps: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        Phases {
+            last: Instant::now(),
+            laps: vec![],
+        }
+    }
+
+    /// Ends the phase `name` (started at the previous lap).
+    fn lap(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.laps.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, d)) in self.laps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            write!(f, "{sep}{name}={:.1}", d.as_secs_f64() * 1000.0)?;
+        }
+        Ok(())
+    }
+}
+
 /// Parsed `iptables-save` of one table.
 #[derive(Debug, Default)]
 struct Saved {
@@ -141,13 +173,7 @@ fn parse_save(text: &str) -> Saved {
     s
 }
 
-/// Rule text without quotes and with single spaces, for comparing saved and generated rules.
-fn normalize(rule: &str) -> String {
-    rule.replace('"', "")
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-}
+use super::exec::normalize_rule as normalize;
 
 impl<B: IptablesBackend> Proxier<B> {
     pub fn new(cfg: IptablesConfig, backend: B) -> Self {
@@ -213,7 +239,9 @@ impl<B: IptablesBackend> Proxier<B> {
     ) -> Result<SyncOutcome, IptablesError> {
         let full = self.next_sync_is_full() || changed.node;
         self.force_full.store(false, Ordering::Relaxed);
-        let r = self.sync_inner(snap, changed, full);
+        let mut phases = Phases::start();
+        let r = self.sync_inner(snap, changed, full, &mut phases);
+        tracing::debug!(family = ?self.cfg.family, full, ok = r.is_ok(), chains_written = self.stats.chains_written_last, chains_omitted = self.stats.chains_omitted_last, "iptables sync phases (ms): {phases}");
         match &r {
             Ok(_) => {
                 self.need_full_sync = false;
@@ -238,12 +266,15 @@ impl<B: IptablesBackend> Proxier<B> {
         snap: &Snapshot,
         changed: &ChangedSet,
         full: bool,
+        phases: &mut Phases,
     ) -> Result<SyncOutcome, IptablesError> {
         if full {
             self.ensure_jumps()?;
+            phases.lap("jumps");
         }
         let planned = self.planner.update(snap, &self.cfg);
         let shared = self.planner.shared_plan(&self.cfg);
+        phases.lap("plan");
         let large_cluster = shared.large_cluster;
 
         let mut filter = TableInput::new("filter");
@@ -289,6 +320,7 @@ impl<B: IptablesBackend> Proxier<B> {
                     tracing::error!(error = %e, "iptables-save failed: stale chains will not be deleted")
                 }
             }
+            phases.lap("save");
         }
         if cleanup_due {
             let active = self.planner.active_chains();
@@ -313,11 +345,13 @@ impl<B: IptablesBackend> Proxier<B> {
         filter.render(&mut self.last_input);
         nat.render(&mut self.last_input);
         self.stats.nat_rules_last = nat_rules;
+        phases.lap("render");
 
         if !full {
             // Only what differs from the kernel's known content.
             let (filter, omitted_f) = self.kernel.without_unchanged(&filter);
             let (nat, omitted_n) = self.kernel.without_unchanged(&nat);
+            phases.lap("diff");
             self.stats.chains_omitted_last = omitted_f + omitted_n;
             let tables: Vec<TableInput> = [filter, nat]
                 .into_iter()
@@ -329,10 +363,12 @@ impl<B: IptablesBackend> Proxier<B> {
                 if let Err(e) = self.backend.restore(&input, RestoreMode::NoFlush) {
                     return Err(self.restore_failed(e, full));
                 }
+                phases.lap("restore");
             }
             for t in &tables {
                 self.kernel.record(t);
             }
+            phases.lap("record");
             return Ok(outcome);
         }
 
@@ -341,6 +377,7 @@ impl<B: IptablesBackend> Proxier<B> {
         let whole = saved_nat
             .as_ref()
             .and_then(|s| self.whole_table_nat(s, &nat));
+        phases.lap("whole-input");
         let result = match whole {
             Some(whole) => self
                 .backend
@@ -349,6 +386,7 @@ impl<B: IptablesBackend> Proxier<B> {
                     RestoreMode::NoFlush,
                 )
                 .and_then(|()| {
+                    phases.lap("restore-filter");
                     self.stats.whole_table_restores += 1;
                     self.backend.restore(&whole, RestoreMode::WholeTable)
                 })
@@ -358,6 +396,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 .restore(&self.last_input, RestoreMode::NoFlush)
                 .map(|()| false),
         };
+        phases.lap("restore");
         match result {
             Ok(whole) => {
                 // Rebuild the knowledge: after a whole-table restore nat holds exactly the
@@ -372,6 +411,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 }
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
+                phases.lap("record");
                 Ok(outcome)
             }
             Err(e) => Err(self.restore_failed(e, full)),
