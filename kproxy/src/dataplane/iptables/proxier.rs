@@ -273,7 +273,8 @@ impl<B: IptablesBackend> Proxier<B> {
             phases.lap("jumps");
         }
         let planned = self.planner.update(snap, &self.cfg);
-        let shared = self.planner.shared_plan(&self.cfg);
+        self.planner.refresh_shared(&self.cfg);
+        let shared = self.planner.shared();
         phases.lap("plan");
         let large_cluster = shared.large_cluster;
 

@@ -235,7 +235,11 @@ fn check(seed: u64, family: IpFamily) {
         );
         let mut shared = want.clone();
         shared.services.clear();
-        assert_eq!(planner.shared_plan(&cfg), shared, "seed {seed} step {step}");
+        assert_eq!(
+            planner.shared_plan(&cfg),
+            &shared,
+            "seed {seed} step {step}"
+        );
         assert_eq!(planner.total_endpoints(), want.total_endpoints);
         for (key, t) in &want.services {
             let chains: Vec<_> = planner
