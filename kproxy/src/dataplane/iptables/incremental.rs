@@ -71,14 +71,11 @@ fn same_eps(a: Option<&Arc<Vec<Endpoint>>>, b: Option<&Arc<Vec<Endpoint>>>) -> b
     }
 }
 
-/// Whether two plans of one port put the same rules into the shared chains and count the same
-/// (so the assembled shared chains do not change when one replaces the other).
-fn same_shared_part(a: &PortPlan, b: &PortPlan) -> bool {
-    a.filter == b.filter
-        && a.nat == b.nat
-        && a.endpoints == b.endpoints
-        && a.no_local_internal == b.no_local_internal
-        && a.no_local_external == b.no_local_external
+/// Whether two plans of one port put the same rules into the shared chains (so the assembled
+/// shared chains do not change when one replaces the other; the counters are summed again on
+/// every [`IncrementalPlanner::refresh_shared`]).
+fn same_shared_rules(a: &PortPlan, b: &PortPlan) -> bool {
+    a.filter == b.filter && a.nat == b.nat
 }
 
 /// What the last [`IncrementalPlanner::update`] did.
@@ -155,7 +152,7 @@ impl IncrementalPlanner {
                 },
             );
             let new = &self.ports[&t.svc.name].plan;
-            if !old.is_some_and(|o| same_shared_part(&o.plan, new)) {
+            if !old.is_some_and(|o| same_shared_rules(&o.plan, new)) {
                 self.shared = None;
             }
         }
@@ -261,7 +258,22 @@ impl IncrementalPlanner {
     /// head and tail ones of `cfg`, which an [`Self::update`] with a different config
     /// re-plans from scratch.
     pub fn refresh_shared(&mut self, cfg: &IptablesConfig) {
-        if self.shared.is_some() && self.cfg.as_ref() == Some(cfg) {
+        if self.cfg.as_ref() == Some(cfg)
+            && let Some(p) = &mut self.shared
+        {
+            // The rules are still right; the counters are cheap to sum again.
+            (
+                p.total_endpoints,
+                p.service_ports,
+                p.no_local_endpoints_internal,
+                p.no_local_endpoints_external,
+            ) = (0, 0, 0, 0);
+            for c in self.ports.values() {
+                p.total_endpoints += c.plan.endpoints;
+                p.service_ports += 1;
+                p.no_local_endpoints_internal += usize::from(c.plan.no_local_internal);
+                p.no_local_endpoints_external += usize::from(c.plan.no_local_external);
+            }
             return;
         }
         let mut p = plan_head(cfg);
