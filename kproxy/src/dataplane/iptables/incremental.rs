@@ -46,7 +46,7 @@ use crate::model::{Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot};
 use super::config::IptablesConfig;
 use super::plan::{
     Plan, PortContext, PortPlan, ServiceKey, add_port_shared, assemble, family_endpoint_count,
-    family_ports, is_large_cluster, plan_head, plan_port, plan_tail,
+    is_large_cluster, plan_head, plan_port, plan_tail,
 };
 use crate::model::Protocol;
 
@@ -76,6 +76,15 @@ fn same_eps(a: Option<&Arc<Vec<Endpoint>>>, b: Option<&Arc<Vec<Endpoint>>>) -> b
 /// every [`IncrementalPlanner::refresh_shared`]).
 fn same_shared_rules(a: &PortPlan, b: &PortPlan) -> bool {
     a.filter == b.filter && a.nat == b.nat
+}
+
+/// Advances the sorted `it` past the keys before `key` and returns the value at `key`, if any.
+fn seek<'a, V>(
+    it: &mut std::iter::Peekable<impl Iterator<Item = (&'a ServicePortName, &'a V)>>,
+    key: &ServicePortName,
+) -> Option<&'a V> {
+    while it.next_if(|(k, _)| *k < key).is_some() {}
+    it.next_if(|(k, _)| *k == key).map(|(_, v)| v)
 }
 
 /// What the last [`IncrementalPlanner::update`] did.
@@ -179,9 +188,19 @@ impl IncrementalPlanner {
         let mut todo = vec![];
         let mut total = 0;
         let mut matched = 0;
-        for (svc, cluster_ip, eps_slice) in family_ports(snap, cfg.family) {
-            let eps = snap.endpoints.get(&svc.name);
-            let cached = if all { None } else { self.ports.get(&svc.name) };
+        // The snapshot's services, its endpoints and the cache are all sorted by service port
+        // name: walk them side by side (one pass) instead of two map lookups per port (a
+        // third of a partial sync's planning time at 10,000 services).
+        let mut endpoints = snap.endpoints.iter().peekable();
+        let mut cache = self.ports.iter().peekable();
+        for (name, svc) in &snap.services {
+            let Some(cluster_ip) = svc.cluster_ip(cfg.family) else {
+                continue;
+            };
+            debug_assert_eq!(name, &svc.name, "snapshot keyed by service port name");
+            let eps = seek(&mut endpoints, name);
+            let eps_slice = eps.map(|e| e.as_slice()).unwrap_or(&[]);
+            let cached = seek(&mut cache, name).filter(|_| !all);
             if cached.is_some() {
                 matched += 1;
             }
