@@ -10,8 +10,9 @@
 //! every table. When either check fails it marks the next sync full and calls the
 //! `on_resync` callback (the agent wires it to the sync runner's `request()`), once per
 //! incident. It checks every `sync_period` but at least every [`MONITOR_INTERVAL_MAX`]
-//! (upstream: every `syncPeriod`): the checks are four cheap commands, and the repair should
-//! not wait for a long sync period.
+//! (upstream: every `syncPeriod`): the checks are four cheap commands (the jump is looked for
+//! in a listing of PREROUTING, not with `-C`, which on nf_tables fetches the whole nat table),
+//! and the repair should not wait for a long sync period.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
