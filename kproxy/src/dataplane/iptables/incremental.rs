@@ -18,7 +18,10 @@
 //! [`IncrementalPlanner::update`] walks the snapshot's service ports and re-plans a port only
 //! when its service or endpoints differ from the remembered ones (same `Arc`, or equal
 //! values: so it does not rely on the tracker's [`ChangedSet`](crate::model::ChangedSet) being
-//! complete); entries of ports no longer in the snapshot are dropped. Everything is re-planned
+//! complete); entries of ports no longer in the snapshot are dropped. Partial syncs call
+//! [`IncrementalPlanner::update_changed`] instead, which looks only at the ports the change
+//! set names (the walk over every port costs ≈ 10 ms at 10,000 services); the next full sync's
+//! `update` catches anything the set missed. Everything is re-planned
 //! (the cache is rebuilt) when a global input differs from the one the cache was built with:
 //! - the config (any field: e.g. the masquerade bit, the local-traffic detector, nfacct
 //!   counters, `--nodeport-addresses` and the detected local addresses),
@@ -41,7 +44,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use crate::model::{Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot};
+use crate::model::{ChangedSet, Endpoint, NodeInfo, ServicePort, ServicePortName, Snapshot};
 
 use super::config::IptablesConfig;
 use super::plan::{
@@ -144,12 +147,94 @@ impl IncrementalPlanner {
                     .is_some_and(|s| s.cluster_ip(family).is_some())
             });
         }
+        self.plan_todo(snap, cfg, large, &todo);
+        if !globals_same {
+            self.cfg = Some(cfg.clone());
+            self.node = snap.node.clone();
+        }
+        self.large_cluster = large;
+        self.total_endpoints = total;
+        UpdateStats {
+            replanned: todo.len(),
+            from_scratch,
+        }
+    }
+
+    /// [`Self::update`] for a partial sync: looks only at the service ports `changed` names
+    /// instead of walking every port (≈ 10 ms at 10,000 services, most of a partial sync's
+    /// planning). Exact when `changed` names every service port changed since the previous
+    /// update, the contract the proxier's partial syncs already rely on to choose the chains
+    /// they rewrite; a full sync calls [`Self::update`], which checks every port, so a change
+    /// the set missed is planned by the next full sync at the latest (as upstream's full
+    /// syncs repair what partial ones skipped). Falls back to [`Self::update`] when a global
+    /// input changed or large-cluster mode would flip.
+    pub fn update_changed(
+        &mut self,
+        snap: &Snapshot,
+        cfg: &IptablesConfig,
+        changed: &ChangedSet,
+    ) -> UpdateStats {
+        if self.cfg.as_ref() != Some(cfg) || self.node != snap.node {
+            return self.update(snap, cfg);
+        }
+        let family = cfg.family;
+        let mut total = self.total_endpoints;
+        let mut todo = vec![];
+        let mut removed = vec![];
+        for name in &changed.services {
+            let svc = snap
+                .services
+                .get(name)
+                .and_then(|s| Some((s, s.cluster_ip(family)?)));
+            let cached = self.ports.get(name);
+            let Some((svc, cluster_ip)) = svc else {
+                if let Some(c) = cached {
+                    total -= c.plan.endpoints;
+                    removed.push(name);
+                }
+                continue;
+            };
+            let eps = snap.endpoints.get(name);
+            if let Some(c) = cached {
+                if same_arc(&c.svc, svc) && same_eps(c.eps.as_ref(), eps) {
+                    continue;
+                }
+                total -= c.plan.endpoints;
+            }
+            let eps_slice = eps.map(|e| e.as_slice()).unwrap_or(&[]);
+            total += family_endpoint_count(eps_slice, family);
+            todo.push(Todo {
+                svc,
+                cluster_ip,
+                eps,
+            });
+        }
+        let large = is_large_cluster(total, cfg);
+        if large != self.large_cluster {
+            return self.update(snap, cfg);
+        }
+        if !removed.is_empty() {
+            self.shared = None;
+            for name in removed {
+                self.ports.remove(name);
+            }
+        }
+        self.plan_todo(snap, cfg, large, &todo);
+        self.total_endpoints = total;
+        UpdateStats {
+            replanned: todo.len(),
+            from_scratch: false,
+        }
+    }
+
+    /// Plans `todo` into the cache (dropping the shared chains when a port's part changed).
+    fn plan_todo(&mut self, snap: &Snapshot, cfg: &IptablesConfig, large: bool, todo: &[Todo]) {
         let ctx = PortContext {
             cfg,
             node: &snap.node,
             large_cluster: large,
         };
-        for t in &todo {
+        for t in todo {
             let eps = t.eps.map(|e| e.as_slice()).unwrap_or(&[]);
             let plan = plan_port(&ctx, t.svc, t.cluster_ip, eps);
             let old = self.ports.insert(
@@ -164,16 +249,6 @@ impl IncrementalPlanner {
             if !old.is_some_and(|o| same_shared_rules(&o.plan, new)) {
                 self.shared = None;
             }
-        }
-        if !globals_same {
-            self.cfg = Some(cfg.clone());
-            self.node = snap.node.clone();
-        }
-        self.large_cluster = large;
-        self.total_endpoints = total;
-        UpdateStats {
-            replanned: todo.len(),
-            from_scratch,
         }
     }
 
