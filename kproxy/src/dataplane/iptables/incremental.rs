@@ -13,11 +13,11 @@
 //! SVC/SVL/EXT/FW/SEP chains. Each entry remembers the inputs it was planned from: the
 //! snapshot's `Arc<ServicePort>` and `Arc<Vec<Endpoint>>`. A port plan is a pure function of
 //! those two plus the *global* inputs: the [`IptablesConfig`], the node
-//! ([`NodeInfo`](crate::model::NodeInfo): topology labels) and large-cluster mode.
+//! ([`NodeInfo`]: topology labels) and large-cluster mode.
 //!
 //! [`IncrementalPlanner::update`] walks the snapshot's service ports and re-plans a port only
 //! when its service or endpoints differ from the remembered ones (same `Arc`, or equal
-//! values: so it does not rely on the tracker's [`ChangedSet`](crate::model::ChangedSet) being
+//! values: so it does not rely on the tracker's [`ChangedSet`] being
 //! complete); entries of ports no longer in the snapshot are dropped. Partial syncs call
 //! [`IncrementalPlanner::update_changed`] instead, which looks only at the ports the change
 //! set names (the walk over every port costs ≈ 10 ms at 10,000 services); the next full sync's
