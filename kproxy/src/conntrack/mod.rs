@@ -50,7 +50,7 @@ use serde::Serialize;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 pub use entry::{Entry, Tuple};
-pub use stale::{StaleFilters, cleanup_required};
+pub use stale::{StaleFilters, advance_endpoints, cleanup_required};
 
 /// What one cleanup did (upstream's metrics: `kubeproxy_conntrack_reconciler_sync_duration_seconds`
 /// is `duration`, `kubeproxy_conntrack_reconciler_deleted_entries_total` grows by `deleted`).

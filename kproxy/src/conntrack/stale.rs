@@ -67,12 +67,55 @@ fn endpoints_of_service<'a>(
     name: &str,
     family: IpFamily,
 ) -> BTreeMap<&'a ServicePortName, Vec<&'a Endpoint>> {
-    snap.endpoints
-        .iter()
-        .filter(|(n, _)| n.namespace == ns && n.name == name)
+    service_range(&snap.endpoints, ns, name)
         .map(|(n, eps)| (n, eps.iter().filter(|e| family.matches(&e.ip)).collect()))
         .filter(|(_, eps): &(_, Vec<_>)| !eps.is_empty())
         .collect()
+}
+
+/// The entries of `map` whose key is a port of service `ns/name` (a range of the sorted map:
+/// `ServicePortName` orders by namespace, name, port, protocol), so a lookup costs
+/// O(log n) instead of a walk over every service.
+fn service_range<'a, V>(
+    map: &'a BTreeMap<ServicePortName, V>,
+    ns: &str,
+    name: &str,
+) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> {
+    let first = ServicePortName {
+        namespace: ns.to_owned(),
+        name: name.to_owned(),
+        port: String::new(),
+        protocol: Protocol::Tcp,
+    };
+    let (ns, name) = (ns.to_owned(), name.to_owned());
+    map.range(first..)
+        .take_while(move |(n, _)| n.namespace == ns && n.name == name)
+}
+
+/// Brings `prev` (the endpoints the last successful sync programmed) up to `next` for the
+/// services `changed` names: their entries are replaced by `next`'s, every other entry is
+/// kept. Equal to `prev.endpoints = next.endpoints.clone()` whenever `changed` names every
+/// service whose endpoints changed (what [`cleanup_required`] already relies on), at a cost
+/// that grows with the change instead of with the cluster (a clone of the whole snapshot took
+/// ≈ 10 ms at 10,000 services). Only the endpoints are kept: nothing else of `prev` is read.
+pub fn advance_endpoints(prev: &mut Snapshot, next: &Snapshot, changed: &ChangedSet) {
+    let services: BTreeSet<(&str, &str)> = changed
+        .services
+        .iter()
+        .map(|n| (n.namespace.as_str(), n.name.as_str()))
+        .collect();
+    for (ns, name) in services {
+        let old: Vec<ServicePortName> = service_range(&prev.endpoints, ns, name)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in old {
+            prev.endpoints.remove(&n);
+        }
+        prev.endpoints.extend(
+            service_range(&next.endpoints, ns, name).map(|(n, eps)| (n.clone(), eps.clone())),
+        );
+    }
+    prev.generation = next.generation;
 }
 
 /// The frontends of the UDP services of one IP family, each with the serving endpoints that
@@ -209,6 +252,45 @@ mod tests {
             services: names.iter().map(|n| (*n).clone()).collect(),
             node: false,
         }
+    }
+
+    #[test]
+    fn advancing_the_changed_services_equals_taking_the_new_endpoints() {
+        // Two ports of one service, one port each of two others (one a prefix of another's
+        // name, to exercise the range bounds).
+        let a_dns = name("a", "dns", Protocol::Udp);
+        let a_tcp = name("a", "", Protocol::Tcp);
+        let ab = name("ab", "", Protocol::Udp);
+        let b = name("b", "p", Protocol::Udp);
+        let (sa, st, sab, sb) = (
+            svc(&a_dns, "10.0.0.1", 53, 0),
+            svc(&a_tcp, "10.0.0.1", 80, 0),
+            svc(&ab, "10.0.0.2", 53, 0),
+            svc(&b, "10.0.0.3", 53, 0),
+        );
+        let s1 = snap(&[
+            (&sa, vec![ep("10.1.0.1:53", true)]),
+            (&st, vec![ep("10.1.0.1:80", true)]),
+            (&sab, vec![ep("10.1.0.2:53", true)]),
+            (&sb, vec![ep("10.1.0.3:53", true)]),
+        ]);
+        let mut prev = Snapshot::default();
+        advance_endpoints(&mut prev, &s1, &changed(&[&a_dns, &a_tcp, &ab, &b]));
+        assert_eq!(prev.endpoints, s1.endpoints);
+        // Service a loses its TCP port's endpoints and changes its UDP one; b is unchanged.
+        let s2 = snap(&[
+            (&sa, vec![ep("10.1.0.9:53", true)]),
+            (&st, vec![]),
+            (&sab, vec![ep("10.1.0.2:53", true)]),
+            (&sb, vec![ep("10.1.0.3:53", true)]),
+        ]);
+        let mut s2_eps = s2.endpoints.clone();
+        s2_eps.retain(|_, e| !e.is_empty());
+        advance_endpoints(&mut prev, &s2, &changed(&[&a_dns]));
+        prev.endpoints.retain(|_, e| !e.is_empty());
+        assert_eq!(prev.endpoints, s2_eps);
+        // A service `changed` does not name is left as it was.
+        assert_eq!(prev.endpoints.get(&b), s1.endpoints.get(&b));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! A failed cleanup is logged and never fails the sync (as upstream). Deleted entries and the
 //! cleanup's duration go to `kubeproxy_conntrack_reconciler_*`.
 
-use crate::conntrack::Cleaner;
+use crate::conntrack::{Cleaner, advance_endpoints};
 use crate::metrics::Metrics;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
@@ -15,8 +15,9 @@ use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 pub struct WithConntrackCleanup<D: Dataplane> {
     inner: D,
     cleaners: Vec<Cleaner>,
-    /// The snapshot of the last successful sync (empty at start, so the first sync cleans what
-    /// a previous proxy left).
+    /// The endpoints of the last successful sync (empty at start, so the first sync cleans
+    /// what a previous proxy left), kept up to date for the changed services only
+    /// ([`advance_endpoints`]) rather than cloned from every snapshot.
     prev: Snapshot,
     metrics: Option<Metrics>,
 }
@@ -58,7 +59,7 @@ impl<D: Dataplane> Dataplane for WithConntrackCleanup<D> {
                 Err(e) => tracing::warn!(?family, error = %e, "conntrack cleanup failed"),
             }
         }
-        self.prev = snap.clone();
+        advance_endpoints(&mut self.prev, snap, changed);
         Ok(report)
     }
 

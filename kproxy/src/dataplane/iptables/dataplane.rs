@@ -10,8 +10,9 @@
 //! every table. When either check fails it marks the next sync full and calls the
 //! `on_resync` callback (the agent wires it to the sync runner's `request()`), once per
 //! incident. It checks every `sync_period` but at least every [`MONITOR_INTERVAL_MAX`]
-//! (upstream: every `syncPeriod`): the checks are four cheap commands, and the repair should
-//! not wait for a long sync period.
+//! (upstream: every `syncPeriod`): the checks are four cheap commands (the jump is looked for
+//! in a listing of PREROUTING, not with `-C`, which on nf_tables fetches the whole nat table),
+//! and the repair should not wait for a long sync period.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -205,8 +206,10 @@ impl IptablesDataplane {
                             continue;
                         }
                         waited = Duration::ZERO;
-                        // Cheap checks only: the canaries are empty chains, and `-C` of the
-                        // jump fails as well when KUBE-SERVICES itself is gone.
+                        // Cheap checks only: the canaries are empty chains, and the jump is
+                        // looked for in a listing of PREROUTING alone (a `-C` would make
+                        // iptables-nft fetch the whole nat table; see `rule_listed`). The
+                        // jump is gone as well when KUBE-SERVICES itself was deleted.
                         let healthy = (|| -> Result<bool, IptablesError> {
                             for t in TABLES {
                                 if !backend.chain_exists(t, KUBE_PROXY_CANARY)? {
@@ -216,7 +219,10 @@ impl IptablesDataplane {
                             if force.load(Ordering::Relaxed) {
                                 return Ok(true); // a full sync is already due
                             }
-                            backend.rule_exists("nat", nat_jump.from, &nat_jump.args)
+                            // `-C` confirms a miss (never a false alarm from a listing that
+                            // prints the rule differently).
+                            Ok(backend.rule_listed("nat", nat_jump.from, &nat_jump.args)?
+                                || backend.rule_exists("nat", nat_jump.from, &nat_jump.args)?)
                         })();
                         match healthy {
                             Ok(true) => fired = false,

@@ -221,6 +221,49 @@ impl ExecIptables {
         }
     }
 
+    /// Whether `chain` holds the rule `args`, read from `iptables -S chain` (exit 1: the chain
+    /// is gone, so the rule too). The same answer as `-C`, far cheaper on nf_tables: `-C`
+    /// fetches the rules of the whole table into iptables-nft's cache (0.1–0.3 s of CPU with
+    /// 10k services, measured), `-S` only those of the chain (≈ 5 ms). Rules are compared as
+    /// iptables prints them (quotes dropped, spaces collapsed); `args` must be written in
+    /// that canonical form, as [`jump_rules`](super::plan::jump_rules) are.
+    pub fn rule_listed(
+        &self,
+        table: &str,
+        chain: &str,
+        args: &[String],
+    ) -> Result<bool, IptablesError> {
+        let prog = tool(self.family, self.flavor, "");
+        let all = ["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain];
+        let op = || format!("{prog} {}", all.join(" "));
+        let out = self
+            .runner
+            .command(&prog)
+            .args(all)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .map_err(|e| IptablesError::new(op(), e.to_string()))?;
+        match out.status.code() {
+            Some(0) => {
+                let want = normalize_rule(&format!("-A {chain} {}", args.join(" ")));
+                Ok(String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .any(|l| normalize_rule(l) == want))
+            }
+            Some(1) => Ok(false),
+            _ => Err(IptablesError::new(
+                op(),
+                format!(
+                    "{}: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            )),
+        }
+    }
+
     fn check(&self, table: &str, args: &[&str]) -> Result<(), IptablesError> {
         let (ok, err) = self.iptables(table, args)?;
         if ok {
@@ -232,6 +275,14 @@ impl ExecIptables {
             ))
         }
     }
+}
+
+/// Rule text without quotes and with single spaces, for comparing listed and generated rules.
+pub fn normalize_rule(rule: &str) -> String {
+    rule.replace('"', "")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn strs(args: &[String]) -> Vec<&str> {
@@ -299,7 +350,9 @@ impl IptablesBackend for ExecIptables {
         chain: &str,
         args: &[String],
     ) -> Result<bool, IptablesError> {
-        if self.rule_exists(table, chain, args)? {
+        // The listing first (cheap on nf_tables, see `rule_listed`); `-C` only confirms a
+        // miss, so a rule printed differently is never inserted twice.
+        if self.rule_listed(table, chain, args)? || self.rule_exists(table, chain, args)? {
             return Ok(true);
         }
         let mut a = vec!["-I", chain];

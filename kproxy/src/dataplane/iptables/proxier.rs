@@ -38,8 +38,10 @@
 //! ## Planning
 //! The rules come from an [`IncrementalPlanner`] kept across syncs: only service ports whose
 //! service or endpoints changed are planned again (everything after a config, node or
-//! large-cluster-mode change); the shared chains and the restore text are assembled from the
-//! cached per-port pieces, byte-identical to a from-scratch [`plan`](super::plan::plan).
+//! large-cluster-mode change; a full sync compares every port with the cache, a partial one
+//! looks only at the ports its change set names); the shared chains and the restore text are
+//! assembled from the cached per-port pieces (the shared chains reassembled only when a port's
+//! part of them changed), byte-identical to a from-scratch [`plan`](super::plan::plan).
 //!
 //! ## What bounds a cold start on nft
 //! Measured by hand (iptables 1.8.9, kernel 6.18, 10k services × 5 endpoints, a whole-table
@@ -53,9 +55,38 @@
 //! chains each). The chains and rules are upstream's, so their number is fixed: the bound is
 //! iptables-nft's per-chain cost, not the input's shape.
 //!
+//! Splitting the cold restore was measured again (10k × 5, nat table only, loaded 2-core
+//! machine, each variant once, so ±20 %): one whole-table restore 8.2 s; a whole-table
+//! restore of the fixed chains, then the per-service chains in `--noflush` batches of 100 /
+//! 500 / 2,000 services (not reachable from a base chain until the last restore writes
+//! KUBE-SERVICES), then KUBE-SERVICES: 10.5 / 9.5 / 48 s. A `--noflush` restore of many
+//! chains is superlinear inside iptables-nft itself, and each extra restore pays a process
+//! and a commit; nothing beat the single whole-table restore, which therefore stays.
+//!
+//! ## What bounds a partial sync on nft
+//! Measured in the agent under the bench (debug log line "iptables sync phases", 10k services
+//! × 5, one endpoint change, loaded 2-core machine): planning ≈ 0.1 ms (only the ports the
+//! change set names; the shared chains are reused when no port's part of them changed),
+//! rendering and diffing ≈ 4 ms, the restore of the one or two changed chains 130–250 ms
+//! depending on the machine's load, the rest (conntrack check, metrics) a few ms. Almost all
+//! of the restore is kernel time inside one `sendmsg`: at commit nf_tables validates the
+//! table (`nft_table_validate` → `nft_chain_validate`, recursively over every chain reachable
+//! from a base chain; perf puts ≈ 80 % of the restore there) whenever the transaction adds a
+//! rule with a verdict or an xt target, i.e. for every service change. The walk visits
+//! KUBE-SERVICES and the 60k service/endpoint chains below it twice (from PREROUTING and from
+//! OUTPUT), so it grows with the whole ruleset, not with the change: a restore declaring one
+//! new chain with one `-j ACCEPT` rule takes 0.11 s of system time on the 10k table (idle
+//! machine). The chains and their jumps are upstream's, so this is the floor of a change with
+//! the nf_tables backend, and the applier already does one restore per sync. The rest of a
+//! restore is small: iptables-nft fetches only the declared chains, by name (≈ 2 ms under
+//! strace). `iptables -C` would fetch the rules of the whole table (0.1–0.3 s of CPU), which
+//! is why the canary monitor and the jump checks list the chain instead
+//! ([`ExecIptables::rule_listed`](super::exec::ExecIptables::rule_listed)).
+//!
 //! With iptables-legacy the kernel API replaces a whole table per commit: every restore, even
 //! of one chain, reads the whole nat table from the kernel and writes it back, so the cost of
-//! any sync grows with the total number of rules (the bound of that backend).
+//! any sync grows with the total number of rules (the bound of that backend: 0.7–1.0 s per
+//! partial restore at 10k × 5, measured the same way, against ≈ 5 ms for everything else).
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
@@ -118,6 +149,38 @@ pub struct Proxier<B: IptablesBackend> {
     planner: IncrementalPlanner,
 }
 
+/// Wall time of the phases of one sync, for the debug log.
+struct Phases {
+    last: Instant,
+    laps: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        Phases {
+            last: Instant::now(),
+            laps: vec![],
+        }
+    }
+
+    /// Ends the phase `name` (started at the previous lap).
+    fn lap(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.laps.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, d)) in self.laps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            write!(f, "{sep}{name}={:.1}", d.as_secs_f64() * 1000.0)?;
+        }
+        Ok(())
+    }
+}
+
 /// Parsed `iptables-save` of one table.
 #[derive(Debug, Default)]
 struct Saved {
@@ -141,13 +204,7 @@ fn parse_save(text: &str) -> Saved {
     s
 }
 
-/// Rule text without quotes and with single spaces, for comparing saved and generated rules.
-fn normalize(rule: &str) -> String {
-    rule.replace('"', "")
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-}
+use super::exec::normalize_rule as normalize;
 
 impl<B: IptablesBackend> Proxier<B> {
     pub fn new(cfg: IptablesConfig, backend: B) -> Self {
@@ -213,7 +270,9 @@ impl<B: IptablesBackend> Proxier<B> {
     ) -> Result<SyncOutcome, IptablesError> {
         let full = self.next_sync_is_full() || changed.node;
         self.force_full.store(false, Ordering::Relaxed);
-        let r = self.sync_inner(snap, changed, full);
+        let mut phases = Phases::start();
+        let r = self.sync_inner(snap, changed, full, &mut phases);
+        tracing::debug!(family = ?self.cfg.family, full, ok = r.is_ok(), chains_written = self.stats.chains_written_last, chains_omitted = self.stats.chains_omitted_last, "iptables sync phases (ms): {phases}");
         match &r {
             Ok(_) => {
                 self.need_full_sync = false;
@@ -238,12 +297,21 @@ impl<B: IptablesBackend> Proxier<B> {
         snap: &Snapshot,
         changed: &ChangedSet,
         full: bool,
+        phases: &mut Phases,
     ) -> Result<SyncOutcome, IptablesError> {
         if full {
             self.ensure_jumps()?;
+            phases.lap("jumps");
         }
-        let planned = self.planner.update(snap, &self.cfg);
-        let shared = self.planner.shared_plan(&self.cfg);
+        let planned = if full {
+            self.planner.update(snap, &self.cfg)
+        } else {
+            self.planner.update_changed(snap, &self.cfg, changed)
+        };
+        phases.lap("plan");
+        self.planner.refresh_shared(&self.cfg);
+        let shared = self.planner.shared();
+        phases.lap("shared");
         let large_cluster = shared.large_cluster;
 
         let mut filter = TableInput::new("filter");
@@ -289,6 +357,7 @@ impl<B: IptablesBackend> Proxier<B> {
                     tracing::error!(error = %e, "iptables-save failed: stale chains will not be deleted")
                 }
             }
+            phases.lap("save");
         }
         if cleanup_due {
             let active = self.planner.active_chains();
@@ -313,11 +382,13 @@ impl<B: IptablesBackend> Proxier<B> {
         filter.render(&mut self.last_input);
         nat.render(&mut self.last_input);
         self.stats.nat_rules_last = nat_rules;
+        phases.lap("render");
 
         if !full {
             // Only what differs from the kernel's known content.
             let (filter, omitted_f) = self.kernel.without_unchanged(&filter);
             let (nat, omitted_n) = self.kernel.without_unchanged(&nat);
+            phases.lap("diff");
             self.stats.chains_omitted_last = omitted_f + omitted_n;
             let tables: Vec<TableInput> = [filter, nat]
                 .into_iter()
@@ -329,10 +400,12 @@ impl<B: IptablesBackend> Proxier<B> {
                 if let Err(e) = self.backend.restore(&input, RestoreMode::NoFlush) {
                     return Err(self.restore_failed(e, full));
                 }
+                phases.lap("restore");
             }
             for t in &tables {
                 self.kernel.record(t);
             }
+            phases.lap("record");
             return Ok(outcome);
         }
 
@@ -341,6 +414,7 @@ impl<B: IptablesBackend> Proxier<B> {
         let whole = saved_nat
             .as_ref()
             .and_then(|s| self.whole_table_nat(s, &nat));
+        phases.lap("whole-input");
         let result = match whole {
             Some(whole) => self
                 .backend
@@ -349,6 +423,7 @@ impl<B: IptablesBackend> Proxier<B> {
                     RestoreMode::NoFlush,
                 )
                 .and_then(|()| {
+                    phases.lap("restore-filter");
                     self.stats.whole_table_restores += 1;
                     self.backend.restore(&whole, RestoreMode::WholeTable)
                 })
@@ -358,6 +433,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 .restore(&self.last_input, RestoreMode::NoFlush)
                 .map(|()| false),
         };
+        phases.lap("restore");
         match result {
             Ok(whole) => {
                 // Rebuild the knowledge: after a whole-table restore nat holds exactly the
@@ -372,6 +448,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 }
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
+                phases.lap("record");
                 Ok(outcome)
             }
             Err(e) => Err(self.restore_failed(e, full)),

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use crate::model::{
-    Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeInfo, Protocol, ServicePort,
+    ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, NodeInfo, Protocol, ServicePort,
     ServicePortName, ServiceType, Snapshot,
 };
 
@@ -200,7 +200,29 @@ fn mutate(r: &mut Rng, snap: &mut Snapshot, cfg: &mut IptablesConfig) {
     }
 }
 
-fn check(seed: u64, family: IpFamily) {
+/// The service ports whose service or endpoints differ between `a` and `b` (what the
+/// tracker's `ChangedSet` names).
+fn diff(a: &Snapshot, b: &Snapshot) -> ChangedSet {
+    let mut services = std::collections::BTreeSet::new();
+    for n in a.services.keys().chain(b.services.keys()) {
+        if a.services.get(n) != b.services.get(n) {
+            services.insert(n.clone());
+        }
+    }
+    for n in a.endpoints.keys().chain(b.endpoints.keys()) {
+        if a.endpoints.get(n) != b.endpoints.get(n) {
+            services.insert(n.clone());
+        }
+    }
+    ChangedSet {
+        services,
+        node: a.node != b.node,
+    }
+}
+
+/// `update` (every port checked) or `update_changed` (only the ports the exact change set
+/// names) after each random mutation gives the from-scratch plan.
+fn check(seed: u64, family: IpFamily, use_changed: bool) {
     let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut cfg = IptablesConfig::new(
         family,
@@ -225,8 +247,13 @@ fn check(seed: u64, family: IpFamily) {
     };
     let mut planner = IncrementalPlanner::new();
     for step in 0..60 {
+        let before = snap.clone();
         mutate(&mut r, &mut snap, &mut cfg);
-        planner.update(&snap, &cfg);
+        if use_changed {
+            planner.update_changed(&snap, &cfg, &diff(&before, &snap));
+        } else {
+            planner.update(&snap, &cfg);
+        }
         let want = plan(&snap, &cfg);
         let got = planner.plan(&cfg);
         assert_eq!(
@@ -235,7 +262,11 @@ fn check(seed: u64, family: IpFamily) {
         );
         let mut shared = want.clone();
         shared.services.clear();
-        assert_eq!(planner.shared_plan(&cfg), shared, "seed {seed} step {step}");
+        assert_eq!(
+            planner.shared_plan(&cfg),
+            &shared,
+            "seed {seed} step {step}"
+        );
         assert_eq!(planner.total_endpoints(), want.total_endpoints);
         for (key, t) in &want.services {
             let chains: Vec<_> = planner
@@ -253,9 +284,53 @@ fn check(seed: u64, family: IpFamily) {
 #[test]
 fn incremental_plans_equal_plans_from_scratch() {
     for seed in 0..150 {
-        check(seed, IpFamily::V4);
-        check(seed, IpFamily::V6);
+        check(seed, IpFamily::V4, false);
+        check(seed, IpFamily::V6, false);
     }
+}
+
+#[test]
+fn plans_from_the_change_set_equal_plans_from_scratch() {
+    for seed in 0..150 {
+        check(seed, IpFamily::V4, true);
+        check(seed, IpFamily::V6, true);
+    }
+}
+
+#[test]
+fn a_change_the_set_missed_is_planned_by_the_next_full_update() {
+    use crate::model::testing;
+    let cfg = IptablesConfig::new(IpFamily::V4, LocalTrafficDetector::NoOp);
+    let ep = |a: &str| {
+        testing::endpoint(ip(a), 8080)
+            .ready(true)
+            .serving(true)
+            .build()
+    };
+    let mut snap = Snapshot::default();
+    for svc in 0..3 {
+        let p = testing::service_port("ns", &format!("s{svc}"), "")
+            .cluster_ip(format!("10.96.0.{}", svc + 1).as_str())
+            .port(80)
+            .build();
+        let name = p.name.clone();
+        snap.services.insert(name.clone(), Arc::new(p));
+        snap.endpoints
+            .insert(name, Arc::new(vec![ep(&format!("10.128.0.{}", svc + 1))]));
+    }
+    let mut planner = IncrementalPlanner::new();
+    planner.update(&snap, &cfg);
+    // A second endpoint for s1, not named in the change set: a partial update keeps the old
+    // plan (it trusts the set), the next full one catches up.
+    let name = snap.services.keys().nth(1).expect("s1").clone();
+    snap.endpoints
+        .insert(name, Arc::new(vec![ep("10.128.0.2"), ep("10.128.0.9")]));
+    let stats = planner.update_changed(&snap, &cfg, &ChangedSet::default());
+    assert_eq!(stats.replanned, 0);
+    assert_ne!(planner.plan(&cfg), plan(&snap, &cfg));
+    let stats = planner.update(&snap, &cfg);
+    assert_eq!(stats.replanned, 1);
+    assert_eq!(planner.plan(&cfg), plan(&snap, &cfg));
 }
 
 #[test]
