@@ -202,6 +202,19 @@ fn fingerprint(path: &Path) -> u64 {
     h.finish()
 }
 
+/// Whether a file event can mean the manifests changed. notify's inotify backend also reports
+/// every open and close-without-write (`IN_OPEN`, `IN_CLOSE_NOWRITE`) — our own reads
+/// included, so reacting to them re-read everything in a loop, once per debounce interval.
+/// A write is still seen: as `Modify`, and as the close after writing.
+pub fn is_change(ev: &notify::Event) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match ev.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        _ => true,
+    }
+}
+
 /// Reads `path` now and again after every change, sending the events into `tx` until it closes.
 pub fn spawn(
     path: PathBuf,
@@ -213,7 +226,7 @@ pub fn spawn(
         let watcher = {
             let wake_tx = wake_tx.clone();
             notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-                if res.is_ok() {
+                if res.is_ok_and(|ev| is_change(&ev)) {
                     let _ = wake_tx.send(());
                 }
             })
@@ -291,6 +304,45 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Real inotify: reading the manifests (what [`fingerprint`] and [`read`] do) produces no
+    /// event [`is_change`] accepts, writing one does. Events of one watch arrive in order, so
+    /// the first accepted event must be the write's.
+    #[test]
+    fn own_reads_are_not_changes_and_writes_are() {
+        let dir = std::env::temp_dir().join(format!("kproxy-manifests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("svc.yaml");
+        std::fs::write(&file, "kind: Service\n").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if let Ok(ev) = res {
+                let _ = tx.send(ev);
+            }
+        })
+        .unwrap();
+        w.watch(&dir, notify::RecursiveMode::Recursive).unwrap();
+        fingerprint(&dir);
+        read(&dir).unwrap();
+        std::fs::write(dir.join("marker.yaml"), "").unwrap();
+        let mut ignored = 0;
+        let first = loop {
+            let ev = rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("the marker's events arrive");
+            if is_change(&ev) {
+                break ev;
+            }
+            ignored += 1;
+        };
+        drop(w);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            first.paths.iter().any(|p| p.ends_with("marker.yaml")),
+            "first accepted event is the write, not a read: {first:?}"
+        );
+        assert!(ignored > 0, "the reads were reported (and ignored)");
+    }
 
     fn parse(text: &str) -> (Manifests, Vec<ManifestError>) {
         let mut m = Manifests::default();
