@@ -14,7 +14,7 @@
 //!
 //! [`load`] reads `--config` (strict), applies upstream's defaults, then every flag actually
 //! given (so flags override the file), and resolves the result into a
-//! [`ProxyConfig`](crate::config::ProxyConfig).
+//! [`ProxyConfig`].
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;

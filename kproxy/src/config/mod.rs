@@ -9,9 +9,9 @@
 //! ```
 //!
 //! - [`duration`]: Go duration text (`30s`, `1m0s`), used by flags and the file.
-//! - [`file`]: the v1alpha1 file as written, its defaults and kproxy's extensions
+//! - [`file`](mod@file): the v1alpha1 file as written, its defaults and kproxy's extensions
 //!   (top-level `syncPeriod`/`minSyncPeriod` for the ebpf mode, and `bpf:`).
-//! - [`resolve`]: upstream's validation rules, and the conversion to [`ProxyConfig`]. Every
+//! - [`resolve`](mod@resolve): upstream's validation rules, and the conversion to [`ProxyConfig`]. Every
 //!   problem is reported at once, each naming its field (and the flag that set it, if any).
 //!
 //! Divergences from upstream, on purpose:
@@ -61,7 +61,7 @@ pub const IPVS_SCHEDULERS: &[&str] = &[
 ];
 
 /// The validated, defaulted, flag-merged configuration: everything the agent and the
-/// datapaths need. Built by [`resolve`].
+/// datapaths need. Built by [`resolve()`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProxyConfig {
     /// `mode` / `--proxy-mode`.

@@ -1,6 +1,6 @@
 //! Kubernetes API source: Services and EndpointSlices (all namespaces, filtered by
 //! [`PROXYABLE_LABEL_SELECTOR`]) and the node's own Node (field selector `metadata.name`),
-//! watched with kube-runtime's [`watcher`] and turned into [`Event`]s.
+//! watched with kube-runtime's [`watcher()`] and turned into [`Event`]s.
 //!
 //! Each kind runs its own list+watch loop. kube-runtime reports a (re-)list as
 //! `Init, InitApply…, InitDone`; [`Relist`] buffers that sequence and emits it as ONE

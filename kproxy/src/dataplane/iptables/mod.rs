@@ -2,9 +2,9 @@
 //!
 //! - [`config`]: [`IptablesConfig`], the resolved per-family settings.
 //! - [`names`]: chain names (upstream's hashed `KUBE-SVC-…`/`KUBE-SEP-…`).
-//! - [`plan`]: the pure planner, snapshot → filter + nat rules (structured by chain).
+//! - [`plan`](mod@plan): the pure planner, snapshot → filter + nat rules (structured by chain).
 //! - [`incremental`]: per-service-port plans cached between syncs (re-plans what changed).
-//! - [`render`]: iptables-restore text and upstream's canonical sort.
+//! - [`render`](mod@render): iptables-restore text and upstream's canonical sort.
 //! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
 //! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
 //! - [`backend`]: the kernel interface and an in-memory fake with restore semantics.
