@@ -379,6 +379,13 @@ impl<B: IptablesBackend> Proxier<B> {
             }
         }
         self.last_input.clear();
+        let len = filter.rendered_len() + nat.rendered_len();
+        // Exactly the text's size: the buffer is kept between syncs.
+        if self.last_input.capacity() > 2 * len {
+            self.last_input.shrink_to(len);
+        } else {
+            self.last_input.reserve_exact(len);
+        }
         filter.render(&mut self.last_input);
         nat.render(&mut self.last_input);
         self.stats.nat_rules_last = nat_rules;
@@ -496,7 +503,9 @@ impl<B: IptablesBackend> Proxier<B> {
             }
         }
         let deleted: HashSet<&str> = nat.deletes.iter().map(String::as_str).collect();
-        let mut out = String::from("*nat\n");
+        let saved_len: usize = saved.rules.iter().map(|r| r.len() + 1).sum();
+        let mut out = String::with_capacity(nat.rendered_len() + saved_len + 4096);
+        out.push_str("*nat\n");
         for (c, p) in &builtin {
             out.push_str(&format!(":{c} {p} [0:0]\n"));
         }
