@@ -7,9 +7,20 @@
 //! (`kp-probe wait`, every millisecond) is running before the API write, so process start-up
 //! is not in the figure; the changes follow each other (the next write once the previous one
 //! was seen), alternating the target service's single backend between two pods.
+//!
+//! For the iptables modes the same run also measures what bounds those two figures, on the
+//! table the agent left behind (agent stopped): `change-floor/…` is one
+//! `iptables-*-restore --noflush` of the target service's `KUBE-SVC-…` chain, unchanged — the
+//! kernel and iptables cost every partial sync pays at least (on nft, nf_tables validates
+//! the whole table at each commit adding a jump) — and `cold-floor/…` is one whole-table
+//! restore of that nat table. Each is the baseline of its figure, so the report's ratio says
+//! how far kproxy's own work puts it above the floor. The restores are spawned from a thread
+//! inside the node's namespace, as the agent spawns them.
 
+use std::io::Write as _;
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
 
@@ -151,7 +162,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         services: n,
         unit: "s".into(),
         samples: vec![cold],
-        baseline: None,
+        baseline: iptables_backend(mode).map(|_| format!("cold-floor/{mode}/{n}")),
         target: targets.filter(|_| n >= 10_000).map(|(max_cold, _)| Target {
             max_ratio: None,
             max_value: Some(max_cold),
@@ -177,7 +188,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
             services: n,
             unit: "ms".into(),
             samples: changes,
-            baseline: None,
+            baseline: iptables_backend(mode).map(|_| format!("change-floor/{mode}/{n}")),
             target: targets
                 .filter(|_| n >= 10_000)
                 .map(|(_, max_change)| Target {
@@ -213,7 +224,114 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
             }),
         });
     }
+    if let Some(backend) = iptables_backend(mode) {
+        drop(agent);
+        let cip = ServiceSet::cluster_ip(set.target_index());
+        match restore_floors(
+            &topo.node,
+            backend,
+            &cip.to_string(),
+            plan.changes.clamp(5, 20) as usize,
+        ) {
+            Ok((change, cold)) => {
+                for (what, unit, samples) in
+                    [("change-floor", "ms", change), ("cold-floor", "s", cold)]
+                {
+                    results.push(Figure {
+                        id: format!("{what}/{mode}/{n}"),
+                        group: "restore-floor".into(),
+                        mode: mode.into(),
+                        services: n,
+                        unit: unit.into(),
+                        samples,
+                        baseline: None,
+                        target: None,
+                    });
+                }
+            }
+            Err(e) => {
+                for what in ["change-floor", "cold-floor"] {
+                    results.unavailable(format!("{what}/{mode}/{n}"), format!("{e:#}"));
+                }
+            }
+        }
+    }
     Ok(())
+}
+
+/// One `iptables-{backend}-restore` run with `args` on `input`, inside `node`: its wall time.
+fn timed_restore(
+    node: &Netns,
+    backend: &str,
+    args: &[&str],
+    input: &str,
+) -> anyhow::Result<Duration> {
+    node.run(|| -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let mut child = Command::new(format!("iptables-{backend}-restore"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("spawning iptables-{backend}-restore"))?;
+        child
+            .stdin
+            .take()
+            .context("restore stdin")?
+            .write_all(input.as_bytes())?;
+        let out = child.wait_with_output()?;
+        let took = started.elapsed();
+        anyhow::ensure!(
+            out.status.success(),
+            "iptables-{backend}-restore {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(took)
+    })?
+}
+
+/// The restore floors on the table in `node` (see the module docs): `rounds` partial
+/// restores of the `KUBE-SVC-…` chain of the service at `cluster_ip` (ms), and two
+/// whole-table restores of the nat table (s).
+fn restore_floors(
+    node: &Netns,
+    backend: &str,
+    cluster_ip: &str,
+    rounds: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let mut save = node.command(format!("iptables-{backend}-save"));
+    save.args(["-t", "nat"]);
+    let saved = crate::netns::run_checked(&mut save)?;
+    let dest = format!("-d {cluster_ip}/32 ");
+    let chain = saved
+        .lines()
+        .filter(|l| l.starts_with("-A KUBE-SERVICES ") && l.contains(&dest))
+        .find_map(|l| {
+            l.split(" -j ")
+                .nth(1)
+                .filter(|c| c.starts_with("KUBE-SVC-"))
+        })
+        .with_context(|| format!("no KUBE-SERVICES jump for {cluster_ip} in the saved nat table"))?
+        .trim()
+        .to_string();
+    let prefix = format!("-A {chain} ");
+    let mut partial = format!("*nat\n:{chain} - [0:0]\n");
+    for l in saved.lines().filter(|l| l.starts_with(&prefix)) {
+        partial.push_str(l);
+        partial.push('\n');
+    }
+    partial.push_str("COMMIT\n");
+    let mut change = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = timed_restore(node, backend, &["-w", "5", "--noflush"], &partial)?;
+        change.push(t.as_secs_f64() * 1e3);
+    }
+    let mut cold = Vec::with_capacity(2);
+    for _ in 0..2 {
+        cold.push(timed_restore(node, backend, &["-w", "5"], &saved)?.as_secs_f64());
+    }
+    Ok((change, cold))
 }
 
 /// `plan.changes` endpoint changes of the target service, one after the other, alternating

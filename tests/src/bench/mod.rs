@@ -281,6 +281,9 @@ impl Plan {
             "cold-start" => 1,
             "change" => self.changes as usize,
             "resources" => 1,
+            // See `control`: partial restores once per change (5–20), two whole-table ones.
+            "restore-floor" if figure.id.starts_with("cold-floor/") => 2,
+            "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
             _ => 0,
         }

@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 6] = [
+const GROUPS: [(&str, &str); 7] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -22,6 +22,10 @@ const GROUPS: [(&str, &str); 6] = [
         "One endpoint change, API write → new backend answers",
     ),
     ("resources", "Agent resources"),
+    (
+        "restore-floor",
+        "iptables restore floors: one chain (`--noflush`), whole nat table",
+    ),
 ];
 
 /// `median(figure) / median(baseline)` when the figure has a baseline in `results`.
