@@ -58,6 +58,15 @@ fn key(ns: &Option<String>, name: &Option<String>) -> SvcKey {
     )
 }
 
+/// Keys of `known` a finished list did not hold (`seen`).
+fn unlisted<V>(known: &HashMap<SvcKey, V>, seen: &HashSet<SvcKey>) -> Vec<SvcKey> {
+    known
+        .keys()
+        .filter(|k| !seen.contains(*k))
+        .cloned()
+        .collect()
+}
+
 /// The range of snapshot keys belonging to one service.
 fn service_range(k: &SvcKey) -> (Bound<ServicePortName>, Bound<ServicePortName>) {
     let lo = ServicePortName {
@@ -255,13 +264,7 @@ impl Tracker {
     /// The Service list is complete: services it did not hold are gone.
     fn finish_service_list(&mut self) {
         let seen = self.listing_services.take().unwrap_or_default();
-        let gone: Vec<SvcKey> = self
-            .services
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
+        for k in unlisted(&self.services, &seen) {
             self.remove_service(k);
         }
         self.synced[0] = true;
@@ -278,13 +281,7 @@ impl Tracker {
     /// The EndpointSlice list is complete: slices it did not hold are gone.
     fn finish_slice_list(&mut self) {
         let seen = self.listing_slices.take().unwrap_or_default();
-        let gone: Vec<SvcKey> = self
-            .slices
-            .keys()
-            .filter(|k| !seen.contains(*k))
-            .cloned()
-            .collect();
-        for k in gone {
+        for k in unlisted(&self.slices, &seen) {
             self.remove_slice(&k);
         }
         self.synced[1] = true;
