@@ -19,6 +19,8 @@
 //! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
 //!   device and counters (`kp_tc_in` / `kp_tc_eg`).
 //! - [`ct6`]: the IPv6 connection table and node addresses of the same programs.
+//! - [`skb`]: the instructions that read `struct sk_buff`'s checksum state, completed by the
+//!   agent from the kernel's BTF before loading.
 //! - [`layout`]: each pinned map's layout (type, sizes, version) and the pinned record of
 //!   them, so an upgraded agent reuses, carries over or replaces pins deliberately.
 #![no_std]
@@ -29,4 +31,5 @@ pub mod ct6;
 pub mod layout;
 pub mod maglev;
 pub mod service;
+pub mod skb;
 pub mod sock;

@@ -21,6 +21,7 @@
 //!
 //! Keep logging (aya-log) off the per-packet path: it costs ~10x a map lookup.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 mod counter;
 mod flow;
@@ -28,6 +29,7 @@ mod frontend;
 mod packet;
 mod packet6;
 mod service_maps;
+mod skb_csum;
 mod sock;
 mod tc;
 mod tc6;

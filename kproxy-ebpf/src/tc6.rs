@@ -8,8 +8,8 @@
 //! range, the counters, the service maps and the source-range trie are shared with IPv4
 //! (service-map keys and LPM keys hold 16-byte addresses already).
 //!
-//! - Ingress: reply to a SNATed flow (`SnatIn`, dst := client) → frontend lookup (cluster
-//!   scope) → established flow (`Service`) → new flow (external scope: source ranges, no
+//! - Ingress: reply to a SNATed flow (`SnatIn`, dst := client) → established flow
+//!   (`Service`) → frontend lookup (cluster scope; the order of [`crate::tc`]) → new flow (external scope: source ranges, no
 //!   endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
 //! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (the source kept in the
 //!   flow's `RevDnat` entry, looked up reversed; port allocated on the flow's first packet from
@@ -19,9 +19,10 @@
 //!   problem) about translated flows are translated like IPv4's (quoted tuple reversed → the
 //!   flow's entry); other ICMPv6 (echo, neighbour discovery) passes unchanged.
 //!
-//! Checksums: IPv6 has no header checksum. The L4 checksum (TCP, UDP, and ICMPv6, whose
-//! checksum covers the pseudo header too) is updated with `l4_csum_replace` one 32-bit address
-//! word at a time with `BPF_F_PSEUDO_HDR` (correct for CHECKSUM_PARTIAL skbs), ports plain.
+//! Checksums: IPv6 has no header checksum. A translated flow's TCP/UDP checksum is updated in
+//! place unless the skb is `CHECKSUM_COMPLETE` ([`crate::skb_csum`]); then, and for ICMPv6
+//! (whose checksum covers the pseudo header too), with `l4_csum_replace` one 32-bit address
+//! word at a time with `BPF_F_PSEUDO_HDR`, ports plain.
 //!
 //! Not handled (passed unchanged, see [`crate::packet6`]): packets with extension headers
 //! (fragments included), ICMPv6 errors whose quoted packet has extension headers. Session
@@ -46,9 +47,10 @@ use crate::flow::{
     in_snat_range, now, touch_in,
 };
 use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
-use crate::packet::{ETH_HLEN, at, fold};
+use crate::packet::{ETH_HLEN, at, csum_replace2, fold, l4_check_word};
 use crate::packet6::is_ipv6;
 use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
+use crate::skb_csum::{CHECKSUM_COMPLETE, CHECKSUM_PARTIAL, ip_summed};
 use crate::tc::{
     DROP, IcmpErrors, NEXT, Verdict, bounce, icmp_error, parse_pulled, reset_tcp_header, stat,
 };
@@ -166,14 +168,52 @@ fn rewrite6(
         (p.saddr, p.sport, IP6_SADDR, L4)
     };
     let ports = old_port != port;
-    let (csum, flags) = l4_csum(p.proto);
-    csum_addr(ctx, csum, &old_addr, addr, flags | BPF_F_PSEUDO_HDR as u64)?;
-    if ports {
-        ctx.l4_csum_replace(csum, old_port as u64, port as u64, flags | 2)
-            .map_err(|_| ())?;
-        let pp = at::<u16>(ctx.data(), ctx.data_end(), port_off).ok_or(())?;
-        // SAFETY: bounds-checked by `at`.
-        unsafe { *pp = port };
+    let summed = ip_summed(ctx);
+    let l4 = p.proto == PROTO_TCP || p.proto == PROTO_UDP;
+    if l4 && summed != CHECKSUM_COMPLETE {
+        // In place (see `crate::skb_csum`); one bounds check for the whole header.
+        let (data, end) = (ctx.data(), ctx.data_end());
+        let (h, check) = if p.proto == PROTO_TCP {
+            let h = at::<[u16; 9]>(data, end, L4).ok_or(())? as *mut u16;
+            // SAFETY: offset 16 of a checked 18-byte header.
+            (h, unsafe { h.add(8) })
+        } else {
+            let h = at::<[u16; 4]>(data, end, L4).ok_or(())? as *mut u16;
+            // SAFETY: offset 6 of a checked 8-byte header.
+            (h, unsafe { h.add(3) })
+        };
+        let partial = summed == CHECKSUM_PARTIAL;
+        let udp = p.proto == PROTO_UDP;
+        // SAFETY: bounds-checked above.
+        unsafe {
+            let mut v = *check;
+            if !(udp && v == 0) {
+                let mut i = 0;
+                while i < 4 {
+                    if old_addr[i] != addr[i] {
+                        v = l4_check_word(v, partial, old_addr[i], addr[i]);
+                    }
+                    i += 1;
+                }
+                if ports && !partial {
+                    v = csum_replace2(v, old_port, port);
+                }
+                *check = if udp && v == 0 { 0xffff } else { v };
+            }
+            if ports {
+                *h.add(if dst { 1 } else { 0 }) = port;
+            }
+        }
+    } else {
+        let (csum, flags) = l4_csum(p.proto);
+        csum_addr(ctx, csum, &old_addr, addr, flags | BPF_F_PSEUDO_HDR as u64)?;
+        if ports {
+            ctx.l4_csum_replace(csum, old_port as u64, port as u64, flags | 2)
+                .map_err(|_| ())?;
+            let pp = at::<u16>(ctx.data(), ctx.data_end(), port_off).ok_or(())?;
+            // SAFETY: bounds-checked by `at`.
+            unsafe { *pp = port };
+        }
     }
     if old_addr != *addr {
         store_addr(ctx, addr_off, addr)?;
@@ -195,9 +235,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    let Some(cluster) = service_entry(p.daddr, p.dport, p.proto, SCOPE_CLUSTER) else {
-        return Ok(NEXT);
-    };
+    // Established first, as in `crate::tc` (see its module docs).
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
         touch_in::<V6>(e, p.tcp_flags);
         // SAFETY: as above.
@@ -206,6 +244,9 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
+    let Some(cluster) = service_entry(p.daddr, p.dport, p.proto, SCOPE_CLUSTER) else {
+        return Ok(NEXT);
+    };
     let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, &cluster) else {
         return Ok(NEXT);
     };

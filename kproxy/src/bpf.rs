@@ -8,6 +8,8 @@
 //! Attaching resolves the interface in the calling thread's network namespace (tests switch a
 //! dedicated thread with `setns`); the links live as long as the owning [`aya::Ebpf`].
 
+use std::path::Path;
+
 use aya::Ebpf;
 use aya::maps::{MapError, PerCpuArray};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode};
@@ -48,6 +50,86 @@ pub enum BpfError {
     },
 }
 
+/// The object to load: [`OBJECT`] with its `struct sk_buff` reads completed for the running
+/// kernel (`kproxy_common::skb`; [`complete_object`]), computed once.
+pub fn object() -> &'static [u8] {
+    static COMPLETED: std::sync::OnceLock<(Vec<u64>, usize)> = std::sync::OnceLock::new();
+    let (words, len) = COMPLETED.get_or_init(|| {
+        let site = match skb_site(Path::new(crate::btf::VMLINUX)) {
+            Ok(site) => Some(site),
+            Err(reason) => {
+                tracing::warn!(
+                    %reason,
+                    "the TC programs cannot read the packet's checksum state; they update \
+                     L4 checksums with kernel helpers (correct, slower)"
+                );
+                None
+            }
+        };
+        let mut bytes = OBJECT.to_vec();
+        if let Err(e) = complete_object(&mut bytes, site) {
+            // Cannot happen with the object built from this tree (a unit test checks it);
+            // loading then fails on the placeholders with the verifier's message.
+            tracing::error!(error = %e, "completing the BPF object");
+        }
+        // Kept in u64 words: the ELF parser wants the object 8-byte aligned.
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            *w = u64::from_ne_bytes(b);
+        }
+        (words, bytes.len())
+    });
+    // SAFETY: `words` lives for the program's life and holds at least `len` bytes.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *len) }
+}
+
+/// The kfunc id and `ip_summed`'s byte offset and shift from the kernel BTF at `vmlinux`.
+fn skb_site(vmlinux: &Path) -> Result<(i32, i16, i32), String> {
+    use kproxy_common::skb::{KFUNC_CAST_TO_KERN_CTX, SKB_IP_SUMMED, SKB_STRUCT};
+    let btf = crate::btf::Btf::read(vmlinux).map_err(|e| e.to_string())?;
+    let id = btf
+        .func_id(KFUNC_CAST_TO_KERN_CTX)
+        .ok_or_else(|| format!("the kernel has no kfunc {KFUNC_CAST_TO_KERN_CTX} (needs ≥ 6.3)"))?;
+    let bits = btf
+        .member_bits(SKB_STRUCT, SKB_IP_SUMMED)
+        .ok_or_else(|| format!("the kernel's struct {SKB_STRUCT} has no {SKB_IP_SUMMED}"))?;
+    let shift = bits.bit_offset % 8;
+    if bits.bits != 2 || shift + bits.bits > 8 {
+        return Err(format!(
+            "{SKB_STRUCT}.{SKB_IP_SUMMED} is not a 2-bit field in one byte"
+        ));
+    }
+    let off = i16::try_from(bits.bit_offset / 8).map_err(|_| "offset out of range".to_string())?;
+    let id = i32::try_from(id).map_err(|_| "BTF id out of range".to_string())?;
+    Ok((id, off, shift as i32))
+}
+
+/// Replaces the placeholder instructions of `kproxy_common::skb` in `object` (an ELF whose
+/// code sections are 8-byte aligned, as every BPF object's are) by `site`'s (kfunc id,
+/// `ip_summed` byte offset, bit shift), or by the helpers-only fallback for `None`. Returns
+/// how many reads were completed; every placeholder must belong to a complete read.
+pub fn complete_object(object: &mut [u8], site: Option<(i32, i16, i32)>) -> Result<usize, String> {
+    use kproxy_common::skb::{CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER, completed};
+    let placeholders = [CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER];
+    let with = completed(site);
+    let mut counts = [0usize; 3];
+    for chunk in object.chunks_exact_mut(8) {
+        let insn = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+        if let Some(i) = placeholders.iter().position(|&p| p == insn) {
+            chunk.copy_from_slice(&with[i].to_le_bytes());
+            counts[i] += 1;
+        }
+    }
+    if counts[0] != counts[1] || counts[1] != counts[2] {
+        return Err(format!(
+            "unmatched ip_summed placeholders in the BPF object (call/load/shift: {counts:?})"
+        ));
+    }
+    Ok(counts[0])
+}
+
 /// Whether this binary carries a real BPF object (false when built with `AYA_BUILD_SKIP=1`).
 pub fn is_built() -> bool {
     !OBJECT.is_empty()
@@ -57,7 +139,7 @@ pub fn is_built() -> bool {
 /// users). Needs CAP_BPF (root). The object's pinned maps (service maps, conntrack) go to
 /// `/sys/fs/bpf`, which must be a mounted bpffs; see [`load_with_pins`].
 pub fn load() -> Result<Ebpf, BpfError> {
-    load_object(OBJECT)
+    load_object(object())
 }
 
 /// Like [`load`], with the object's pinned maps in `map_pin_dir` (a directory on a bpffs; maps
@@ -68,7 +150,7 @@ pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Ebpf, BpfError> {
     }
     Ok(aya::EbpfLoader::new()
         .default_map_pin_directory(map_pin_dir)
-        .load(OBJECT)?)
+        .load(object())?)
 }
 
 fn load_object(object: &[u8]) -> Result<Ebpf, BpfError> {
@@ -186,6 +268,37 @@ mod tests {
     use super::*;
 
     const EM_BPF: u16 = 247;
+
+    /// Every `ip_summed` read of the built object is completed, for a kernel site and for the
+    /// fallback, and no placeholder is left.
+    #[test]
+    fn object_reads_are_completed() {
+        use kproxy_common::skb::{CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER};
+        if !is_built() {
+            eprintln!("skipped: built with AYA_BUILD_SKIP=1, there is no BPF object to inspect");
+            return;
+        }
+        let left = |o: &[u8]| {
+            o.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .filter(|i| [CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER].contains(i))
+                .count()
+        };
+        assert!(left(OBJECT) > 0, "the object reads ip_summed somewhere");
+        for site in [Some((1234, 128, 5)), None] {
+            let mut o = OBJECT.to_vec();
+            let n = complete_object(&mut o, site).unwrap();
+            assert_eq!(n * 3, left(OBJECT), "{site:?}");
+            assert_eq!(left(&o), 0, "{site:?}");
+        }
+        let mut broken = OBJECT.to_vec();
+        let at = broken
+            .chunks_exact(8)
+            .position(|c| u64::from_le_bytes(c.try_into().unwrap()) == LOAD_PLACEHOLDER)
+            .unwrap();
+        broken[at * 8..at * 8 + 8].copy_from_slice(&0u64.to_le_bytes());
+        assert!(complete_object(&mut broken, None).is_err());
+    }
 
     #[test]
     fn an_empty_object_is_reported_as_not_built() {

@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod bpf;
+pub mod btf;
 pub mod cli;
 pub mod config;
 pub mod conntrack;

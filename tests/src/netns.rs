@@ -241,6 +241,62 @@ impl Netns {
             .with_context(|| format!("netns {}: setting {key}={value}", self.name))
     }
 
+    /// Switches TX checksum offload of every interface but `lo` on or off (the ethtool
+    /// `ETHTOOL_STXCSUM` ioctl; the `ethtool` program is not installed here). Off, the stack
+    /// finishes a `CHECKSUM_PARTIAL` packet's checksum in software when it leaves, from what
+    /// the field holds by then, and sends finished checksums itself.
+    pub fn set_tx_checksum(&self, on: bool) -> anyhow::Result<()> {
+        let links = self.ip(&["-o", "link", "show"])?;
+        let names: Vec<String> = links
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|n| n.split('@').next().unwrap_or(n).to_string())
+            .filter(|n| n != "lo")
+            .collect();
+        self.run(|| -> anyhow::Result<()> {
+            let sock = nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Inet,
+                nix::sys::socket::SockType::Datagram,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+                None,
+            )?;
+            for name in &names {
+                #[repr(C)]
+                struct EthtoolValue {
+                    cmd: u32,
+                    data: u32,
+                }
+                const ETHTOOL_STXCSUM: u32 = 0x17;
+                let mut value = EthtoolValue {
+                    cmd: ETHTOOL_STXCSUM,
+                    data: u32::from(on),
+                };
+                // SAFETY: a zeroed ifreq with the name and a pointer to `value`, which
+                // outlives the call.
+                let rc = unsafe {
+                    let mut req: libc::ifreq = std::mem::zeroed();
+                    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes().take(15)) {
+                        *d = s as libc::c_char;
+                    }
+                    req.ifr_ifru.ifru_data = (&mut value as *mut EthtoolValue).cast();
+                    libc::ioctl(
+                        std::os::fd::AsRawFd::as_raw_fd(&sock),
+                        libc::SIOCETHTOOL,
+                        &mut req,
+                    )
+                };
+                if rc != 0 {
+                    bail!(
+                        "{name}: ETHTOOL_STXCSUM: {}",
+                        std::io::Error::last_os_error()
+                    );
+                }
+            }
+            Ok(())
+        })?
+        .with_context(|| format!("netns {}: TX checksum offload {on}", self.name))
+    }
+
     /// Disables IPv6 on every current and future interface, so links stay silent (no DAD,
     /// router or multicast-listener packets) unless the test sends something.
     pub fn disable_ipv6(&self) -> anyhow::Result<()> {

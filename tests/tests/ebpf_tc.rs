@@ -416,3 +416,39 @@ fn restart_reuses_pinned_links_and_keeps_established_flows() {
     assert!(status.success(), "long-lived connection broke: {last}");
     assert!(last.contains("\"exchanges\""), "{last}");
 }
+
+/// Translated checksums are right whatever state the skb is in (`kproxy-ebpf/src/skb_csum.rs`
+/// updates them in place unless the skb is `CHECKSUM_COMPLETE`). Through veth, packets keep
+/// the sender's state and receivers trust a `CHECKSUM_PARTIAL` field without checking it, so
+/// the test makes the node finish checksums in software: with TX checksum offload off on its
+/// devices, every translated packet leaving the node gets its final checksum computed from
+/// what TC left in the field, and the pods and the client verify it (a wrong one is dropped
+/// and the probe fails).
+/// 1. The client sends `CHECKSUM_PARTIAL` packets (offload on): TC updates only the
+///    pseudo-header part.
+/// 2. The client finishes its checksums too (offload off): TC updates the whole checksum.
+#[test]
+fn translated_checksums_hold_in_every_skb_state() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("tc-csum");
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![
+            (service("web", Protocol::Tcp), both_pods()),
+            (service("web", Protocol::Udp), both_pods()),
+        ],
+    ));
+    rig.topo.node.set_tx_checksum(false).unwrap();
+    rig.topo
+        .node2
+        .as_ref()
+        .expect("the rig has a remote node")
+        .set_tx_checksum(false)
+        .unwrap();
+    let addr = format!("{NODE_IP}:{NODE_PORT}");
+    rig.assert_both_backends(&addr, NODE_LINK_IP.into(), CLIENT_IP.into());
+    rig.topo.client.set_tx_checksum(false).unwrap();
+    rig.assert_both_backends(&addr, NODE_LINK_IP.into(), CLIENT_IP.into());
+}

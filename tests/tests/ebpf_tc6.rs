@@ -278,3 +278,33 @@ fn ipv6_hairpin_pod_reaches_its_own_service_through_the_nodeport() {
     assert_eq!(r.total_answers(), 30, "{r:?}");
     assert_eq!(r.answers.len(), 2, "itself and the remote pod: {r:?}");
 }
+
+/// IPv6 twin of `ebpf_tc::translated_checksums_hold_in_every_skb_state`: with TX checksum
+/// offload off on the node (then on the client too), every translated packet's checksum is
+/// finished in software from what TC left in it and verified by its receiver —
+/// `CHECKSUM_PARTIAL` packets first, then ones the client finished itself.
+#[test]
+fn ipv6_translated_checksums_hold_in_every_skb_state() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::dual_stack("tc6-csum");
+    rig.sync(&snapshot(
+        node_ips(),
+        vec![
+            (service6("web", Protocol::Tcp, 0), both_pods()),
+            (service6("web", Protocol::Udp, 0), both_pods()),
+        ],
+    ));
+    rig.topo.node.set_tx_checksum(false).unwrap();
+    rig.topo
+        .node2
+        .as_ref()
+        .expect("the rig has a remote node")
+        .set_tx_checksum(false)
+        .unwrap();
+    let addr = at(NODE_IP6, NODE_PORT);
+    rig.assert_both_backends(&addr, NODE_LINK_IP6.into(), CLIENT_IP6.into());
+    rig.topo.client.set_tx_checksum(false).unwrap();
+    rig.assert_both_backends(&addr, NODE_LINK_IP6.into(), CLIENT_IP6.into());
+}

@@ -93,7 +93,7 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         loader.map_max_entries(map, 16);
     }
     let mut ebpf = loader
-        .load(crate::bpf::OBJECT)
+        .load(crate::bpf::object())
         .map_err(|e| format!("loading the BPF object: {}", chain(&e)))?;
     for name in [PROG_TC_INGRESS, PROG_TC6_INGRESS] {
         let tc: &mut SchedClassifier = ebpf

@@ -149,7 +149,7 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         .map_max_entries(MAP_CT6, sizes.ct)
         .map_max_entries(MAP_MAGLEV, maglev_entries)
         .map_max_entries(MAP_MAGLEV_REF, maglev_refs)
-        .load(OBJECT)
+        .load(crate::bpf::object())
         .map_err(BpfError::from)?;
 
     // Owned handles on the pinned maps, independent of the object's own map table.

@@ -110,7 +110,7 @@ pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcErro
         .default_map_pin_directory(map_pin_dir)
         .map_max_entries(MAP_CT, config.ct_entries)
         .map_max_entries(MAP_CT6, config.ct_entries)
-        .load(crate::bpf::OBJECT)
+        .load(crate::bpf::object())
         .map_err(|e| TcError::Config {
             field: "BPF object",
             reason: format!("loading with maps pinned in {}: {e}", map_pin_dir.display()),

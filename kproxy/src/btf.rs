@@ -1,0 +1,282 @@
+//! A minimal reader of the kernel's BTF (`/sys/kernel/btf/vmlinux`): the two facts the BPF
+//! object needs completed before loading (`kproxy_common::skb`) — the BTF id of a kernel
+//! function and the bit position of a struct member, looked up through anonymous
+//! struct/union members as C does. aya 0.14 parses BTF but does not expose struct members.
+//!
+//! Format: `Documentation/bpf/btf.rst` (header, type section, string section; native byte
+//! order; type ids start at 1).
+
+use std::path::Path;
+
+/// The kernel's BTF.
+pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+const MAGIC: u16 = 0xeb9f;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+const KIND_FUNC: u32 = 12;
+
+/// Errors of reading BTF.
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error("reading {path}: {error}")]
+    Read { path: String, error: std::io::Error },
+    #[error("malformed BTF: {0}")]
+    Malformed(&'static str),
+    #[error("BTF kind {kind} of type {id} is unknown")]
+    UnknownKind { kind: u32, id: u32 },
+}
+
+/// One member of a struct or union.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    name: u32,
+    ty: u32,
+    /// Bit offset from the start of the enclosing type.
+    bit_offset: u32,
+    /// 0: not a bitfield.
+    bitfield_size: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Type {
+    name: u32,
+    kind: u32,
+    members: Vec<Member>,
+}
+
+/// Parsed BTF: every type's name, kind and (for structs and unions) members.
+pub struct Btf {
+    strings: Vec<u8>,
+    /// Index `id - 1`.
+    types: Vec<Type>,
+}
+
+/// Where a member lies: bit offset from the start of the outer struct, and width in bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemberBits {
+    pub bit_offset: u32,
+    pub bits: u32,
+}
+
+fn u32_at(b: &[u8], off: usize) -> Result<u32, BtfError> {
+    b.get(off..off + 4)
+        .map(|s| u32::from_ne_bytes([s[0], s[1], s[2], s[3]]))
+        .ok_or(BtfError::Malformed("truncated"))
+}
+
+impl Btf {
+    /// Reads and parses the BTF at `path`.
+    pub fn read(path: &Path) -> Result<Btf, BtfError> {
+        let bytes = std::fs::read(path).map_err(|error| BtfError::Read {
+            path: path.display().to_string(),
+            error,
+        })?;
+        Btf::parse(&bytes)
+    }
+
+    /// Parses raw BTF (a `.BTF` section or `/sys/kernel/btf/vmlinux`).
+    pub fn parse(b: &[u8]) -> Result<Btf, BtfError> {
+        if b.len() < 24 || u16::from_ne_bytes([b[0], b[1]]) != MAGIC {
+            return Err(BtfError::Malformed("bad magic"));
+        }
+        let hdr_len = u32_at(b, 4)? as usize;
+        let (type_off, type_len) = (u32_at(b, 8)? as usize, u32_at(b, 12)? as usize);
+        let (str_off, str_len) = (u32_at(b, 16)? as usize, u32_at(b, 20)? as usize);
+        let section = |off: usize, len: usize| {
+            b.get(hdr_len + off..hdr_len + off + len)
+                .ok_or(BtfError::Malformed("section out of bounds"))
+        };
+        let t = section(type_off, type_len)?;
+        let strings = section(str_off, str_len)?.to_vec();
+        let mut types = Vec::new();
+        let mut pos = 0usize;
+        while pos < t.len() {
+            let id = types.len() as u32 + 1;
+            let name = u32_at(t, pos)?;
+            let info = u32_at(t, pos + 4)?;
+            let (kind, vlen, kind_flag) = ((info >> 24) & 0x1f, info & 0xffff, info >> 31);
+            pos += 12;
+            let vlen = vlen as usize;
+            let mut members = Vec::new();
+            let extra = match kind {
+                // INT: one u32; ARRAY: 12 bytes; VAR and DECL_TAG: one u32.
+                1 | 14 | 17 => 4,
+                3 => 12,
+                KIND_STRUCT | KIND_UNION => {
+                    for m in 0..vlen {
+                        let at = pos + m * 12;
+                        let offset = u32_at(t, at + 8)?;
+                        let (bit_offset, bitfield_size) = if kind_flag == 1 {
+                            (offset & 0x00ff_ffff, offset >> 24)
+                        } else {
+                            (offset, 0)
+                        };
+                        members.push(Member {
+                            name: u32_at(t, at)?,
+                            ty: u32_at(t, at + 4)?,
+                            bit_offset,
+                            bitfield_size,
+                        });
+                    }
+                    vlen * 12
+                }
+                // ENUM, FUNC_PROTO: 8 bytes per entry; DATASEC, ENUM64: 12.
+                6 | 13 => vlen * 8,
+                15 | 19 => vlen * 12,
+                // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG.
+                2 | 7..=12 | 16 | 18 => 0,
+                kind => return Err(BtfError::UnknownKind { kind, id }),
+            };
+            pos += extra;
+            types.push(Type {
+                name,
+                kind,
+                members,
+            });
+        }
+        if pos != t.len() {
+            return Err(BtfError::Malformed("type section overrun"));
+        }
+        Ok(Btf { strings, types })
+    }
+
+    fn name(&self, off: u32) -> &[u8] {
+        let s = self.strings.get(off as usize..).unwrap_or_default();
+        &s[..s.iter().position(|&c| c == 0).unwrap_or(s.len())]
+    }
+
+    fn find(&self, name: &str, kind: u32) -> Option<(u32, &Type)> {
+        self.types
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.kind == kind && self.name(t.name) == name.as_bytes())
+            .map(|(i, t)| (i as u32 + 1, t))
+    }
+
+    /// The id of the function `name` (BTF kind FUNC).
+    pub fn func_id(&self, name: &str) -> Option<u32> {
+        self.find(name, KIND_FUNC).map(|(id, _)| id)
+    }
+
+    /// Where member `member` of struct `strukt` lies, found directly or inside anonymous
+    /// struct/union members (C's anonymous member access).
+    pub fn member_bits(&self, strukt: &str, member: &str) -> Option<MemberBits> {
+        let (_, t) = self.find(strukt, KIND_STRUCT)?;
+        self.member_in(t, member.as_bytes(), 0, 0)
+    }
+
+    fn member_in(&self, t: &Type, member: &[u8], base: u32, depth: u32) -> Option<MemberBits> {
+        for m in &t.members {
+            if m.name != 0 {
+                if self.name(m.name) == member {
+                    return Some(MemberBits {
+                        bit_offset: base + m.bit_offset,
+                        bits: m.bitfield_size,
+                    });
+                }
+                continue;
+            }
+            // Anonymous: a struct or union whose members belong to the outer type.
+            let inner = self.types.get((m.ty as usize).checked_sub(1)?)?;
+            if depth < 8
+                && (inner.kind == KIND_STRUCT || inner.kind == KIND_UNION)
+                && let Some(found) = self.member_in(inner, member, base + m.bit_offset, depth + 1)
+            {
+                return Some(found);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// BTF with `struct outer { int a; union { struct { u8 x:3, y:2; }; }; }` and a FUNC `f`.
+    fn sample() -> Vec<u8> {
+        let strings = b"\0int\0outer\0a\0x\0y\0f\0".to_vec();
+        let (int, outer, a, x, y, f) = (1u32, 5, 11, 13, 15, 17);
+        let mut t: Vec<u32> = Vec::new();
+        // [1] INT "int" size 4, encoding word.
+        t.extend([int, 1 << 24, 4, 32]);
+        // [2] STRUCT (anon) with bitfields x (bit 0, 3 bits), y (bit 3, 2 bits); kind_flag.
+        t.extend([0, (1 << 31) | (4 << 24) | 2, 1]);
+        t.extend([x, 1, 3 << 24]);
+        t.extend([y, 1, (2 << 24) | 3]);
+        // [3] UNION (anon) holding [2].
+        t.extend([0, (5 << 24) | 1, 1]);
+        t.extend([0, 2, 0]);
+        // [4] STRUCT "outer": a at 0, the union at bit 32.
+        t.extend([outer, (4 << 24) | 2, 8]);
+        t.extend([a, 1, 0]);
+        t.extend([0, 3, 32]);
+        // [5] FUNC_PROTO (no params), [6] FUNC "f".
+        t.extend([0, 13 << 24, 1]);
+        t.extend([f, 12 << 24, 5]);
+        let types: Vec<u8> = t.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let mut b = Vec::new();
+        b.extend(MAGIC.to_ne_bytes());
+        b.extend([1u8, 0]);
+        for w in [
+            24u32,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
+            b.extend(w.to_ne_bytes());
+        }
+        b.extend(types);
+        b.extend(strings);
+        b
+    }
+
+    #[test]
+    fn finds_members_through_anonymous_unions_and_functions() {
+        let btf = Btf::parse(&sample()).unwrap();
+        assert_eq!(
+            btf.member_bits("outer", "a"),
+            Some(MemberBits {
+                bit_offset: 0,
+                bits: 0
+            })
+        );
+        assert_eq!(
+            btf.member_bits("outer", "y"),
+            Some(MemberBits {
+                bit_offset: 35,
+                bits: 2
+            })
+        );
+        assert_eq!(btf.member_bits("outer", "z"), None);
+        assert_eq!(btf.member_bits("inner", "x"), None);
+        assert_eq!(btf.func_id("f"), Some(6));
+        assert_eq!(btf.func_id("int"), None);
+    }
+
+    #[test]
+    fn malformed_btf_is_an_error() {
+        assert!(matches!(Btf::parse(b"nope"), Err(BtfError::Malformed(_))));
+        let mut b = sample();
+        b.truncate(b.len() - 30);
+        assert!(Btf::parse(&b).is_err());
+    }
+
+    /// The running kernel's BTF: `sk_buff.ip_summed` is a 2-bit field inside one byte and the
+    /// kfunc exists (kernel ≥ 6.3). Skipped where the kernel has no BTF.
+    #[test]
+    fn the_kernel_has_what_the_object_needs() {
+        let Ok(btf) = Btf::read(Path::new(VMLINUX)) else {
+            eprintln!("skipped: no readable {VMLINUX}");
+            return;
+        };
+        let bits = btf
+            .member_bits("sk_buff", "ip_summed")
+            .expect("sk_buff.ip_summed");
+        assert_eq!(bits.bits, 2);
+        assert!(bits.bit_offset % 8 + bits.bits <= 8, "{bits:?}");
+        assert!(btf.func_id("bpf_cast_to_kern_ctx").is_some());
+    }
+}
