@@ -75,6 +75,21 @@ impl PacketCount {
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for PacketCount {}
 
+/// Floor programs of the bench (`kproxy-ebpf/src/floor.rs`): what any connection-tracking
+/// datapath pays per packet, measured beside the TC service path. TC classifier: parses the
+/// IPv4 packet and looks its flow up in [`MAP_FLOOR_CT`] (the `Service` key of the TC path);
+/// returns `TC_ACT_OK` (0) on a hit, `TC_ACT_UNSPEC` (-1) otherwise.
+pub const PROG_FLOOR_CT_LOOKUP: &str = "kp_floor_ct_lookup";
+/// TC classifier: parses the IPv4 packet and inserts its flow's two entries (the `Service` and
+/// the reversed `RevDnat` key, as a new TC flow does) into [`MAP_FLOOR_CT`]; `TC_ACT_OK` when
+/// both were inserted.
+pub const PROG_FLOOR_CT_INSERT: &str = "kp_floor_ct_insert";
+/// LRU hash `CtKey` → `CtEntry` of the default connection-table size, private to each loaded
+/// object (not pinned).
+pub const MAP_FLOOR_CT: &str = "KP_FLOOR_CT";
+/// The floor programs.
+pub const FLOOR_PROGRAMS: [&str; 2] = [PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_CT_INSERT];
+
 #[cfg(test)]
 mod tests {
     use super::*;

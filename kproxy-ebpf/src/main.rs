@@ -24,6 +24,7 @@
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 mod counter;
+mod floor;
 mod flow;
 mod frontend;
 mod packet;

@@ -9,6 +9,8 @@
 //! dedicated thread with `setns`); the links live as long as the owning [`aya::Ebpf`].
 
 use std::path::Path;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use aya::Ebpf;
 use aya::maps::{MapError, PerCpuArray};
@@ -50,20 +52,44 @@ pub enum BpfError {
     },
 }
 
+/// [`object`], computed once: the completed object in u64 words (the ELF parser wants it
+/// 8-byte aligned), its length, and whether the checksum-state reads were completed.
+static COMPLETED: OnceLock<(Vec<u64>, usize, bool)> = OnceLock::new();
+/// Set by [`use_checksum_helpers_only`].
+static HELPERS_ONLY: AtomicBool = AtomicBool::new(false);
+
+/// Makes [`object`] take the helpers-only fallback of `kproxy_common::skb` even where the
+/// kernel supports the read (how the TC path behaves on a kernel without it; for tests).
+/// Returns false if the object was already completed, i.e. it is too late.
+pub fn use_checksum_helpers_only() -> bool {
+    HELPERS_ONLY.store(true, Ordering::SeqCst);
+    COMPLETED.get().is_none()
+}
+
+/// Whether the TC programs read the packets' checksum state (and update L4 checksums in
+/// place), as opposed to the helpers-only fallback.
+pub fn reads_checksum_state() -> bool {
+    object();
+    COMPLETED.get().is_some_and(|c| c.2)
+}
+
 /// The object to load: [`OBJECT`] with its `struct sk_buff` reads completed for the running
 /// kernel (`kproxy_common::skb`; [`complete_object`]), computed once.
 pub fn object() -> &'static [u8] {
-    static COMPLETED: std::sync::OnceLock<(Vec<u64>, usize)> = std::sync::OnceLock::new();
-    let (words, len) = COMPLETED.get_or_init(|| {
-        let site = match skb_site(Path::new(crate::btf::VMLINUX)) {
-            Ok(site) => Some(site),
-            Err(reason) => {
-                tracing::warn!(
-                    %reason,
-                    "the TC programs cannot read the packet's checksum state; they update \
-                     L4 checksums with kernel helpers (correct, slower)"
-                );
-                None
+    let (words, len, _) = COMPLETED.get_or_init(|| {
+        let site = if HELPERS_ONLY.load(Ordering::SeqCst) {
+            None
+        } else {
+            match skb_site(Path::new(crate::btf::VMLINUX)) {
+                Ok(site) => Some(site),
+                Err(reason) => {
+                    tracing::warn!(
+                        %reason,
+                        "the TC programs cannot read the packet's checksum state; they \
+                         update L4 checksums with kernel helpers (correct, slower)"
+                    );
+                    None
+                }
             }
         };
         let mut bytes = OBJECT.to_vec();
@@ -72,14 +98,13 @@ pub fn object() -> &'static [u8] {
             // loading then fails on the placeholders with the verifier's message.
             tracing::error!(error = %e, "completing the BPF object");
         }
-        // Kept in u64 words: the ELF parser wants the object 8-byte aligned.
         let mut words = vec![0u64; bytes.len().div_ceil(8)];
         for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
             let mut b = [0u8; 8];
             b[..chunk.len()].copy_from_slice(chunk);
             *w = u64::from_ne_bytes(b);
         }
-        (words, bytes.len())
+        (words, bytes.len(), site.is_some())
     });
     // SAFETY: `words` lives for the program's life and holds at least `len` bytes.
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *len) }
@@ -341,6 +366,18 @@ mod tests {
                 obj.maps.keys()
             );
         }
+        for name in kproxy_common::counter::FLOOR_PROGRAMS {
+            assert!(
+                obj.programs.contains_key(name),
+                "no program {name}: {:?}",
+                obj.programs.keys()
+            );
+        }
+        assert!(
+            obj.maps.contains_key(kproxy_common::counter::MAP_FLOOR_CT),
+            "{:?}",
+            obj.maps.keys()
+        );
         for name in kproxy_common::sock::PROGRAMS {
             assert!(
                 obj.programs.contains_key(name),

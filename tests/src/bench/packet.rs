@@ -132,22 +132,27 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                 .map_err(|e| format!("{e:#}")),
         ));
     }
-    let mut ids: Vec<(String, &'static str, u32, Option<&'static str>)> = vec![
-        (BASELINE.into(), "baseline", 0, None),
-        (COUNTER_TC.into(), "baseline", 0, None),
-        (BASELINE_SINGLE.into(), "baseline", 0, None),
+    // (id, mode, services, baseline, whether the per-packet target applies)
+    let mut ids: Vec<(String, &'static str, u32, Option<&'static str>, bool)> = vec![
+        (BASELINE.into(), "baseline", 0, None, false),
+        (COUNTER_TC.into(), "baseline", 0, None, false),
+        (BASELINE_SINGLE.into(), "baseline", 0, None, false),
     ];
     for &scale in &scales {
         if tc {
             for case in super::tc_path::CASES {
                 let base = super::tc_path::baseline(case);
-                ids.push((tc_id(case, scale), "ebpf", scale, Some(base)));
+                ids.push((tc_id(case, scale), "ebpf", scale, Some(base), true));
+            }
+            for case in super::tc_path::FLOOR_CASES {
+                let base = super::tc_path::baseline(case);
+                ids.push((tc_id(case, scale), "ebpf", scale, Some(base), false));
             }
         }
         if xdp {
             for case in super::tc_path::XDP_CASES {
                 let base = super::tc_path::xdp_baseline(case);
-                ids.push((xdp_id(case, scale), "ebpf", scale, Some(base)));
+                ids.push((xdp_id(case, scale), "ebpf", scale, Some(base), true));
             }
         }
     }
@@ -191,7 +196,10 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             let (scale, bench) = &mut benches[i];
             let Ok(bench) = bench else { continue };
             if tc {
-                for case in super::tc_path::CASES {
+                for case in super::tc_path::CASES
+                    .iter()
+                    .chain(&super::tc_path::FLOOR_CASES)
+                {
                     let n = if super::tc_path::single_run(case) {
                         runs
                     } else {
@@ -212,7 +220,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         .into_iter()
         .filter_map(|(scale, b)| b.err().map(|e| (scale, e)))
         .collect();
-    for (id, mode, services, baseline) in ids {
+    for (id, mode, services, baseline, targeted) in ids {
         if let Some(e) = setup_errors.get(&services).filter(|_| mode != "baseline") {
             results.unavailable(id, e);
             continue;
@@ -226,7 +234,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                 unit: "ns".into(),
                 samples,
                 baseline: baseline.map(String::from),
-                target: baseline.map(|_| target()),
+                target: targeted.then(target),
             }),
             Err(e) => results.unavailable(id, e),
         }

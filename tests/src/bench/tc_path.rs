@@ -45,6 +45,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context as _, bail};
 use aya::Ebpf;
+use aya::programs::SchedClassifier;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
@@ -52,12 +53,21 @@ use kproxy::dataplane::ebpf_tc::testrun::{run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
+use kproxy_common::counter::{FLOOR_PROGRAMS, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP};
 use nix::net::if_::if_nametoindex;
 
 use crate::netns::{Bpffs, Netns};
 
 /// The cases measured, in report order.
 pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
+
+/// Floors measured beside [`CASES`] (`kproxy-ebpf/src/floor.rs`, in the same object, with a
+/// connection table of the same types and size), no target of their own:
+/// - `floor-ct-lookup`: parse + one connection-table lookup that hits, `repeat` runs per test
+///   run — what `established` cannot go below (it adds the rewrite, timestamp and counter);
+/// - `floor-ct-insert`: parse + the two inserts of a new flow, one run per test run — the part
+///   of `new-flow` no choice of backend can avoid.
+pub const FLOOR_CASES: [&str; 2] = ["floor-ct-lookup", "floor-ct-insert"];
 
 /// The cases of the XDP program (`kp_xdp`) with its NodePort fast path, run inside a network
 /// namespace whose routes and neighbour entries let `bpf_fib_lookup` succeed (a test run's
@@ -97,7 +107,7 @@ fn cluster_ip(i: u32) -> Ipv4Addr {
 
 /// Whether `case` is measured one run per test run (else `repeat` runs per test run).
 pub fn single_run(case: &str) -> bool {
-    matches!(case, "new-flow" | "reverse-nat")
+    matches!(case, "new-flow" | "reverse-nat" | "floor-ct-insert")
 }
 
 /// The counter-program figure measured the way XDP case `case` is.
@@ -292,6 +302,13 @@ impl TcBench {
         let mut ebpf = load_object(&pins, &tc_cfg)?;
         let tc = TcPath::load(&mut ebpf, tc_cfg)?;
         XdpPath::load(&mut ebpf)?;
+        for name in FLOOR_PROGRAMS {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .with_context(|| format!("no program {name}"))?
+                .try_into()?;
+            prog.load()?;
+        }
         let xdp_ns = xdp_netns(services)?;
         let egress = xdp_ns.run(|| -> anyhow::Result<u32> {
             // Test runs arrive on `lo`; both it and the egress device are fast-path devices.
@@ -515,8 +532,41 @@ impl TcBench {
                     u32::from(addrs(f).1.0) & 0xffff_ff00 == u32::from(CLIENT) & 0xffff_ff00
                 })
             }
+            "floor-ct-insert" => {
+                let passes = passes.min(8);
+                let mut total = 0.0;
+                for _ in 0..passes {
+                    let frames = self.flow_frames(SYN);
+                    total += self.floor_runs(PROG_FLOOR_CT_INSERT, &frames, 1)?;
+                }
+                Ok(total / f64::from(passes))
+            }
+            "floor-ct-lookup" => {
+                let frames = self.flow_frames(SYN);
+                self.floor_runs(PROG_FLOOR_CT_INSERT, &frames, 1)?;
+                self.floor_runs(PROG_FLOOR_CT_LOOKUP, &frames, repeat)
+            }
             other => bail!("unknown TC case {other}"),
         }
+    }
+
+    /// Average ns per run of floor program `prog`, `repeat` runs per test run on each frame;
+    /// every test run must return `TC_ACT_OK` (inserted / found).
+    fn floor_runs(
+        &mut self,
+        prog: &'static str,
+        frames: &[Vec<u8>],
+        repeat: u32,
+    ) -> anyhow::Result<f64> {
+        let mut total = 0.0;
+        for f in frames {
+            let out = run(&mut self.ebpf, prog, f, repeat)?;
+            if out.verdict != 0 {
+                bail!("{prog}: verdict {} for {:?}", out.verdict, addrs(f));
+            }
+            total += out.duration.as_nanos() as f64;
+        }
+        Ok(total / frames.len() as f64)
     }
 }
 

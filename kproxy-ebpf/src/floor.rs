@@ -1,0 +1,54 @@
+//! Floor programs of the bench (`kproxy_common::counter::FLOOR_PROGRAMS`): the least a
+//! connection-tracking datapath does per packet, so `cargo xtask bench` can show how far the
+//! TC service path is above it, not only above the counter program. They parse the packet and
+//! build keys exactly as [`crate::tc`] does and touch a table of the same types and size;
+//! nothing else (no frontend lookup, rewrite, timestamps or counters). Never attached.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_UNSPEC},
+    macros::{classifier, map},
+    maps::LruHashMap,
+    programs::TcContext,
+};
+use kproxy_common::ct::{CtEntry, CtKind, DEFAULT_CT_ENTRIES};
+
+use crate::flow::{Family, V4, key};
+use crate::packet::{PARSE_LEN, parse};
+use crate::tc::parse_pulled;
+
+/// `kproxy_common::counter::MAP_FLOOR_CT`.
+#[map]
+static KP_FLOOR_CT: LruHashMap<kproxy_common::ct::CtKey, CtEntry> =
+    LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+
+/// `kproxy_common::counter::PROG_FLOOR_CT_LOOKUP`.
+#[classifier]
+pub fn kp_floor_ct_lookup(ctx: TcContext) -> i32 {
+    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+        return TC_ACT_UNSPEC;
+    };
+    if KP_FLOOR_CT.get_ptr_mut(key(&p, CtKind::Service)).is_some() {
+        TC_ACT_OK
+    } else {
+        TC_ACT_UNSPEC
+    }
+}
+
+/// `kproxy_common::counter::PROG_FLOOR_CT_INSERT`.
+#[classifier]
+pub fn kp_floor_ct_insert(ctx: TcContext) -> i32 {
+    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+        return TC_ACT_UNSPEC;
+    };
+    // SAFETY: plain-old-data entry of integers; all zero is a valid value.
+    let entry: CtEntry = unsafe { core::mem::zeroed() };
+    let forward = key(&p, CtKind::Service);
+    let reverse = V4::key(p.daddr, p.saddr, p.dport, p.sport, p.proto, CtKind::RevDnat);
+    if KP_FLOOR_CT.insert(forward, entry, 0).is_ok()
+        && KP_FLOOR_CT.insert(reverse, entry, 0).is_ok()
+    {
+        TC_ACT_OK
+    } else {
+        TC_ACT_UNSPEC
+    }
+}
