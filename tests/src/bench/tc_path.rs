@@ -30,16 +30,20 @@
 //!
 //! Reading the figures. Every scale gets its own datapath (bpffs, maps, a fresh connection
 //! table filled the same way), so the connection table is the same at every scale; what
-//! differs is the size of the service maps. A `new-flow` run is dominated by memory: each
-//! connection-table insert touches a bucket, its chain and a free element that are not in the
-//! cache (hundreds of ns each on the bench machine; removing one insert saved ≈ 25 % of the
-//! figure), and a new flow reads four service-map entries (frontend in both scopes, slot,
-//! backend) that stay cached when every flow goes to one service and are cold when the 256
-//! flows rotate over 100k services — the growth of `new-flow` from 1 to 100k services, not
-//! the connection table's fill (`reverse-nat`, one connection-table lookup per run, is flat).
-//! `established` and `miss` repeat one packet `repeat` times per test run, so all but its
-//! first run find their entries cached: they are flat by construction and time the
-//! instructions, not memory.
+//! differs is the size of the service maps. A `new-flow` run is dominated by memory: its two
+//! connection-table inserts (the `floor-ct-insert` figure: ≈ 0.9 µs here, flat) and the four
+//! service-map reads of a new flow (frontend in both scopes, slot, backend), which get slower
+//! as the maps grow (the elements of a 100k-service map are spread over ≈ 100 MB, so each
+//! read misses the caches and the TLB even when the same 256 services repeat) — the growth of
+//! `new-flow` from 1 to 100k services, not the connection table's fill (`reverse-nat`, one
+//! connection-table lookup per run, is flat). `established` and `miss` repeat one packet
+//! `repeat` times per test run, so all but its first run find their entries cached: they are
+//! flat by construction and time the instructions and kernel calls, not memory; `established`
+//! is one connection-table lookup (`floor-ct-lookup`) plus the rewrite.
+//!
+//! Kernel calls are the expensive instructions on this machine (see `kproxy-ebpf/src/tc.rs`),
+//! and their cost varies with the host: within one run, rounds of every figure that makes
+//! calls move together by up to 1.5× while the counter (no calls) stays put.
 
 use std::net::{IpAddr, Ipv4Addr};
 
