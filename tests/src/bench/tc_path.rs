@@ -33,8 +33,9 @@
 //! differs is the size of the service maps. A `new-flow` run is dominated by memory: its two
 //! connection-table inserts (the `floor-ct-insert` figure: ≈ 0.9 µs here, flat) and the four
 //! service-map reads of a new flow (frontend in both scopes, slot, backend), which get slower
-//! as the maps grow (the elements of a 100k-service map are spread over ≈ 100 MB, so each
-//! read misses the caches and the TLB even when the same 256 services repeat) — the growth of
+//! as the maps grow (at 100k services the frontend map is preallocated for 1M entries, tens
+//! of MB, so — our reading, not measured: no hardware counters in this VM — each read misses
+//! the TLB even when the same 256 services repeat) — the growth of
 //! `new-flow` from 1 to 100k services, not the connection table's fill (`reverse-nat`, one
 //! connection-table lookup per run, is flat). `established` and `miss` repeat one packet
 //! `repeat` times per test run, so all but its first run find their entries cached: they are
