@@ -230,6 +230,30 @@ impl Rig {
     /// `both_pods` as backends): every probe answered, both `pod-l0` and `pod-r0` answer, the
     /// remote backend sees `remote_peer` (the node's BPF SNAT address toward it) and the local
     /// one `local_peer` (the client).
+    /// [`Rig::assert_both_backends`] with every translated checksum finished in software and
+    /// verified by its receiver (through veth a receiver trusts a `CHECKSUM_PARTIAL` field
+    /// unchecked): TX checksum offload off on node and node2, so the node finishes each packet
+    /// it sends from what TC left in the field, while the client still sends
+    /// `CHECKSUM_PARTIAL` packets; then off on the client too, which finishes its own
+    /// (`CHECKSUM_NONE` on arrival).
+    pub fn assert_checksums_finished_in_software(
+        &self,
+        addr: &str,
+        remote_peer: IpAddr,
+        local_peer: IpAddr,
+    ) {
+        self.topo.node.set_tx_checksum(false).unwrap();
+        self.topo
+            .node2
+            .as_ref()
+            .expect("the rig has a remote node")
+            .set_tx_checksum(false)
+            .unwrap();
+        self.assert_both_backends(addr, remote_peer, local_peer);
+        self.topo.client.set_tx_checksum(false).unwrap();
+        self.assert_both_backends(addr, remote_peer, local_peer);
+    }
+
     pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) {
         for proto in ["tcp", "udp"] {
             let p = if proto == "tcp" {
