@@ -84,9 +84,13 @@ pub const PROG_FLOOR_CT_LOOKUP: &str = "kp_floor_ct_lookup";
 /// the reversed `RevDnat` key, as a new TC flow does) into [`MAP_FLOOR_CT`]; `TC_ACT_OK` when
 /// both were inserted.
 pub const PROG_FLOOR_CT_INSERT: &str = "kp_floor_ct_insert";
-/// LRU hash `CtKey` → `CtEntry` of the default connection-table size, private to each loaded
-/// object (not pinned).
+/// LRU hash `CtKey` → `CtEntry`, private to each loaded object (not pinned). The object
+/// declares it with [`FLOOR_CT_OBJECT_ENTRIES`] so that the agent's loads of the object do
+/// not allocate a connection table's worth of kernel memory for it; the bench gives it the
+/// connection table's size when it loads the object for the floors.
 pub const MAP_FLOOR_CT: &str = "KP_FLOOR_CT";
+/// The size [`MAP_FLOOR_CT`] is declared with.
+pub const FLOOR_CT_OBJECT_ENTRIES: u32 = 64;
 /// The floor programs.
 pub const FLOOR_PROGRAMS: [&str; 2] = [PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_CT_INSERT];
 

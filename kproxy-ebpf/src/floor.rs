@@ -10,16 +10,17 @@ use aya_ebpf::{
     maps::LruHashMap,
     programs::TcContext,
 };
-use kproxy_common::ct::{CtEntry, CtKind, DEFAULT_CT_ENTRIES};
+use kproxy_common::counter::FLOOR_CT_OBJECT_ENTRIES;
+use kproxy_common::ct::{CtEntry, CtKind};
 
 use crate::flow::{Family, V4, key};
 use crate::packet::{PARSE_LEN, parse};
 use crate::tc::parse_pulled;
 
-/// `kproxy_common::counter::MAP_FLOOR_CT`.
+/// `kproxy_common::counter::MAP_FLOOR_CT` (small as declared; the bench sizes it).
 #[map]
 static KP_FLOOR_CT: LruHashMap<kproxy_common::ct::CtKey, CtEntry> =
-    LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+    LruHashMap::with_max_entries(FLOOR_CT_OBJECT_ENTRIES, 0);
 
 /// `kproxy_common::counter::PROG_FLOOR_CT_LOOKUP`.
 #[classifier]

@@ -49,8 +49,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context as _, bail};
-use aya::Ebpf;
 use aya::programs::SchedClassifier;
+use aya::{Ebpf, EbpfLoader};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
@@ -58,7 +58,11 @@ use kproxy::dataplane::ebpf_tc::testrun::{run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
-use kproxy_common::counter::{FLOOR_PROGRAMS, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP};
+use kproxy_common::counter::{
+    FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP,
+};
+use kproxy_common::ct::MAP_CT;
+use kproxy_common::ct6::MAP_CT6;
 use nix::net::if_::if_nametoindex;
 
 use crate::netns::{Bpffs, Netns};
@@ -208,8 +212,10 @@ fn addrs(frame: &[u8]) -> ((Ipv4Addr, u16), (Ipv4Addr, u16)) {
 
 /// The TC path with `services` services programmed.
 pub struct TcBench {
-    // Drop order: the TC object, the dataplane (its maps), then the bpffs.
+    // Drop order: the TC object and the floors' instance, the dataplane (its maps), then the
+    // bpffs.
     ebpf: Ebpf,
+    floor: Ebpf,
     _tc: TcPath,
     _dp: EbpfDataplane,
     _bpffs: Bpffs,
@@ -311,8 +317,17 @@ impl TcBench {
         let mut ebpf = load_object(&pins, &tc_cfg)?;
         let tc = TcPath::load(&mut ebpf, tc_cfg)?;
         XdpPath::load(&mut ebpf)?;
+        // The floors run from an instance of their own, whose floor table gets the
+        // connection table's size (the object declares it small, see `MAP_FLOOR_CT`).
+        let mut floor = EbpfLoader::new()
+            .default_map_pin_directory(&pins)
+            .map_max_entries(MAP_FLOOR_CT, ct_entries)
+            .map_max_entries(MAP_CT, ct_entries)
+            .map_max_entries(MAP_CT6, ct_entries)
+            .load(kproxy::bpf::object())
+            .context("loading the object for the floor programs")?;
         for name in FLOOR_PROGRAMS {
-            let prog: &mut SchedClassifier = ebpf
+            let prog: &mut SchedClassifier = floor
                 .program_mut(name)
                 .with_context(|| format!("no program {name}"))?
                 .try_into()?;
@@ -328,6 +343,7 @@ impl TcBench {
         TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER), (egress, NODE_INNER)])?;
         Ok(TcBench {
             ebpf,
+            floor,
             _tc: tc,
             _dp: dp,
             _bpffs: bpffs,
@@ -569,7 +585,7 @@ impl TcBench {
     ) -> anyhow::Result<f64> {
         let mut total = 0.0;
         for f in frames {
-            let out = run(&mut self.ebpf, prog, f, repeat)?;
+            let out = run(&mut self.floor, prog, f, repeat)?;
             if out.verdict != 0 {
                 bail!("{prog}: verdict {} for {:?}", out.verdict, addrs(f));
             }
