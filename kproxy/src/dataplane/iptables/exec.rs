@@ -194,31 +194,8 @@ impl ExecIptables {
     /// xtables lock was not free within the wait, is an error — not "absent" (else a check
     /// during a long restore would look like a flush).
     fn exists(&self, table: &str, args: &[&str]) -> Result<bool, IptablesError> {
-        let prog = tool(self.family, self.flavor, "");
-        let mut all = vec!["-w", LOCK_WAIT_SECONDS, "-t", table];
-        all.extend_from_slice(args);
-        let op = || format!("{prog} {}", all.join(" "));
-        let out = self
-            .runner
-            .command(&prog)
-            .args(&all)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-            .map_err(|e| IptablesError::new(op(), e.to_string()))?;
-        match out.status.code() {
-            Some(0) => Ok(true),
-            Some(1 | 2) => Ok(false),
-            _ => Err(IptablesError::new(
-                op(),
-                format!(
-                    "{}: {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            )),
-        }
+        let (code, _) = self.query(table, args, false, &[0, 1, 2])?;
+        Ok(code == 0)
     }
 
     /// Whether `chain` holds the rule `args`, read from `iptables -S chain` (exit 1: the chain
@@ -233,26 +210,46 @@ impl ExecIptables {
         chain: &str,
         args: &[String],
     ) -> Result<bool, IptablesError> {
+        let (code, stdout) = self.query(table, &["-S", chain], true, &[0, 1])?;
+        if code != 0 {
+            return Ok(false);
+        }
+        let want = normalize_rule(&format!("-A {chain} {}", args.join(" ")));
+        Ok(String::from_utf8_lossy(&stdout)
+            .lines()
+            .any(|l| normalize_rule(l) == want))
+    }
+
+    /// Runs a read-only query (`iptables -w N -t table args…`, stdin closed, stdout captured
+    /// when `stdout`) and returns its exit code and output. A failure to run it, or an exit
+    /// code not in `answers` (the codes that are an answer, not a failure), is an error naming
+    /// the command, its status and stderr.
+    fn query(
+        &self,
+        table: &str,
+        args: &[&str],
+        stdout: bool,
+        answers: &[i32],
+    ) -> Result<(i32, Vec<u8>), IptablesError> {
         let prog = tool(self.family, self.flavor, "");
-        let all = ["-w", LOCK_WAIT_SECONDS, "-t", table, "-S", chain];
+        let mut all = vec!["-w", LOCK_WAIT_SECONDS, "-t", table];
+        all.extend_from_slice(args);
         let op = || format!("{prog} {}", all.join(" "));
         let out = self
             .runner
             .command(&prog)
-            .args(all)
+            .args(&all)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
+            .stdout(if stdout {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stderr(Stdio::piped())
             .output()
             .map_err(|e| IptablesError::new(op(), e.to_string()))?;
         match out.status.code() {
-            Some(0) => {
-                let want = normalize_rule(&format!("-A {chain} {}", args.join(" ")));
-                Ok(String::from_utf8_lossy(&out.stdout)
-                    .lines()
-                    .any(|l| normalize_rule(l) == want))
-            }
-            Some(1) => Ok(false),
+            Some(code) if answers.contains(&code) => Ok((code, out.stdout)),
             _ => Err(IptablesError::new(
                 op(),
                 format!(
