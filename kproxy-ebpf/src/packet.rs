@@ -173,27 +173,29 @@ pub fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
     !fold(s)
 }
 
-/// The L4 (TCP/UDP) checksum field `check` after the packet's address changed `addrs` (old,
-/// new; part of the pseudo header) and its port `ports` (old, new), computed in place — for
-/// any skb but a `CHECKSUM_COMPLETE` one ([`crate::skb_csum`]). `partial`: the skb is
-/// `CHECKSUM_PARTIAL`, so the field holds the folded pseudo-header sum (not complemented)
-/// the device completes: only the address enters it. `udp`: a zero field means "no
-/// checksum" and stays zero, and a computed zero is sent as 0xffff (RFC 768), as the
-/// kernel's `BPF_F_MARK_MANGLED_0` does.
+/// The L4 (TCP/UDP) checksum field `check` after the packet's address words changed
+/// (`addrs`: old, new pairs, one for IPv4, four for IPv6; part of the pseudo header) and its
+/// port `ports` (old, new), computed in place — for any skb but a `CHECKSUM_COMPLETE` one
+/// ([`crate::skb_csum`]). `partial`: the skb is `CHECKSUM_PARTIAL`, so the field holds the
+/// folded pseudo-header sum (not complemented) the device completes: only the addresses
+/// enter it. `udp`: a zero field means "no checksum" and stays zero, and a computed zero is
+/// sent as 0xffff (RFC 768), as the kernel's `BPF_F_MARK_MANGLED_0` does.
 #[inline(always)]
 pub fn l4_check_in_place(
     check: u16,
     udp: bool,
     partial: bool,
-    addrs: Option<(u32, u32)>,
+    addrs: &[(u32, u32)],
     ports: Option<(u16, u16)>,
 ) -> u16 {
     if udp && check == 0 {
         return 0;
     }
     let mut v = check;
-    if let Some((old, new)) = addrs {
-        v = l4_check_word(v, partial, old, new);
+    for &(old, new) in addrs {
+        if old != new {
+            v = l4_check_word(v, partial, old, new);
+        }
     }
     if let Some((old, new)) = ports
         && !partial

@@ -155,7 +155,6 @@ fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> 
             // SAFETY: offset 6 of a checked 8-byte header.
             unsafe { (at::<[u16; 4]>(data, end, p.l4).ok_or(())? as *mut u16).add(3) }
         };
-        let addrs = (old_addr != addr).then_some((old_addr, addr));
         let ports = ports.then_some((old_port, port));
         // SAFETY: bounds-checked above.
         unsafe {
@@ -163,7 +162,7 @@ fn rewrite(ctx: &mut TcContext, p: &Packet, dst: bool, addr: u32, port: u16) -> 
                 *check,
                 p.proto == PROTO_UDP,
                 summed == CHECKSUM_PARTIAL,
-                addrs,
+                &[(old_addr, addr)],
                 ports,
             );
         }

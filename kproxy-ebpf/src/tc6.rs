@@ -47,7 +47,7 @@ use crate::flow::{
     in_snat_range, now, touch_in,
 };
 use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
-use crate::packet::{ETH_HLEN, at, csum_replace2, fold, l4_check_word};
+use crate::packet::{ETH_HLEN, at, fold, l4_check_in_place};
 use crate::packet6::is_ipv6;
 use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
 use crate::skb_csum::{CHECKSUM_COMPLETE, CHECKSUM_PARTIAL, ip_summed};
@@ -182,24 +182,21 @@ fn rewrite6(
             // SAFETY: offset 6 of a checked 8-byte header.
             (h, unsafe { h.add(3) })
         };
-        let partial = summed == CHECKSUM_PARTIAL;
-        let udp = p.proto == PROTO_UDP;
+        let pairs = [
+            (old_addr[0], addr[0]),
+            (old_addr[1], addr[1]),
+            (old_addr[2], addr[2]),
+            (old_addr[3], addr[3]),
+        ];
         // SAFETY: bounds-checked above.
         unsafe {
-            let mut v = *check;
-            if !(udp && v == 0) {
-                let mut i = 0;
-                while i < 4 {
-                    if old_addr[i] != addr[i] {
-                        v = l4_check_word(v, partial, old_addr[i], addr[i]);
-                    }
-                    i += 1;
-                }
-                if ports && !partial {
-                    v = csum_replace2(v, old_port, port);
-                }
-                *check = if udp && v == 0 { 0xffff } else { v };
-            }
+            *check = l4_check_in_place(
+                *check,
+                p.proto == PROTO_UDP,
+                summed == CHECKSUM_PARTIAL,
+                &pairs,
+                ports.then_some((old_port, port)),
+            );
             if ports {
                 *h.add(if dst { 1 } else { 0 }) = port;
             }
