@@ -38,18 +38,16 @@ struct Member {
     bitfield_size: u32,
 }
 
-#[derive(Debug, Clone)]
-struct Type {
-    name: u32,
-    kind: u32,
-    members: Vec<Member>,
-}
-
-/// Parsed BTF: every type's name, kind and (for structs and unions) members.
+/// BTF indexed by type id: the raw bytes and where each type's record starts. Records are
+/// decoded when a lookup reads them (the kernel's BTF has ≈ 100k types; materialising all of
+/// them with their members cost ≈ 10 MB at agent start-up for two lookups).
 pub struct Btf {
-    strings: Vec<u8>,
-    /// Index `id - 1`.
-    types: Vec<Type>,
+    bytes: Vec<u8>,
+    /// The type and string sections: (start, end) in `bytes`.
+    types: (usize, usize),
+    strings: (usize, usize),
+    /// Offset in the type section of type `id`'s record, at index `id - 1`.
+    records: Vec<u32>,
 }
 
 /// Where a member lies: bit offset from the start of the outer struct, and width in bits.
@@ -65,6 +63,17 @@ fn u32_at(b: &[u8], off: usize) -> Result<u32, BtfError> {
         .ok_or(BtfError::Malformed("truncated"))
 }
 
+/// A record's fields: name offset, kind, member count (`vlen`), kind flag.
+fn header(t: &[u8], at: usize) -> Result<(u32, u32, usize, u32), BtfError> {
+    let info = u32_at(t, at + 4)?;
+    Ok((
+        u32_at(t, at)?,
+        (info >> 24) & 0x1f,
+        (info & 0xffff) as usize,
+        info >> 31,
+    ))
+}
+
 impl Btf {
     /// Reads and parses the BTF at `path`.
     pub fn read(path: &Path) -> Result<Btf, BtfError> {
@@ -72,86 +81,101 @@ impl Btf {
             path: path.display().to_string(),
             error,
         })?;
-        Btf::parse(&bytes)
+        Btf::parse(bytes)
     }
 
-    /// Parses raw BTF (a `.BTF` section or `/sys/kernel/btf/vmlinux`).
-    pub fn parse(b: &[u8]) -> Result<Btf, BtfError> {
+    /// Parses raw BTF (a `.BTF` section or `/sys/kernel/btf/vmlinux`): checks the header and
+    /// every record's extent, and indexes the records.
+    pub fn parse(bytes: impl Into<Vec<u8>>) -> Result<Btf, BtfError> {
+        let b: Vec<u8> = bytes.into();
         if b.len() < 24 || u16::from_ne_bytes([b[0], b[1]]) != MAGIC {
             return Err(BtfError::Malformed("bad magic"));
         }
-        let hdr_len = u32_at(b, 4)? as usize;
-        let (type_off, type_len) = (u32_at(b, 8)? as usize, u32_at(b, 12)? as usize);
-        let (str_off, str_len) = (u32_at(b, 16)? as usize, u32_at(b, 20)? as usize);
+        let hdr_len = u32_at(&b, 4)? as usize;
+        let (type_off, type_len) = (u32_at(&b, 8)? as usize, u32_at(&b, 12)? as usize);
+        let (str_off, str_len) = (u32_at(&b, 16)? as usize, u32_at(&b, 20)? as usize);
         let section = |off: usize, len: usize| {
-            b.get(hdr_len + off..hdr_len + off + len)
+            let start = hdr_len + off;
+            (start + len <= b.len())
+                .then_some((start, start + len))
                 .ok_or(BtfError::Malformed("section out of bounds"))
         };
-        let t = section(type_off, type_len)?;
-        let strings = section(str_off, str_len)?.to_vec();
-        let mut types = Vec::new();
+        let types = section(type_off, type_len)?;
+        let strings = section(str_off, str_len)?;
+        let t = &b[types.0..types.1];
+        let mut records = Vec::new();
         let mut pos = 0usize;
         while pos < t.len() {
-            let id = types.len() as u32 + 1;
-            let name = u32_at(t, pos)?;
-            let info = u32_at(t, pos + 4)?;
-            let (kind, vlen, kind_flag) = ((info >> 24) & 0x1f, info & 0xffff, info >> 31);
+            let id = records.len() as u32 + 1;
+            let (_, kind, vlen, _) = header(t, pos)?;
+            records.push(pos as u32);
             pos += 12;
-            let vlen = vlen as usize;
-            let mut members = Vec::new();
-            let extra = match kind {
+            pos += match kind {
                 // INT: one u32; ARRAY: 12 bytes; VAR and DECL_TAG: one u32.
                 1 | 14 | 17 => 4,
                 3 => 12,
-                KIND_STRUCT | KIND_UNION => {
-                    for m in 0..vlen {
-                        let at = pos + m * 12;
-                        let offset = u32_at(t, at + 8)?;
-                        let (bit_offset, bitfield_size) = if kind_flag == 1 {
-                            (offset & 0x00ff_ffff, offset >> 24)
-                        } else {
-                            (offset, 0)
-                        };
-                        members.push(Member {
-                            name: u32_at(t, at)?,
-                            ty: u32_at(t, at + 4)?,
-                            bit_offset,
-                            bitfield_size,
-                        });
-                    }
-                    vlen * 12
-                }
-                // ENUM, FUNC_PROTO: 8 bytes per entry; DATASEC, ENUM64: 12.
+                // STRUCT, UNION, DATASEC, ENUM64: 12 bytes per entry; ENUM, FUNC_PROTO: 8.
+                KIND_STRUCT | KIND_UNION | 15 | 19 => vlen * 12,
                 6 | 13 => vlen * 8,
-                15 | 19 => vlen * 12,
                 // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FLOAT, TYPE_TAG.
                 2 | 7..=12 | 16 | 18 => 0,
                 kind => return Err(BtfError::UnknownKind { kind, id }),
             };
-            pos += extra;
-            types.push(Type {
-                name,
-                kind,
-                members,
-            });
         }
         if pos != t.len() {
             return Err(BtfError::Malformed("type section overrun"));
         }
-        Ok(Btf { strings, types })
+        Ok(Btf {
+            bytes: b,
+            types,
+            strings,
+            records,
+        })
+    }
+
+    fn type_section(&self) -> &[u8] {
+        &self.bytes[self.types.0..self.types.1]
     }
 
     fn name(&self, off: u32) -> &[u8] {
-        let s = self.strings.get(off as usize..).unwrap_or_default();
+        let s = &self.bytes[self.strings.0..self.strings.1];
+        let s = s.get(off as usize..).unwrap_or_default();
         &s[..s.iter().position(|&c| c == 0).unwrap_or(s.len())]
     }
 
-    fn find(&self, name: &str, kind: u32) -> Option<(u32, &Type)> {
-        self.types
-            .iter()
-            .enumerate()
-            .find(|(_, t)| t.kind == kind && self.name(t.name) == name.as_bytes())
-            .map(|(i, t)| (i as u32 + 1, t))
+    /// Type `id`'s record offset, name offset and kind.
+    fn record(&self, id: u32) -> Option<(usize, u32, u32)> {
+        let at = *self.records.get((id as usize).checked_sub(1)?)? as usize;
+        let (name, kind, _, _) = header(self.type_section(), at).ok()?;
+        Some((at, name, kind))
+    }
+
+    /// The members of the struct or union whose record is at `at`.
+    fn members(&self, at: usize) -> impl Iterator<Item = Member> + '_ {
+        let t = self.type_section();
+        let (_, _, vlen, kind_flag) = header(t, at).unwrap_or((0, 0, 0, 0));
+        (0..vlen).filter_map(move |m| {
+            let at = at + 12 + m * 12;
+            let offset = u32_at(t, at + 8).ok()?;
+            let (bit_offset, bitfield_size) = if kind_flag == 1 {
+                (offset & 0x00ff_ffff, offset >> 24)
+            } else {
+                (offset, 0)
+            };
+            Some(Member {
+                name: u32_at(t, at).ok()?,
+                ty: u32_at(t, at + 4).ok()?,
+                bit_offset,
+                bitfield_size,
+            })
+        })
+    }
+
+    fn find(&self, name: &str, kind: u32) -> Option<(u32, usize)> {
+        (1..=self.records.len() as u32).find_map(|id| {
+            let (at, n, k) = self.record(id)?;
+            (k == kind && self.name(n) == name.as_bytes()).then_some((id, at))
+        })
     }
 
     /// The id of the function `name` (BTF kind FUNC).
@@ -162,12 +186,12 @@ impl Btf {
     /// Where member `member` of struct `strukt` lies, found directly or inside anonymous
     /// struct/union members (C's anonymous member access).
     pub fn member_bits(&self, strukt: &str, member: &str) -> Option<MemberBits> {
-        let (_, t) = self.find(strukt, KIND_STRUCT)?;
-        self.member_in(t, member.as_bytes(), 0, 0)
+        let (_, at) = self.find(strukt, KIND_STRUCT)?;
+        self.member_in(at, member.as_bytes(), 0, 0)
     }
 
-    fn member_in(&self, t: &Type, member: &[u8], base: u32, depth: u32) -> Option<MemberBits> {
-        for m in &t.members {
+    fn member_in(&self, at: usize, member: &[u8], base: u32, depth: u32) -> Option<MemberBits> {
+        for m in self.members(at) {
             if m.name != 0 {
                 if self.name(m.name) == member {
                     return Some(MemberBits {
@@ -178,9 +202,9 @@ impl Btf {
                 continue;
             }
             // Anonymous: a struct or union whose members belong to the outer type.
-            let inner = self.types.get((m.ty as usize).checked_sub(1)?)?;
+            let (inner, _, kind) = self.record(m.ty)?;
             if depth < 8
-                && (inner.kind == KIND_STRUCT || inner.kind == KIND_UNION)
+                && (kind == KIND_STRUCT || kind == KIND_UNION)
                 && let Some(found) = self.member_in(inner, member, base + m.bit_offset, depth + 1)
             {
                 return Some(found);
@@ -235,7 +259,7 @@ mod tests {
 
     #[test]
     fn finds_members_through_anonymous_unions_and_functions() {
-        let btf = Btf::parse(&sample()).unwrap();
+        let btf = Btf::parse(sample()).unwrap();
         assert_eq!(
             btf.member_bits("outer", "a"),
             Some(MemberBits {
@@ -258,10 +282,13 @@ mod tests {
 
     #[test]
     fn malformed_btf_is_an_error() {
-        assert!(matches!(Btf::parse(b"nope"), Err(BtfError::Malformed(_))));
+        assert!(matches!(
+            Btf::parse(b"nope".to_vec()),
+            Err(BtfError::Malformed(_))
+        ));
         let mut b = sample();
         b.truncate(b.len() - 30);
-        assert!(Btf::parse(&b).is_err());
+        assert!(Btf::parse(b).is_err());
     }
 
     /// The running kernel's BTF: `sk_buff.ip_summed` is a 2-bit field inside one byte and the
