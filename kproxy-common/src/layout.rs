@@ -28,6 +28,7 @@ use crate::ct::{
     NodeAddr4,
 };
 use crate::ct6::{CtEntry6, CtKey6, MAP_CT6, MAP_NODE_ADDR6, NodeAddr6};
+use crate::frontend_filter::MAP_FRONTEND_FILTER;
 use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
@@ -106,7 +107,7 @@ const fn layout(
 }
 
 /// Every map the BPF object pins, with its layout.
-pub const LAYOUTS: [MapLayout; 16] = [
+pub const LAYOUTS: [MapLayout; 17] = [
     layout(
         MAP_SERVICES,
         MAP_TYPE_HASH,
@@ -235,6 +236,15 @@ pub const LAYOUTS: [MapLayout; 16] = [
         MAP_TYPE_HASH,
         size_of::<u32>(),
         size_of::<NodeAddr6>(),
+        1,
+        None,
+    ),
+    // Rewritten whole by the agent from the frontends at start: replaced, never carried.
+    layout(
+        MAP_FRONTEND_FILTER,
+        MAP_TYPE_ARRAY,
+        size_of::<u32>(),
+        size_of::<u64>(),
         1,
         None,
     ),

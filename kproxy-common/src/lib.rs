@@ -15,6 +15,8 @@
 //!   ranges, socket rev-NAT). Written by the agent (`kproxy::dataplane::ebpf`), read by socket
 //!   LB (`kproxy-ebpf/src/sock.rs`) and the TC programs; see the module for who writes what.
 //!   Conntrack/SNAT/NAT maps belong to the TC programs and live in their own module.
+//! - [`frontend_filter`]: the bit array that lets the node-device programs skip service-map
+//!   lookups that would miss.
 //! - [`maglev`]: the Maglev tables (`--bpf-lb-algorithm maglev`) and the flow hash.
 //! - [`ct`]: the TC service path's connection table, SNAT configuration, node addresses per
 //!   device and counters (`kp_tc_in` / `kp_tc_eg`).
@@ -28,8 +30,13 @@
 pub mod counter;
 pub mod ct;
 pub mod ct6;
+pub mod frontend_filter;
 pub mod layout;
 pub mod maglev;
 pub mod service;
 pub mod skb;
 pub mod sock;
+
+/// `BPF_F_MMAPABLE` (`map_flags`): an array the agent writes through a shared mapping
+/// instead of one `bpf(2)` call per element (kernel ≥ 5.5).
+pub const BPF_F_MMAPABLE: u32 = 1 << 10;

@@ -41,7 +41,7 @@ pub const MAP_MAGLEV_REF: &str = "KP_MAGLEV_REF";
 
 /// `map_flags` of [`MAP_MAGLEV`]: `BPF_F_MMAPABLE`, so the agent writes tables through a
 /// shared mapping (kernel ≥ 5.5).
-pub const MAGLEV_MAP_FLAGS: u32 = 1 << 10;
+pub const MAGLEV_MAP_FLAGS: u32 = crate::BPF_F_MMAPABLE;
 
 /// Backend ids per [`MAP_MAGLEV`] element (`[u32; 2]`: array elements are 8-byte aligned).
 pub const IDS_PER_ELEM: u32 = 2;

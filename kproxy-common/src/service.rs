@@ -72,8 +72,9 @@ pub const MAP_SOCK_REV_NAT: &str = "KP_SOCK_RNAT";
 pub const MAP_SOCK_FWD: &str = "KP_SOCK_FWD";
 
 /// Every service-map name, for checks that the object holds them all.
-pub const MAPS: [&str; 9] = [
+pub const MAPS: [&str; 10] = [
     MAP_SERVICES,
+    crate::frontend_filter::MAP_FRONTEND_FILTER,
     MAP_BACKEND_SLOTS,
     MAP_BACKENDS,
     MAP_AFFINITY,

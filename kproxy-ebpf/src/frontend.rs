@@ -1,21 +1,30 @@
 //! The frontend lookups the node-device service path shares between its TC programs
-//! ([`crate::tc`]) and its XDP program ([`crate::xdp`]), so both classify a packet the same
-//! way:
-//! 1. [`cluster_entry`] reads the cluster-scope `KP_SERVICES` entry of the destination. Every
-//!    frontend has one (the external-scope entry of a NodePort/ExternalIP/LB has a
-//!    cluster-scope twin), so `None` means "not for a service": one hash lookup.
-//! 2. [`new_flow_entry`] reads the entry a *new* flow uses: a ClusterIP reached from outside the
-//!    node its cluster entry, every other frontend its external-scope entry.
+//! ([`crate::tc`], [`crate::tc6`]) and its XDP program ([`crate::xdp`]), so all classify a
+//! packet the same way:
+//! 1. [`candidates`] asks the frontend filter (`kproxy_common::frontend_filter`, two inlined
+//!    array reads, no hash lookup) which scopes may hold an entry for the destination. Most
+//!    packets that are for no service stop here ([`Candidates::none`]).
+//! 2. [`new_flow_entry`] reads the entry a *new* flow uses: the external-scope entry of a
+//!    NodePort / ExternalIP / LoadBalancer frontend, else the cluster-scope entry of a
+//!    ClusterIP reached from outside the node — each only where the filter says it may exist,
+//!    so a new flow to an external frontend costs one `KP_SERVICES` lookup (until 2026-11 it
+//!    cost two: the cluster-scope twin, read first to tell "not a frontend", then the
+//!    external entry). `None`: not a frontend, the packet goes on untouched.
 //! 3. [`source_allowed`] checks loadBalancerSourceRanges.
+//!
+//! One difference from the order before the filter: where an external-scope entry and a
+//! ClusterIP's cluster-scope entry share an (address, port, protocol) — an ExternalIP equal to
+//! another service's ClusterIP — the external entry now wins for traffic from outside.
 
 use aya_ebpf::maps::lpm_trie::Key;
+use kproxy_common::frontend_filter::filter_slot;
 use kproxy_common::service::{
     SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_CLUSTER_IP, SVC_F_SOURCE_RANGES,
     ServiceKey, ServiceValue, SourceRangeKey, v4_mapped,
 };
 
 use crate::packet::Packet;
-use crate::service_maps::{KP_SERVICES, KP_SRC_RANGES};
+use crate::service_maps::{KP_FE_FILTER, KP_SERVICES, KP_SRC_RANGES};
 
 /// The frontend entry for a destination `addr` (16-byte service-map form: IPv4 v4-mapped,
 /// IPv6 as is), `port` (network order), `proto` in `scope`. Shared by both families.
@@ -31,31 +40,75 @@ pub fn service_entry(addr: [u32; 4], port: u16, proto: u8, scope: u8) -> Option<
     unsafe { KP_SERVICES.get(k) }.copied()
 }
 
-/// The destination's cluster-scope frontend entry; `None`: not a frontend.
-#[inline(always)]
-pub fn cluster_entry(p: &Packet) -> Option<ServiceValue> {
-    service_entry(v4_mapped(p.daddr), p.dport, p.proto, SCOPE_CLUSTER)
+/// Which scopes may hold a frontend entry at a destination, per the frontend filter.
+#[derive(Clone, Copy)]
+pub struct Candidates {
+    external: bool,
+    cluster: bool,
 }
 
-/// The entry a new flow to (`addr`, `port`, `proto`) is load-balanced by, given its cluster
-/// entry (16-byte address as in [`service_entry`]).
+impl Candidates {
+    /// No frontend of either scope is at the destination: not for a service.
+    #[inline(always)]
+    pub fn none(&self) -> bool {
+        !self.external && !self.cluster
+    }
+}
+
+/// Whether the filter allows an entry at (`addr`, `port`, `proto`, `scope`). A word that
+/// cannot be read (never: the index is masked to the array) counts as "maybe".
+#[inline(always)]
+fn maybe(addr: &[u32; 4], port: u16, proto: u8, scope: u8) -> bool {
+    let (word, mask) = filter_slot(addr, port, proto, scope);
+    match KP_FE_FILTER.get(word) {
+        Some(absent) => *absent & mask == 0,
+        None => true,
+    }
+}
+
+/// The scopes that may hold a frontend at (`addr`, `port`, `proto`) (16-byte address as in
+/// [`service_entry`]).
+#[inline(always)]
+pub fn candidates_at(addr: &[u32; 4], port: u16, proto: u8) -> Candidates {
+    Candidates {
+        external: maybe(addr, port, proto, SCOPE_EXTERNAL),
+        cluster: maybe(addr, port, proto, SCOPE_CLUSTER),
+    }
+}
+
+/// [`candidates_at`] for `p`'s destination.
+#[inline(always)]
+pub fn candidates(p: &Packet) -> Candidates {
+    candidates_at(&v4_mapped(p.daddr), p.dport, p.proto)
+}
+
+/// The entry a new flow to (`addr`, `port`, `proto`) is load-balanced by (see the module
+/// docs), reading only the scopes in `c`; `None`: not a frontend.
 #[inline(always)]
 pub fn new_flow_entry_at(
     addr: [u32; 4],
     port: u16,
     proto: u8,
-    cluster: &ServiceValue,
+    c: Candidates,
 ) -> Option<ServiceValue> {
-    if cluster.flags & SVC_F_CLUSTER_IP != 0 {
-        return Some(*cluster);
+    if c.external
+        && let Some(v) = service_entry(addr, port, proto, SCOPE_EXTERNAL)
+    {
+        return Some(v);
     }
-    service_entry(addr, port, proto, SCOPE_EXTERNAL)
+    if !c.cluster {
+        return None;
+    }
+    // A cluster-scope entry without the ClusterIP flag is the twin of an external frontend
+    // (for socket LB); traffic from outside uses the external entry, which is not there.
+    let v = service_entry(addr, port, proto, SCOPE_CLUSTER)?;
+    (v.flags & SVC_F_CLUSTER_IP != 0).then_some(v)
 }
 
-/// The entry a new flow to `p`'s destination is load-balanced by, given its cluster entry.
+/// [`new_flow_entry_at`] for `p`'s destination.
 #[inline(always)]
-pub fn new_flow_entry(p: &Packet, cluster: &ServiceValue) -> Option<ServiceValue> {
-    new_flow_entry_at(v4_mapped(p.daddr), p.dport, p.proto, cluster)
+pub fn new_flow_entry(p: &Packet, c: Candidates) -> Option<ServiceValue> {
+    new_flow_entry_at(v4_mapped(p.daddr), p.dport, p.proto, c)
 }
 
 /// Whether a client at `addr` (16-byte LPM form: IPv4 v4-mapped, IPv6 unmapped as the

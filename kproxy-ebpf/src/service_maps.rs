@@ -7,6 +7,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap},
 };
+use kproxy_common::frontend_filter::{FILTER_MAP_FLAGS, FILTER_WORDS};
 use kproxy_common::maglev::{
     DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, IDS_PER_ELEM, MAGLEV_MAP_FLAGS, MaglevRef,
     flow_hash,
@@ -22,6 +23,11 @@ use kproxy_common::service::{
 #[map]
 pub(crate) static KP_SERVICES: HashMap<ServiceKey, ServiceValue> =
     HashMap::pinned(DEFAULT_SERVICES_MAX, 0);
+
+/// `kproxy_common::frontend_filter::MAP_FRONTEND_FILTER`.
+#[allow(dead_code)] // read by the node-device programs only
+#[map]
+pub(crate) static KP_FE_FILTER: Array<u64> = Array::pinned(FILTER_WORDS, FILTER_MAP_FLAGS);
 
 /// `kproxy_common::service::MAP_BACKEND_SLOTS`.
 #[map]

@@ -12,13 +12,15 @@
 //! 1. destination port inside the SNAT port range (an array read): maybe the reply of a
 //!    SNATed flow, `SnatIn` lookup;
 //! 2. the `KP_CT` `Service` entry: an established flow;
-//! 3. `KP_SERVICES` with the cluster scope ([`crate::frontend`], shared with the XDP
-//!    program): a miss means "not for a service" and the packet goes on untouched;
-//! 4. otherwise a new flow (only now is the external-scope entry read).
+//! 3. the frontend filter, then `KP_SERVICES` only in the scopes the filter allows
+//!    ([`crate::frontend`], shared with the XDP program): nothing found means "not for a
+//!    service" and the packet goes on untouched; otherwise a new flow.
 //!
-//! So a packet that is not for a service costs two lookups (2 and 3). Until 2026-11 the order
-//! was 3 then 2 (one lookup for such packets, two for established ones); established
-//! service traffic is what this path exists for, so it gets the single lookup. A consequence
+//! So a packet that is not for a service costs one lookup (2) and, unless the filter gives a
+//! false positive, no service-map lookup; a new flow to an external frontend one service-map
+//! lookup. Until 2026-11 the order was 3 then 2 and 3 was a cluster-scope lookup (one lookup
+//! for packets not for a service, two for established ones); established service traffic is
+//! what this path exists for, so it gets the single lookup. A consequence
 //! of 2 coming first: packets of an established flow keep their translation after the
 //! frontend is deleted, until the agent purges the flow with its backends — as upstream's
 //! conntrack keeps the NAT of established connections after the rules are gone.
@@ -48,7 +50,7 @@ use crate::flow::{
     choose_backend, create_flow, egress_entry_in, in_snat_range, now, touch,
 };
 pub(crate) use crate::flow::{KP_CT, key};
-use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
+use crate::frontend::{candidates, new_flow_entry, source_allowed};
 use crate::packet::{
     ETH_HLEN, IP_CSUM, IP_DADDR, IP_OFF, IP_SADDR, PARSE_LEN, Packet, Parsed, at, csum_replace4,
     fold, l4_check_in_place, parse,
@@ -232,11 +234,8 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    // Not a frontend: not ours.
-    let Some(cluster) = cluster_entry(p) else {
-        return Ok(NEXT);
-    };
-    let Some(svc) = new_flow_entry(p, &cluster) else {
+    // Not a frontend (most such packets stop at the filter): not ours.
+    let Some(svc) = new_flow_entry(p, candidates(p)) else {
         return Ok(NEXT);
     };
     new_flow(ctx, p, &svc)

@@ -39,14 +39,14 @@ use aya_ebpf::{
 use kproxy_common::ct::{CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
-    PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
+    PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
 };
 
 use crate::flow::{
     Egress, Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, egress_entry_in,
     in_snat_range, now, touch_in,
 };
-use crate::frontend::{new_flow_entry_at, service_entry, source_allowed_at};
+use crate::frontend::{candidates_at, new_flow_entry_at, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold, l4_check_in_place};
 use crate::packet6::is_ipv6;
 use crate::packet6::{IP6_DADDR, IP6_HLEN, IP6_PLEN, IP6_SADDR, PARSE6_LEN, Packet6, parse6};
@@ -241,10 +241,8 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Established);
         return Ok(NEXT);
     }
-    let Some(cluster) = service_entry(p.daddr, p.dport, p.proto, SCOPE_CLUSTER) else {
-        return Ok(NEXT);
-    };
-    let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, &cluster) else {
+    let c = candidates_at(&p.daddr, p.dport, p.proto);
+    let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, c) else {
         return Ok(NEXT);
     };
     if !source_allowed_at(&svc, p.saddr) {

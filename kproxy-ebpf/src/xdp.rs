@@ -5,7 +5,7 @@
 //! 1. a reply from a remote backend to a SNATed flow (destination port in the SNAT range and
 //!    its `SnatIn` entry exists) is translated back and forwarded to the client
 //!    ([`crate::xdp_fwd::reply`]);
-//! 2. not a frontend: passed (one hash lookup);
+//! 2. not a frontend per the frontend filter: passed (no hash lookup);
 //! 3. an established flow (`Service` entry): forwarded by the fast path when its backend is
 //!    remote ([`crate::xdp_fwd::forward`]), else passed;
 //! 4. a new flow: dropped before the stack when TC would drop it anyway — clients outside a
@@ -29,7 +29,7 @@ use kproxy_common::ct::{CtKind, PROTO_ICMP, XDP_STATS, XdpStat};
 use kproxy_common::service::SVC_F_REJECT;
 
 use crate::flow::{KP_CT, in_snat_range, key};
-use crate::frontend::{cluster_entry, new_flow_entry, source_allowed};
+use crate::frontend::{candidates, new_flow_entry, source_allowed};
 use crate::packet::{Parsed, parse};
 use crate::xdp_fwd::{forward, new_flow, plain, reply};
 
@@ -69,9 +69,10 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
             Err(s) => pass(s),
         };
     }
-    let Some(cluster) = cluster_entry(&p) else {
+    let c = candidates(&p);
+    if c.none() {
         return xdp_action::XDP_PASS;
-    };
+    }
     if let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::Service)) {
         let h = match plain(&ctx, &p) {
             Ok(h) => h,
@@ -81,7 +82,7 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
         return forward(&ctx, &p, &h, (addr, port), flags, Some(e));
     }
-    let Some(svc) = new_flow_entry(&p, &cluster) else {
+    let Some(svc) = new_flow_entry(&p, c) else {
         return xdp_action::XDP_PASS;
     };
     if !source_allowed(&svc, p.saddr) {

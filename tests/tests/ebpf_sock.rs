@@ -16,11 +16,12 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::planner::{decode_addr, encode_addr};
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Snapshot, testing};
+use kproxy_common::frontend_filter::{FILTER_WORDS, MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue,
@@ -459,6 +460,35 @@ fn dump(bpffs: &Bpffs) -> Dump {
     )
 }
 
+/// Checks the pinned frontend filter (`KP_FE_FILTER`, written by the agent through its shared
+/// mapping) against the pinned frontends: exactly the bits of the frontends in `KP_SERVICES`
+/// say "maybe" (clear), every other bit says "absent". Returns the number of clear bits.
+fn assert_filter_matches_frontends(bpffs: &Bpffs) -> usize {
+    let data = MapData::from_pin(bpffs.path().join("kproxy").join(MAP_FRONTEND_FILTER)).unwrap();
+    let words: Array<MapData, u64> = Array::try_from(Map::from_map_data(data).unwrap()).unwrap();
+    assert_eq!(words.len(), FILTER_WORDS);
+    let mut maybe = BTreeSet::new();
+    for w in 0..FILTER_WORDS {
+        let word = words.get(&w, 0).unwrap();
+        for b in 0..64 {
+            if word & (1u64 << b) == 0 {
+                maybe.insert((w, b));
+            }
+        }
+    }
+    let want: BTreeSet<(u32, u32)> = dump_map::<ServiceKey, ServiceValue>(bpffs, MAP_SERVICES)
+        .keys()
+        .map(|k| {
+            // SAFETY: the bytes of a ServiceKey read from the map.
+            let k: ServiceKey = unsafe { std::ptr::read_unaligned(k.as_ptr().cast()) };
+            let (w, m) = filter_slot(&k.addr, k.port, k.proto, k.scope);
+            (w, m.trailing_zeros())
+        })
+        .collect();
+    assert_eq!(maybe, want, "filter bits differ from the frontends'");
+    maybe.len()
+}
+
 fn changed_keys<V: PartialEq>(a: &BTreeMap<Vec<u8>, V>, b: &BTreeMap<Vec<u8>, V>) -> Vec<Vec<u8>> {
     a.keys()
         .chain(b.keys())
@@ -500,6 +530,8 @@ fn changing_one_of_1000_services_touches_only_its_entries() {
     sync(&mut dp, &make(false));
     let before = dump(&bpffs);
     assert_eq!(before.0.len(), 1000);
+    // 1000 frontends on 2 Mi bits: a few may share one.
+    assert!(assert_filter_matches_frontends(&bpffs) > 990);
     assert_eq!(before.1.len(), 2000);
     assert_eq!(before.2.len(), 2000);
     sync(&mut dp, &make(true));
@@ -533,6 +565,19 @@ fn changing_one_of_1000_services_touches_only_its_entries() {
         .collect();
     assert_eq!(changed, expected);
     assert_eq!(backends.len(), 2);
+    assert_filter_matches_frontends(&bpffs);
+
+    // Removing services clears their bits (each bit is counted, so shared ones stay).
+    let mut fewer = make(true);
+    fewer.services.retain(|n, _| n.name.as_str() < "s5");
+    sync(&mut dp, &fewer);
+    let left = dump(&bpffs).0.len();
+    assert!(left < 1000, "{left}");
+    let bits = assert_filter_matches_frontends(&bpffs);
+    assert!(
+        bits <= left && bits > left - 10,
+        "{bits} bits for {left} frontends"
+    );
     dp.cleanup().unwrap();
 }
 

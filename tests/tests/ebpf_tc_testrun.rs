@@ -10,12 +10,13 @@ mod ebpf_tc_support;
 use std::net::Ipv4Addr;
 
 use aya::Ebpf;
-use aya::maps::HashMap as BpfHashMap;
+use aya::maps::{Array, HashMap as BpfHashMap};
 use ebpf_tc_support::*;
 use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
 use kproxy_common::ct::{CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, MAP_CT, NodeAddr4};
+use kproxy_common::frontend_filter::{MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{
     BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
     SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
@@ -207,6 +208,63 @@ fn tcp_flow_through_dnat_snat_and_both_reverse_translations() {
 
 /// A flow an earlier build created keeps its SNAT source in a separate `SnatOut` entry
 /// (`kproxy_common::ct` module docs): after an upgrade its packets still leave with it.
+/// The frontend filter decides which service-map lookups the ingress program makes: with the
+/// NodePort's external bit saying "absent", a new flow to it is not translated (the lookup was
+/// skipped), while its established flow still is (the connection table comes first); with the
+/// bit clear again, new flows are translated. An unwritten (zero) filter means "maybe
+/// everywhere": the fixture writes no filter and every other test here relies on that.
+#[test]
+fn the_frontend_filter_gates_new_flows_not_established_ones() {
+    if !require_root() {
+        return;
+    }
+    let mut f = fixture("tctr-filter", TCP, 0, &[(7, BACKEND, BE_F_LOCAL)]);
+    let out = run_in(&mut f, &syn((CLIENT, CPORT)));
+    assert_eq!(
+        parse_checked(&out.frame).dst,
+        BACKEND,
+        "zero filter: translated"
+    );
+
+    let node = kproxy_common::service::v4_mapped(ip4(NODE));
+    let port = NODE_PORT.to_be();
+    let (ext_word, ext_mask) = filter_slot(&node, port, TCP, SCOPE_EXTERNAL);
+    let (cl_word, cl_mask) = filter_slot(&node, port, TCP, SCOPE_CLUSTER);
+    let set = |f: &mut Fixture, word: u32, value: u64| {
+        let mut a: Array<_, u64> =
+            Array::try_from(f.ebpf.map_mut(MAP_FRONTEND_FILTER).unwrap()).unwrap();
+        a.set(word, value, 0).unwrap();
+    };
+    // Both scopes "absent" (the cluster-scope twin must not stand in for the external entry).
+    if ext_word == cl_word {
+        set(&mut f, ext_word, ext_mask | cl_mask);
+    } else {
+        set(&mut f, ext_word, ext_mask);
+        set(&mut f, cl_word, cl_mask);
+    }
+    let fresh = syn((CLIENT, CPORT + 1));
+    let out = run_in(&mut f, &fresh);
+    assert_eq!(out.verdict, NEXT);
+    assert_eq!(
+        out.frame, fresh,
+        "a frontend the filter hides is not looked up"
+    );
+    let ack = tcp_frame((CLIENT, CPORT), (NODE, NODE_PORT), 1001, 1, ACK, &[], &[]);
+    let out = run_in(&mut f, &ack);
+    assert_eq!(
+        parse_checked(&out.frame).dst,
+        BACKEND,
+        "an established flow does not depend on the filter"
+    );
+    // The external bit clear again: new flows translated.
+    set(&mut f, ext_word, 0);
+    if cl_word != ext_word {
+        set(&mut f, cl_word, cl_mask);
+    }
+    let out = run_in(&mut f, &syn((CLIENT, CPORT + 2)));
+    assert_eq!(parse_checked(&out.frame).dst, BACKEND);
+}
+
 #[test]
 fn a_flow_of_an_earlier_build_keeps_its_snat_out_entry() {
     if !require_root() {

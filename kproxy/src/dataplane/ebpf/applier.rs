@@ -4,14 +4,17 @@
 //! when it starts (so a restarted agent reconciles against the pinned maps instead of flushing
 //! them), and per service port what it last programmed. One [`Applier::apply`]:
 //!
-//! 1. backends that are new or changed;
+//! 1. backends that are new or changed; the frontend filter's bits of every frontend about
+//!    to be added ([`super::filter`]: before any frontend is written, so the node-device
+//!    programs never skip one);
 //! 2. per service port: its slots, source ranges and Maglev tables, then its frontends (so a
 //!    frontend never
 //!    points at a slot that is not there yet; a growing set gets its new slots before the
 //!    larger `count`). A write that fails (e.g. a full map) fails that service port only: the
 //!    frontends it had just added are removed again and it keeps what it had before;
 //! 3. stale entries, in the reverse order: frontends, slots, source ranges and Maglev refs,
-//!    backends;
+//!    backends; then the filter bits no frontend uses any more (deleted, or not written
+//!    after all);
 //! 4. affinity entries whose set is gone, whose backend left the set, or that expired.
 //!
 //! Affinity entries are written by the BPF programs; the applier only deletes.
@@ -50,9 +53,10 @@ use kproxy_common::service::{
 };
 use serde::Serialize;
 
+use super::filter::FrontendFilter;
 use super::ids::BackendAddr;
 use super::planner::{Plan, ServicePlan, SourceRangeEntry, decode_addr, describe_key};
-use super::tables::{MaglevStore, Table, TableError};
+use super::tables::{FilterStore, MaglevStore, Table, TableError};
 use crate::model::{Protocol, ServicePortName};
 
 /// The five maps the applier manages.
@@ -66,6 +70,8 @@ pub struct Tables {
     pub maglev_refs: Box<dyn Table<u32, MaglevRef>>,
     /// The Maglev tables.
     pub maglev: Box<dyn MaglevStore>,
+    /// The frontend filter's words (derived from `services`, see [`super::filter`]).
+    pub filter: Box<dyn FilterStore>,
 }
 
 /// Fill level of one map (for metrics and `kproxy inspect`).
@@ -113,6 +119,8 @@ struct Cache {
 pub struct Applier {
     tables: Tables,
     cache: Cache,
+    /// The frontend filter of `cache.services` (and of frontends about to be written).
+    filter: FrontendFilter,
     /// What each service port has in the maps (its last successfully applied plan).
     applied: BTreeMap<ServicePortName, Arc<ServicePlan>>,
     affinity_entries: usize,
@@ -188,11 +196,13 @@ fn maglev_sets(p: &ServicePlan) -> impl Iterator<Item = u32> + '_ {
 
 impl Applier {
     /// Reads every agent-written map (the starting point of the diff).
-    pub fn new(tables: Tables) -> Result<Self, TableError> {
+    pub fn new(mut tables: Tables) -> Result<Self, TableError> {
         let (cache, slot_refs) = Self::read(&tables)?;
+        let (filter, _) = FrontendFilter::new(cache.services.keys(), &mut *tables.filter);
         Ok(Applier {
             tables,
             cache,
+            filter,
             applied: BTreeMap::new(),
             affinity_entries: 0,
             slot_refs,
@@ -229,6 +239,7 @@ impl Applier {
         let (mut cache, slot_refs) = Self::read(&self.tables)?;
         // The Maglev tables themselves were not re-read: what they were built from stands.
         cache.maglev_built = std::mem::take(&mut self.cache.maglev_built);
+        (self.filter, _) = FrontendFilter::new(cache.services.keys(), &mut *self.tables.filter);
         self.cache = cache;
         self.slot_refs = slot_refs;
         Ok(())
@@ -389,6 +400,20 @@ impl Applier {
             }
         }
 
+        // Frontends about to be written get their filter bits first (see `super::filter`);
+        // those not written after all are uncounted at the end.
+        let adding: BTreeSet<ServiceKey> = names
+            .iter()
+            .filter_map(|n| plan.services.get(n))
+            .flat_map(|sp| sp.frontends.keys())
+            .filter(|k| !self.cache.services.contains_key(k))
+            .copied()
+            .collect();
+        for k in &adding {
+            self.filter.add(k);
+        }
+        self.filter.flush(&mut *self.tables.filter);
+
         // 2. Per service port: slots, source ranges, frontends.
         let mut finals: Vec<Option<Arc<ServicePlan>>> = Vec::with_capacity(names.len());
         for (name, old) in names.iter().zip(&olds) {
@@ -505,8 +530,18 @@ impl Applier {
             }
             self.tables.services.delete(&k)?;
             self.cache.services.remove(&k);
+            if !adding.contains(&k) {
+                self.filter.remove(&k);
+            }
             out.deletes += 1;
         }
+        for k in adding
+            .iter()
+            .filter(|k| !self.cache.services.contains_key(k))
+        {
+            self.filter.remove(k);
+        }
+        self.filter.flush(&mut *self.tables.filter);
         let stale: Vec<BackendSlotKey> = if full {
             self.cache.slots.keys().copied().collect()
         } else {

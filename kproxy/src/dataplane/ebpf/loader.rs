@@ -31,6 +31,7 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use kproxy_common::ct::MAP_CT;
 use kproxy_common::ct6::MAP_CT6;
+use kproxy_common::frontend_filter::MAP_FRONTEND_FILTER;
 use kproxy_common::maglev::{
     DEFAULT_MAGLEV_ENTRIES, DEFAULT_MAGLEV_REF_MAX, MAP_MAGLEV, MAP_MAGLEV_REF, maglev_elems,
 };
@@ -41,7 +42,7 @@ use kproxy_common::service::{
 use kproxy_common::sock;
 
 use super::applier::Tables;
-use super::tables::{KernelLpmTable, KernelMaglev, KernelTable, TableError};
+use super::tables::{KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError};
 use super::{EbpfConfig, LbAlgorithm};
 use crate::bpf::{BpfError, OBJECT};
 
@@ -182,6 +183,10 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
             MAP_MAGLEV,
             take(MAP_MAGLEV)?,
             cfg.maglev_table_size,
+        )?),
+        filter: Box::new(KernelFilter::new(
+            MAP_FRONTEND_FILTER,
+            take(MAP_FRONTEND_FILTER)?,
         )?),
     };
 

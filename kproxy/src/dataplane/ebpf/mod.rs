@@ -7,6 +7,8 @@
 //! - [`maglev`] (pure): the Maglev table of a set (`--bpf-lb-algorithm maglev`).
 //! - [`applier`]: diffs a plan against the maps and writes backends → slots → frontends →
 //!   deletes stale, failing only the service port whose write failed.
+//! - [`filter`] (pure): the frontend filter's bits, kept in step with the frontends so the
+//!   node-device programs skip service-map lookups that would miss.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
 //! - [`loader`]: bpffs, the object with pinned maps, socket-LB programs on pinned links.
 //! - [`layout`]: maps pinned by another kproxy version are reused, carried over or replaced
@@ -46,6 +48,7 @@
 //!   set; stale entries are only those the changed service ports had and no longer have.
 
 pub mod applier;
+pub mod filter;
 pub mod ids;
 pub mod layout;
 pub mod loader;

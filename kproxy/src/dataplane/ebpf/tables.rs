@@ -278,45 +278,40 @@ pub trait MaglevStore: Send {
     fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError>;
 }
 
-/// [`MaglevStore`] on the pinned `BPF_F_MMAPABLE` array, through a shared mapping: a table is
-/// rewritten with memory stores, not one `bpf(2)` call per entry.
-pub struct KernelMaglev {
+/// A pinned `BPF_F_MMAPABLE` array mapped into the agent (shared), so elements are written
+/// with memory stores instead of one `bpf(2)` call each. The kernel side only reads.
+pub struct SharedArray {
     _map: MapData,
-    ptr: std::ptr::NonNull<std::sync::atomic::AtomicU32>,
+    ptr: std::ptr::NonNull<u8>,
     len: usize,
-    entries: u32,
-    table_size: u32,
 }
 
-// SAFETY: the mapping is owned by this value and only accessed through `&self`/`&mut self`
-// (entries are atomics; the kernel side only reads).
-unsafe impl Send for KernelMaglev {}
+// SAFETY: the mapping is owned by this value and only accessed through atomics.
+unsafe impl Send for SharedArray {}
 
-impl KernelMaglev {
-    pub fn new(name: &'static str, data: MapData, table_size: u32) -> Result<Self, TableError> {
+impl SharedArray {
+    /// Maps `data` (map `name`), checking its key and value sizes; returns it and its
+    /// `max_entries`.
+    pub fn new(name: &'static str, data: MapData, value: usize) -> Result<(Self, u32), TableError> {
         use std::os::fd::{AsFd, AsRawFd};
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
-        let elem = 4 * kproxy_common::maglev::IDS_PER_ELEM as usize;
-        check_layout(name, &info, 4, elem)?;
+        check_layout(name, &info, 4, value)?;
         let err = |reason: String| TableError {
             map: name,
             reason,
             full: false,
         };
-        if info.map_flags() & kproxy_common::maglev::MAGLEV_MAP_FLAGS == 0 {
+        if info.map_flags() & kproxy_common::BPF_F_MMAPABLE == 0 {
             return Err(err(
                 "the pinned map is not mmapable: created by another kproxy version; remove it \
                  with `kproxy cleanup`"
                     .into(),
             ));
         }
-        // Elements of `elem` bytes hold IDS_PER_ELEM ids each: the mapping is a flat u32 array.
-        let entries = info
-            .max_entries()
-            .saturating_mul(kproxy_common::maglev::IDS_PER_ELEM);
-        let len = (entries as usize * 4).max(1);
+        let len = (info.max_entries() as usize * value).max(1);
         // SAFETY: a shared mapping of the map's fd (kernel-checked length and flags); the
-        // pointer is only dereferenced within `entries` below and unmapped on drop.
+        // pointer is only dereferenced within `len` (checked by the accessors) and unmapped
+        // on drop.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -330,10 +325,71 @@ impl KernelMaglev {
         if ptr == libc::MAP_FAILED {
             return Err(err(format!("mmap: {}", std::io::Error::last_os_error())));
         }
-        Ok(KernelMaglev {
+        let array = SharedArray {
             _map: data,
             ptr: std::ptr::NonNull::new(ptr.cast()).expect("mmap returned NULL"),
             len,
+        };
+        Ok((array, info.max_entries()))
+    }
+
+    /// The `i`-th `u32` of the mapping.
+    fn u32_at(&self, i: u32) -> &std::sync::atomic::AtomicU32 {
+        assert!(
+            (i as usize + 1) * 4 <= self.len,
+            "u32 {i} out of {} bytes",
+            self.len
+        );
+        // SAFETY: within the mapping (page-aligned, so 4-aligned); AtomicU32 has u32's layout.
+        unsafe {
+            &*self
+                .ptr
+                .as_ptr()
+                .cast::<std::sync::atomic::AtomicU32>()
+                .add(i as usize)
+        }
+    }
+
+    /// The `i`-th `u64` of the mapping.
+    fn u64_at(&self, i: u32) -> &std::sync::atomic::AtomicU64 {
+        assert!(
+            (i as usize + 1) * 8 <= self.len,
+            "u64 {i} out of {} bytes",
+            self.len
+        );
+        // SAFETY: within the mapping (page-aligned, so 8-aligned); AtomicU64 has u64's layout.
+        unsafe {
+            &*self
+                .ptr
+                .as_ptr()
+                .cast::<std::sync::atomic::AtomicU64>()
+                .add(i as usize)
+        }
+    }
+}
+
+impl Drop for SharedArray {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// [`MaglevStore`] on the pinned mmapable array: a table is rewritten with memory stores.
+pub struct KernelMaglev {
+    array: SharedArray,
+    entries: u32,
+    table_size: u32,
+}
+
+impl KernelMaglev {
+    pub fn new(name: &'static str, data: MapData, table_size: u32) -> Result<Self, TableError> {
+        let elem = 4 * kproxy_common::maglev::IDS_PER_ELEM as usize;
+        let (array, max_entries) = SharedArray::new(name, data, elem)?;
+        // Elements of `elem` bytes hold IDS_PER_ELEM ids each: the mapping is a flat u32 array.
+        let entries = max_entries.saturating_mul(kproxy_common::maglev::IDS_PER_ELEM);
+        Ok(KernelMaglev {
+            array,
             entries,
             table_size,
         })
@@ -341,15 +397,7 @@ impl KernelMaglev {
 
     fn slot(&self, i: u32) -> &std::sync::atomic::AtomicU32 {
         assert!(i < self.entries, "Maglev entry {i} out of {}", self.entries);
-        // SAFETY: `i` is within the mapping; AtomicU32 has u32's layout.
-        unsafe { &*self.ptr.as_ptr().add(i as usize) }
-    }
-}
-
-impl Drop for KernelMaglev {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `new` mapped.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        self.array.u32_at(i)
     }
 }
 
@@ -444,5 +492,88 @@ impl MaglevStore for std::sync::Arc<std::sync::Mutex<MemMaglev>> {
     }
     fn write(&mut self, base: u32, table: &[u32]) -> Result<usize, TableError> {
         self.lock().expect("poisoned").write(base, table)
+    }
+}
+
+/// The frontend filter's words (`KP_FE_FILTER`, see `kproxy_common::frontend_filter`).
+pub trait FilterStore: Send {
+    /// Word `i`.
+    fn read(&self, i: u32) -> u64;
+    /// Makes word `i` hold `value` (one aligned 8-byte store: a reader sees the old or the
+    /// new word).
+    fn write(&mut self, i: u32, value: u64);
+    /// After a batch of writes: they are visible before anything the caller writes next.
+    fn publish(&mut self) {}
+}
+
+/// [`FilterStore`] on the pinned mmapable array.
+pub struct KernelFilter {
+    array: SharedArray,
+}
+
+impl KernelFilter {
+    pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
+        let (array, words) = SharedArray::new(name, data, 8)?;
+        if words != kproxy_common::frontend_filter::FILTER_WORDS {
+            return Err(TableError {
+                map: name,
+                reason: format!(
+                    "the pinned map has {words} words, this kproxy uses {}: remove it with \
+                     `kproxy cleanup`",
+                    kproxy_common::frontend_filter::FILTER_WORDS
+                ),
+                full: false,
+            });
+        }
+        Ok(KernelFilter { array })
+    }
+}
+
+impl FilterStore for KernelFilter {
+    fn read(&self, i: u32) -> u64 {
+        self.array
+            .u64_at(i)
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn write(&mut self, i: u32, value: u64) {
+        self.array
+            .u64_at(i)
+            .store(value, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn publish(&mut self) {
+        // Before the frontend written next (a syscall, itself a full barrier).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// An in-memory [`FilterStore`] for the applier's tests (all words "maybe", like a new map).
+#[derive(Debug, Clone)]
+pub struct MemFilter {
+    pub words: Vec<u64>,
+}
+
+impl Default for MemFilter {
+    fn default() -> Self {
+        MemFilter {
+            words: vec![0; kproxy_common::frontend_filter::FILTER_WORDS as usize],
+        }
+    }
+}
+
+impl FilterStore for MemFilter {
+    fn read(&self, i: u32) -> u64 {
+        self.words[i as usize]
+    }
+    fn write(&mut self, i: u32, value: u64) {
+        self.words[i as usize] = value;
+    }
+}
+
+impl FilterStore for std::sync::Arc<std::sync::Mutex<MemFilter>> {
+    fn read(&self, i: u32) -> u64 {
+        self.lock().expect("poisoned").read(i)
+    }
+    fn write(&mut self, i: u32, value: u64) {
+        self.lock().expect("poisoned").write(i, value)
     }
 }

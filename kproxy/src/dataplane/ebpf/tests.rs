@@ -9,7 +9,7 @@ use kproxy_common::service::*;
 use super::applier::{Applier, Tables};
 use super::ids::{IdAllocator, SetKind};
 use super::planner::{Plan, decode_addr, encode_addr, plan, render};
-use super::tables::{MaglevStore, MemMaglev, MemTable, SharedMem};
+use super::tables::{MaglevStore, MemFilter, MemMaglev, MemTable, SharedMem};
 use super::{EbpfConfig, MapSizes};
 use crate::model::*;
 
@@ -393,6 +393,7 @@ struct Mem {
     affinity: SharedMem<AffinityKey, AffinityValue>,
     maglev_refs: SharedMem<u32, kproxy_common::maglev::MaglevRef>,
     maglev: Arc<Mutex<MemMaglev>>,
+    filter: Arc<Mutex<MemFilter>>,
 }
 
 fn shared<K: Ord, V>(name: &'static str, cap: u32) -> SharedMem<K, V> {
@@ -409,6 +410,7 @@ impl Mem {
             affinity: shared(MAP_AFFINITY, sizes.affinity),
             maglev_refs: shared(kproxy_common::maglev::MAP_MAGLEV_REF, sizes.maglev),
             maglev: Arc::new(Mutex::new(MemMaglev::new(MAGLEV_M, sizes.maglev))),
+            filter: Arc::new(Mutex::new(MemFilter::default())),
         }
     }
     fn tables(&self) -> Tables {
@@ -420,6 +422,7 @@ impl Mem {
             affinity: Box::new(self.affinity.clone()),
             maglev_refs: Box::new(self.maglev_refs.clone()),
             maglev: Box::new(self.maglev.clone()),
+            filter: Box::new(self.filter.clone()),
         }
     }
     fn services(&self) -> BTreeMap<ServiceKey, ServiceValue> {
@@ -430,6 +433,30 @@ impl Mem {
     }
     fn backends(&self) -> BTreeMap<u32, BackendValue> {
         self.backends.lock().unwrap().entries.clone()
+    }
+    /// The frontend filter's bits that say "maybe a frontend here", as (word, bit).
+    fn filter_maybe(&self) -> BTreeSet<(u32, u32)> {
+        let f = self.filter.lock().unwrap();
+        let mut out = BTreeSet::new();
+        for (w, word) in f.words.iter().enumerate() {
+            for b in 0..64 {
+                if word & (1u64 << b) == 0 {
+                    out.insert((w as u32, b));
+                }
+            }
+        }
+        out
+    }
+    /// The bits of the frontends in the services map: what `filter_maybe` must equal.
+    fn frontend_bits(&self) -> BTreeSet<(u32, u32)> {
+        self.services()
+            .keys()
+            .map(|k| {
+                let (w, m) =
+                    kproxy_common::frontend_filter::filter_slot(&k.addr, k.port, k.proto, k.scope);
+                (w, m.trailing_zeros())
+            })
+            .collect()
     }
 }
 
@@ -579,6 +606,8 @@ fn a_full_services_map_fails_the_new_service_and_keeps_the_others() {
         "{:?}",
         mem.slots()
     );
+    // b's frontends were counted before the write that failed, and uncounted after.
+    assert_eq!(mem.filter_maybe(), mem.frontend_bits());
 }
 
 #[test]
@@ -595,8 +624,10 @@ fn a_restarted_applier_reconciles_without_rewriting() {
         .insert(key("10.96.9.9", 80, SCOPE_CLUSTER), ServiceValue::default());
     let writes_before = mem.services.lock().unwrap().writes + mem.slots.lock().unwrap().writes;
 
-    // A new agent: fresh allocator seeded from the maps, like EbpfDataplane::new does.
+    // A new agent: fresh allocator seeded from the maps, like EbpfDataplane::new does. It
+    // rebuilds the filter from the pinned frontends, the stale one included.
     let mut applier = Applier::new(mem.tables()).unwrap();
+    assert_eq!(mem.filter_maybe(), mem.frontend_bits());
     let mut ids = IdAllocator::new();
     let (svcs, bes) = applier.existing();
     for (k, v) in svcs {
@@ -614,6 +645,7 @@ fn a_restarted_applier_reconciles_without_rewriting() {
         mem.services.lock().unwrap().writes + mem.slots.lock().unwrap().writes,
         writes_before
     );
+    assert_eq!(mem.filter_maybe(), mem.frontend_bits());
 }
 
 #[test]
@@ -1154,6 +1186,8 @@ mod incremental {
                 let fresh = Mem::new(&MapSizes::default());
                 Applier::new(fresh.tables()).unwrap().apply(&scratch, 0).unwrap();
                 prop_assert_eq!(maps(&mem), maps(&fresh));
+                // The filter lets through exactly the bits of the frontends in the map.
+                prop_assert_eq!(mem.filter_maybe(), mem.frontend_bits());
                 prev = next;
             }
         }
