@@ -84,6 +84,13 @@ pub const PROG_FLOOR_CT_LOOKUP: &str = "kp_floor_ct_lookup";
 /// the reversed `RevDnat` key, as a new TC flow does) into [`MAP_FLOOR_CT`]; `TC_ACT_OK` when
 /// both were inserted.
 pub const PROG_FLOOR_CT_INSERT: &str = "kp_floor_ct_insert";
+/// TC classifier: parses the IPv4 packet, looks its flow up in [`MAP_FLOOR_CT`] (it must be
+/// missing), reads its destination's external-scope frontend entry from the pinned
+/// `KP_SERVICES` (it must exist) and inserts the flow's two entries as
+/// [`PROG_FLOOR_CT_INSERT`] does; `TC_ACT_OK` when all went so. The least any new flow costs:
+/// the lookup that finds it new, one frontend read (as if the frontend entry held the chosen
+/// backend itself) and the flow's record.
+pub const PROG_FLOOR_NEW_FLOW: &str = "kp_floor_new_flow";
 /// LRU hash `CtKey` → `CtEntry`, private to each loaded object (not pinned). The object
 /// declares it with [`FLOOR_CT_OBJECT_ENTRIES`] so that the agent's loads of the object do
 /// not allocate a connection table's worth of kernel memory for it; the bench gives it the
@@ -92,7 +99,11 @@ pub const MAP_FLOOR_CT: &str = "KP_FLOOR_CT";
 /// The size [`MAP_FLOOR_CT`] is declared with.
 pub const FLOOR_CT_OBJECT_ENTRIES: u32 = 64;
 /// The floor programs.
-pub const FLOOR_PROGRAMS: [&str; 2] = [PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_CT_INSERT];
+pub const FLOOR_PROGRAMS: [&str; 3] = [
+    PROG_FLOOR_CT_LOOKUP,
+    PROG_FLOOR_CT_INSERT,
+    PROG_FLOOR_NEW_FLOW,
+];
 
 #[cfg(test)]
 mod tests {

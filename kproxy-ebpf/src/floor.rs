@@ -2,7 +2,8 @@
 //! connection-tracking datapath does per packet, so `cargo xtask bench` can show how far the
 //! TC service path is above it, not only above the counter program. They parse the packet and
 //! build keys exactly as [`crate::tc`] does and touch a table of the same types and size;
-//! nothing else (no frontend lookup, rewrite, timestamps or counters). Never attached.
+//! nothing else (no rewrite, timestamps or counters; one frontend lookup in
+//! [`kp_floor_new_flow`] only). Never attached.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_UNSPEC},
@@ -13,8 +14,11 @@ use aya_ebpf::{
 use kproxy_common::counter::FLOOR_CT_OBJECT_ENTRIES;
 use kproxy_common::ct::{CtEntry, CtKind};
 
+use kproxy_common::service::{SCOPE_EXTERNAL, v4_mapped};
+
 use crate::flow::{Family, V4, key};
-use crate::packet::{PARSE_LEN, parse};
+use crate::frontend::service_entry;
+use crate::packet::{PARSE_LEN, Packet, parse};
 use crate::tc::parse_pulled;
 
 /// `kproxy_common::counter::MAP_FLOOR_CT` (small as declared; the bench sizes it).
@@ -41,9 +45,30 @@ pub fn kp_floor_ct_insert(ctx: TcContext) -> i32 {
     let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
         return TC_ACT_UNSPEC;
     };
+    insert_flow(&p)
+}
+
+/// `kproxy_common::counter::PROG_FLOOR_NEW_FLOW`.
+#[classifier]
+pub fn kp_floor_new_flow(ctx: TcContext) -> i32 {
+    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+        return TC_ACT_UNSPEC;
+    };
+    // A packet is only known to open a flow once its lookup missed.
+    if KP_FLOOR_CT.get_ptr_mut(key(&p, CtKind::Service)).is_some()
+        || service_entry(v4_mapped(p.daddr), p.dport, p.proto, SCOPE_EXTERNAL).is_none()
+    {
+        return TC_ACT_UNSPEC;
+    }
+    insert_flow(&p)
+}
+
+/// The two entries of a new flow, as [`crate::flow::create_flow`] inserts them.
+#[inline(always)]
+fn insert_flow(p: &Packet) -> i32 {
     // SAFETY: plain-old-data entry of integers; all zero is a valid value.
     let entry: CtEntry = unsafe { core::mem::zeroed() };
-    let forward = key(&p, CtKind::Service);
+    let forward = key(p, CtKind::Service);
     let reverse = V4::key(p.daddr, p.saddr, p.dport, p.sport, p.proto, CtKind::RevDnat);
     if KP_FLOOR_CT.insert(forward, entry, 0).is_ok()
         && KP_FLOOR_CT.insert(reverse, entry, 0).is_ok()

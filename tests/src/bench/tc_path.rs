@@ -17,7 +17,9 @@
 //! - `established`: the ACK of an established flow, `repeat` runs per test run (odd, so every
 //!   run's output is checked to be DNATed);
 //! - `miss`: a packet to a node port that is no service (never rewritten), `repeat` runs per
-//!   test run;
+//!   test run: the connection-table lookup, then the frontend filter, and a frontend lookup
+//!   only where the filter has a false positive for this one destination (likelier the more
+//!   frontends there are: ≈ 25 % per scope with the 600k frontends of 100k services);
 //! - `new-flow`: the SYN of a flow the table has not seen: only the first run of a test run
 //!   is a new flow, so one run per test run;
 //! - `reverse-nat`: a backend's reply to the SNAT address (reverse SNAT at ingress), one run
@@ -31,13 +33,15 @@
 //! Reading the figures. Every scale gets its own datapath (bpffs, maps, a fresh connection
 //! table filled the same way), so the connection table is the same at every scale; what
 //! differs is the size of the service maps. A `new-flow` run is dominated by memory: its two
-//! connection-table inserts (the `floor-ct-insert` figure: ≈ 0.9 µs here, flat) and the four
-//! service-map reads of a new flow (frontend in both scopes, slot, backend), which get slower
-//! as the maps grow (at 100k services the frontend map is preallocated for 1M entries, tens
-//! of MB, so — our reading, not measured: no hardware counters in this VM — each read misses
-//! the TLB even when the same 256 services repeat) — the growth of
-//! `new-flow` from 1 to 100k services, not the connection table's fill (`reverse-nat`, one
-//! connection-table lookup per run, is flat). `established` and `miss` repeat one packet
+//! connection-table inserts (the `floor-ct-insert` figure: ≈ 0.9–1.2 µs here, flat) and the
+//! three service-map reads of a new flow (its external-scope frontend — the frontend filter
+//! spares the cluster-scope read, see `kproxy-ebpf/src/frontend.rs` — slot, backend), which
+//! get slower as the maps grow (at 100k services the frontend map is preallocated for 1M
+//! entries, tens of MB, so — our reading, not measured: no hardware counters in this VM — each
+//! read misses the TLB even when the same 256 services repeat) — the growth of `new-flow` from
+//! 1 to 100k services, not the connection table's fill (`reverse-nat`, one connection-table
+//! lookup per run, is flat). `floor-new-flow` shows how much of that growth one frontend
+//! read alone brings. `established` and `miss` repeat one packet
 //! `repeat` times per test run, so all but its first run find their entries cached: they are
 //! flat by construction and time the instructions and kernel calls, not memory; `established`
 //! is one connection-table lookup (`floor-ct-lookup`) plus the rewrite.
@@ -59,7 +63,7 @@ use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use kproxy_common::counter::{
-    FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP,
+    FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_NEW_FLOW,
 };
 use kproxy_common::ct::MAP_CT;
 use kproxy_common::ct6::MAP_CT6;
@@ -75,8 +79,13 @@ pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
 /// - `floor-ct-lookup`: parse + one connection-table lookup that hits, `repeat` runs per test
 ///   run — what `established` cannot go below (it adds the rewrite, timestamp and counter);
 /// - `floor-ct-insert`: parse + the two inserts of a new flow, one run per test run — the part
-///   of `new-flow` no choice of backend can avoid.
-pub const FLOOR_CASES: [&str; 2] = ["floor-ct-lookup", "floor-ct-insert"];
+///   of `new-flow` no choice of backend can avoid;
+/// - `floor-new-flow`: parse + the connection-table lookup that misses + one read of the
+///   flow's frontend entry in the real, filled service map + the two inserts, one run per test
+///   run — the least any new flow costs (a
+///   design whose frontend entry held the backend itself), and so the flattest `new-flow`
+///   could be from 1 to 100k services on this machine.
+pub const FLOOR_CASES: [&str; 3] = ["floor-ct-lookup", "floor-ct-insert", "floor-new-flow"];
 
 /// The cases of the XDP program (`kp_xdp`) with its NodePort fast path, run inside a network
 /// namespace whose routes and neighbour entries let `bpf_fib_lookup` succeed (a test run's
@@ -116,7 +125,10 @@ fn cluster_ip(i: u32) -> Ipv4Addr {
 
 /// Whether `case` is measured one run per test run (else `repeat` runs per test run).
 pub fn single_run(case: &str) -> bool {
-    matches!(case, "new-flow" | "reverse-nat" | "floor-ct-insert")
+    matches!(
+        case,
+        "new-flow" | "reverse-nat" | "floor-ct-insert" | "floor-new-flow"
+    )
 }
 
 /// The counter-program figure measured the way XDP case `case` is.
@@ -557,12 +569,17 @@ impl TcBench {
                     u32::from(addrs(f).1.0) & 0xffff_ff00 == u32::from(CLIENT) & 0xffff_ff00
                 })
             }
-            "floor-ct-insert" => {
+            "floor-ct-insert" | "floor-new-flow" => {
+                let prog = if case == "floor-ct-insert" {
+                    PROG_FLOOR_CT_INSERT
+                } else {
+                    PROG_FLOOR_NEW_FLOW
+                };
                 let passes = passes.min(8);
                 let mut total = 0.0;
                 for _ in 0..passes {
                     let frames = self.flow_frames(SYN);
-                    total += self.floor_runs(PROG_FLOOR_CT_INSERT, &frames, 1)?;
+                    total += self.floor_runs(prog, &frames, 1)?;
                 }
                 Ok(total / f64::from(passes))
             }
