@@ -32,7 +32,9 @@ pub const MAP_FRONTEND_FILTER: &str = "KP_FE_FILTER";
 /// `map_flags` of [`MAP_FRONTEND_FILTER`]: the agent writes words through a shared mapping.
 pub const FILTER_MAP_FLAGS: u32 = crate::BPF_F_MMAPABLE;
 
-/// Words of [`MAP_FRONTEND_FILTER`] (a power of two).
+/// Words of [`MAP_FRONTEND_FILTER`] (a power of two). Changing it, or [`filter_slot`], changes
+/// what the pinned words mean: bump the map's layout version (`crate::layout`), so a pin of
+/// the old meaning is replaced, never read by programs of the new one.
 pub const FILTER_WORDS: u32 = 1 << 15;
 
 /// A word with every bit saying "absent": what the agent writes where no frontend hashes.

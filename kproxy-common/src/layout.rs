@@ -239,7 +239,8 @@ pub const LAYOUTS: [MapLayout; 17] = [
         1,
         None,
     ),
-    // Rewritten whole by the agent from the frontends at start: replaced, never carried.
+    // Rewritten by the agent from the frontends at start (reused across restarts); a new
+    // size or hash (`frontend_filter`) needs a new version: replaced, never carried.
     layout(
         MAP_FRONTEND_FILTER,
         MAP_TYPE_ARRAY,

@@ -18,9 +18,10 @@
 //!
 //! So a packet that is not for a service costs one lookup (2) and, unless the filter gives a
 //! false positive, no service-map lookup; a new flow to an external frontend one service-map
-//! lookup. Until 2026-11 the order was 3 then 2 and 3 was a cluster-scope lookup (one lookup
-//! for packets not for a service, two for established ones); established service traffic is
-//! what this path exists for, so it gets the single lookup. A consequence
+//! lookup. Until 2026-11 the order was 3 then 2 (one lookup for packets not for a service,
+//! two for established ones); established service traffic is what this path exists for, so it
+//! gets the single lookup. (Step 3 was then a cluster-scope lookup, and a new flow to an
+//! external frontend read both scopes; the filter came later the same month.) A consequence
 //! of 2 coming first: packets of an established flow keep their translation after the
 //! frontend is deleted, until the agent purges the flow with its backends — as upstream's
 //! conntrack keeps the NAT of established connections after the rules are gone.

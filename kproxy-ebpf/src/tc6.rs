@@ -9,8 +9,8 @@
 //! (service-map keys and LPM keys hold 16-byte addresses already).
 //!
 //! - Ingress: reply to a SNATed flow (`SnatIn`, dst := client) → established flow
-//!   (`Service`) → frontend lookup (cluster scope; the order of [`crate::tc`]) → new flow (external scope: source ranges, no
-//!   endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
+//!   (`Service`) → frontend filter and lookup ([`crate::frontend`], the order of [`crate::tc`])
+//!   → new flow (source ranges, no endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
 //! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (the source kept in the
 //!   flow's `RevDnat` entry, looked up reversed; port allocated on the flow's first packet from
 //!   the range of `KP_NAT_CFG`, collisions resolved by `BPF_NOEXIST` inserts of the `SnatIn`

@@ -47,8 +47,8 @@ struct Fixture {
 
 /// One NodePort frontend NODE:NODE_PORT/proto (svc 1, `flags`) with the given backends
 /// (`(id, addr, flags)`, port BPORT): its external-scope entry and, like the eBPF planner
-/// writes for every external frontend, its cluster-scope twin (the TC program's "is this a
-/// frontend at all" lookup).
+/// writes for every external frontend, its cluster-scope twin (read by socket LB). No
+/// frontend filter is written (all zero: every lookup is made).
 fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) -> Fixture {
     let bpffs = Bpffs::new(test).unwrap();
     let (mut ebpf, _tc) = load(
@@ -206,8 +206,6 @@ fn tcp_flow_through_dnat_snat_and_both_reverse_translations() {
     assert_eq!(stats["reply"], 2);
 }
 
-/// A flow an earlier build created keeps its SNAT source in a separate `SnatOut` entry
-/// (`kproxy_common::ct` module docs): after an upgrade its packets still leave with it.
 /// The frontend filter decides which service-map lookups the ingress program makes: with the
 /// NodePort's external bit saying "absent", a new flow to it is not translated (the lookup was
 /// skipped), while its established flow still is (the connection table comes first); with the
@@ -256,15 +254,27 @@ fn the_frontend_filter_gates_new_flows_not_established_ones() {
         BACKEND,
         "an established flow does not depend on the filter"
     );
+    // Only the external bit "absent": the cluster-scope twin (no ClusterIP flag) is found
+    // but must not stand in for the external entry.
+    if ext_word == cl_word {
+        set(&mut f, ext_word, ext_mask);
+    } else {
+        set(&mut f, ext_word, ext_mask);
+        set(&mut f, cl_word, 0);
+    }
+    let fresh = syn((CLIENT, CPORT + 2));
+    assert_eq!(run_in(&mut f, &fresh).frame, fresh, "the twin stood in");
     // The external bit clear again: new flows translated.
     set(&mut f, ext_word, 0);
     if cl_word != ext_word {
         set(&mut f, cl_word, cl_mask);
     }
-    let out = run_in(&mut f, &syn((CLIENT, CPORT + 2)));
+    let out = run_in(&mut f, &syn((CLIENT, CPORT + 3)));
     assert_eq!(parse_checked(&out.frame).dst, BACKEND);
 }
 
+/// A flow an earlier build created keeps its SNAT source in a separate `SnatOut` entry
+/// (`kproxy_common::ct` module docs): after an upgrade its packets still leave with it.
 #[test]
 fn a_flow_of_an_earlier_build_keeps_its_snat_out_entry() {
     if !require_root() {

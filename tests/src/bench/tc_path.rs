@@ -97,7 +97,8 @@ pub const FLOOR_CASES: [&str; 3] = ["floor-ct-lookup", "floor-ct-insert", "floor
 ///   (its output is no longer a client packet);
 /// - `reverse`: the backend's reply to the SNAT address (reverse SNAT + reverse DNAT), one
 ///   run per test run;
-/// - `miss`: not a frontend (passed after the lookups), `repeat` runs per test run.
+/// - `miss`: not a frontend (passed after the frontend filter, and the frontend lookups its
+///   false positives let through), `repeat` runs per test run.
 pub const XDP_CASES: [&str; 4] = ["new-flow", "established", "reverse", "miss"];
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);

@@ -331,7 +331,8 @@ pub fn l4_ports(proto: u8, l4: &[u8]) -> (u16, u16) {
 /// One NodePort service written the way the eBPF planner does (svc 1, `flags`): backends
 /// `(id, addr, backend flags)` on port `bport`, their slots, and the frontend
 /// `node:node_port/proto` as its external-scope entry plus the cluster-scope twin the planner
-/// writes for every external frontend (the TC program's "is this a frontend at all" lookup).
+/// writes for every external frontend (read by socket LB; the TC programs must not take it for
+/// the external entry). No frontend filter is written: all zero means "maybe everywhere".
 pub fn node_port_service<A: Into<IpAddr> + Copy>(
     ebpf: &mut Ebpf,
     (node, node_port, proto): (A, u16, u8),

@@ -59,7 +59,7 @@ use super::planner::{Plan, ServicePlan, SourceRangeEntry, decode_addr, describe_
 use super::tables::{FilterStore, MaglevStore, Table, TableError};
 use crate::model::{Protocol, ServicePortName};
 
-/// The five maps the applier manages.
+/// The maps the applier manages.
 pub struct Tables {
     pub services: Box<dyn Table<ServiceKey, ServiceValue>>,
     pub slots: Box<dyn Table<BackendSlotKey, u32>>,

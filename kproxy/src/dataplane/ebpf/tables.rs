@@ -296,6 +296,12 @@ impl SharedArray {
         use std::os::fd::{AsFd, AsRawFd};
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
         check_layout(name, &info, 4, value)?;
+        // The kernel lays array elements out 8-byte aligned: the mapping is a flat array of
+        // `value`-byte elements only when `value` is a multiple of 8.
+        assert!(
+            value % 8 == 0,
+            "{name}: element size {value} is not a multiple of 8"
+        );
         let err = |reason: String| TableError {
             map: name,
             reason,

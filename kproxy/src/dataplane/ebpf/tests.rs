@@ -9,7 +9,7 @@ use kproxy_common::service::*;
 use super::applier::{Applier, Tables};
 use super::ids::{IdAllocator, SetKind};
 use super::planner::{Plan, decode_addr, encode_addr, plan, render};
-use super::tables::{MaglevStore, MemFilter, MemMaglev, MemTable, SharedMem};
+use super::tables::{FilterStore, MaglevStore, MemFilter, MemMaglev, MemTable, SharedMem};
 use super::{EbpfConfig, MapSizes};
 use crate::model::*;
 
@@ -396,6 +396,63 @@ struct Mem {
     filter: Arc<Mutex<MemFilter>>,
 }
 
+/// The in-memory services map and frontend filter, checking on every write the order the
+/// node-device programs rely on (`super::filter`): a frontend is written only while the filter
+/// says "maybe" for it, and a filter bit is set to "absent" only when no frontend in the map
+/// hashes to it. Every applier test here runs with these checks.
+struct FilteredFirst {
+    services: SharedMem<ServiceKey, ServiceValue>,
+    filter: Arc<Mutex<MemFilter>>,
+}
+
+fn filter_bit(k: &ServiceKey) -> (u32, u64) {
+    kproxy_common::frontend_filter::filter_slot(&k.addr, k.port, k.proto, k.scope)
+}
+
+impl super::tables::Table<ServiceKey, ServiceValue> for FilteredFirst {
+    fn name(&self) -> &'static str {
+        self.services.name()
+    }
+    fn dump(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, super::tables::TableError> {
+        self.services.dump()
+    }
+    fn put(
+        &mut self,
+        key: &ServiceKey,
+        value: &ServiceValue,
+    ) -> Result<(), super::tables::TableError> {
+        let (w, m) = filter_bit(key);
+        assert_eq!(
+            self.filter.lock().unwrap().words[w as usize] & m,
+            0,
+            "frontend {key:?} written while the filter says it is absent"
+        );
+        self.services.put(key, value)
+    }
+    fn delete(&mut self, key: &ServiceKey) -> Result<(), super::tables::TableError> {
+        self.services.delete(key)
+    }
+    fn capacity(&self) -> u32 {
+        self.services.capacity()
+    }
+}
+
+impl FilterStore for FilteredFirst {
+    fn read(&self, i: u32) -> u64 {
+        self.filter.read(i)
+    }
+    fn write(&mut self, i: u32, value: u64) {
+        for k in self.services.lock().unwrap().entries.keys() {
+            let (w, m) = filter_bit(k);
+            assert!(
+                w != i || value & m == 0,
+                "filter word {i} marks frontend {k:?} absent while it is in the map"
+            );
+        }
+        self.filter.write(i, value)
+    }
+}
+
 fn shared<K: Ord, V>(name: &'static str, cap: u32) -> SharedMem<K, V> {
     Arc::new(Mutex::new(MemTable::new(name, cap)))
 }
@@ -415,14 +472,20 @@ impl Mem {
     }
     fn tables(&self) -> Tables {
         Tables {
-            services: Box::new(self.services.clone()),
+            services: Box::new(FilteredFirst {
+                services: self.services.clone(),
+                filter: self.filter.clone(),
+            }),
             slots: Box::new(self.slots.clone()),
             backends: Box::new(self.backends.clone()),
             source_ranges: Box::new(self.ranges.clone()),
             affinity: Box::new(self.affinity.clone()),
             maglev_refs: Box::new(self.maglev_refs.clone()),
             maglev: Box::new(self.maglev.clone()),
-            filter: Box::new(self.filter.clone()),
+            filter: Box::new(FilteredFirst {
+                services: self.services.clone(),
+                filter: self.filter.clone(),
+            }),
         }
     }
     fn services(&self) -> BTreeMap<ServiceKey, ServiceValue> {
@@ -439,6 +502,9 @@ impl Mem {
         let f = self.filter.lock().unwrap();
         let mut out = BTreeSet::new();
         for (w, word) in f.words.iter().enumerate() {
+            if *word == u64::MAX {
+                continue;
+            }
             for b in 0..64 {
                 if word & (1u64 << b) == 0 {
                     out.insert((w as u32, b));
@@ -607,6 +673,43 @@ fn a_full_services_map_fails_the_new_service_and_keeps_the_others() {
         mem.slots()
     );
     // b's frontends were counted before the write that failed, and uncounted after.
+    assert_eq!(mem.filter_maybe(), mem.frontend_bits());
+}
+
+/// A service port whose second frontend does not fit takes its first back (rollback), and
+/// the filter bits counted for both are given back with them.
+#[test]
+fn a_frontend_rolled_back_gives_back_its_filter_bit() {
+    let sizes = MapSizes {
+        services: 2,
+        ..MapSizes::default()
+    };
+    let mem = Mem::new(&sizes);
+    let mut applier = Applier::new(mem.tables()).unwrap();
+    let snapshot = snap(vec![
+        (svc("a", &["10.96.0.1"]), vec![ep("10.0.0.1", true)]),
+        (
+            // Dual-stack: two frontends, the IPv4 one (first in key order) fits.
+            svc("b", &["10.96.0.2", "fd00:96::2"]),
+            vec![ep("10.0.1.1", true)],
+        ),
+    ]);
+    let p = plan(&snapshot, &cfg(), &mut IdAllocator::new());
+    let out = applier.apply(&p, 0).unwrap();
+    assert!(out.failed[&name("b")].contains("full"), "{:?}", out.failed);
+    assert_eq!(
+        mem.services().keys().copied().collect::<Vec<_>>(),
+        vec![key("10.96.0.1", 80, SCOPE_CLUSTER)],
+        "b's first frontend was written and taken back"
+    );
+    assert_eq!(
+        mem.services.lock().unwrap().writes,
+        2,
+        "a's and b's first were written"
+    );
+    assert_eq!(mem.filter_maybe(), mem.frontend_bits());
+    // Re-reading the maps (after a failed sync) rebuilds the same filter.
+    applier.reload().unwrap();
     assert_eq!(mem.filter_maybe(), mem.frontend_bits());
 }
 
