@@ -299,7 +299,7 @@ impl SharedArray {
         // The kernel lays array elements out 8-byte aligned: the mapping is a flat array of
         // `value`-byte elements only when `value` is a multiple of 8.
         assert!(
-            value % 8 == 0,
+            value.is_multiple_of(8),
             "{name}: element size {value} is not a multiple of 8"
         );
         let err = |reason: String| TableError {
