@@ -33,7 +33,8 @@ use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
-    ServiceValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    ServiceValue, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey,
 };
 
 /// `HashMap<[u8; LAYOUT_NAME_LEN], LayoutRecord>`: the layout each pinned map was created with.
@@ -116,12 +117,13 @@ pub const LAYOUTS: [MapLayout; 17] = [
         1,
         None,
     ),
+    // 2: the value holds the backend itself (`SlotValue`), not only its id.
     layout(
         MAP_BACKEND_SLOTS,
         MAP_TYPE_HASH,
         size_of::<BackendSlotKey>(),
-        size_of::<u32>(),
-        1,
+        size_of::<SlotValue>(),
+        2,
         None,
     ),
     layout(

@@ -40,12 +40,15 @@
 //!    wins (refresh `last_used_ns`).
 //! 3. TC with [`SVC_F_MAGLEV`]: the set's Maglev table entry for the flow's hash
 //!    ([`crate::maglev`]);
-//! 4. else slot `bpf_get_prandom_u32() % count`: [`BackendSlotKey`] `{svc_id, slot}` → backend
-//!    id → [`MAP_BACKENDS`] → [`BackendValue`]; with affinity, record the choice.
+//! 4. else slot `bpf_get_prandom_u32() % count`: [`BackendSlotKey`] `{svc_id, slot}` →
+//!    [`SlotValue`], the backend's id and a copy of its [`BackendValue`] (one lookup; the
+//!    affinity and Maglev paths, which have only an id, read [`MAP_BACKENDS`]); with affinity,
+//!    record the choice.
 //!
 //! The agent writes backends → slots → service entry → deletes stale entries, so a reader never
 //! finds a slot index `< count` without a backend behind it (growing: slots before count;
-//! shrinking: count before deleting slots).
+//! shrinking: count before deleting slots). A slot's copy of a backend is rewritten in the
+//! same apply that changes the backend's value (`kproxy::dataplane::ebpf::applier`).
 //!
 //! `svc_id` names one (service port, endpoint set) pair: a service port has at most two sets,
 //! the cluster set and the node-local set (eTP/iTP=Local), and each frontend entry points at the
@@ -53,7 +56,7 @@
 
 /// `HashMap<ServiceKey, ServiceValue>`: every frontend (VIP, port, protocol, scope).
 pub const MAP_SERVICES: &str = "KP_SERVICES";
-/// `HashMap<BackendSlotKey, u32>`: slot `0..count` of a set → backend id.
+/// `HashMap<BackendSlotKey, SlotValue>`: slot `0..count` of a set → its backend.
 pub const MAP_BACKEND_SLOTS: &str = "KP_BE_SLOTS";
 /// `HashMap<u32, BackendValue>`: backend id → address.
 pub const MAP_BACKENDS: &str = "KP_BACKENDS";
@@ -194,6 +197,18 @@ pub struct BackendSlotKey {
     pub slot: u32,
 }
 
+/// Value of [`MAP_BACKEND_SLOTS`]: the backend in the slot, id and value, so choosing a
+/// backend at random costs one lookup, not two (a new flow's service-map reads get slower as
+/// the maps grow: issue #3, `tests/src/bench/tc_path.rs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SlotValue {
+    /// The backend's [`MAP_BACKENDS`] key.
+    pub backend_id: u32,
+    /// A copy of its [`MAP_BACKENDS`] value.
+    pub backend: BackendValue,
+}
+
 /// Value of [`MAP_BACKENDS`] (key: backend id, `u32`, never 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -309,6 +324,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceKey {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for BackendSlotKey {}
+    unsafe impl aya::Pod for SlotValue {}
     unsafe impl aya::Pod for BackendValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
@@ -330,6 +346,7 @@ mod tests {
         assert_eq!(size_of::<ServiceValue>(), 16);
         assert_eq!(size_of::<BackendSlotKey>(), 8);
         assert_eq!(size_of::<BackendValue>(), 20);
+        assert_eq!(size_of::<SlotValue>(), 24);
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<SourceRangeKey>(), 20);

@@ -181,9 +181,10 @@ pub(crate) fn choose_backend_in<F: Family>(
             svc_id: svc.svc_id,
             slot,
         };
-        // SAFETY: read by value right away.
-        backend_id = *unsafe { KP_BE_SLOTS.get(slot_key) }?;
-        backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
+        // SAFETY: read by value right away. The slot holds the backend itself (one lookup).
+        let s = unsafe { KP_BE_SLOTS.get(slot_key) }.copied()?;
+        backend_id = s.backend_id;
+        backend = Some(s.backend);
     }
     let be = backend?;
     if !F::is_family(&be.addr) {

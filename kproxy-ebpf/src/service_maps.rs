@@ -15,8 +15,8 @@ use kproxy_common::maglev::{
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, DEFAULT_AFFINITY_MAX,
     DEFAULT_BACKEND_SLOTS_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_FWD_MAX,
-    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey, ServiceValue, SockFwdKey,
-    SockFwdValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey, ServiceValue, SlotValue,
+    SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// `kproxy_common::service::MAP_SERVICES`.
@@ -31,7 +31,7 @@ pub(crate) static KP_FE_FILTER: Array<u64> = Array::pinned(FILTER_WORDS, FILTER_
 
 /// `kproxy_common::service::MAP_BACKEND_SLOTS`.
 #[map]
-pub(crate) static KP_BE_SLOTS: HashMap<BackendSlotKey, u32> =
+pub(crate) static KP_BE_SLOTS: HashMap<BackendSlotKey, SlotValue> =
     HashMap::pinned(DEFAULT_BACKEND_SLOTS_MAX, 0);
 
 /// `kproxy_common::service::MAP_BACKENDS`.

@@ -3,8 +3,9 @@
 //! traffic from the node and its pods never needs per-packet NAT.
 //!
 //! - `connect4/6` (TCP, connected UDP): look up `{dst, port, proto, SCOPE_CLUSTER}` in
-//!   `KP_SERVICES`; pick a backend (affinity by netns cookie, else a random slot); rewrite the
-//!   destination; remember `{socket cookie, backend} → frontend` in `KP_SOCK_RNAT`.
+//!   `KP_SERVICES`; pick a backend (affinity by netns cookie, else a random slot, which holds
+//!   the backend itself); rewrite the destination; remember `{socket cookie, backend} →
+//!   frontend` in `KP_SOCK_RNAT`.
 //! - `sendmsg4/6` (unconnected UDP): the same per datagram, except that a socket keeps the
 //!   backend it got for a frontend (`KP_SOCK_FWD`) while that backend still holds the same slot
 //!   of the frontend's set: one socket's datagrams stay on one backend, as upstream's conntrack
@@ -33,7 +34,7 @@ use aya_ebpf::{
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER,
-    SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SockFwdKey, SockFwdValue, SockRevNatKey,
+    SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey,
     SockRevNatValue, v4_mapped,
 };
 use kproxy_common::sock::ERRNO_NO_ENDPOINTS;
@@ -136,16 +137,15 @@ fn translate(
             let prev = unsafe { *prev };
             if prev.svc_id == svc.svc_id
                 && prev.slot < svc.count
-                && let Some(id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
+                && let Some(s) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
                     svc_id: svc.svc_id,
                     slot: prev.slot,
                 })
                 // SAFETY: pointer from a successful lookup.
-                && unsafe { *id } == prev.backend_id
-                && let Some(be) = KP_BACKENDS.get_ptr(prev.backend_id)
+                && unsafe { (*s).backend_id } == prev.backend_id
             {
                 // SAFETY: pointer from a successful lookup.
-                let be = unsafe { *be };
+                let be = unsafe { (*s).backend };
                 return Verdict::Backend(be.addr, be.port);
             }
         }
@@ -153,19 +153,18 @@ fn translate(
 
     // SAFETY: no arguments.
     let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
-    let Some(backend_id) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
+    // The slot holds the backend itself (one lookup).
+    let Some(s) = KP_BE_SLOTS.get_ptr(BackendSlotKey {
         svc_id: svc.svc_id,
         slot,
     }) else {
         return Verdict::Untouched;
     };
-    // SAFETY: pointer from a successful lookup.
-    let backend_id = unsafe { *backend_id };
-    let Some(be) = KP_BACKENDS.get_ptr(backend_id) else {
-        return Verdict::Untouched;
-    };
-    // SAFETY: pointer from a successful lookup.
-    let be = unsafe { *be };
+    // SAFETY: pointer from a successful lookup, copied out at once.
+    let SlotValue {
+        backend_id,
+        backend: be,
+    } = unsafe { *s };
     if affinity {
         let value = AffinityValue {
             backend_id,

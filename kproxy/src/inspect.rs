@@ -22,9 +22,9 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::{
-    AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
-    MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
-    ServiceValue,
+    AffinityKey, AffinityValue, BackendSlotKey, MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS,
+    MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey, ServiceValue,
+    SlotValue,
 };
 use serde::Serialize;
 
@@ -239,8 +239,7 @@ fn count_keys(data: &MapData) -> Option<usize> {
 fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Result<()> {
     let dir = cfg.bpf.bpffs.join("kproxy");
     let (services, _) = open_hash::<ServiceKey, ServiceValue>(&dir, MAP_SERVICES)?;
-    let (slots, _) = open_hash::<BackendSlotKey, u32>(&dir, MAP_BACKEND_SLOTS)?;
-    let (backends, _) = open_hash::<u32, BackendValue>(&dir, MAP_BACKENDS)?;
+    let (slots, _) = open_hash::<BackendSlotKey, SlotValue>(&dir, MAP_BACKEND_SLOTS)?;
     let affinity: Vec<AffinityKey> = any_hash::<AffinityKey, AffinityValue>(&dir, MAP_AFFINITY)
         .map(|(m, _)| m.keys().filter_map(Result::ok).collect())
         .unwrap_or_default();
@@ -287,14 +286,14 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
             ));
             if ids.insert(v.svc_id) {
                 for slot in 0..v.count {
-                    if let Ok(id) = slots.get(
+                    // The backend as the programs read it: the slot's copy.
+                    if let Ok(SlotValue { backend: b, .. }) = slots.get(
                         &BackendSlotKey {
                             svc_id: v.svc_id,
                             slot,
                         },
                         0,
-                    ) && let Ok(b) = backends.get(&id, 0)
-                    {
+                    ) {
                         let a = sock(decode_addr(b.addr), u16::from_be(b.port));
                         if !r.kernel_backends.contains(&a) {
                             r.kernel_backends.push(a);

@@ -24,7 +24,7 @@ use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Sn
 use kproxy_common::frontend_filter::{FILTER_WORDS, MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
-    MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue,
+    MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue, SlotValue,
 };
 use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
 use kproxy_tests::topology::{
@@ -448,14 +448,14 @@ fn removed_endpoint_gets_no_new_flows_and_loses_its_affinity_entries() {
 
 type Dump = (
     BTreeMap<Vec<u8>, ServiceValue>,
-    BTreeMap<Vec<u8>, u32>,
+    BTreeMap<Vec<u8>, SlotValue>,
     BTreeMap<Vec<u8>, BackendValue>,
 );
 
 fn dump(bpffs: &Bpffs) -> Dump {
     (
         dump_map::<ServiceKey, ServiceValue>(bpffs, MAP_SERVICES),
-        dump_map::<BackendSlotKey, u32>(bpffs, MAP_BACKEND_SLOTS),
+        dump_map::<BackendSlotKey, SlotValue>(bpffs, MAP_BACKEND_SLOTS),
         dump_map::<u32, BackendValue>(bpffs, MAP_BACKENDS),
     )
 }

@@ -16,7 +16,7 @@ use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
     SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey,
-    ServiceValue, SourceRangeKey, v4_mapped,
+    ServiceValue, SlotValue, SourceRangeKey, v4_mapped,
 };
 use kproxy_tests::netns::Bpffs;
 
@@ -90,16 +90,28 @@ pub fn backend(ebpf: &mut Ebpf, id: u32, addr: impl Into<IpAddr>, port: u16, fla
     m.insert(id, v, 0).unwrap();
 }
 
+/// Slots `0..` of set `svc_id` holding the backends `ids` (written with [`backend`] first:
+/// each slot gets a copy of its backend's value, as the agent writes them).
 pub fn slots(ebpf: &mut Ebpf, svc_id: u32, ids: &[u32]) {
-    let mut m: BpfHashMap<_, BackendSlotKey, u32> =
+    let values: Vec<SlotValue> = {
+        let b: BpfHashMap<_, u32, BackendValue> =
+            BpfHashMap::try_from(ebpf.map(MAP_BACKENDS).unwrap()).unwrap();
+        ids.iter()
+            .map(|id| SlotValue {
+                backend_id: *id,
+                backend: b.get(id, 0).expect("slot of a backend not written"),
+            })
+            .collect()
+    };
+    let mut m: BpfHashMap<_, BackendSlotKey, SlotValue> =
         BpfHashMap::try_from(ebpf.map_mut(MAP_BACKEND_SLOTS).unwrap()).unwrap();
-    for (slot, id) in ids.iter().enumerate() {
+    for (slot, v) in values.iter().enumerate() {
         m.insert(
             BackendSlotKey {
                 svc_id,
                 slot: slot as u32,
             },
-            id,
+            v,
             0,
         )
         .unwrap();

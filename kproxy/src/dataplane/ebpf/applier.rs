@@ -49,7 +49,7 @@ use kproxy_common::maglev::{MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
     MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES, SOURCE_RANGE_ALLOW, SVC_F_AFFINITY, ServiceKey,
-    ServiceValue,
+    ServiceValue, SlotValue,
 };
 use serde::Serialize;
 
@@ -62,7 +62,7 @@ use crate::model::{Protocol, ServicePortName};
 /// The maps the applier manages.
 pub struct Tables {
     pub services: Box<dyn Table<ServiceKey, ServiceValue>>,
-    pub slots: Box<dyn Table<BackendSlotKey, u32>>,
+    pub slots: Box<dyn Table<BackendSlotKey, SlotValue>>,
     pub backends: Box<dyn Table<u32, BackendValue>>,
     pub source_ranges: Box<dyn Table<SourceRangeEntry, u8>>,
     pub affinity: Box<dyn Table<AffinityKey, AffinityValue>>,
@@ -107,7 +107,7 @@ pub struct ApplyOutcome {
 #[derive(Debug, Default)]
 struct Cache {
     services: BTreeMap<ServiceKey, ServiceValue>,
-    slots: BTreeMap<BackendSlotKey, u32>,
+    slots: BTreeMap<BackendSlotKey, SlotValue>,
     backends: BTreeMap<u32, BackendValue>,
     ranges: BTreeSet<SourceRangeEntry>,
     maglev_refs: BTreeMap<u32, MaglevRef>,
@@ -228,8 +228,8 @@ impl Applier {
             maglev_built: BTreeMap::new(),
         };
         let mut slot_refs = HashMap::new();
-        for id in cache.slots.values() {
-            *slot_refs.entry(*id).or_default() += 1;
+        for s in cache.slots.values() {
+            *slot_refs.entry(s.backend_id).or_default() += 1;
         }
         Ok((cache, slot_refs))
     }
@@ -342,16 +342,16 @@ impl Applier {
         &self.apply_failed
     }
 
-    fn cache_slot(&mut self, key: BackendSlotKey, id: u32) {
-        if let Some(old) = self.cache.slots.insert(key, id) {
-            dec(&mut self.slot_refs, old);
+    fn cache_slot(&mut self, key: BackendSlotKey, value: SlotValue) {
+        if let Some(old) = self.cache.slots.insert(key, value) {
+            dec(&mut self.slot_refs, old.backend_id);
         }
-        *self.slot_refs.entry(id).or_default() += 1;
+        *self.slot_refs.entry(value.backend_id).or_default() += 1;
     }
 
     fn uncache_slot(&mut self, key: &BackendSlotKey) {
         if let Some(old) = self.cache.slots.remove(key) {
-            dec(&mut self.slot_refs, old);
+            dec(&mut self.slot_refs, old.backend_id);
         }
     }
 
@@ -382,6 +382,7 @@ impl Applier {
             }
         }
         let mut failed_backends: BTreeMap<u32, String> = BTreeMap::new();
+        let mut changed_values: BTreeSet<u32> = BTreeSet::new();
         for id in &backend_ids {
             let Some(value) = plan.backends.get(id) else {
                 continue;
@@ -391,12 +392,39 @@ impl Applier {
             }
             match self.tables.backends.put(id, value) {
                 Ok(()) => {
-                    self.cache.backends.insert(*id, *value);
+                    if self.cache.backends.insert(*id, *value).is_some() {
+                        changed_values.insert(*id);
+                    }
                     out.writes += 1;
                 }
                 Err(e) => {
                     failed_backends.insert(*id, e.to_string());
                 }
+            }
+        }
+        // Slots hold a copy of their backend: where a backend's value changed, every slot
+        // holding it gets the new copy now, also in sets this apply does not otherwise touch.
+        if !changed_values.is_empty() {
+            let recopy: Vec<(BackendSlotKey, SlotValue)> = self
+                .cache
+                .slots
+                .iter()
+                .filter(|(_, s)| changed_values.contains(&s.backend_id))
+                .filter_map(|(k, s)| {
+                    let backend = *self.cache.backends.get(&s.backend_id)?;
+                    (s.backend != backend).then_some((
+                        *k,
+                        SlotValue {
+                            backend_id: s.backend_id,
+                            backend,
+                        },
+                    ))
+                })
+                .collect();
+            for (k, v) in recopy {
+                self.tables.slots.put(&k, &v)?;
+                self.cache_slot(k, v);
+                out.writes += 1;
             }
         }
 
@@ -425,7 +453,7 @@ impl Applier {
             };
             let result = match sp.backend_ids().find_map(|id| failed_backends.get(&id)) {
                 Some(err) => Err(err.clone()),
-                None => self.apply_service(sp, &plan.backend_addrs, &mut out),
+                None => self.apply_service(sp, plan, &mut out),
             };
             match result {
                 Ok(()) => {
@@ -775,7 +803,7 @@ impl Applier {
     fn apply_service(
         &mut self,
         sp: &ServicePlan,
-        addrs: &BTreeMap<u32, BackendAddr>,
+        plan: &Plan,
         out: &mut ApplyOutcome,
     ) -> Result<(), String> {
         for set in &sp.sets {
@@ -784,19 +812,29 @@ impl Applier {
                     svc_id: set.svc_id,
                     slot: slot as u32,
                 };
-                if self.cache.slots.get(&key) == Some(id) {
+                let Some(backend) = plan.backends.get(id) else {
+                    return Err(format!(
+                        "slot {slot} of set {}: backend {id} not planned",
+                        set.svc_id
+                    ));
+                };
+                let value = SlotValue {
+                    backend_id: *id,
+                    backend: *backend,
+                };
+                if self.cache.slots.get(&key) == Some(&value) {
                     continue;
                 }
                 self.tables
                     .slots
-                    .put(&key, id)
+                    .put(&key, &value)
                     .map_err(|e| format!("slot {slot} of set {}: {e}", set.svc_id))?;
-                self.cache_slot(key, *id);
+                self.cache_slot(key, value);
                 out.writes += 1;
             }
         }
         for set in &sp.sets {
-            self.apply_maglev(set, addrs, out)?;
+            self.apply_maglev(set, &plan.backend_addrs, out)?;
         }
         for range in &sp.source_ranges {
             if self.cache.ranges.contains(range) {

@@ -42,7 +42,7 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::service::{
-    BackendSlotKey, BackendValue, PROTO_UDP, ServiceKey, ServiceValue, SockRevNatKey,
+    BackendSlotKey, BackendValue, PROTO_UDP, ServiceKey, ServiceValue, SlotValue, SockRevNatKey,
     SockRevNatValue,
 };
 
@@ -52,7 +52,7 @@ use super::sockdiag::{DiagSocket, UdpSocket};
 /// Every backend that a UDP frontend's endpoint set references.
 pub fn udp_backends(
     services: &BTreeMap<ServiceKey, ServiceValue>,
-    slots: &BTreeMap<BackendSlotKey, u32>,
+    slots: &BTreeMap<BackendSlotKey, SlotValue>,
     backends: &BTreeMap<u32, BackendValue>,
 ) -> BTreeSet<SocketAddr> {
     let udp_sets: BTreeSet<u32> = services
@@ -63,7 +63,7 @@ pub fn udp_backends(
     slots
         .iter()
         .filter(|(k, _)| udp_sets.contains(&k.svc_id))
-        .filter_map(|(_, id)| backends.get(id))
+        .filter_map(|(_, s)| backends.get(&s.backend_id))
         .map(|b| SocketAddr::new(decode_addr(b.addr), u16::from_be(b.port)))
         .collect()
 }
@@ -342,15 +342,19 @@ mod tests {
                 },
             ),
         ]);
-        let slots = BTreeMap::from([
-            (BackendSlotKey { svc_id: 1, slot: 0 }, 10),
-            (BackendSlotKey { svc_id: 1, slot: 1 }, 11),
-            (BackendSlotKey { svc_id: 2, slot: 0 }, 12),
-        ]);
         let backends = BTreeMap::from([
             (10, backend("10.0.0.1", 53)),
             (11, backend("fd00::1", 53)),
             (12, backend("10.0.0.2", 53)),
+        ]);
+        let slot = |id: u32| SlotValue {
+            backend_id: id,
+            backend: backends[&id],
+        };
+        let slots = BTreeMap::from([
+            (BackendSlotKey { svc_id: 1, slot: 0 }, slot(10)),
+            (BackendSlotKey { svc_id: 1, slot: 1 }, slot(11)),
+            (BackendSlotKey { svc_id: 2, slot: 0 }, slot(12)),
         ]);
         let got = udp_backends(&services, &slots, &backends);
         let want: BTreeSet<SocketAddr> = ["10.0.0.1:53", "[fd00::1]:53"]

@@ -387,7 +387,7 @@ const MAGLEV_M: u32 = 251;
 
 struct Mem {
     services: SharedMem<ServiceKey, ServiceValue>,
-    slots: SharedMem<BackendSlotKey, u32>,
+    slots: SharedMem<BackendSlotKey, SlotValue>,
     backends: SharedMem<u32, BackendValue>,
     ranges: SharedMem<super::planner::SourceRangeEntry, u8>,
     affinity: SharedMem<AffinityKey, AffinityValue>,
@@ -491,8 +491,23 @@ impl Mem {
     fn services(&self) -> BTreeMap<ServiceKey, ServiceValue> {
         self.services.lock().unwrap().entries.clone()
     }
+    /// Slot → backend id; checks that every slot's copy of its backend is the backends map's
+    /// value (what the programs read from a slot is what the backends map says).
     fn slots(&self) -> BTreeMap<BackendSlotKey, u32> {
-        self.slots.lock().unwrap().entries.clone()
+        let backends = self.backends();
+        let slots = self.slots.lock().unwrap().entries.clone();
+        slots
+            .into_iter()
+            .map(|(k, s)| {
+                assert_eq!(
+                    Some(&s.backend),
+                    backends.get(&s.backend_id),
+                    "slot {k:?} holds a stale copy of backend {}",
+                    s.backend_id
+                );
+                (k, s.backend_id)
+            })
+            .collect()
     }
     fn backends(&self) -> BTreeMap<u32, BackendValue> {
         self.backends.lock().unwrap().entries.clone()
