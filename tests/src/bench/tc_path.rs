@@ -34,8 +34,9 @@
 //! table filled the same way), so the connection table is the same at every scale; what
 //! differs is the size of the service maps. A `new-flow` run is dominated by memory: its two
 //! connection-table inserts (the `floor-ct-insert` figure: ≈ 0.9–1.2 µs here, flat) and the
-//! three service-map reads of a new flow (its external-scope frontend — the frontend filter
-//! spares the cluster-scope read, see `kproxy-ebpf/src/frontend.rs` — slot, backend), which
+//! two service-map reads of a new flow (its external-scope frontend — the frontend filter
+//! spares the cluster-scope read, see `kproxy-ebpf/src/frontend.rs` — and the backend slot,
+//! which holds the backend itself: `kproxy_common::service::SlotValue`), which
 //! get slower as the maps grow (at 100k services the frontend map is preallocated for 1M
 //! entries, tens of MB, so — our reading, not measured: no hardware counters in this VM — each
 //! read misses the TLB even when the same 256 services repeat) — the growth of `new-flow` from
