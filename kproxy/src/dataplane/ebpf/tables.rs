@@ -339,38 +339,19 @@ impl SharedArray {
         Ok((array, info.max_entries()))
     }
 
-    /// The `i`-th `u32` of the mapping.
-    fn u32_at(&self, i: u32) -> &std::sync::atomic::AtomicU32 {
+    /// The `i`-th `T` of the mapping, for `T` an atomic integer (`AtomicU32`, `AtomicU64`:
+    /// alignment equal to size).
+    fn at<T>(&self, i: u32) -> &T {
+        let size = std::mem::size_of::<T>();
+        assert_eq!(std::mem::align_of::<T>(), size);
         assert!(
-            (i as usize + 1) * 4 <= self.len,
-            "u32 {i} out of {} bytes",
+            (i as usize + 1) * size <= self.len,
+            "element {i} of {size} bytes out of {} bytes",
             self.len
         );
-        // SAFETY: within the mapping (page-aligned, so 4-aligned); AtomicU32 has u32's layout.
-        unsafe {
-            &*self
-                .ptr
-                .as_ptr()
-                .cast::<std::sync::atomic::AtomicU32>()
-                .add(i as usize)
-        }
-    }
-
-    /// The `i`-th `u64` of the mapping.
-    fn u64_at(&self, i: u32) -> &std::sync::atomic::AtomicU64 {
-        assert!(
-            (i as usize + 1) * 8 <= self.len,
-            "u64 {i} out of {} bytes",
-            self.len
-        );
-        // SAFETY: within the mapping (page-aligned, so 8-aligned); AtomicU64 has u64's layout.
-        unsafe {
-            &*self
-                .ptr
-                .as_ptr()
-                .cast::<std::sync::atomic::AtomicU64>()
-                .add(i as usize)
-        }
+        // SAFETY: within the mapping; the base is page-aligned and elements are `size`-strided,
+        // so aligned for `T`; the atomics have their integer's layout.
+        unsafe { &*self.ptr.as_ptr().cast::<T>().add(i as usize) }
     }
 }
 
@@ -403,7 +384,7 @@ impl KernelMaglev {
 
     fn slot(&self, i: u32) -> &std::sync::atomic::AtomicU32 {
         assert!(i < self.entries, "Maglev entry {i} out of {}", self.entries);
-        self.array.u32_at(i)
+        self.array.at::<std::sync::atomic::AtomicU32>(i)
     }
 }
 
@@ -538,12 +519,12 @@ impl KernelFilter {
 impl FilterStore for KernelFilter {
     fn read(&self, i: u32) -> u64 {
         self.array
-            .u64_at(i)
+            .at::<std::sync::atomic::AtomicU64>(i)
             .load(std::sync::atomic::Ordering::Relaxed)
     }
     fn write(&mut self, i: u32, value: u64) {
         self.array
-            .u64_at(i)
+            .at::<std::sync::atomic::AtomicU64>(i)
             .store(value, std::sync::atomic::Ordering::Relaxed);
     }
     fn publish(&mut self) {
