@@ -439,6 +439,12 @@ impl ProbeResult {
     pub fn total_errors(&self) -> u64 {
         self.errors.values().sum()
     }
+    /// The distinct client addresses (`ip:port`) all backends saw: the distinct flows the
+    /// probe opened (a client that reuses a source port for the same destination reopens the
+    /// same flow).
+    pub fn distinct_peers(&self) -> u64 {
+        self.peers.values().map(|p| p.len() as u64).sum()
+    }
     /// The distinct client IPs (without ports) backend `name` saw, sorted.
     pub fn peer_ips(&self, name: &str) -> Vec<String> {
         let ips: std::collections::BTreeSet<String> = self

@@ -254,7 +254,9 @@ impl Rig {
         self.assert_both_backends(addr, remote_peer, local_peer);
     }
 
-    pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) {
+    /// Returns the distinct flows the probes opened ([`ProbeResult::distinct_peers`]).
+    pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) -> u64 {
+        let mut flows = 0;
         for proto in ["tcp", "udp"] {
             let p = if proto == "tcp" {
                 Probe::tcp(addr, 40)
@@ -279,6 +281,8 @@ impl Rig {
                 vec![local_peer.to_string()],
                 "{proto}"
             );
+            flows += r.distinct_peers();
         }
+        flows
     }
 }
