@@ -8,7 +8,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::app::agent::SourceSpec;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::http;
 use kproxy_tests::recording::RecordingDataplane;

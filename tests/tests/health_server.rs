@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus, Taint};
 use k8s_openapi::api::events::v1::Event;
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::app::agent::SourceSpec;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::fakeapi::FakeApi;
 use kproxy_tests::http::{self, sample};

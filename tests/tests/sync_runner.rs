@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::app::agent::SourceSpec;
 use kproxy::model::Tracker;
 use kproxy::source::{Delta, Event};
 use kproxy::sync::{Runner, RunnerConfig};

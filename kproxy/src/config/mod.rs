@@ -30,9 +30,9 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::agent::SourceSpec;
+use crate::app::agent::SourceSpec;
+use crate::app::logging::LogFormat;
 use crate::dataplane::ProxyMode;
-use crate::logging::LogFormat;
 use crate::sync::RunnerConfig;
 
 pub mod duration;
@@ -128,7 +128,7 @@ pub enum ModeChoice {
     Forced(ProxyMode),
 }
 
-/// Where the cluster state comes from (see [`crate::agent::SourceSpec`]).
+/// Where the cluster state comes from (see [`crate::app::agent::SourceSpec`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SourceConfig {

@@ -32,7 +32,7 @@ use ipnet::IpNet;
 use super::duration::GoDuration;
 use super::file::{KubeProxyConfiguration, defaults};
 use super::*;
-use crate::logging::LogFormat;
+use crate::app::logging::LogFormat;
 
 /// One invalid field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -759,7 +759,7 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         .maglev_table_size
         .unwrap_or(defaults::BPF_MAGLEV_TABLE_SIZE);
     {
-        use crate::dataplane::ebpf::maglev::is_prime;
+        use crate::dataplane::ebpf::service_maps::maglev::is_prime;
         use kproxy_common::maglev::{MAX_TABLE_SIZE, MIN_TABLE_SIZE};
         if !(MIN_TABLE_SIZE..=MAX_TABLE_SIZE).contains(&maglev_table_size)
             || !is_prime(maglev_table_size)

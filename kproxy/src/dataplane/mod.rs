@@ -12,14 +12,10 @@ use serde::Serialize;
 
 use crate::model::{ChangedSet, Snapshot};
 
-pub mod detect;
 pub mod ebpf;
-pub mod ebpf_cgroup;
-pub mod ebpf_mode;
-pub mod ebpf_tc;
-pub mod factory;
 pub mod iptables;
 pub mod ipvs;
+pub mod netfilter;
 pub mod with_conntrack;
 
 /// The proxy modes kproxy knows.

@@ -1,13 +1,14 @@
 //! [`WithConntrackCleanup`]: wraps a datapath that DNATs through netfilter conntrack (iptables,
 //! IPVS) and runs upstream's end-of-sync step: after every *successful* sync, the stale UDP
-//! conntrack entries of each IP family are deleted ([`crate::conntrack::Cleaner`]).
+//! conntrack entries of each IP family are deleted ([`crate::dataplane::netfilter::conntrack::Cleaner`]).
 //!
 //! A failed cleanup is logged and never fails the sync (as upstream). Deleted entries and the
 //! cleanup's duration go to `kubeproxy_conntrack_reconciler_*`.
 
-use crate::conntrack::{Cleaner, advance_endpoints};
-use crate::metrics::Metrics;
+use crate::dataplane::netfilter::conntrack::Cleaner;
+use crate::dataplane::netfilter::conntrack::advance_endpoints;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
+use crate::observe::metrics::Metrics;
 
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 

@@ -16,6 +16,7 @@ pub mod testing;
 pub mod topology;
 pub mod tracker;
 pub mod types;
+pub mod vecmap;
 pub mod warning;
 
 pub use snapshot::{ChangedSet, Snapshot};

@@ -18,7 +18,8 @@ use std::collections::BTreeMap;
 
 use anyhow::Context as _;
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
-use kproxy::bpf::{CounterSlot, PacketCounter};
+use kproxy::dataplane::ebpf::object::CounterSlot;
+use kproxy::dataplane::ebpf::object::PacketCounter;
 
 use super::{Figure, Plan, Results, Target};
 

@@ -41,10 +41,13 @@ use kproxy_common::service::{
 };
 use kproxy_common::sock;
 
-use super::applier::Tables;
-use super::tables::{KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError};
-use super::{EbpfConfig, LbAlgorithm};
-use crate::bpf::{BpfError, OBJECT};
+use super::service_maps::apply::Tables;
+use super::service_maps::tables::{
+    KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError,
+};
+use super::service_maps::{EbpfConfig, LbAlgorithm};
+use crate::dataplane::ebpf::object::BpfError;
+use crate::dataplane::ebpf::object::OBJECT;
 
 /// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -150,7 +153,7 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
         .map_max_entries(MAP_CT6, sizes.ct)
         .map_max_entries(MAP_MAGLEV, maglev_entries)
         .map_max_entries(MAP_MAGLEV_REF, maglev_refs)
-        .load(crate::bpf::object())
+        .load(crate::dataplane::ebpf::object::object())
         .map_err(BpfError::from)?;
 
     // Owned handles on the pinned maps, independent of the object's own map table.

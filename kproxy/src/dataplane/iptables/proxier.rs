@@ -95,9 +95,9 @@ use std::time::{Duration, Instant};
 
 use crate::model::{ChangedSet, Snapshot};
 
-use super::backend::{IptablesBackend, IptablesError, RestoreMode};
 use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
 use super::incremental::{IncrementalPlanner, UpdateStats};
+use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 use super::names::{KUBE_PROXY_CANARY, is_service_chain};
 use super::plan::{ServiceKey, jump_rules, service_key};
 use super::render::{TableInput, render_tables};
