@@ -14,3 +14,7 @@ pub mod model;
 pub mod observe;
 pub mod source;
 pub mod sync;
+
+/// The import rules of ARCHITECTURE.md, checked against the code.
+#[cfg(test)]
+mod layering;

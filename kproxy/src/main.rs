@@ -157,7 +157,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         let pod_cidrs = if cfg.detect_local == DetectLocal::NodeCidr {
             Some(
                 kproxy::app::agent::wait_for_pod_cidrs(
-                    &cfg.source.spec(),
+                    &cfg.source.clone(),
                     &cfg.node_name,
                     kproxy::app::agent::NODE_POD_CIDR_TIMEOUT,
                 )
@@ -187,7 +187,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
-            cfg.source.spec(),
+            cfg.source.clone(),
             cfg.runner_config(mode),
         );
         opts.healthz_bind = cfg.healthz_bind_address;

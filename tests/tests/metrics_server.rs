@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kproxy::app::agent::Agent;
 use kproxy::app::agent::AgentOptions;
-use kproxy::app::agent::SourceSpec;
+use kproxy::config::SourceConfig;
 use kproxy::dataplane::ProxyMode;
 use kproxy::model::IpFamily;
 use kproxy::observe::metrics::Metrics;
@@ -96,7 +96,7 @@ async fn metrics_server_exposes_upstream_metrics_and_follows_syncs() {
     let (stop, stopped) = oneshot::channel::<()>();
     let opts = AgentOptions {
         metrics_bind: Some("127.0.0.1:0".parse().unwrap()),
-        ..AgentOptions::new("node-a", SourceSpec::Manifests(dir.clone()), runner())
+        ..AgentOptions::new("node-a", SourceConfig::Manifests(dir.clone()), runner())
     };
     let agent = Agent::start(opts, Box::new(dp), async {
         let _ = stopped.await;

@@ -10,7 +10,6 @@
 //! source to the sync loop (a pass-through tap), so no second watch is needed.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +21,9 @@ use tracing::{error, info, warn};
 use crate::app::nodeip::NodeIps;
 use crate::app::nodeip::detect_node_ips;
 use crate::app::nodeip::node_ips_of;
+use crate::config::SourceConfig;
 use crate::dataplane::Dataplane;
+use crate::model::input::{Delta, Event};
 use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
 use crate::observe::events::Events;
 use crate::observe::health::HealthHandle;
@@ -31,26 +32,14 @@ use crate::observe::metrics::Metrics;
 use crate::observe::metrics::SyncMetrics;
 use crate::observe::server::Served;
 use crate::observe::service_health::ServiceHealthServers;
-use crate::source::{self, Delta, Event};
+use crate::source;
 use crate::sync::{Runner, RunnerConfig, RunnerStatus, SyncRequester};
-
-/// Where the cluster state comes from.
-#[derive(Debug, Clone)]
-pub enum SourceSpec {
-    /// `--manifests PATH`: a file or directory of YAML.
-    Manifests(PathBuf),
-    /// The API server: `--kubeconfig`, `--master`, else in-cluster / default kubeconfig.
-    Kube {
-        kubeconfig: Option<PathBuf>,
-        master: Option<String>,
-    },
-}
 
 /// Everything an agent needs besides its datapath.
 #[derive(Debug, Clone)]
 pub struct AgentOptions {
     pub node_name: String,
-    pub source: SourceSpec,
+    pub source: SourceConfig,
     pub runner: RunnerConfig,
     /// `--healthz-bind-address` (default `0.0.0.0:10256`); `None` disables the server.
     pub healthz_bind: Option<SocketAddr>,
@@ -77,7 +66,7 @@ pub struct AgentOptions {
 impl AgentOptions {
     /// Options with upstream's defaults for everything but the essentials; servers disabled
     /// (tests and `main` set the bind addresses they want).
-    pub fn new(node_name: impl Into<String>, source: SourceSpec, runner: RunnerConfig) -> Self {
+    pub fn new(node_name: impl Into<String>, source: SourceConfig, runner: RunnerConfig) -> Self {
         AgentOptions {
             node_name: node_name.into(),
             source,
@@ -111,16 +100,16 @@ const EVENT_QUEUE: usize = 1024;
 
 /// Starts the source for `spec`, sending into `tx`.
 pub async fn start_source(
-    spec: &SourceSpec,
+    spec: &SourceConfig,
     node_name: &str,
     tx: mpsc::Sender<Event>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     Ok(match spec {
-        SourceSpec::Manifests(path) => {
+        SourceConfig::Manifests(path) => {
             info!(path = %path.display(), "standalone mode: reading services from manifests");
             source::manifests::spawn(path.clone(), node_name.to_owned(), tx)
         }
-        SourceSpec::Kube { kubeconfig, master } => {
+        SourceConfig::Kube { kubeconfig, master } => {
             let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
             source::kube::spawn(client, node_name.to_owned(), tx)
         }
@@ -164,7 +153,7 @@ impl Agent {
             .clone()
             .unwrap_or_else(|| Metrics::new(dataplane.mode()));
         let families = metrics.families().to_vec();
-        let standalone = matches!(opts.source, SourceSpec::Manifests(_));
+        let standalone = matches!(opts.source, SourceConfig::Manifests(_));
         let health = HealthHandle::new(
             opts.health_timeout(),
             &families,
@@ -177,13 +166,13 @@ impl Agent {
 
         let (source_tx, source_rx) = mpsc::channel(EVENT_QUEUE);
         let (client, source) = match &opts.source {
-            SourceSpec::Manifests(path) => {
+            SourceConfig::Manifests(path) => {
                 info!(path = %path.display(), "standalone mode: reading services from manifests");
                 let task =
                     source::manifests::spawn(path.clone(), opts.node_name.clone(), source_tx);
                 (None, task)
             }
-            SourceSpec::Kube { kubeconfig, master } => {
+            SourceConfig::Kube { kubeconfig, master } => {
                 let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
                 let task = source::kube::spawn(client.clone(), opts.node_name.clone(), source_tx);
                 (Some(client), task)
@@ -366,7 +355,7 @@ pub const NODE_POD_CIDR_TIMEOUT: Duration = Duration::from_secs(300);
 /// starts its proxier; returns them. From the API server (`spec`'s client) or, standalone,
 /// from the Node object in the manifests.
 pub async fn wait_for_pod_cidrs(
-    spec: &SourceSpec,
+    spec: &SourceConfig,
     node_name: &str,
     timeout: Duration,
 ) -> anyhow::Result<Vec<IpNet>> {
@@ -376,10 +365,10 @@ pub async fn wait_for_pod_cidrs(
         "watching for the Node, awaiting podCIDR allocation"
     );
     let api: Option<Api<Node>> = match spec {
-        SourceSpec::Kube { kubeconfig, master } => Some(Api::all(
+        SourceConfig::Kube { kubeconfig, master } => Some(Api::all(
             source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?,
         )),
-        SourceSpec::Manifests(_) => None,
+        SourceConfig::Manifests(_) => None,
     };
     let deadline = tokio::time::Instant::now() + timeout;
     let mut last_error = String::from("the Node has no podCIDRs");
@@ -396,14 +385,15 @@ pub async fn wait_for_pod_cidrs(
                     None
                 }
             },
-            (None, SourceSpec::Manifests(path)) => match snapshot_from_manifests(path, node_name) {
+            (None, SourceConfig::Manifests(path)) => match snapshot_from_manifests(path, node_name)
+            {
                 Ok((snap, _)) => Some(snap.node.pod_cidrs.clone()),
                 Err(e) => {
                     last_error = e.to_string();
                     None
                 }
             },
-            (None, SourceSpec::Kube { .. }) => unreachable!("a kube source has a client"),
+            (None, SourceConfig::Kube { .. }) => unreachable!("a kube source has a client"),
         };
         if let Some(cidrs) = found {
             if !cidrs.is_empty() {
@@ -485,7 +475,7 @@ pub fn snapshot_from_manifests(
 mod tests {
     use super::*;
 
-    fn manifest(dir: &std::path::Path, spec: &str) -> PathBuf {
+    fn manifest(dir: &std::path::Path, spec: &str) -> std::path::PathBuf {
         let path = dir.join("node.yaml");
         std::fs::write(
             &path,
@@ -500,7 +490,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kproxy-podcidr-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let with = manifest(&dir, "{podCIDRs: [10.244.1.0/24, \"fd00:244:1::/64\"]}");
-        let got = wait_for_pod_cidrs(&SourceSpec::Manifests(with), "n1", Duration::from_secs(5))
+        let got = wait_for_pod_cidrs(&SourceConfig::Manifests(with), "n1", Duration::from_secs(5))
             .await
             .unwrap();
         assert_eq!(
@@ -512,7 +502,7 @@ mod tests {
         );
         let without = manifest(&dir, "{}");
         let err = wait_for_pod_cidrs(
-            &SourceSpec::Manifests(without),
+            &SourceConfig::Manifests(without),
             "n1",
             Duration::from_millis(1500),
         )

@@ -38,7 +38,7 @@ use crate::dataplane::ebpf::service_maps::MapSizes;
 use crate::dataplane::iptables::exec::{ExecIptables, Flavor, Runner, detect_flavor};
 use crate::dataplane::iptables::{self as ipt, IptablesDataplane, LocalTrafficDetector};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
-use crate::dataplane::with_conntrack::WithConntrackCleanup;
+use crate::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 use crate::observe::metrics::Metrics;
@@ -390,7 +390,7 @@ pub fn build_with_resync(
                         metrics: m.clone(),
                     },
                     &families,
-                    Some(m.clone()),
+                    Some(telemetry(m)),
                 )),
                 None => Box::new(WithConntrackCleanup::new(dp, &families, None)),
             })
@@ -417,15 +417,21 @@ pub fn build_with_resync(
                     parts,
                 },
                 &families,
-                metrics.cloned(),
+                metrics.map(telemetry),
             )))
         }
         ProxyMode::Ebpf => {
             let c = ebpf_config(cfg, &families)?;
-            let dp = EbpfMode::new(c, metrics.cloned()).context("setting up the eBPF datapath")?;
+            let dp =
+                EbpfMode::new(c, metrics.map(telemetry)).context("setting up the eBPF datapath")?;
             Ok(Box::new(dp))
         }
     }
+}
+
+/// The metrics as the datapaths see them.
+fn telemetry(m: &Metrics) -> std::sync::Arc<dyn crate::dataplane::Telemetry> {
+    std::sync::Arc::new(m.clone())
 }
 
 /// `kproxy render --proxy-mode MODE`: the kernel state `mode`'s planner gives for `snap`

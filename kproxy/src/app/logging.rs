@@ -3,13 +3,7 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
+use crate::config::LogFormat;
 
 /// Installs the global subscriber. Call once, early in `main`.
 pub fn init(format: LogFormat) {

@@ -29,10 +29,10 @@ use std::path::PathBuf;
 
 use ipnet::IpNet;
 
+use super::LogFormat;
 use super::duration::GoDuration;
 use super::file::{KubeProxyConfiguration, defaults};
 use super::*;
-use crate::app::logging::LogFormat;
 
 /// One invalid field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -759,7 +759,7 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         .maglev_table_size
         .unwrap_or(defaults::BPF_MAGLEV_TABLE_SIZE);
     {
-        use crate::dataplane::ebpf::service_maps::maglev::is_prime;
+        use kproxy_common::maglev::is_prime;
         use kproxy_common::maglev::{MAX_TABLE_SIZE, MIN_TABLE_SIZE};
         if !(MIN_TABLE_SIZE..=MAX_TABLE_SIZE).contains(&maglev_table_size)
             || !is_prime(maglev_table_size)

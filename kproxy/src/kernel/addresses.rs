@@ -22,8 +22,42 @@ use std::time::Duration;
 use nix::ifaddrs::getifaddrs;
 use nix::net::if_::{InterfaceFlags, if_nametoindex};
 
-use crate::dataplane::ebpf::node_path::devices::Interface;
-use crate::dataplane::ebpf::node_path::devices::is_node_addr;
+/// One network device and its addresses, as [`scan`] reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Interface {
+    pub name: String,
+    pub index: u32,
+    pub up: bool,
+    pub loopback: bool,
+    /// In the kernel's order (the first IPv4 one is the device's primary address).
+    pub addrs: Vec<IpAddr>,
+}
+
+impl Interface {
+    /// The addresses that count as node addresses.
+    pub fn node_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.addrs.iter().copied().filter(|a| is_node_addr(*a))
+    }
+}
+
+/// Global-scope unicast: what NodePorts answer on and SNAT uses as source.
+pub fn is_node_addr(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(a) => {
+            !(a.is_loopback()
+                || a.is_link_local()
+                || a.is_multicast()
+                || a.is_unspecified()
+                || a.is_broadcast())
+        }
+        IpAddr::V6(a) => {
+            !(a.is_loopback()
+                || a.is_multicast()
+                || a.is_unspecified()
+                || a.is_unicast_link_local())
+        }
+    }
+}
 
 /// Default polling interval of [`AddressWatcher`].
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
@@ -186,6 +220,24 @@ impl Drop for AddressWatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_addresses_exclude_local_scopes() {
+        for a in [
+            "127.0.0.1",
+            "169.254.1.1",
+            "224.0.0.1",
+            "0.0.0.0",
+            "::1",
+            "fe80::1",
+            "ff02::1",
+        ] {
+            assert!(!is_node_addr(a.parse().unwrap()), "{a}");
+        }
+        for a in ["10.0.0.1", "192.0.2.1", "2001:db8::1", "fd00::1"] {
+            assert!(is_node_addr(a.parse().unwrap()), "{a}");
+        }
+    }
 
     fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
         Interface {

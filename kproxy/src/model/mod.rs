@@ -9,6 +9,7 @@
 //! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
 pub mod endpoints;
+pub mod input;
 pub mod service;
 pub mod snapshot;
 #[doc(hidden)]

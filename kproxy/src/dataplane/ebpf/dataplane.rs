@@ -40,12 +40,11 @@ use crate::dataplane::ebpf::node_path::xdp::XdpPath;
 use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
 use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::EbpfDataplane;
-use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
 use crate::kernel::addresses::AddressWatcher;
 use crate::kernel::addresses::NodeAddresses;
 use crate::kernel::addresses::scan;
 use crate::model::{ChangedSet, Protocol, Snapshot};
-use crate::observe::metrics::Metrics;
 
 /// How often the node's addresses are re-read.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
@@ -98,7 +97,7 @@ pub struct EbpfMode {
     node_port_cidrs: Vec<IpNet>,
     ct_entries: u32,
     ct_timeouts: ct::Timeouts,
-    metrics: Option<Metrics>,
+    telemetry: Option<Arc<dyn Telemetry>>,
     /// SCTP service ports counted by the last sync (to warn once per change).
     skipped_sctp: usize,
 }
@@ -112,7 +111,10 @@ pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
 }
 
 impl EbpfMode {
-    pub fn new(cfg: EbpfModeConfig, metrics: Option<Metrics>) -> Result<Self, EbpfModeError> {
+    pub fn new(
+        cfg: EbpfModeConfig,
+        telemetry: Option<Arc<dyn Telemetry>>,
+    ) -> Result<Self, EbpfModeError> {
         if cfg.ebpf.socket_lb {
             // Refuse a cgroup where socket LB would silently cover nothing (a private cgroup
             // namespace's own mount); see `crate::dataplane::ebpf::socket_lb::cgroup`.
@@ -178,7 +180,7 @@ impl EbpfMode {
             node_port_cidrs: cfg.node_port_cidrs,
             ct_entries: cfg.ebpf.map_sizes.ct,
             ct_timeouts: cfg.ct_timeouts,
-            metrics,
+            telemetry,
             skipped_sctp: 0,
         })
     }
@@ -231,20 +233,20 @@ impl EbpfMode {
                 Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
                 Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
             }
-            if let Some(m) = &self.metrics
+            if let Some(m) = &self.telemetry
                 && let Ok(entries) = ct::entries(&ebpf)
             {
-                m.set_bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
+                m.bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
             }
-            if let Some(m) = &self.metrics
+            if let Some(m) = &self.telemetry
                 && let Ok(entries) = ct::entries6(&ebpf)
             {
-                m.set_bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
+                m.bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
             }
         }
-        if let Some(m) = &self.metrics {
+        if let Some(m) = &self.telemetry {
             for p in self.sock.map_pressure() {
-                m.set_bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
+                m.bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
             }
         }
     }
@@ -270,8 +272,8 @@ impl Dataplane for EbpfMode {
             );
         }
         self.skipped_sctp = sctp;
-        if let Some(m) = &self.metrics {
-            m.set_bpf_skipped_service_ports("SCTP", sctp as i64);
+        if let Some(m) = &self.telemetry {
+            m.skipped_service_ports("SCTP", sctp as i64);
         }
         Ok(report)
     }

@@ -219,7 +219,7 @@ pub fn detectors(
                 warnings.push(format!(
                     "detect-local-mode set to ClusterCIDR, but no cluster CIDR specified for the \
                      primary IP family ({}); traffic from pods is not recognised as local",
-                    crate::observe::health::family_name(primary)
+                    primary.name()
                 ));
             }
             d
@@ -230,7 +230,7 @@ pub fn detectors(
                 warnings.push(format!(
                     "detect-local-mode set to NodeCIDR, but no PodCIDR defined at the node for the \
                      primary IP family ({})",
-                    crate::observe::health::family_name(primary)
+                    primary.name()
                 ));
             }
             d

@@ -223,7 +223,7 @@ pub fn answer(health: &ProxyHealth, livez: bool, now: SystemTime) -> (u16, Strin
             .iter()
             .map(|(f, s)| {
                 (
-                    family_name(*f),
+                    (*f).name(),
                     FamilyBody {
                         last_updated: rfc3339(s.last_updated),
                         healthy: s.healthy,
@@ -240,13 +240,6 @@ pub fn answer(health: &ProxyHealth, livez: bool, now: SystemTime) -> (u16, Strin
 }
 
 /// `IPv4` / `IPv6`, upstream's `v1.IPFamily` strings.
-pub fn family_name(f: IpFamily) -> &'static str {
-    match f {
-        IpFamily::V4 => "IPv4",
-        IpFamily::V6 => "IPv6",
-    }
-}
-
 /// Shared health state: fed by the sync loop and the Node watcher, read by the servers.
 #[derive(Debug, Clone)]
 pub struct HealthHandle {
@@ -374,9 +367,9 @@ mod tests {
             let (code, b) = body(&h, false, t1 + 25 * S);
             assert_eq!(code, 503, "{fam:?} queued 25 s ago");
             assert_eq!(b["healthy"], false);
-            assert_eq!(b["status"][family_name(fam)]["healthy"], false);
+            assert_eq!(b["status"][fam.name()]["healthy"], false);
             let other = if fam == V4 { V6 } else { V4 };
-            assert_eq!(b["status"][family_name(other)]["healthy"], true);
+            assert_eq!(b["status"][other.name()]["healthy"], true);
             assert_eq!(b["lastUpdated"], rfc3339(t0), "last real update");
             let t2 = t1 + 25 * S;
             h.updated(V4, t2);

@@ -697,6 +697,20 @@ impl Metrics {
     }
 }
 
+/// The datapaths' reports land in the metrics they name.
+impl crate::dataplane::Telemetry for Metrics {
+    fn bpf_map(&self, map: &str, entries: i64, capacity: i64) {
+        self.set_bpf_map(map, entries, capacity);
+    }
+    fn skipped_service_ports(&self, protocol: &str, count: i64) {
+        self.set_bpf_skipped_service_ports(protocol, count);
+    }
+    fn conntrack_cleanup(&self, family: IpFamily, deleted: u64, seconds: f64) {
+        self.conntrack().deleted(family, deleted);
+        self.conntrack().observe(family, seconds);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,44 +12,8 @@
 //! [`crate::kernel::addresses::scan`].
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
 
-/// One network device and its addresses, as [`crate::kernel::addresses::scan`] reads them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Interface {
-    pub name: String,
-    pub index: u32,
-    pub up: bool,
-    pub loopback: bool,
-    /// In the kernel's order (the first IPv4 one is the device's primary address).
-    pub addrs: Vec<IpAddr>,
-}
-
-impl Interface {
-    /// The addresses that count as node addresses.
-    pub fn node_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
-        self.addrs.iter().copied().filter(|a| is_node_addr(*a))
-    }
-}
-
-/// Global-scope unicast: what NodePorts answer on and SNAT uses as source.
-pub fn is_node_addr(addr: IpAddr) -> bool {
-    match addr {
-        IpAddr::V4(a) => {
-            !(a.is_loopback()
-                || a.is_link_local()
-                || a.is_multicast()
-                || a.is_unspecified()
-                || a.is_broadcast())
-        }
-        IpAddr::V6(a) => {
-            !(a.is_loopback()
-                || a.is_multicast()
-                || a.is_unspecified()
-                || a.is_unicast_link_local())
-        }
-    }
-}
+use crate::kernel::addresses::Interface;
 
 /// Errors of device selection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -151,23 +115,5 @@ mod tests {
             select(Some(&[String::new()]), &node()).unwrap_err(),
             DeviceError::Empty
         );
-    }
-
-    #[test]
-    fn node_addresses_exclude_local_scopes() {
-        for a in [
-            "127.0.0.1",
-            "169.254.1.1",
-            "224.0.0.1",
-            "0.0.0.0",
-            "::1",
-            "fe80::1",
-            "ff02::1",
-        ] {
-            assert!(!is_node_addr(a.parse().unwrap()), "{a}");
-        }
-        for a in ["10.0.0.1", "192.0.2.1", "2001:db8::1", "fd00::1"] {
-            assert!(is_node_addr(a.parse().unwrap()), "{a}");
-        }
     }
 }

@@ -50,6 +50,8 @@
 
 use std::net::IpAddr;
 
+use kproxy_common::maglev::is_prime;
+
 /// A backend's identity for the permutation: address and port.
 pub type Identity = (IpAddr, u16);
 
@@ -82,24 +84,6 @@ pub fn permutation(id: &Identity, m: u32) -> (u32, u32) {
     let h2 = splitmix(h ^ 0x6d61_676c_6576_3032); // "maglev02"
     let m = u64::from(m);
     ((h1 % m) as u32, (h2 % (m - 1) + 1) as u32)
-}
-
-/// Whether `n` is prime (table sizes).
-pub fn is_prime(n: u32) -> bool {
-    if n < 2 {
-        return false;
-    }
-    if n.is_multiple_of(2) {
-        return n == 2;
-    }
-    let mut d = 3u32;
-    while d.saturating_mul(d) <= n {
-        if n.is_multiple_of(d) {
-            return false;
-        }
-        d += 2;
-    }
-    true
 }
 
 /// The table of size `m` (a prime > 1) for `backends` (`(identity, value)`; the value — a

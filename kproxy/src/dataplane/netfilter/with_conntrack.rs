@@ -1,16 +1,15 @@
 //! [`WithConntrackCleanup`]: wraps a datapath that DNATs through netfilter conntrack (iptables,
 //! IPVS) and runs upstream's end-of-sync step: after every *successful* sync, the stale UDP
-//! conntrack entries of each IP family are deleted ([`crate::dataplane::netfilter::conntrack::Cleaner`]).
+//! conntrack entries of each IP family are deleted ([`Cleaner`]).
 //!
 //! A failed cleanup is logged and never fails the sync (as upstream). Deleted entries and the
 //! cleanup's duration go to `kubeproxy_conntrack_reconciler_*`.
 
-use crate::dataplane::netfilter::conntrack::Cleaner;
-use crate::dataplane::netfilter::conntrack::advance_endpoints;
-use crate::model::{ChangedSet, IpFamily, Snapshot};
-use crate::observe::metrics::Metrics;
+use std::sync::Arc;
 
-use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use super::conntrack::{Cleaner, advance_endpoints};
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
+use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 /// A datapath plus conntrack cleanup after its syncs.
 pub struct WithConntrackCleanup<D: Dataplane> {
@@ -20,16 +19,16 @@ pub struct WithConntrackCleanup<D: Dataplane> {
     /// what a previous proxy left), kept up to date for the changed services only
     /// ([`advance_endpoints`]) rather than cloned from every snapshot.
     prev: Snapshot,
-    metrics: Option<Metrics>,
+    telemetry: Option<Arc<dyn Telemetry>>,
 }
 
 impl<D: Dataplane> WithConntrackCleanup<D> {
-    pub fn new(inner: D, families: &[IpFamily], metrics: Option<Metrics>) -> Self {
+    pub fn new(inner: D, families: &[IpFamily], telemetry: Option<Arc<dyn Telemetry>>) -> Self {
         WithConntrackCleanup {
             inner,
             cleaners: families.iter().map(|f| Cleaner::new(*f)).collect(),
             prev: Snapshot::default(),
-            metrics,
+            telemetry,
         }
     }
 
@@ -51,9 +50,12 @@ impl<D: Dataplane> Dataplane for WithConntrackCleanup<D> {
                 Ok(stats) => {
                     if stats.ran {
                         tracing::debug!(?family, ?stats, "conntrack cleanup");
-                        if let Some(m) = &self.metrics {
-                            m.conntrack().deleted(family, stats.deleted as u64);
-                            m.conntrack().observe(family, stats.duration.as_secs_f64());
+                        if let Some(t) = &self.telemetry {
+                            t.conntrack_cleanup(
+                                family,
+                                stats.deleted as u64,
+                                stats.duration.as_secs_f64(),
+                            );
                         }
                     }
                 }
