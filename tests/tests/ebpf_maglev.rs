@@ -22,13 +22,13 @@ use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::tc::load_object;
-use kproxy::dataplane::ebpf::node_path::testrun::run;
 use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
 use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
 use kproxy::dataplane::ebpf::service_maps::maglev;
 use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::flow_hash;
+use kproxy_tests::bpf::testrun::run;
 use kproxy_tests::maglev::{BACKEND_PORT as BPORT, NODE, NODE_PORT, node_port_snapshot};
 use kproxy_tests::netns::{Bpffs, require_root};
 

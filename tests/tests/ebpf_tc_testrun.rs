@@ -18,9 +18,6 @@ use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::flows;
-use kproxy::dataplane::ebpf::node_path::testrun::TestRunOutcome;
-use kproxy::dataplane::ebpf::node_path::testrun::run;
-use kproxy::dataplane::ebpf::node_path::testrun::run_xdp;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
 use kproxy_common::ct::{CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, MAP_CT, NodeAddr4};
 use kproxy_common::frontend_filter::{MAP_FRONTEND_FILTER, filter_slot};
@@ -28,6 +25,9 @@ use kproxy_common::service::{
     BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
     SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
+use kproxy_tests::bpf::testrun::TestRunOutcome;
+use kproxy_tests::bpf::testrun::run;
+use kproxy_tests::bpf::testrun::run_xdp;
 use kproxy_tests::netns::{Bpffs, require_root};
 
 const NEXT: i32 = -1;

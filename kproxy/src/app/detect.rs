@@ -19,18 +19,15 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use aya::EbpfLoader;
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier};
-use kproxy_common::ct::{MAP_CT, PROG_TC_INGRESS};
-use kproxy_common::ct6::{MAP_CT6, PROG_TC6_INGRESS};
-use kproxy_common::service::{
-    MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
-    MAP_SOURCE_RANGES,
-};
+use kproxy_common::ct::PROG_TC_INGRESS;
+use kproxy_common::ct6::PROG_TC6_INGRESS;
+use kproxy_common::layout::LAYOUTS;
 use kproxy_common::sock::PROG_SOCK_CONNECT4;
 
 use crate::config::ProxyConfig;
 use crate::dataplane::ProxyMode;
+use crate::dataplane::ebpf::object::{self, LoadOptions};
 
 /// Whether `mode` can run here; `Err` says why not.
 pub fn probe(mode: ProxyMode, cfg: &ProxyConfig) -> Result<(), String> {
@@ -58,7 +55,7 @@ impl Drop for TempDir {
 }
 
 fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
-    if !crate::dataplane::ebpf::object::is_built() {
+    if !object::is_built() {
         return Err("this binary was built without the BPF object".into());
     }
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
@@ -77,24 +74,16 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         recursive: true,
     };
     fs::create_dir_all(&pins.path).map_err(|e| format!("creating {}: {e}", pins.path.display()))?;
-    let mut loader = EbpfLoader::new();
-    loader.default_map_pin_directory(&pins.path);
-    for map in [
-        MAP_SERVICES,
-        MAP_BACKEND_SLOTS,
-        MAP_BACKENDS,
-        MAP_AFFINITY,
-        MAP_SOURCE_RANGES,
-        MAP_SOCK_REV_NAT,
-        MAP_SOCK_FWD,
-        MAP_CT,
-        MAP_CT6,
-    ] {
-        loader.map_max_entries(map, 16);
-    }
-    let mut ebpf = loader
-        .load(crate::dataplane::ebpf::object::object())
-        .map_err(|e| format!("loading the BPF object: {}", chain(&e)))?;
+    // Every keyed map small: the probe only needs the verifier's verdict.
+    let small = LAYOUTS
+        .iter()
+        .filter(|l| l.is_keyed())
+        .map(|l| (l.name, 16));
+    let mut ebpf = object::load(&LoadOptions {
+        pin_dir: Some(&pins.path),
+        max_entries: small.collect(),
+    })
+    .map_err(|e| format!("loading the BPF object: {}", chain(&e)))?;
     for name in [PROG_TC_INGRESS, PROG_TC6_INGRESS] {
         let tc: &mut SchedClassifier = ebpf
             .program_mut(name)

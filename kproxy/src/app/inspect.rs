@@ -21,10 +21,10 @@ use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
+use kproxy_common::layout::LAYOUTS;
 use kproxy_common::service::{
-    AffinityKey, AffinityValue, BackendSlotKey, MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS,
-    MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey, ServiceValue,
-    SlotValue,
+    AffinityKey, AffinityValue, BackendSlotKey, MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_SERVICES,
+    ServiceKey, ServiceValue, SlotValue,
 };
 use serde::Serialize;
 
@@ -305,17 +305,7 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
         r.affinity_entries = Some(affinity.iter().filter(|k| ids.contains(&k.svc_id)).count());
         r.ct_entries = Some(ct.iter().filter(|id| ids.contains(id)).count());
     }
-    for name in [
-        MAP_SERVICES,
-        MAP_BACKEND_SLOTS,
-        MAP_BACKENDS,
-        MAP_AFFINITY,
-        MAP_SOURCE_RANGES,
-        MAP_SOCK_REV_NAT,
-        MAP_SOCK_FWD,
-        MAP_CT,
-        MAP_CT6,
-    ] {
+    for name in LAYOUTS.iter().filter(|l| l.is_keyed()).map(|l| l.name) {
         if let Some(f) = pinned_count(&dir, name) {
             out.maps.push(f);
         }

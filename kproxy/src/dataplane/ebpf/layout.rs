@@ -485,6 +485,8 @@ mod tests {
     }
 
     /// Every pinned map of the built object is in the layout table, with its real shape.
+    /// `LAYOUTS` is the one list of pinned maps (mode detection, inspect and this check read
+    /// it): every pinned map of the object has its row, and every row its map.
     #[test]
     fn the_table_matches_the_object() {
         if !crate::dataplane::ebpf::object::is_built() {

@@ -48,7 +48,6 @@
 pub mod devices;
 pub mod flows;
 pub mod tc;
-pub mod testrun;
 pub mod xdp;
 
 pub use kproxy_common::ct::{

@@ -8,17 +8,18 @@
 //! (`attach_to_link`), so there is never a moment without the program and the pinned maps —
 //! connection table included — carry established flows over. [`TcPath::detach`] unpins.
 
+use crate::dataplane::ebpf::object::LoadOptions;
 use std::collections::BTreeMap;
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
+use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap, MapError, PerCpuArray};
 use aya::programs::links::{FdLink, LinkError, PinnedLink};
 use aya::programs::tc::{SchedClassifierLinkId, TcAttachOptions};
 use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
-use aya::{Ebpf, EbpfLoader};
 use kproxy_common::ct::{
     DEFAULT_CT_ENTRIES, DEFAULT_SNAT_PORT_MAX, DEFAULT_SNAT_PORT_MIN, MAP_CT, MAP_NAT_CONFIG,
     MAP_NODE_ADDR4, MAP_TC_STATS, NatConfig, NodeAddr4, PROG_TC_EGRESS, PROG_TC_INGRESS, TcStat,
@@ -100,21 +101,14 @@ impl TcConfig {
 /// dataplane's instance, so the TC path can be loaded, attached and maintained independently.
 /// `KP_CT` and `KP_CT6` get `config.ct_entries` if this is the first load that creates them.
 pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcError> {
-    if !crate::dataplane::ebpf::object::is_built() {
-        return Err(TcError::Config {
-            field: "BPF object",
-            reason: crate::dataplane::ebpf::object::BpfError::NotBuilt.to_string(),
-        });
-    }
-    EbpfLoader::new()
-        .default_map_pin_directory(map_pin_dir)
-        .map_max_entries(MAP_CT, config.ct_entries)
-        .map_max_entries(MAP_CT6, config.ct_entries)
-        .load(crate::dataplane::ebpf::object::object())
-        .map_err(|e| TcError::Config {
-            field: "BPF object",
-            reason: format!("loading with maps pinned in {}: {e}", map_pin_dir.display()),
-        })
+    crate::dataplane::ebpf::object::load(&LoadOptions {
+        pin_dir: Some(map_pin_dir),
+        max_entries: vec![(MAP_CT, config.ct_entries), (MAP_CT6, config.ct_entries)],
+    })
+    .map_err(|e| TcError::Config {
+        field: "BPF object",
+        reason: format!("loading with maps pinned in {}: {e}", map_pin_dir.display()),
+    })
 }
 
 /// Every attachment on a device: program, direction, pin suffix. IPv4 and IPv6 are separate
@@ -301,7 +295,8 @@ pub fn encode6(addr: Ipv6Addr) -> [u32; 4] {
     })
 }
 
-pub(crate) fn classifier<'a>(
+/// The loaded TC program `name` of `ebpf`.
+pub fn classifier<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut SchedClassifier, TcError> {

@@ -68,7 +68,8 @@ pub struct XdpPath {
     attached: BTreeMap<String, XdpLinkId>,
 }
 
-pub(crate) fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, TcError> {
+/// The XDP program of `ebpf` (`kproxy_common::ct::PROG_XDP`).
+pub fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, TcError> {
     ebpf.program_mut(PROG_XDP)
         .ok_or(TcError::MissingProgram(PROG_XDP))?
         .try_into()

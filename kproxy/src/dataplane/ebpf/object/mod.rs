@@ -1,24 +1,18 @@
 //! The embedded BPF object and loading it.
 //!
 //! `build.rs` compiles `kproxy-ebpf` (Debian's rustc-web + bpf-linker, see README) and this
-//! module embeds the resulting ELF. [`load`] turns it into an [`aya::Ebpf`] (maps created,
-//! programs not yet loaded); [`PacketCounter`] is the first user: the per-CPU packet counter
-//! attached to an interface. Names and value types come from [`kproxy_common`].
-//!
-//! Attaching resolves the interface in the calling thread's network namespace (tests switch a
-//! dedicated thread with `setns`); the links live as long as the owning [`aya::Ebpf`].
+//! module embeds the resulting ELF, completed for the running kernel at first use ([`object`]:
+//! the `sk_buff` checksum-state read, located through the kernel's BTF, [`btf`]). [`load`] is
+//! the only place it becomes an [`aya::Ebpf`] (maps created or reused from pins, programs not
+//! yet loaded). Names and value types come from [`kproxy_common`].
 
 use std::path::Path;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use aya::Ebpf;
-use aya::maps::{MapError, PerCpuArray};
-use aya::programs::{ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode};
-
-pub use kproxy_common::counter::{
-    COUNTER_SLOTS, CounterSlot, MAP_PACKET_COUNT, PROGRAMS, PacketCount,
-};
+use aya::maps::MapError;
+use aya::programs::ProgramError;
 
 /// The BPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KPROXY_EBPF_OBJECT"));
@@ -160,132 +154,36 @@ pub fn is_built() -> bool {
     !OBJECT.is_empty()
 }
 
-/// Parses the embedded object and creates its maps in the kernel (programs are loaded by their
-/// users). Needs CAP_BPF (root). The object's pinned maps (service maps, conntrack) go to
-/// `/sys/fs/bpf`, which must be a mounted bpffs; see [`load_with_pins`].
-pub fn load() -> Result<Ebpf, BpfError> {
-    load_object(object())
+/// How [`load`] creates the object's maps.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions<'a> {
+    /// The directory (on a bpffs) of the object's pinned maps: maps pinned there are reused,
+    /// the others created and pinned. `None`: every map is created for this instance only
+    /// (the pinned ones under `/sys/fs/bpf`, which must then be a mounted bpffs).
+    pub pin_dir: Option<&'a Path>,
+    /// `max_entries` of maps this load creates (a reused pinned map keeps its size).
+    pub max_entries: Vec<(&'static str, u32)>,
 }
 
-/// Like [`load`], with the object's pinned maps in `map_pin_dir` (a directory on a bpffs; maps
-/// already pinned there are reused).
-pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Ebpf, BpfError> {
-    if OBJECT.is_empty() {
-        return Err(BpfError::NotBuilt);
-    }
-    Ok(aya::EbpfLoader::new()
-        .default_map_pin_directory(map_pin_dir)
-        .load(object())?)
+/// The one place the embedded object is loaded: parses the completed [`object`] and creates
+/// (or reuses) its maps in the kernel; programs are loaded by their users. Needs CAP_BPF (root).
+/// The socket-LB datapath, the node path, mode detection and the tests' tools all come here.
+pub fn load(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
+    load_bytes(if is_built() { object() } else { &[] }, options)
 }
 
-fn load_object(object: &[u8]) -> Result<Ebpf, BpfError> {
+fn load_bytes(object: &[u8], options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
     if object.is_empty() {
         return Err(BpfError::NotBuilt);
     }
-    Ok(Ebpf::load(object)?)
-}
-
-/// The per-CPU packet counter (`kproxy_common::counter`): attach it to interfaces at XDP, TC
-/// ingress or TC egress and read what it counted. Dropping it detaches everything.
-pub struct PacketCounter {
-    ebpf: Ebpf,
-}
-
-impl PacketCounter {
-    /// Loads the object and the three counter programs into the kernel.
-    pub fn load() -> Result<Self, BpfError> {
-        Self::from_ebpf(load()?)
+    let mut loader = aya::EbpfLoader::new();
+    if let Some(dir) = options.pin_dir {
+        loader.default_map_pin_directory(dir);
     }
-
-    /// Like [`PacketCounter::load`], with the object's pinned maps in `map_pin_dir` (see
-    /// [`load_with_pins`]).
-    pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Self, BpfError> {
-        Self::from_ebpf(load_with_pins(map_pin_dir)?)
+    for (name, entries) in &options.max_entries {
+        loader.map_max_entries(name, *entries);
     }
-
-    /// Uses an already loaded object (e.g. one with pinning options); loads the programs.
-    pub fn from_ebpf(mut ebpf: Ebpf) -> Result<Self, BpfError> {
-        if ebpf.map(MAP_PACKET_COUNT).is_none() {
-            return Err(BpfError::MissingMap {
-                name: MAP_PACKET_COUNT,
-            });
-        }
-        for slot in CounterSlot::ALL {
-            let name = slot.program();
-            let program = ebpf
-                .program_mut(name)
-                .ok_or(BpfError::MissingProgram { name })?;
-            let loaded = match slot {
-                CounterSlot::Xdp => <&mut Xdp>::try_from(program).and_then(|p| p.load()),
-                CounterSlot::TcIngress | CounterSlot::TcEgress => {
-                    <&mut SchedClassifier>::try_from(program).and_then(|p| p.load())
-                }
-            };
-            loaded.map_err(|error| BpfError::Program { name, error })?;
-        }
-        Ok(PacketCounter { ebpf })
-    }
-
-    /// Attaches the program of `slot` to `interface` (in the calling thread's network
-    /// namespace): XDP in the driver's default mode, TC through TCX on kernels >= 6.6.
-    pub fn attach(&mut self, interface: &str, slot: CounterSlot) -> Result<(), BpfError> {
-        let name = slot.program();
-        let program = self
-            .ebpf
-            .program_mut(name)
-            .ok_or(BpfError::MissingProgram { name })?;
-        let attach_error = |error| BpfError::Attach {
-            name,
-            interface: interface.to_string(),
-            error,
-        };
-        match slot {
-            CounterSlot::Xdp => {
-                let xdp = <&mut Xdp>::try_from(program).map_err(attach_error)?;
-                xdp.attach(interface, XdpMode::Default)
-                    .map_err(attach_error)?;
-            }
-            CounterSlot::TcIngress | CounterSlot::TcEgress => {
-                let tc = <&mut SchedClassifier>::try_from(program).map_err(attach_error)?;
-                let point = if slot == CounterSlot::TcIngress {
-                    TcAttachType::Ingress
-                } else {
-                    TcAttachType::Egress
-                };
-                tc.attach(interface, point).map_err(attach_error)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// What `slot` counted so far, summed over all CPUs (and over every interface it is
-    /// attached to).
-    pub fn count(&self, slot: CounterSlot) -> Result<PacketCount, BpfError> {
-        let name = MAP_PACKET_COUNT;
-        let map = self.ebpf.map(name).ok_or(BpfError::MissingMap { name })?;
-        let array = PerCpuArray::<_, PacketCount>::try_from(map)
-            .map_err(|error| BpfError::Map { name, error })?;
-        let per_cpu = array
-            .get(&slot.index(), 0)
-            .map_err(|error| BpfError::Map { name, error })?;
-        Ok(per_cpu
-            .iter()
-            .fold(PacketCount::default(), |sum, c| sum.saturating_add(*c)))
-    }
-
-    /// The sum over every slot.
-    pub fn total(&self) -> Result<PacketCount, BpfError> {
-        CounterSlot::ALL
-            .into_iter()
-            .try_fold(PacketCount::default(), |sum, slot| {
-                Ok(sum.saturating_add(self.count(slot)?))
-            })
-    }
-
-    /// The underlying object, e.g. for `BPF_PROG_TEST_RUN` on [`CounterSlot::program`].
-    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
-        &mut self.ebpf
-    }
+    Ok(loader.load(object)?)
 }
 
 pub mod btf;
@@ -293,6 +191,7 @@ pub mod btf;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kproxy_common::counter::{COUNTER_SLOTS, MAP_PACKET_COUNT, PROGRAMS, PacketCount};
 
     const EM_BPF: u16 = 247;
 
@@ -329,7 +228,7 @@ mod tests {
 
     #[test]
     fn an_empty_object_is_reported_as_not_built() {
-        let err = load_object(&[]).unwrap_err();
+        let err = load_bytes(&[], &LoadOptions::default()).unwrap_err();
         assert!(matches!(err, BpfError::NotBuilt), "{err:?}");
         assert!(err.to_string().contains("AYA_BUILD_SKIP"), "{err}");
     }
