@@ -13,8 +13,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use kproxy::app::agent::Agent;
 use kproxy::app::agent::AgentOptions;
-use kproxy::app::build;
 use kproxy::app::logging;
+use kproxy::app::{build, modes};
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
 use kproxy::config::{DetectLocal, LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
 use tracing::{info, warn};
@@ -110,7 +110,7 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cleanup => {
-            build::cleanup_all(&l.config)?;
+            modes::cleanup_all(&l.config)?;
             info!("cleanup done");
             Ok(())
         }
@@ -178,7 +178,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
         let resync = kproxy::sync::SyncRequester::default();
-        let (dataplane, metrics) = build::select(
+        let (dataplane, metrics) = modes::select(
             cfg.mode,
             cfg,
             pod_cidrs.as_deref().unwrap_or_default(),

@@ -23,19 +23,18 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use ipnet::IpNet;
 use tracing::{info, warn};
 
-use crate::config::{
-    DetectLocal, LbAlgorithm, ModeChoice, NodePortAddresses, ProxyConfig, XdpMode,
-};
+use super::modes::have;
+use crate::config::{DetectLocal, LbAlgorithm, NodePortAddresses, ProxyConfig, XdpMode};
 use crate::dataplane::ebpf::dataplane::EbpfMode;
 use crate::dataplane::ebpf::dataplane::EbpfModeConfig;
 use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
 use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::MapSizes;
-use crate::dataplane::iptables::exec::{ExecIptables, Flavor, Runner, detect_flavor};
+use crate::dataplane::iptables::exec::{Flavor, Runner, detect_flavor};
 use crate::dataplane::iptables::{self as ipt, IptablesDataplane, LocalTrafficDetector};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
 use crate::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
@@ -195,7 +194,7 @@ pub fn ipvs_configs(
         .collect()
 }
 
-fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
+pub(super) fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
     let base = match family {
         IpFamily::V4 => "iptables",
         IpFamily::V6 => "ip6tables",
@@ -465,289 +464,6 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
             crate::dataplane::ebpf::service_maps::render(snap, &ebpf_config(cfg, &families)?.ebpf)
         }
     })
-}
-
-/// The order `mode: ""` tries the modes in (upstream's empty mode means iptables; kproxy
-/// prefers its eBPF datapath).
-pub const DETECT_ORDER: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, ProxyMode::Iptables];
-
-/// Builds the forced mode, or the first mode of [`DETECT_ORDER`] whose probe
-/// ([`crate::app::detect::probe`]) passes and that builds; logs why each earlier mode was
-/// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
-/// ([`cleanup_others`]). Returns the datapath and the metrics it reports into; the datapath
-/// asks `resync` for syncs it needs on its own (hand it to the sync loop too).
-/// `node_pod_cidrs` as for [`build`].
-pub fn select(
-    choice: ModeChoice,
-    cfg: &ProxyConfig,
-    node_pod_cidrs: &[IpNet],
-    resync: &SyncRequester,
-) -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
-    let attempt = |mode: ProxyMode| -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
-        cleanup_others(mode, cfg);
-        let metrics = Metrics::new(mode);
-        let dp = build_with_resync(mode, cfg, node_pod_cidrs, Some(&metrics), Some(resync))?;
-        Ok((dp, metrics))
-    };
-    match choice {
-        ModeChoice::Forced(mode) => attempt(mode).with_context(|| format!("--proxy-mode={mode}")),
-        ModeChoice::Detect => {
-            let mut reasons = Vec::new();
-            for mode in DETECT_ORDER {
-                if let Err(why) = crate::app::detect::probe(mode, cfg) {
-                    warn!(%mode, "proxy mode rejected: {why}");
-                    reasons.push(format!("{mode}: {why}"));
-                    continue;
-                }
-                match attempt(mode) {
-                    Ok(r) => {
-                        info!(%mode, "proxy mode detected");
-                        return Ok(r);
-                    }
-                    Err(e) => {
-                        warn!(%mode, "proxy mode rejected: {e:#}");
-                        reasons.push(format!("{mode}: {e:#}"));
-                    }
-                }
-            }
-            bail!("no proxy mode can run here ({})", reasons.join("; "))
-        }
-    }
-}
-
-/// One cleanup step's outcome, for the log and [`cleanup_all`]'s error.
-fn step(errors: &mut Vec<String>, what: &str, r: Result<(), String>) {
-    match r {
-        Ok(()) => tracing::debug!("cleanup: {what} done"),
-        Err(e) => {
-            warn!("cleanup: {what}: {e}");
-            errors.push(format!("{what}: {e}"));
-        }
-    }
-}
-
-fn cleanup_ebpf(cfg: &ProxyConfig, errors: &mut Vec<String>) {
-    let dir = cfg.bpf.bpffs.join("kproxy");
-    if dir.exists() {
-        step(
-            errors,
-            "eBPF pins",
-            crate::dataplane::ebpf::service_maps::cleanup_pins(&cfg.bpf.bpffs)
-                .map_err(|e| e.to_string()),
-        );
-    }
-}
-
-fn have(bin: &str) -> bool {
-    std::process::Command::new(bin)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-fn cleanup_iptables(errors: &mut Vec<String>) {
-    for family in [IpFamily::V4, IpFamily::V6] {
-        for flavor in [Flavor::Nft, Flavor::Legacy] {
-            let bin = format!(
-                "{}-{}",
-                if family == IpFamily::V4 {
-                    "iptables"
-                } else {
-                    "ip6tables"
-                },
-                if flavor == Flavor::Nft {
-                    "nft"
-                } else {
-                    "legacy"
-                }
-            );
-            if !have(&bin) {
-                continue;
-            }
-            let mut b = ExecIptables::new(family, flavor, Runner { netns: None });
-            step(
-                errors,
-                &format!("iptables rules ({bin})"),
-                ipt::cleanup::cleanup_leftovers(&mut b).map_err(|e| e.to_string()),
-            );
-        }
-    }
-    cleanup_nft(errors);
-}
-
-/// Upstream kube-proxy's nftables mode: the `ip kube-proxy` / `ip6 kube-proxy` tables.
-fn cleanup_nft(errors: &mut Vec<String>) {
-    if have("nft") {
-        for fam in ["ip", "ip6"] {
-            let listed = std::process::Command::new("nft")
-                .args(["list", "table", fam, "kube-proxy"])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if listed {
-                let r = std::process::Command::new("nft")
-                    .args(["delete", "table", fam, "kube-proxy"])
-                    .output()
-                    .map_err(|e| e.to_string())
-                    .and_then(|o| {
-                        if o.status.success() {
-                            Ok(())
-                        } else {
-                            Err(String::from_utf8_lossy(&o.stderr).trim().to_string())
-                        }
-                    });
-                step(errors, &format!("nft table {fam} kube-proxy"), r);
-            }
-        }
-    }
-}
-
-fn cleanup_ipvs(cfg: &ProxyConfig, errors: &mut Vec<String>) {
-    // Virtual services (upstream flushes IPVS), except those in ipvs.excludeCIDRs.
-    if let Ok(mut h) = ipvs_mod::genl::IpvsHandle::open()
-        && h.version().is_ok()
-    {
-        let r = h.services().map_err(|e| e.to_string()).and_then(|svcs| {
-            for s in svcs {
-                if cfg
-                    .ipvs
-                    .exclude_cidrs
-                    .iter()
-                    .any(|n| n.contains(&s.key.addr))
-                {
-                    continue;
-                }
-                h.delete_service(&s.key).map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        });
-        step(errors, "IPVS virtual services", r);
-    }
-    match ipvs_mod::rtnl::Rtnl::open() {
-        Ok(mut rtnl) => {
-            let dev = ipvs_mod::config::DEFAULT_DUMMY_DEVICE;
-            let r = rtnl.link_index(dev).and_then(|i| match i {
-                Some(i) => rtnl.delete_link(i),
-                None => Ok(()),
-            });
-            step(errors, dev, r.map_err(|e| e.to_string()));
-        }
-        Err(e) => step(errors, "rtnetlink", Err(e.to_string())),
-    }
-    let tools = match ipvs_mod::netfilter::Tools::here() {
-        Ok(t) => t,
-        Err(e) => return step(errors, "IPVS iptables rules and ipsets", Err(e.to_string())),
-    };
-    if !have("ipset") {
-        return;
-    }
-    for family in [IpFamily::V4, IpFamily::V6] {
-        for flavor in [Flavor::Nft, Flavor::Legacy] {
-            let restore = restore_binary(family, flavor);
-            if !have(&ipvs_mod::netfilter::iptables_binary(&restore)) {
-                continue;
-            }
-            step(
-                errors,
-                &format!("IPVS iptables rules and ipsets ({restore})"),
-                ipvs_mod::netfilter::cleanup(&tools, family, &restore),
-            );
-        }
-    }
-}
-
-fn output_of(bin: &str, args: &[&str]) -> String {
-    std::process::Command::new(bin)
-        .args(args)
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-}
-
-/// The iptables proxier's (or upstream's iptables mode's) per-service chains exist.
-fn iptables_mode_evidence() -> bool {
-    [
-        "iptables-nft-save",
-        "iptables-legacy-save",
-        "ip6tables-nft-save",
-        "ip6tables-legacy-save",
-    ]
-    .iter()
-    .any(|bin| {
-        output_of(bin, &["-t", "nat"])
-            .lines()
-            .any(|l| l.starts_with(":KUBE-SVC-") || l.starts_with(":KUBE-SEP-"))
-    })
-}
-
-/// The IPVS mode's dummy device or ipsets exist.
-fn ipvs_mode_evidence() -> bool {
-    let dummy = ipvs_mod::rtnl::Rtnl::open()
-        .and_then(|mut r| r.link_index(ipvs_mod::config::DEFAULT_DUMMY_DEVICE))
-        .is_ok_and(|i| i.is_some());
-    dummy
-        || output_of("ipset", &["list", "-n"])
-            .lines()
-            .any(|l| l.starts_with("KUBE-CLUSTER-IP"))
-}
-
-/// Removes what the modes other than `mode` (and upstream kube-proxy) left, as upstream's
-/// `CleanupLeftovers` at start-up. iptables and ipvs modes share chain names
-/// (`KUBE-SERVICES`, …), so one of them removes the other's rules only when that mode's own
-/// objects show it ran (per-service chains; `kube-ipvs0` or its ipsets): a restart in the same
-/// mode never flushes live rules. The IPVS mode's leftovers (virtual services, `kube-ipvs0`,
-/// ipsets) are removed only when `kube-ipvs0` or its ipsets exist, in every other mode: IPVS
-/// may serve something else on the host. Failures are logged; they never stop the start.
-pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
-    let mut errors = vec![];
-    if mode != ProxyMode::Ebpf {
-        cleanup_ebpf(cfg, &mut errors);
-    }
-    let iptables =
-        mode != ProxyMode::Iptables && (mode == ProxyMode::Ebpf || iptables_mode_evidence());
-    // IPVS may serve others on this host: its services are flushed only when kube-proxy's
-    // ipvs mode demonstrably ran here.
-    let ipvs = mode != ProxyMode::Ipvs && ipvs_mode_evidence();
-    match (iptables, ipvs) {
-        (true, true) => {
-            info!(%mode, "removing the iptables and ipvs modes' leftovers");
-            cleanup_netfilter_modes(cfg, &mut errors);
-        }
-        (true, false) => {
-            info!(%mode, "removing the iptables mode's leftovers");
-            cleanup_iptables(&mut errors);
-        }
-        (false, true) => {
-            info!(%mode, "removing the ipvs mode's leftovers");
-            cleanup_ipvs(cfg, &mut errors);
-            cleanup_nft(&mut errors);
-        }
-        (false, false) => cleanup_nft(&mut errors),
-    }
-}
-
-/// Both netfilter modes' leftovers. They share chains (`KUBE-SERVICES`, …) that each one's
-/// jump rules (with their own comments) keep in use, so: IPVS first (its errors ignored), then
-/// iptables, then IPVS again, whose errors count.
-fn cleanup_netfilter_modes(cfg: &ProxyConfig, errors: &mut Vec<String>) {
-    cleanup_ipvs(cfg, &mut vec![]);
-    cleanup_iptables(errors);
-    cleanup_ipvs(cfg, errors);
-}
-
-/// Removes everything any mode (and upstream kube-proxy) left in the kernel: eBPF pins
-/// (maps, socket-LB and TC links), iptables rules of both backends and families, upstream's
-/// `kube-proxy` nftables tables, IPVS virtual services, `kube-ipvs0`, the IPVS mode's ipsets
-/// and rules. Every step runs; the error lists the ones that failed.
-pub fn cleanup_all(cfg: &ProxyConfig) -> anyhow::Result<()> {
-    let mut errors = vec![];
-    cleanup_ebpf(cfg, &mut errors);
-    cleanup_netfilter_modes(cfg, &mut errors);
-    if errors.is_empty() {
-        info!("cleanup: removed what every mode and kube-proxy left");
-        Ok(())
-    } else {
-        bail!("cleanup incomplete: {}", errors.join("; "))
-    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::Path;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
@@ -112,23 +112,6 @@ fn matches_frontend(sp: &ServicePort, ip: IpAddr, port: u16) -> bool {
             || sp.external_ips.contains(&ip)
             || sp.load_balancer_ingress.iter().any(|i| i.ip == ip)))
         || (sp.node_port != 0 && port == sp.node_port)
-}
-
-/// Which mode's objects exist in the kernel.
-fn active_mode(cfg: &ProxyConfig) -> anyhow::Result<ProxyMode> {
-    if cfg.bpf.bpffs.join("kproxy").join(MAP_SERVICES).exists() {
-        return Ok(ProxyMode::Ebpf);
-    }
-    if Path::new("/sys/class/net")
-        .join(crate::dataplane::ipvs::config::DEFAULT_DUMMY_DEVICE)
-        .exists()
-    {
-        return Ok(ProxyMode::Ipvs);
-    }
-    if !iptables_nat().is_empty() {
-        return Ok(ProxyMode::Iptables);
-    }
-    bail!("no datapath of kproxy is programmed here (no pins, no kube-ipvs0, no KUBE-SERVICES)")
 }
 
 /// `iptables-save -t nat` of the backend that holds `KUBE-SERVICES` (IPv4 then IPv6).
@@ -396,7 +379,12 @@ pub fn report(cfg: &ProxyConfig) -> anyhow::Result<Report> {
     };
     let mode = match cfg.mode {
         ModeChoice::Forced(m) => m,
-        ModeChoice::Detect => active_mode(cfg)?,
+        ModeChoice::Detect => super::modes::Evidence::here(cfg).programmed().ok_or_else(|| {
+            anyhow::anyhow!(
+                "no datapath of kproxy is programmed here (no pins, no kube-ipvs0 or its ipsets, \
+                 no KUBE-SVC/KUBE-SEP chains)"
+            )
+        })?,
     };
     let mut out = Report {
         mode,

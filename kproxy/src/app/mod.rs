@@ -5,14 +5,15 @@
 //! - [`agent`]: the long-running agent (sources → tracker → runner → datapath, servers).
 //! - [`build`]: `ProxyConfig` → the datapath of a mode (its config mapped from the proxy
 //!   config, wrapped for conntrack cleanup and metrics), `render`.
-//! - [`detect`]: which mode can run here (probe) and which mode's state is here.
+//! - [`modes`]: which mode can run here (probe), which one's state is here, choosing one,
+//!   removing the others' leftovers (cleanup).
 //! - [`inspect`]: `kproxy inspect`, what the kernel holds per service port.
 //! - [`sysctl`], [`nodeip`], [`logging`]: process and node settings.
 
 pub mod agent;
 pub mod build;
-pub mod detect;
 pub mod inspect;
 pub mod logging;
+pub mod modes;
 pub mod nodeip;
 pub mod sysctl;
