@@ -269,6 +269,268 @@ pub(crate) struct Generic {
     pub bpf_skipped_service_ports: Family<ProtocolLabels, Gauge>,
 }
 
+// Every series that can exist is created up front (prometheus-client leaves out a family
+// without series, `# TYPE` line included), so a scrape shows 0, not nothing: the
+// `create_series` methods below.
+
+impl Generic {
+    fn new() -> Generic {
+        Generic {
+            sync_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+            network_programming: Family::new_with_constructor(
+                programming_buckets as fn() -> Histogram,
+            ),
+            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes_total: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes_total: Counter::default(),
+            last_queued: Family::default(),
+            last_synced: Family::default(),
+            no_local_endpoints: Family::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+            sync_errors: Family::default(),
+            programmed_services: Gauge::default(),
+            programmed_endpoints: Gauge::default(),
+            bpf_skipped_service_ports: Family::default(),
+            bpf_map_entries: Family::default(),
+            bpf_map_capacity: Family::default(),
+        }
+    }
+
+    /// Upstream's generic sync metrics (`kubeproxy_sync_proxy_rules_*`, network programming).
+    fn register_sync(&self, kp: &mut Registry) {
+        kp.register(
+            "sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            self.sync_duration.clone(),
+        );
+        kp.register(
+            "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            self.network_programming.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            self.endpoint_changes_pending.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            self.endpoint_changes_total.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            self.service_changes_pending.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            self.service_changes_total.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            self.last_queued.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            self.last_synced.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            self.no_local_endpoints.clone(),
+        );
+    }
+
+    /// `kubeproxy_proxy_healthz` / `kubeproxy_proxy_livez`.
+    fn register_health(&self, kp: &mut Registry) {
+        kp.register(
+            "proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            self.healthz.clone(),
+        );
+        kp.register(
+            "proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            self.livez.clone(),
+        );
+    }
+
+    /// kproxy's own metrics (`kproxy_*`): BPF maps, sync errors, what is programmed.
+    fn register_kproxy(&self, own: &mut Registry) {
+        own.register(
+            "bpf_map_entries",
+            "Entries in each kproxy BPF map (eBPF mode)",
+            self.bpf_map_entries.clone(),
+        );
+        own.register(
+            "bpf_map_capacity",
+            "Maximum entries of each kproxy BPF map (eBPF mode)",
+            self.bpf_map_capacity.clone(),
+        );
+        own.register(
+            "bpf_skipped_service_ports",
+            "Service ports of the last sync the eBPF datapath does not translate, by protocol \
+             (eBPF mode; SCTP has no socket-LB or TC translation)",
+            self.bpf_skipped_service_ports.clone(),
+        );
+        own.register(
+            "sync_errors",
+            "Syncs of the datapath that failed, by proxy mode",
+            self.sync_errors.clone(),
+        );
+        own.register(
+            "programmed_services",
+            "Service ports programmed by the last successful sync",
+            self.programmed_services.clone(),
+        );
+        own.register(
+            "programmed_endpoints",
+            "Endpoints programmed by the last successful sync",
+            self.programmed_endpoints.clone(),
+        );
+    }
+
+    fn create_series(&self, mode: ProxyMode, families: &[IpFamily]) {
+        drop(self.sync_errors.get_or_create(&ModeLabels {
+            mode: mode.as_str().into(),
+        }));
+        if mode == ProxyMode::Ebpf {
+            drop(
+                self.bpf_skipped_service_ports
+                    .get_or_create(&ProtocolLabels {
+                        protocol: "SCTP".into(),
+                    }),
+            );
+        }
+        for code in ["200", "503"] {
+            let l = CodeLabels { code: code.into() };
+            drop(self.healthz.get_or_create(&l));
+            drop(self.livez.get_or_create(&l));
+        }
+        for f in families {
+            let l = fam(*f);
+            drop(self.sync_duration.get_or_create(&l));
+            drop(self.network_programming.get_or_create(&l));
+            drop(self.last_queued.get_or_create(&l));
+            drop(self.last_synced.get_or_create(&l));
+            for policy in ["internal", "external"] {
+                drop(self.no_local_endpoints.get_or_create(&FamilyPolicyLabels {
+                    ip_family: (*f).into(),
+                    traffic_policy: policy.into(),
+                }));
+            }
+        }
+    }
+}
+
+impl ConntrackMetrics {
+    fn new() -> ConntrackMetrics {
+        ConntrackMetrics {
+            deleted: Family::default(),
+            duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+        }
+    }
+
+    fn register(&self, kp: &mut Registry) {
+        kp.register(
+            "conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            self.deleted.clone(),
+        );
+        kp.register(
+            "conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            self.duration.clone(),
+        );
+    }
+
+    fn create_series(&self, f: IpFamily) {
+        drop(self.deleted.get_or_create(&fam(f)));
+        drop(self.duration.get_or_create(&fam(f)));
+    }
+}
+
+impl IptablesMetrics {
+    fn new() -> IptablesMetrics {
+        IptablesMetrics {
+            full_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+            partial_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+            rules_last: Family::default(),
+            rules_total: Family::default(),
+            partial_restore_failures: Family::default(),
+            restore_failures: Family::default(),
+            ct_invalid_dropped: Counter::default(),
+            localhost_nodeports_accepted: Counter::default(),
+            nfacct_last: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+
+    /// ipvs mode shares only the restore-failure counter (upstream RegisterMetrics).
+    fn register(&self, kp: &mut Registry, mode: ProxyMode) {
+        kp.register(
+            "sync_proxy_rules_iptables_restore_failures",
+            "Cumulative proxy iptables restore failures",
+            self.restore_failures.clone(),
+        );
+        if mode != ProxyMode::Iptables {
+            return;
+        }
+        kp.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            self.full_duration.clone(),
+        );
+        kp.register(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            self.partial_duration.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_iptables_last",
+            "Number of iptables rules written by kube-proxy in last sync",
+            self.rules_last.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_iptables_total",
+            "Total number of iptables rules owned by kube-proxy",
+            self.rules_total.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_iptables_partial_restore_failures",
+            "Cumulative proxy iptables partial restore failures",
+            self.partial_restore_failures.clone(),
+        );
+        kp.register(
+            "iptables_ct_state_invalid_dropped_packets",
+            "packets dropped by iptables to work around conntrack problems",
+            self.ct_invalid_dropped.clone(),
+        );
+        kp.register(
+            "iptables_localhost_nodeports_accepted_packets",
+            "Number of packets accepted on nodeports of loopback interface",
+            self.localhost_nodeports_accepted.clone(),
+        );
+    }
+
+    fn create_series(&self, f: IpFamily) {
+        let l = fam(f);
+        drop(self.full_duration.get_or_create(&l));
+        drop(self.partial_duration.get_or_create(&l));
+        drop(self.partial_restore_failures.get_or_create(&l));
+        drop(self.restore_failures.get_or_create(&l));
+        for t in [IptablesTable::Filter, IptablesTable::Nat] {
+            drop(self.rules_last.get_or_create(&table_labels(f, t)));
+            drop(self.rules_total.get_or_create(&table_labels(f, t)));
+        }
+    }
+}
+
 type TriggerKey = (String, String, IpFamily);
 
 /// EndpointSlice trigger times per (namespace, service, family): the pending ones (earliest,
@@ -320,224 +582,23 @@ impl Metrics {
     pub fn with_families(mode: ProxyMode, families: &[IpFamily]) -> Metrics {
         let mut registry = Registry::default();
         let kp = registry.sub_registry_with_prefix("kubeproxy");
-        let generic = Generic {
-            sync_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
-            network_programming: Family::new_with_constructor(
-                programming_buckets as fn() -> Histogram,
-            ),
-            endpoint_changes_pending: Gauge::default(),
-            endpoint_changes_total: Counter::default(),
-            service_changes_pending: Gauge::default(),
-            service_changes_total: Counter::default(),
-            last_queued: Family::default(),
-            last_synced: Family::default(),
-            no_local_endpoints: Family::default(),
-            healthz: Family::default(),
-            livez: Family::default(),
-            sync_errors: Family::default(),
-            programmed_services: Gauge::default(),
-            programmed_endpoints: Gauge::default(),
-            bpf_skipped_service_ports: Family::default(),
-            bpf_map_entries: Family::default(),
-            bpf_map_capacity: Family::default(),
-        };
-        let conntrack = ConntrackMetrics {
-            deleted: Family::default(),
-            duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
-        };
-        let g = &generic;
-        kp.register(
-            "sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds",
-            g.sync_duration.clone(),
-        );
-        kp.register(
-            "network_programming_duration_seconds",
-            "In Cluster Network Programming Latency in seconds",
-            g.network_programming.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_endpoint_changes_pending",
-            "Pending proxy rules Endpoint changes",
-            g.endpoint_changes_pending.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_endpoint_changes",
-            "Cumulative proxy rules Endpoint changes",
-            g.endpoint_changes_total.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_service_changes_pending",
-            "Pending proxy rules Service changes",
-            g.service_changes_pending.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_service_changes",
-            "Cumulative proxy rules Service changes",
-            g.service_changes_total.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_last_queued_timestamp_seconds",
-            "The last time a sync of proxy rules was queued",
-            g.last_queued.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_last_timestamp_seconds",
-            "The last time proxy rules were successfully synced",
-            g.last_synced.clone(),
-        );
-        kp.register(
-            "sync_proxy_rules_no_local_endpoints_total",
-            "Number of services with a Local traffic policy and no endpoints",
-            g.no_local_endpoints.clone(),
-        );
-        kp.register(
-            "proxy_healthz",
-            "Cumulative proxy healthz HTTP status",
-            g.healthz.clone(),
-        );
-        kp.register(
-            "proxy_livez",
-            "Cumulative proxy livez HTTP status",
-            g.livez.clone(),
-        );
-        kp.register(
-            "conntrack_reconciler_deleted_entries",
-            "Cumulative conntrack flows deleted by conntrack reconciler",
-            conntrack.deleted.clone(),
-        );
-        kp.register(
-            "conntrack_reconciler_sync_duration_seconds",
-            "ReconcileConntrackFlowsLatency latency in seconds",
-            conntrack.duration.clone(),
-        );
+        let generic = Generic::new();
+        let conntrack = ConntrackMetrics::new();
+        // Registration order is the exposition order.
+        generic.register_sync(kp);
+        generic.register_health(kp);
+        conntrack.register(kp);
         let iptables = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| {
-            let m = IptablesMetrics {
-                full_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
-                partial_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
-                rules_last: Family::default(),
-                rules_total: Family::default(),
-                partial_restore_failures: Family::default(),
-                restore_failures: Family::default(),
-                ct_invalid_dropped: Counter::default(),
-                localhost_nodeports_accepted: Counter::default(),
-                nfacct_last: [AtomicU64::new(0), AtomicU64::new(0)],
-            };
-            // ipvs mode shares only the restore-failure counter (upstream RegisterMetrics).
-            kp.register(
-                "sync_proxy_rules_iptables_restore_failures",
-                "Cumulative proxy iptables restore failures",
-                m.restore_failures.clone(),
-            );
-            if mode == ProxyMode::Iptables {
-                kp.register(
-                    "sync_full_proxy_rules_duration_seconds",
-                    "SyncProxyRules latency in seconds for full resyncs",
-                    m.full_duration.clone(),
-                );
-                kp.register(
-                    "sync_partial_proxy_rules_duration_seconds",
-                    "SyncProxyRules latency in seconds for partial resyncs",
-                    m.partial_duration.clone(),
-                );
-                kp.register(
-                    "sync_proxy_rules_iptables_last",
-                    "Number of iptables rules written by kube-proxy in last sync",
-                    m.rules_last.clone(),
-                );
-                kp.register(
-                    "sync_proxy_rules_iptables_total",
-                    "Total number of iptables rules owned by kube-proxy",
-                    m.rules_total.clone(),
-                );
-                kp.register(
-                    "sync_proxy_rules_iptables_partial_restore_failures",
-                    "Cumulative proxy iptables partial restore failures",
-                    m.partial_restore_failures.clone(),
-                );
-                kp.register(
-                    "iptables_ct_state_invalid_dropped_packets",
-                    "packets dropped by iptables to work around conntrack problems",
-                    m.ct_invalid_dropped.clone(),
-                );
-                kp.register(
-                    "iptables_localhost_nodeports_accepted_packets",
-                    "Number of packets accepted on nodeports of loopback interface",
-                    m.localhost_nodeports_accepted.clone(),
-                );
-            }
+            let m = IptablesMetrics::new();
+            m.register(kp, mode);
             m
         });
-        let own = registry.sub_registry_with_prefix("kproxy");
-        own.register(
-            "bpf_map_entries",
-            "Entries in each kproxy BPF map (eBPF mode)",
-            g.bpf_map_entries.clone(),
-        );
-        own.register(
-            "bpf_map_capacity",
-            "Maximum entries of each kproxy BPF map (eBPF mode)",
-            g.bpf_map_capacity.clone(),
-        );
-        own.register(
-            "bpf_skipped_service_ports",
-            "Service ports of the last sync the eBPF datapath does not translate, by protocol \
-             (eBPF mode; SCTP has no socket-LB or TC translation)",
-            g.bpf_skipped_service_ports.clone(),
-        );
-        own.register(
-            "sync_errors",
-            "Syncs of the datapath that failed, by proxy mode",
-            g.sync_errors.clone(),
-        );
-        own.register(
-            "programmed_services",
-            "Service ports programmed by the last successful sync",
-            g.programmed_services.clone(),
-        );
-        own.register(
-            "programmed_endpoints",
-            "Endpoints programmed by the last successful sync",
-            g.programmed_endpoints.clone(),
-        );
-        // Every series that can exist is created up front (prometheus-client leaves out a
-        // family without series, `# TYPE` line included), so a scrape shows 0, not nothing.
-        drop(g.sync_errors.get_or_create(&ModeLabels {
-            mode: mode.as_str().into(),
-        }));
-        if mode == ProxyMode::Ebpf {
-            drop(g.bpf_skipped_service_ports.get_or_create(&ProtocolLabels {
-                protocol: "SCTP".into(),
-            }));
-        }
-        for code in ["200", "503"] {
-            let l = CodeLabels { code: code.into() };
-            drop(g.healthz.get_or_create(&l));
-            drop(g.livez.get_or_create(&l));
-        }
+        generic.register_kproxy(registry.sub_registry_with_prefix("kproxy"));
+        generic.create_series(mode, families);
         for f in families {
-            let l = fam(*f);
-            drop(g.sync_duration.get_or_create(&l));
-            drop(g.network_programming.get_or_create(&l));
-            drop(g.last_queued.get_or_create(&l));
-            drop(g.last_synced.get_or_create(&l));
-            drop(conntrack.deleted.get_or_create(&l));
-            drop(conntrack.duration.get_or_create(&l));
-            for policy in ["internal", "external"] {
-                drop(g.no_local_endpoints.get_or_create(&FamilyPolicyLabels {
-                    ip_family: (*f).into(),
-                    traffic_policy: policy.into(),
-                }));
-            }
+            conntrack.create_series(*f);
             if let Some(m) = &iptables {
-                drop(m.full_duration.get_or_create(&l));
-                drop(m.partial_duration.get_or_create(&l));
-                drop(m.partial_restore_failures.get_or_create(&l));
-                drop(m.restore_failures.get_or_create(&l));
-                for t in [IptablesTable::Filter, IptablesTable::Nat] {
-                    drop(m.rules_last.get_or_create(&table_labels(*f, t)));
-                    drop(m.rules_total.get_or_create(&table_labels(*f, t)));
-                }
+                m.create_series(*f);
             }
         }
         Metrics {

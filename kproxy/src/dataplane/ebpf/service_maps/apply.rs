@@ -201,6 +201,52 @@ fn maglev_sets(p: &ServicePlan) -> impl Iterator<Item = u32> + '_ {
         .map(|s| s.svc_id)
 }
 
+/// The state one apply passes between its steps ([`Applier::apply_inner`]).
+struct ApplyRun<'a> {
+    plan: &'a Plan,
+    /// The service ports this apply compares (all of them in a full apply).
+    names: &'a BTreeSet<ServicePortName>,
+    full: bool,
+    /// What each of `names` had in the maps before.
+    olds: Vec<Option<Arc<ServicePlan>>>,
+    /// What each of `names` has after step 2 (its plan, or the old one where it failed).
+    finals: Vec<Option<Arc<ServicePlan>>>,
+    /// The backends step 1 looked at.
+    backend_ids: BTreeSet<u32>,
+    /// Backends that could not be written, with the reason.
+    failed_backends: BTreeMap<u32, String>,
+    /// Frontends not in the maps before, given filter bits ahead of being written.
+    adding: BTreeSet<ServiceKey>,
+    /// Backends that left every UDP service port's slots in this apply.
+    udp_dropped: BTreeMap<u32, std::net::SocketAddr>,
+    out: ApplyOutcome,
+}
+
+/// The entries the service ports should have after an apply (step 3 keeps these).
+struct Wanted {
+    fronts: BTreeSet<ServiceKey>,
+    slots: BTreeSet<BackendSlotKey>,
+    ranges: BTreeSet<SourceRangeEntry>,
+    maglev: BTreeSet<u32>,
+}
+
+impl Wanted {
+    fn of(want: Vec<&Arc<ServicePlan>>) -> Self {
+        Wanted {
+            fronts: want
+                .iter()
+                .flat_map(|p| p.frontends.keys().copied())
+                .collect(),
+            slots: want.iter().flat_map(|p| slot_keys(p)).collect(),
+            ranges: want
+                .iter()
+                .flat_map(|p| p.source_ranges.iter().copied())
+                .collect(),
+            maglev: want.iter().flat_map(|p| maglev_sets(p)).collect(),
+        }
+    }
+}
+
 impl Applier {
     /// Reads every agent-written map (the starting point of the diff).
     pub fn new(mut tables: Tables) -> Result<Self, TableError> {
@@ -369,28 +415,69 @@ impl Applier {
         full: bool,
         now_ns: u64,
     ) -> Result<ApplyOutcome, TableError> {
-        let mut out = ApplyOutcome::default();
         let udp_before = full.then(|| self.udp_backends());
-        let olds: Vec<Option<Arc<ServicePlan>>> =
-            names.iter().map(|n| self.applied.get(n).cloned()).collect();
+        let mut run = ApplyRun {
+            plan,
+            names,
+            full,
+            olds: names.iter().map(|n| self.applied.get(n).cloned()).collect(),
+            finals: Vec::with_capacity(names.len()),
+            backend_ids: BTreeSet::new(),
+            failed_backends: BTreeMap::new(),
+            adding: BTreeSet::new(),
+            udp_dropped: BTreeMap::new(),
+            out: ApplyOutcome::default(),
+        };
+        // The order of the steps is the write order the datapath relies on (module docs).
+        self.write_backends(&mut run)?;
+        self.add_filter_bits(&mut run);
+        self.apply_service_ports(&mut run);
+        self.record_applied(&mut run);
+        self.delete_stale(&mut run)?;
+        run.out.removed_udp = match udp_before {
+            Some(before) => {
+                self.udp_refs = udp_refs(&self.applied);
+                let after = self.udp_backends();
+                before.difference(&after).copied().collect()
+            }
+            None => run
+                .udp_dropped
+                .iter()
+                .filter(|(id, _)| self.udp_refs.get(id).is_none_or(|n| *n == 0))
+                .map(|(_, a)| *a)
+                .collect(),
+        };
+        self.clean_stale_affinity(&mut run, now_ns)?;
 
-        // 1. Backends: every one (full), or those the changed service ports reference.
-        let mut backend_ids: BTreeSet<u32> = BTreeSet::new();
-        if full {
-            backend_ids.extend(plan.backends.keys().copied());
+        let mut out = run.out;
+        out.backends = self.cache.backends.len();
+        let failing_applied = self
+            .apply_failed
+            .iter()
+            .filter(|n| self.applied.contains_key(*n))
+            .count();
+        out.services = self.applied.len() - failing_applied;
+        Ok(out)
+    }
+
+    /// Step 1. Backends: every one (full), or those the changed service ports reference;
+    /// then the slots holding a copy of a backend whose value changed.
+    fn write_backends(&mut self, run: &mut ApplyRun<'_>) -> Result<(), TableError> {
+        let plan = run.plan;
+        if run.full {
+            run.backend_ids.extend(plan.backends.keys().copied());
         } else {
-            for (name, old) in names.iter().zip(&olds) {
+            for (name, old) in run.names.iter().zip(&run.olds) {
                 if let Some(sp) = plan.services.get(name) {
-                    backend_ids.extend(sp.backend_ids());
+                    run.backend_ids.extend(sp.backend_ids());
                 }
                 if let Some(old) = old {
-                    backend_ids.extend(old.backend_ids());
+                    run.backend_ids.extend(old.backend_ids());
                 }
             }
         }
-        let mut failed_backends: BTreeMap<u32, String> = BTreeMap::new();
         let mut changed_values: BTreeSet<u32> = BTreeSet::new();
-        for id in &backend_ids {
+        for id in &run.backend_ids {
             let Some(value) = plan.backends.get(id) else {
                 continue;
             };
@@ -402,65 +489,81 @@ impl Applier {
                     if self.cache.backends.insert(*id, *value).is_some() {
                         changed_values.insert(*id);
                     }
-                    out.writes += 1;
+                    run.out.writes += 1;
                 }
                 Err(e) => {
-                    failed_backends.insert(*id, e.to_string());
+                    run.failed_backends.insert(*id, e.to_string());
                 }
             }
         }
-        // Slots hold a copy of their backend: where a backend's value changed, every slot
-        // holding it gets the new copy now, also in sets this apply does not otherwise touch.
-        if !changed_values.is_empty() {
-            let recopy: Vec<(BackendSlotKey, SlotValue)> = self
-                .cache
-                .slots
-                .iter()
-                .filter(|(_, s)| changed_values.contains(&s.backend_id))
-                .filter_map(|(k, s)| {
-                    let backend = *self.cache.backends.get(&s.backend_id)?;
-                    (s.backend != backend).then_some((
-                        *k,
-                        SlotValue {
-                            backend_id: s.backend_id,
-                            backend,
-                        },
-                    ))
-                })
-                .collect();
-            for (k, v) in recopy {
-                self.tables.slots.put(&k, &v)?;
-                self.cache_slot(k, v);
-                out.writes += 1;
-            }
-        }
+        self.recopy_slots(&changed_values, &mut run.out)
+    }
 
-        // Frontends about to be written get their filter bits first (see `crate::dataplane::ebpf::service_maps::filter`);
-        // those not written after all are uncounted at the end.
-        let adding: BTreeSet<ServiceKey> = names
+    /// Slots hold a copy of their backend: where a backend's value changed, every slot
+    /// holding it gets the new copy now, also in sets this apply does not otherwise touch.
+    fn recopy_slots(
+        &mut self,
+        changed_values: &BTreeSet<u32>,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
+        if changed_values.is_empty() {
+            return Ok(());
+        }
+        let recopy: Vec<(BackendSlotKey, SlotValue)> = self
+            .cache
+            .slots
             .iter()
-            .filter_map(|n| plan.services.get(n))
+            .filter(|(_, s)| changed_values.contains(&s.backend_id))
+            .filter_map(|(k, s)| {
+                let backend = *self.cache.backends.get(&s.backend_id)?;
+                (s.backend != backend).then_some((
+                    *k,
+                    SlotValue {
+                        backend_id: s.backend_id,
+                        backend,
+                    },
+                ))
+            })
+            .collect();
+        for (k, v) in recopy {
+            self.tables.slots.put(&k, &v)?;
+            self.cache_slot(k, v);
+            out.writes += 1;
+        }
+        Ok(())
+    }
+
+    /// Frontends about to be written get their filter bits first (see
+    /// `crate::dataplane::ebpf::service_maps::filter`); those not written after all are
+    /// uncounted in [`Self::delete_stale_frontends`].
+    fn add_filter_bits(&mut self, run: &mut ApplyRun<'_>) {
+        run.adding = run
+            .names
+            .iter()
+            .filter_map(|n| run.plan.services.get(n))
             .flat_map(|sp| sp.frontends.keys())
             .filter(|k| !self.cache.services.contains_key(k))
             .copied()
             .collect();
-        for k in &adding {
+        for k in &run.adding {
             self.filter.add(k);
         }
         self.filter.flush(&mut *self.tables.filter);
+    }
 
-        // 2. Per service port: slots, source ranges, frontends.
-        let mut finals: Vec<Option<Arc<ServicePlan>>> = Vec::with_capacity(names.len());
-        for (name, old) in names.iter().zip(&olds) {
-            let Some(sp) = plan.services.get(name) else {
+    /// Step 2. Per service port: slots, source ranges, frontends; fills `run.finals` with
+    /// what each has in the maps now.
+    fn apply_service_ports(&mut self, run: &mut ApplyRun<'_>) {
+        for (name, old) in run.names.iter().zip(&run.olds) {
+            let Some(sp) = run.plan.services.get(name) else {
                 self.apply_failed.remove(name);
                 self.failed.remove(name);
-                finals.push(None);
+                run.finals.push(None);
                 continue;
             };
-            let result = match sp.backend_ids().find_map(|id| failed_backends.get(&id)) {
+            let result = match sp.backend_ids().find_map(|id| run.failed_backends.get(&id)) {
                 Some(err) => Err(err.clone()),
-                None => self.apply_service(sp, plan, &mut out),
+                None => self.apply_service(sp, run.plan, &mut run.out),
             };
             match result {
                 Ok(()) => {
@@ -469,28 +572,32 @@ impl Applier {
                         self.failed.remove(name);
                     } else {
                         let reason = sp.errors.join("; ");
-                        out.failed.insert(name.clone(), reason.clone());
+                        run.out.failed.insert(name.clone(), reason.clone());
                         self.failed.insert(name.clone(), reason);
                     }
-                    finals.push(Some(sp.clone()));
+                    run.finals.push(Some(sp.clone()));
                 }
                 Err(reason) => {
                     tracing::error!(service = %name, "cannot program service port: {reason}");
-                    out.failed.insert(name.clone(), reason.clone());
+                    run.out.failed.insert(name.clone(), reason.clone());
                     self.failed.insert(name.clone(), reason);
                     self.apply_failed.insert(name.clone());
-                    finals.push(old.clone());
+                    run.finals.push(old.clone());
                 }
             }
         }
-        let mut udp_dropped: BTreeMap<u32, std::net::SocketAddr> = BTreeMap::new();
-        for ((name, old), fin) in names.iter().zip(&olds).zip(&finals) {
+    }
+
+    /// Records what each service port now has: `applied`, the UDP backend counts (noting
+    /// backends that left every UDP service port) and the affinity timeouts.
+    fn record_applied(&mut self, run: &mut ApplyRun<'_>) {
+        for ((name, old), fin) in run.names.iter().zip(&run.olds).zip(&run.finals) {
             if name.protocol == Protocol::Udp {
                 for id in old.iter().flat_map(|p| udp_ids(p)) {
                     if dec(&mut self.udp_refs, id) == 0
                         && let Some(b) = self.cache.backends.get(&id)
                     {
-                        udp_dropped.insert(id, backend_socket(b));
+                        run.udp_dropped.insert(id, backend_socket(b));
                     }
                 }
                 for id in fin.iter().flat_map(|p| udp_ids(p)) {
@@ -515,40 +622,46 @@ impl Applier {
                 None => self.applied.remove(name),
             };
         }
+    }
 
-        // 3. Stale entries: anywhere in the cache (full), or among the entries the changed
-        // service ports had or were to get.
-        let finals_of = |full: bool| -> Vec<&Arc<ServicePlan>> {
-            if full {
-                self.applied.values().collect()
-            } else {
-                finals.iter().flatten().collect()
-            }
-        };
-        let want = finals_of(full);
-        let want_fronts: BTreeSet<ServiceKey> = want
-            .iter()
-            .flat_map(|p| p.frontends.keys().copied())
-            .collect();
-        let want_slots: BTreeSet<BackendSlotKey> = want.iter().flat_map(|p| slot_keys(p)).collect();
-        let want_ranges: BTreeSet<SourceRangeEntry> = want
-            .iter()
-            .flat_map(|p| p.source_ranges.iter().copied())
-            .collect();
-        let want_maglev: BTreeSet<u32> = want.iter().flat_map(|p| maglev_sets(p)).collect();
-        let candidates: Vec<&ServicePlan> = if full {
+    /// Step 3. Stale entries: anywhere in the cache (full), or among the entries the changed
+    /// service ports had or were to get. Frontends first, then slots, source ranges, Maglev
+    /// tables, and last the backends no slot points at.
+    fn delete_stale(&mut self, run: &mut ApplyRun<'_>) -> Result<(), TableError> {
+        let want = Wanted::of(if run.full {
+            self.applied.values().collect()
+        } else {
+            run.finals.iter().flatten().collect()
+        });
+        let candidates: Vec<&ServicePlan> = if run.full {
             Vec::new()
         } else {
-            names
+            run.names
                 .iter()
-                .zip(&olds)
+                .zip(&run.olds)
                 .flat_map(|(name, old)| {
                     old.iter()
                         .map(|p| &**p)
-                        .chain(plan.services.get(name).map(|p| &**p))
+                        .chain(run.plan.services.get(name).map(|p| &**p))
                 })
                 .collect()
         };
+        let out = &mut run.out;
+        self.delete_stale_frontends(run.full, &candidates, &want, &run.adding, out)?;
+        self.delete_stale_slots(run.full, &candidates, &want, out)?;
+        self.delete_stale_ranges(run.full, &candidates, &want, out)?;
+        self.delete_stale_maglev(run.full, &candidates, &want, out)?;
+        self.delete_unreferenced_backends(run.full, &run.backend_ids, out)
+    }
+
+    fn delete_stale_frontends(
+        &mut self,
+        full: bool,
+        candidates: &[&ServicePlan],
+        want: &Wanted,
+        adding: &BTreeSet<ServiceKey>,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let stale: Vec<ServiceKey> = if full {
             self.cache.services.keys().copied().collect()
         } else {
@@ -560,7 +673,7 @@ impl Applier {
                 .collect()
         };
         for k in stale {
-            if want_fronts.contains(&k) || !self.cache.services.contains_key(&k) {
+            if want.fronts.contains(&k) || !self.cache.services.contains_key(&k) {
                 continue;
             }
             self.tables.services.delete(&k)?;
@@ -577,19 +690,39 @@ impl Applier {
             self.filter.remove(k);
         }
         self.filter.flush(&mut *self.tables.filter);
+        Ok(())
+    }
+
+    fn delete_stale_slots(
+        &mut self,
+        full: bool,
+        candidates: &[&ServicePlan],
+        want: &Wanted,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let stale: Vec<BackendSlotKey> = if full {
             self.cache.slots.keys().copied().collect()
         } else {
             candidates.iter().flat_map(|p| slot_keys(p)).collect()
         };
         for k in stale {
-            if want_slots.contains(&k) || !self.cache.slots.contains_key(&k) {
+            if want.slots.contains(&k) || !self.cache.slots.contains_key(&k) {
                 continue;
             }
             self.tables.slots.delete(&k)?;
             self.uncache_slot(&k);
             out.deletes += 1;
         }
+        Ok(())
+    }
+
+    fn delete_stale_ranges(
+        &mut self,
+        full: bool,
+        candidates: &[&ServicePlan],
+        want: &Wanted,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let stale: Vec<SourceRangeEntry> = if full {
             self.cache.ranges.iter().copied().collect()
         } else {
@@ -599,13 +732,23 @@ impl Applier {
                 .collect()
         };
         for k in stale {
-            if want_ranges.contains(&k) || !self.cache.ranges.contains(&k) {
+            if want.ranges.contains(&k) || !self.cache.ranges.contains(&k) {
                 continue;
             }
             self.tables.source_ranges.delete(&k)?;
             self.cache.ranges.remove(&k);
             out.deletes += 1;
         }
+        Ok(())
+    }
+
+    fn delete_stale_maglev(
+        &mut self,
+        full: bool,
+        candidates: &[&ServicePlan],
+        want: &Wanted,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let stale: Vec<u32> = if full {
             self.cache.maglev_refs.keys().copied().collect()
         } else {
@@ -615,7 +758,7 @@ impl Applier {
                 .collect()
         };
         for k in stale {
-            if want_maglev.contains(&k) || !self.cache.maglev_refs.contains_key(&k) {
+            if want.maglev.contains(&k) || !self.cache.maglev_refs.contains_key(&k) {
                 continue;
             }
             self.tables.maglev_refs.delete(&k)?;
@@ -623,8 +766,17 @@ impl Applier {
             self.cache.maglev_built.remove(&k);
             out.deletes += 1;
         }
-        // Backends no remaining slot points at (a failed service's slots may already hold new
-        // backends).
+        Ok(())
+    }
+
+    /// Backends no remaining slot points at (a failed service's slots may already hold new
+    /// backends).
+    fn delete_unreferenced_backends(
+        &mut self,
+        full: bool,
+        backend_ids: &BTreeSet<u32>,
+        out: &mut ApplyOutcome,
+    ) -> Result<(), TableError> {
         let stale: Vec<u32> = if full {
             self.cache.backends.keys().copied().collect()
         } else {
@@ -641,46 +793,33 @@ impl Applier {
             out.removed_backends.push(k);
             out.deletes += 1;
         }
-        out.removed_udp = match udp_before {
-            Some(before) => {
-                self.udp_refs = udp_refs(&self.applied);
-                let after = self.udp_backends();
-                before.difference(&after).copied().collect()
-            }
-            None => udp_dropped
-                .iter()
-                .filter(|(id, _)| self.udp_refs.get(id).is_none_or(|n| *n == 0))
-                .map(|(_, a)| *a)
-                .collect(),
-        };
+        Ok(())
+    }
 
-        // 4. Affinity: entries of sets that are gone or expired; for the sets of the changed
-        // service ports (all, in a full apply) also those whose backend left the set.
-        let checked: Vec<Arc<ServicePlan>> = if full {
+    /// Step 4. Affinity: entries of sets that are gone or expired; for the sets of the
+    /// changed service ports (all, in a full apply) also those whose backend left the set.
+    fn clean_stale_affinity(
+        &mut self,
+        run: &mut ApplyRun<'_>,
+        now_ns: u64,
+    ) -> Result<(), TableError> {
+        let checked: Vec<Arc<ServicePlan>> = if run.full {
             self.applied.values().cloned().collect()
         } else {
-            finals.iter().flatten().cloned().collect()
+            run.finals.iter().flatten().cloned().collect()
         };
         let mut touched: BTreeSet<u32> = checked
             .iter()
             .flat_map(|p| p.sets.iter().map(|s| s.svc_id))
             .collect();
         touched.extend(
-            olds.iter()
+            run.olds
+                .iter()
                 .flatten()
                 .flat_map(|p| p.sets.iter().map(|s| s.svc_id)),
         );
-        let scope = if full { None } else { Some(&touched) };
-        self.clean_affinity(&checked, scope, now_ns, &mut out)?;
-
-        out.backends = self.cache.backends.len();
-        let failing_applied = self
-            .apply_failed
-            .iter()
-            .filter(|n| self.applied.contains_key(*n))
-            .count();
-        out.services = self.applied.len() - failing_applied;
-        Ok(out)
+        let scope = if run.full { None } else { Some(&touched) };
+        self.clean_affinity(&checked, scope, now_ns, &mut run.out)
     }
 
     /// Deletes affinity entries whose set is gone or that expired, and those of the sets in

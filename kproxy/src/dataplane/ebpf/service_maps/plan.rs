@@ -58,7 +58,7 @@ use crate::dataplane::ebpf::service_maps::ids::BackendAddr;
 use crate::dataplane::ebpf::service_maps::ids::IdAllocator;
 use crate::dataplane::ebpf::service_maps::ids::SetKey;
 use crate::dataplane::ebpf::service_maps::ids::SetKind;
-use crate::model::topology::categorize_endpoints;
+use crate::model::topology::{CategorizedEndpoints, categorize_endpoints};
 use crate::model::vecmap::VecMap;
 use crate::model::{Endpoint, IpFamily, NodeInfo, ServicePort, ServicePortName, Snapshot};
 
@@ -542,41 +542,7 @@ impl Planner {
     ) {
         // Frontends per set kind, gathered first so a restarted agent's set ids can be found
         // by any of them.
-        let mut fronts: Vec<(ServiceKey, SetKind, u32)> = Vec::new();
-        if let Some(ip) = svc.cluster_ip(family) {
-            let kind = if svc.internal_policy_local {
-                SetKind::Local
-            } else {
-                SetKind::Cluster
-            };
-            fronts.push((
-                key(ip, svc.port, svc, SCOPE_CLUSTER),
-                kind,
-                SVC_F_CLUSTER_IP,
-            ));
-        }
-        if svc.externally_accessible() {
-            let ext_kind = if svc.external_policy_local {
-                SetKind::Local
-            } else {
-                SetKind::Cluster
-            };
-            let mut add = |ip: IpAddr, port: u16, flag: u32| {
-                fronts.push((key(ip, port, svc, SCOPE_CLUSTER), SetKind::Cluster, flag));
-                fronts.push((key(ip, port, svc, SCOPE_EXTERNAL), ext_kind, flag));
-            };
-            if svc.node_port != 0 {
-                for ip in inputs.node_addrs.iter().filter(|ip| family.matches(ip)) {
-                    add(*ip, svc.node_port, SVC_F_NODE_PORT);
-                }
-            }
-            for ip in svc.external_ips_for(family) {
-                add(ip, svc.port, SVC_F_EXTERNAL_IP);
-            }
-            for ip in svc.load_balancer_vips(family) {
-                add(ip, svc.port, SVC_F_LOAD_BALANCER);
-            }
-        }
+        let fronts = frontends(svc, family, inputs);
         if fronts.is_empty() {
             return;
         }
@@ -589,7 +555,20 @@ impl Planner {
                 .collect()
         };
         let cat = categorize_endpoints(&eps, svc, &snap.node);
+        let set_ids = self.plan_sets(svc, family, &fronts, &cat, sp);
+        plan_frontends(svc, family, inputs, fronts, &set_ids, &cat, sp);
+    }
 
+    /// The backend sets (cluster, local) the frontends use: ids, backends (referenced),
+    /// into `sp`. Returns each kind's set id and backend count.
+    fn plan_sets(
+        &mut self,
+        svc: &ServicePort,
+        family: IpFamily,
+        fronts: &[(ServiceKey, SetKind, u32)],
+        cat: &CategorizedEndpoints,
+        sp: &mut ServicePlan,
+    ) -> BTreeMap<SetKind, (u32, u32)> {
         let mut set_ids: BTreeMap<SetKind, (u32, u32)> = BTreeMap::new();
         for kind in [SetKind::Cluster, SetKind::Local] {
             let members: Vec<ServiceKey> = fronts
@@ -634,49 +613,105 @@ impl Planner {
                 maglev: false,
             });
         }
+        set_ids
+    }
+}
 
-        let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
-        for (front, kind, kind_flag) in fronts {
-            let (svc_id, count) = set_ids[&kind];
-            let mut flags = kind_flag;
-            if kind == SetKind::Local {
-                flags |= SVC_F_LOCAL_ONLY;
+/// The frontends of `svc` in `family` with the set kind each uses and its `SVC_F_*` kind
+/// flag: the cluster IP, and (externally accessible) each node port, external IP and LB IP
+/// in both scopes.
+fn frontends(
+    svc: &ServicePort,
+    family: IpFamily,
+    inputs: &Inputs,
+) -> Vec<(ServiceKey, SetKind, u32)> {
+    let mut fronts: Vec<(ServiceKey, SetKind, u32)> = Vec::new();
+    if let Some(ip) = svc.cluster_ip(family) {
+        let kind = if svc.internal_policy_local {
+            SetKind::Local
+        } else {
+            SetKind::Cluster
+        };
+        fronts.push((
+            key(ip, svc.port, svc, SCOPE_CLUSTER),
+            kind,
+            SVC_F_CLUSTER_IP,
+        ));
+    }
+    if svc.externally_accessible() {
+        let ext_kind = if svc.external_policy_local {
+            SetKind::Local
+        } else {
+            SetKind::Cluster
+        };
+        let mut add = |ip: IpAddr, port: u16, flag: u32| {
+            fronts.push((key(ip, port, svc, SCOPE_CLUSTER), SetKind::Cluster, flag));
+            fronts.push((key(ip, port, svc, SCOPE_EXTERNAL), ext_kind, flag));
+        };
+        if svc.node_port != 0 {
+            for ip in inputs.node_addrs.iter().filter(|ip| family.matches(ip)) {
+                add(*ip, svc.node_port, SVC_F_NODE_PORT);
             }
-            if count == 0 && !cat.has_any_endpoints {
-                flags |= SVC_F_REJECT;
-            }
-            let (timeout, aff) = match svc.session_affinity_timeout {
-                Some(t) => (t, SVC_F_AFFINITY),
-                None => (0, 0),
-            };
-            flags |= aff;
-            if inputs.maglev && front.scope == SCOPE_EXTERNAL && family == IpFamily::V4 {
-                flags |= SVC_F_MAGLEV;
-                if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
-                    set.maglev = true;
-                }
-            }
-            if kind_flag == SVC_F_LOAD_BALANCER
-                && front.scope == SCOPE_EXTERNAL
-                && !ranges.is_empty()
-            {
-                flags |= SVC_F_SOURCE_RANGES;
-                for net in &ranges {
-                    sp.source_ranges.insert(source_range_entry(svc_id, *net));
-                }
-            }
-            // The same frontend twice in one service port (e.g. an external IP that is also a
-            // node address): the first wins.
-            sp.frontends.insert_if_absent(
-                front,
-                ServiceValue {
-                    svc_id,
-                    count,
-                    flags,
-                    affinity_timeout: timeout,
-                },
-            );
         }
+        for ip in svc.external_ips_for(family) {
+            add(ip, svc.port, SVC_F_EXTERNAL_IP);
+        }
+        for ip in svc.load_balancer_vips(family) {
+            add(ip, svc.port, SVC_F_LOAD_BALANCER);
+        }
+    }
+    fronts
+}
+
+/// Each frontend's value (set, flags, affinity) into `sp`, with the Maglev marks and source
+/// ranges of the sets it uses.
+fn plan_frontends(
+    svc: &ServicePort,
+    family: IpFamily,
+    inputs: &Inputs,
+    fronts: Vec<(ServiceKey, SetKind, u32)>,
+    set_ids: &BTreeMap<SetKind, (u32, u32)>,
+    cat: &CategorizedEndpoints,
+    sp: &mut ServicePlan,
+) {
+    let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
+    for (front, kind, kind_flag) in fronts {
+        let (svc_id, count) = set_ids[&kind];
+        let mut flags = kind_flag;
+        if kind == SetKind::Local {
+            flags |= SVC_F_LOCAL_ONLY;
+        }
+        if count == 0 && !cat.has_any_endpoints {
+            flags |= SVC_F_REJECT;
+        }
+        let (timeout, aff) = match svc.session_affinity_timeout {
+            Some(t) => (t, SVC_F_AFFINITY),
+            None => (0, 0),
+        };
+        flags |= aff;
+        if inputs.maglev && front.scope == SCOPE_EXTERNAL && family == IpFamily::V4 {
+            flags |= SVC_F_MAGLEV;
+            if let Some(set) = sp.sets.iter_mut().find(|s| s.svc_id == svc_id) {
+                set.maglev = true;
+            }
+        }
+        if kind_flag == SVC_F_LOAD_BALANCER && front.scope == SCOPE_EXTERNAL && !ranges.is_empty() {
+            flags |= SVC_F_SOURCE_RANGES;
+            for net in &ranges {
+                sp.source_ranges.insert(source_range_entry(svc_id, *net));
+            }
+        }
+        // The same frontend twice in one service port (e.g. an external IP that is also a
+        // node address): the first wins.
+        sp.frontends.insert_if_absent(
+            front,
+            ServiceValue {
+                svc_id,
+                count,
+                flags,
+                affinity_timeout: timeout,
+            },
+        );
     }
 }
 
