@@ -22,5 +22,6 @@ pub mod iptables_corpus;
 pub mod iptables_tracer;
 pub mod maglev;
 pub mod netns;
+pub mod nftables_corpus;
 pub mod recording;
 pub mod topology;

@@ -20,6 +20,7 @@ pub mod ebpf_tc;
 pub mod factory;
 pub mod iptables;
 pub mod ipvs;
+pub mod nftables;
 pub mod with_conntrack;
 
 /// The proxy modes kproxy knows.

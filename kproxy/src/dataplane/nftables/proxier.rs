@@ -1,0 +1,260 @@
+//! The nftables proxier's sync state machine (upstream `syncProxyRules`), pure over a
+//! [`NftBackend`]: full syncs rewrite the static part of the table and every service, partial
+//! syncs only the services in the model's [`ChangedSet`]; map and set elements are always
+//! reconciled one by one; chains no longer used are flushed and deleted once stale for more
+//! than a second (the clock is a parameter), in a transaction of their own.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::model::{ChangedSet, Snapshot};
+
+use super::config::NftablesConfig;
+use super::fake::FakeTable;
+use super::names::{is_affinity_set, is_service_chain};
+use super::service::{Storages, SyncContext};
+use super::setup::{TABLE, setup};
+use super::transaction::{Object, Transaction};
+
+/// How long a flushed chain waits before it is deleted (kernels before 6.2 notice a map
+/// element's chain is unreferenced only a little after the element is gone).
+pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
+
+/// The kernel side of the proxier: the table's current objects and a way to run a
+/// transaction. [`FakeTable`] is the in-memory one.
+pub trait NftBackend {
+    fn list_chains(&mut self) -> Result<Vec<String>, String>;
+    fn list_sets(&mut self) -> Result<Vec<String>, String>;
+    fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String>;
+    fn run(&mut self, tx: &Transaction) -> Result<(), String>;
+}
+
+impl NftBackend for FakeTable {
+    fn list_chains(&mut self) -> Result<Vec<String>, String> {
+        Ok(FakeTable::list_chains(self))
+    }
+    fn list_sets(&mut self) -> Result<Vec<String>, String> {
+        Ok(FakeTable::list_sets(self))
+    }
+    fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String> {
+        Ok(FakeTable::list_elements(self, set))
+    }
+    fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+        self.apply(tx).map_err(|e| e.to_string())
+    }
+}
+
+/// A sync that failed; the next one is full.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("nftables sync failed: {0}")]
+pub struct NftSyncError(pub String);
+
+/// What the last successful sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NftSyncStats {
+    pub full: bool,
+    /// Operations in the main transaction.
+    pub operations: usize,
+    /// Stale chains deleted in the separate transaction before it.
+    pub stale_chains_deleted: usize,
+    pub service_ports: usize,
+    /// Upstream's `sync_proxy_rules_no_local_endpoints_total` (internal / external).
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+/// One per-family nftables proxier.
+#[derive(Debug, Clone)]
+pub struct Proxier {
+    pub cfg: NftablesConfig,
+    need_full_sync: bool,
+    /// Flushed chains and when they became stale (clock of the `now` arguments).
+    pub stale_chains: BTreeMap<String, Duration>,
+    storages: Storages,
+    pub stats: NftSyncStats,
+    /// The main transaction of the last sync attempt.
+    pub last_transaction: Option<Transaction>,
+}
+
+impl Proxier {
+    pub fn new(cfg: NftablesConfig) -> Self {
+        Proxier {
+            cfg,
+            need_full_sync: true,
+            stale_chains: BTreeMap::new(),
+            storages: Storages::default(),
+            stats: NftSyncStats::default(),
+            last_transaction: None,
+        }
+    }
+
+    pub fn next_sync_is_full(&self) -> bool {
+        self.need_full_sync
+    }
+
+    /// Forces the next sync to be full (e.g. upstream's hourly full resync).
+    pub fn force_full_sync(&mut self) {
+        self.need_full_sync = true;
+    }
+
+    fn new_tx(&self) -> Transaction {
+        Transaction::new(self.cfg.table_family(), TABLE)
+    }
+
+    /// Deletes chains stale for more than [`STALE_CHAIN_DELAY`] in their own transaction.
+    fn delete_stale_chains(&mut self, now: Duration, backend: &mut dyn NftBackend) -> usize {
+        let due: Vec<String> = self
+            .stale_chains
+            .iter()
+            .filter(|(_, t)| now.saturating_sub(**t) > STALE_CHAIN_DELAY)
+            .map(|(c, _)| c.clone())
+            .collect();
+        if due.is_empty() {
+            return 0;
+        }
+        let mut tx = self.new_tx();
+        for c in &due {
+            tx.delete(Object::chain(c.as_str()));
+            self.stale_chains.remove(c);
+        }
+        if let Err(e) = backend.run(&tx) {
+            // Still existing chains are found stale again at the end of this sync.
+            tracing::error!(error = %e, "unable to delete stale nftables chains; will retry later");
+            return 0;
+        }
+        due.len()
+    }
+
+    /// Makes the table match `snap`. `now` is the caller's monotonic clock.
+    pub fn sync(
+        &mut self,
+        snap: &Snapshot,
+        changed: &ChangedSet,
+        now: Duration,
+        backend: &mut dyn NftBackend,
+    ) -> Result<NftSyncStats, NftSyncError> {
+        let full = self.need_full_sync || changed.node;
+        // Until this sync succeeds, the next one must be full.
+        self.need_full_sync = true;
+        let stale_deleted = self.delete_stale_chains(now, backend);
+        let err = |e: String| NftSyncError(e);
+        let mut tx = self.new_tx();
+        let existing = if full {
+            setup(&self.cfg, &mut tx);
+            for s in self.storages.all_mut() {
+                let content = backend.list_elements(&s.name).map_err(err)?;
+                s.reset(content);
+            }
+            let chains: BTreeSet<String> =
+                backend.list_chains().map_err(err)?.into_iter().collect();
+            let sets: BTreeSet<String> = backend.list_sets().map_err(err)?.into_iter().collect();
+            Some((chains, sets))
+        } else {
+            self.storages.all_mut().into_iter().for_each(|s| s.begin());
+            None
+        };
+        let changed_services: BTreeSet<(&str, &str)> = changed
+            .services
+            .iter()
+            .map(|n| (n.namespace.as_str(), n.name.as_str()))
+            .collect();
+        let mut ctx = SyncContext {
+            cfg: &self.cfg,
+            node: &snap.node,
+            tx,
+            storages: &mut self.storages,
+            active_chains: BTreeSet::new(),
+            active_affinity_sets: BTreeSet::new(),
+            existing,
+            no_local_internal: 0,
+            no_local_external: 0,
+            kept_chains: BTreeSet::new(),
+        };
+        let mut ports = 0;
+        for svc in snap.services.values() {
+            let Some(cluster_ip) = svc.cluster_ip(self.cfg.family) else {
+                continue;
+            };
+            let skip = !full
+                && !changed_services
+                    .contains(&(svc.name.namespace.as_str(), svc.name.name.as_str()));
+            ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name), skip);
+            ports += 1;
+        }
+        let SyncContext {
+            mut tx,
+            active_chains,
+            active_affinity_sets,
+            no_local_internal,
+            no_local_external,
+            ..
+        } = ctx;
+        self.stale_objects(&mut tx, &active_chains, &active_affinity_sets, now, backend)?;
+        for s in self.storages.all_mut() {
+            s.cleanup(&mut tx);
+        }
+        let result = backend.run(&tx);
+        let operations = tx.num_operations();
+        self.last_transaction = Some(tx);
+        if let Err(e) = result {
+            // The recorded stale chains were not flushed after all; recompute next time.
+            self.stale_chains.clear();
+            return Err(NftSyncError(e));
+        }
+        self.need_full_sync = false;
+        self.stats = NftSyncStats {
+            full,
+            operations,
+            stale_chains_deleted: stale_deleted,
+            service_ports: ports,
+            no_local_internal,
+            no_local_external,
+        };
+        Ok(self.stats.clone())
+    }
+
+    /// Flushes service chains no longer in use (recording them stale) and deletes affinity
+    /// sets no longer in use. Upstream re-flushes an already stale chain on every sync and
+    /// restarts its clock; kproxy flushes it once and keeps its first stale time, so a chain
+    /// is deleted one second after it became unused even when syncs come faster.
+    fn stale_objects(
+        &mut self,
+        tx: &mut Transaction,
+        active_chains: &BTreeSet<String>,
+        active_sets: &BTreeSet<String>,
+        now: Duration,
+        backend: &mut dyn NftBackend,
+    ) -> Result<(), NftSyncError> {
+        for chain in backend.list_chains().map_err(NftSyncError)? {
+            if !is_service_chain(&chain) {
+                continue;
+            }
+            if active_chains.contains(&chain) {
+                self.stale_chains.remove(&chain);
+            } else if let std::collections::btree_map::Entry::Vacant(e) =
+                self.stale_chains.entry(chain)
+            {
+                tx.flush(Object::chain(e.key().as_str()));
+                e.insert(now);
+            }
+        }
+        for set in backend.list_sets().map_err(NftSyncError)? {
+            if is_affinity_set(&set) && !active_sets.contains(&set) {
+                tx.delete(Object::Set {
+                    name: set,
+                    spec: Default::default(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The whole table `snap` gives under `cfg` (a full sync into an empty table), as `nft -f`
+/// text in upstream's canonical order.
+pub fn render(snap: &Snapshot, cfg: &NftablesConfig) -> Result<String, NftSyncError> {
+    let mut table = FakeTable::new(cfg.table_family(), TABLE);
+    let mut p = Proxier::new(cfg.clone());
+    p.sync(snap, &ChangedSet::default(), Duration::ZERO, &mut table)?;
+    Ok(super::transaction::canonical_sort(&table.dump()))
+}
