@@ -323,3 +323,174 @@ fn load_balancer_ip_mode_matches_upstream() {
     }
     assert_eq!(n, 3, "ipMode cases");
 }
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Flow {
+    name: String,
+    #[serde(rename = "sourceIP")]
+    source_ip: String,
+    protocol: Option<String>,
+    #[serde(rename = "destIP")]
+    dest_ip: String,
+    dest_port: u16,
+    expected_output: String,
+    expected_masq: bool,
+}
+
+fn flows_of(v: &Value) -> Vec<Flow> {
+    v.as_sequence()
+        .into_iter()
+        .flatten()
+        .map(|f| serde::Deserialize::deserialize(f.clone()).expect("flow"))
+        .collect()
+}
+
+/// Allow-listed flows: `case dir :: flow name :: reason`.
+fn allow_list() -> std::collections::BTreeMap<(String, String), String> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/nftables-flows-allowlist.txt");
+    fs::read_to_string(&path)
+        .expect("allow-list")
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let parts: Vec<&str> = l.splitn(3, " :: ").collect();
+            assert_eq!(
+                parts.len(),
+                3,
+                "allow-list line {l:?}: want `case :: flow :: reason`"
+            );
+            ((parts[0].into(), parts[1].into()), parts[2].into())
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct FlowStats {
+    run: usize,
+    allowed: usize,
+    failures: Vec<String>,
+}
+
+fn run_flows(
+    case: &str,
+    table: &FakeTable,
+    local_ips: &[std::net::IpAddr],
+    flows: &[Flow],
+    allow: &std::collections::BTreeMap<(String, String), String>,
+    stats: &mut FlowStats,
+) {
+    use kproxy_tests::nftables_tracer::{Packet, trace_packet};
+    for f in flows {
+        let proto = f.protocol.as_deref().unwrap_or("TCP").to_lowercase();
+        let pkt = Packet {
+            src: f.source_ip.parse().expect("source IP"),
+            dst: f.dest_ip.parse().expect("dest IP"),
+            proto: proto.clone(),
+            dport: f.dest_port,
+        };
+        let t = trace_packet(table, local_ips, pkt)
+            .unwrap_or_else(|e| panic!("{case} :: {}: tracer: {e}", f.name));
+        let ok = t.output == f.expected_output && t.masq == f.expected_masq;
+        stats.run += 1;
+        if allow.contains_key(&(case.to_string(), f.name.clone())) {
+            stats.allowed += 1;
+            if ok {
+                stats
+                    .failures
+                    .push(format!("{case} :: {}: allow-listed but passes", f.name));
+            }
+        } else if !ok {
+            stats.failures.push(format!(
+                "{case} :: {}: {proto} {} -> {}:{}: got {:?} masq={} want {:?} masq={}\nmatched:\n  {}",
+                f.name,
+                f.source_ip,
+                f.dest_ip,
+                f.dest_port,
+                t.output,
+                t.masq,
+                f.expected_output,
+                f.expected_masq,
+                t.matches.join("\n  ")
+            ));
+        }
+    }
+}
+
+fn flow_files() -> Vec<PathBuf> {
+    fn walk(d: &Path, out: &mut Vec<PathBuf>) {
+        for e in fs::read_dir(d).expect("dir") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.file_name().is_some_and(|n| n == "flows.yaml") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = vec![];
+    walk(&cases(), &mut files);
+    files.sort();
+    files
+}
+
+#[test]
+fn packet_flows_match_upstream() {
+    let allow = allow_list();
+    let mut stats = FlowStats::default();
+    let files = flow_files();
+    for file in &files {
+        let dir = file.parent().expect("dir");
+        let case = dir
+            .strip_prefix(cases())
+            .expect("rel")
+            .display()
+            .to_string();
+        let flows = yaml(file);
+        let input = load_input(&dir.join("input.yaml"));
+        let mut tracker = Tracker::new(&input.node_name);
+        let mut table = table_for(&input.cfg);
+        let mut p = Proxier::new(input.cfg.clone());
+        let mut services = input.services.clone();
+        let mut slices = input.slices.clone();
+        let mut now = Duration::from_secs(1);
+        let (snap, changed) = feed(&mut tracker, &services, &slices);
+        p.sync(&snap, &changed, now, &mut table).expect("sync");
+        let phases: Vec<Value> = match flows["phases"].as_sequence() {
+            Some(ph) => ph.clone(),
+            None => vec![flows.clone()],
+        };
+        for (i, phase) in phases.iter().enumerate() {
+            if i > 0 {
+                let what = phase["phase"].as_str().unwrap_or("");
+                if what.contains("OnEndpointSliceDelete") {
+                    slices.clear();
+                } else if what.contains("OnServiceDelete") {
+                    services.clear();
+                } else {
+                    panic!("{case}: unknown phase {what:?}");
+                }
+                now += Duration::from_millis(10);
+                let (snap, changed) = feed(&mut tracker, &services, &slices);
+                p.sync(&snap, &changed, now, &mut table).expect("sync");
+            }
+            let flows = flows_of(&phase["flows"]);
+            run_flows(&case, &table, &input.local_ips, &flows, &allow, &mut stats);
+        }
+    }
+    assert!(
+        stats.failures.is_empty(),
+        "{} flow mismatches:\n{}",
+        stats.failures.len(),
+        stats.failures.join("\n\n")
+    );
+    assert_eq!(files.len(), 25, "flows.yaml files");
+    assert_eq!(stats.run, 207, "flows run");
+    assert_eq!(
+        stats.allowed,
+        allow.len(),
+        "every allow-list entry names a flow"
+    );
+    eprintln!("{} flows run, {} allow-listed", stats.run, stats.allowed);
+}
