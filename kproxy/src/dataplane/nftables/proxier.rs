@@ -258,3 +258,221 @@ pub fn render(snap: &Snapshot, cfg: &NftablesConfig) -> Result<String, NftSyncEr
     p.sync(snap, &ChangedSet::default(), Duration::ZERO, &mut table)?;
     Ok(super::transaction::canonical_sort(&table.dump()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::iptables::LocalTrafficDetector;
+    use crate::model::testing::{endpoint, port_name, service_port, snapshot};
+    use crate::model::{IpFamily, Protocol};
+
+    fn cfg(family: IpFamily) -> NftablesConfig {
+        NftablesConfig::new(
+            family,
+            LocalTrafficDetector::Cidr(match family {
+                IpFamily::V4 => "10.0.0.0/8".parse().unwrap(),
+                IpFamily::V6 => "fd00:10::/64".parse().unwrap(),
+            }),
+        )
+    }
+
+    fn two_services(second_ep: &str) -> Snapshot {
+        snapshot("n")
+            .service(
+                service_port("ns1", "a", "p")
+                    .cluster_ip("172.30.0.1")
+                    .build(),
+                vec![endpoint("10.0.1.1", 80).build()],
+            )
+            .service(
+                service_port("ns2", "b", "p")
+                    .cluster_ip("172.30.0.2")
+                    .affinity(Some(60))
+                    .build(),
+                vec![endpoint(second_ep, 80).build()],
+            )
+            .build()
+    }
+
+    fn changed(names: &[(&str, &str)]) -> ChangedSet {
+        ChangedSet {
+            services: names
+                .iter()
+                .map(|(ns, n)| port_name(ns, n, "p", Protocol::Tcp))
+                .collect(),
+            node: false,
+        }
+    }
+
+    /// A backend whose next `run` fails.
+    struct Failing<'a>(&'a mut FakeTable, bool);
+    impl NftBackend for Failing<'_> {
+        fn list_chains(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_chains(self.0))
+        }
+        fn list_sets(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_sets(self.0))
+        }
+        fn list_elements(&mut self, s: &str) -> Result<Vec<(String, Option<String>)>, String> {
+            Ok(FakeTable::list_elements(self.0, s))
+        }
+        fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+            if std::mem::take(&mut self.1) {
+                return Err("injected".into());
+            }
+            self.0.apply(tx).map_err(|e| e.to_string())
+        }
+    }
+
+    #[test]
+    fn partial_sync_writes_only_the_changed_service() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(
+            &two_services("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("full");
+        assert!(!p.next_sync_is_full());
+        let s = p
+            .sync(
+                &two_services("10.0.2.2"),
+                &changed(&[("ns2", "b")]),
+                Duration::ZERO,
+                &mut t,
+            )
+            .expect("partial");
+        assert!(!s.full);
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(!tx.contains("ns1/a"), "unchanged service rewritten:\n{tx}");
+        assert!(tx.contains("dnat to 10.0.2.2:80"), "{tx}");
+        // The old endpoint chain is flushed and stale; its affinity set deleted right away.
+        assert!(tx.contains("flush chain ip kube-proxy endpoint-"), "{tx}");
+        assert!(tx.contains("delete set ip kube-proxy affinity-"), "{tx}");
+        assert_eq!(p.stale_chains.len(), 1);
+        assert_eq!(
+            t.list_sets()
+                .iter()
+                .filter(|s| s.starts_with("affinity-"))
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn stale_chains_are_deleted_after_more_than_a_second() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let gone = snapshot("n").build();
+        let ms = Duration::from_millis;
+        let all = changed(&[("ns1", "a"), ("ns2", "b")]);
+        p.sync(&gone, &all, ms(500), &mut t).expect("remove");
+        assert_eq!(p.stale_chains.len(), 4, "2 service + 2 endpoint chains");
+        assert_eq!(
+            t.list_chains().iter().filter(|c| c.contains('/')).count(),
+            4
+        );
+        let s = p
+            .sync(&gone, &ChangedSet::default(), ms(1500), &mut t)
+            .expect("1 s");
+        assert_eq!(
+            s.stale_chains_deleted, 0,
+            "exactly 1 s is not yet stale enough"
+        );
+        assert_eq!(s.operations, 0, "stale chains are flushed once, not again");
+        let s = p
+            .sync(&gone, &ChangedSet::default(), ms(1501), &mut t)
+            .expect("later");
+        assert_eq!(s.stale_chains_deleted, 4);
+        assert!(FakeTable::list_chains(&t).iter().all(|c| !c.contains('/')));
+        assert!(p.stale_chains.is_empty());
+    }
+
+    #[test]
+    fn a_failed_sync_makes_the_next_one_full() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let before = t.dump();
+        let next = two_services("10.0.2.9");
+        let err = p
+            .sync(
+                &next,
+                &changed(&[("ns2", "b")]),
+                Duration::ZERO,
+                &mut Failing(&mut t, true),
+            )
+            .expect_err("injected failure");
+        assert!(err.to_string().contains("injected"));
+        assert_eq!(t.dump(), before, "nothing applied");
+        assert!(p.next_sync_is_full() && p.stale_chains.is_empty());
+        let s = p
+            .sync(&next, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full resync");
+        assert!(s.full);
+        assert!(t.dump().contains("dnat to 10.0.2.9:80"));
+        // Once the old endpoint's flushed chain is gone, the table is what a fresh full
+        // sync into an empty table gives.
+        assert_eq!(p.stale_chains.len(), 1);
+        p.sync(
+            &next,
+            &ChangedSet::default(),
+            Duration::from_secs(2),
+            &mut t,
+        )
+        .expect("cleanup");
+        assert_eq!(render(&next, &p.cfg).expect("render"), canonical(&t));
+    }
+
+    fn canonical(t: &FakeTable) -> String {
+        super::super::transaction::canonical_sort(&t.dump())
+    }
+
+    #[test]
+    fn ipv6_table_uses_ip6_matches() {
+        let snap = snapshot("n")
+            .service(
+                service_port("ns", "s", "p")
+                    .cluster_ip("fd00:172:30::41")
+                    .node_port(3001)
+                    .build(),
+                vec![endpoint("fd00:10:180::1", 80).build()],
+            )
+            .build();
+        let out = render(&snap, &cfg(IpFamily::V6)).expect("render");
+        for want in [
+            "add table ip6 kube-proxy { comment \"rules for kube-proxy\" ; }",
+            "add rule ip6 kube-proxy services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+            "add element ip6 kube-proxy service-ips { fd00:172:30::41 . tcp . 80 : goto service-",
+            "ip6 daddr fd00:172:30::41 ip6 saddr != fd00:10::/64 jump mark-for-masquerade",
+            "meta l4proto tcp dnat to [fd00:10:180::1]:80",
+        ] {
+            assert!(out.contains(want), "{want} missing:\n{out}");
+        }
+        assert!(
+            !out.contains("nodeport-ips"),
+            "match-all deletes the set:\n{out}"
+        );
+        // A v4-only service is not in the v6 table.
+        let v4 = snapshot("n")
+            .service(
+                service_port("ns", "s", "p")
+                    .cluster_ip("172.30.0.1")
+                    .build(),
+                vec![],
+            )
+            .build();
+        assert!(
+            !render(&v4, &cfg(IpFamily::V6))
+                .expect("render")
+                .contains("add element ip6 kube-proxy cluster-ips")
+        );
+    }
+}
