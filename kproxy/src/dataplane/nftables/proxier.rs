@@ -68,6 +68,8 @@ pub struct NftSyncStats {
 pub struct Proxier {
     pub cfg: NftablesConfig,
     need_full_sync: bool,
+    /// The base chains were recreated once (first successful sync).
+    base_chains_recreated: bool,
     /// Flushed chains and when they became stale (clock of the `now` arguments).
     pub stale_chains: BTreeMap<String, Duration>,
     storages: Storages,
@@ -81,6 +83,7 @@ impl Proxier {
         Proxier {
             cfg,
             need_full_sync: true,
+            base_chains_recreated: false,
             stale_chains: BTreeMap::new(),
             storages: Storages::default(),
             stats: NftSyncStats::default(),
@@ -140,7 +143,7 @@ impl Proxier {
         let err = |e: String| NftSyncError(e);
         let mut tx = self.new_tx();
         let existing = if full {
-            setup(&self.cfg, &mut tx);
+            setup(&self.cfg, &mut tx, !self.base_chains_recreated);
             for s in self.storages.all_mut() {
                 let content = backend.list_elements(&s.name).map_err(err)?;
                 s.reset(content);
@@ -202,6 +205,7 @@ impl Proxier {
             return Err(NftSyncError(e));
         }
         self.need_full_sync = false;
+        self.base_chains_recreated = true;
         self.stats = NftSyncStats {
             full,
             operations,
@@ -473,6 +477,31 @@ mod tests {
             !render(&v4, &cfg(IpFamily::V6))
                 .expect("render")
                 .contains("add element ip6 kube-proxy cluster-ips")
+        );
+    }
+
+    #[test]
+    fn first_sync_recreates_base_chains_of_another_priority() {
+        let mut t = FakeTable::new("ip", TABLE);
+        t.load(
+            "add table ip kube-proxy\nadd chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -90 ; }\nadd chain ip kube-proxy old\nadd rule ip kube-proxy nat-prerouting jump old\n",
+        )
+        .expect("load");
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("first sync replaces the chain");
+        let c = &t.chains["nat-prerouting"];
+        assert_eq!(c.base.as_ref().map(|b| b.priority), Some(-100));
+        assert_eq!(c.rules.len(), 1, "only `jump services`: {:?}", c.rules);
+        // Only the first sync recreates them.
+        p.force_full_sync();
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(
+            !tx.contains("delete chain ip kube-proxy nat-prerouting"),
+            "{tx}"
         );
     }
 }

@@ -82,7 +82,10 @@ fn set_spec(kind: String, comment: &str) -> SetSpec {
 /// Appends upstream's `setupNFTables` operations to `tx`. Unlike upstream's older versions
 /// the service sets and maps are not flushed: their elements are reconciled one by one
 /// (like upstream's restart optimisation), so a restart does not empty them.
-pub fn setup(cfg: &NftablesConfig, tx: &mut Transaction) {
+/// With `recreate_base_chains` (the proxier's first sync, upstream kubernetes#123162) every
+/// base chain is added and deleted first, so one left by an older version with another hook
+/// or priority is recreated instead of failing the transaction.
+pub fn setup(cfg: &NftablesConfig, tx: &mut Transaction, recreate_base_chains: bool) {
     let ip = cfg.ip_x();
     let addr = cfg.addr_type();
     let no_localhost = match cfg.family {
@@ -93,6 +96,12 @@ pub fn setup(cfg: &NftablesConfig, tx: &mut Transaction) {
     tx.add(Object::Table {
         comment: Some("rules for kube-proxy".into()),
     });
+    if recreate_base_chains {
+        for (name, ..) in BASE_CHAINS {
+            tx.add(Object::chain(name));
+            tx.delete(Object::chain(name));
+        }
+    }
     for (name, kind, hook, priority) in BASE_CHAINS {
         let c = Object::Chain {
             name: name.into(),
