@@ -21,7 +21,8 @@ use super::transaction::{Object, Transaction};
 pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
 
 /// The kernel side of the proxier: the table's current objects and a way to run a
-/// transaction. [`FakeTable`] is the in-memory one.
+/// transaction. [`FakeTable`] is the in-memory one. A table that does not exist has no
+/// chains, sets or elements (not an error).
 pub trait NftBackend {
     fn list_chains(&mut self) -> Result<Vec<String>, String>;
     fn list_sets(&mut self) -> Result<Vec<String>, String>;
@@ -93,6 +94,15 @@ impl Proxier {
 
     pub fn next_sync_is_full(&self) -> bool {
         self.need_full_sync
+    }
+
+    /// Replaces the settings (e.g. the node's addresses changed); a change makes the next
+    /// sync full, as every part of the table may depend on them.
+    pub fn set_config(&mut self, cfg: NftablesConfig) {
+        if cfg != self.cfg {
+            self.cfg = cfg;
+            self.need_full_sync = true;
+        }
     }
 
     /// Forces the next sync to be full (e.g. upstream's hourly full resync).
@@ -503,5 +513,25 @@ mod tests {
             !tx.contains("delete chain ip kube-proxy nat-prerouting"),
             "{tx}"
         );
+    }
+
+    #[test]
+    fn a_config_change_makes_the_next_sync_full() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut c = cfg(IpFamily::V4);
+        c.node_port_addresses = vec!["192.168.0.0/24".parse().unwrap()];
+        c.local_addresses = vec!["192.168.0.2".parse().unwrap()];
+        let mut p = Proxier::new(c.clone());
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        p.set_config(c.clone());
+        assert!(!p.next_sync_is_full(), "same settings");
+        c.local_addresses.push("192.168.0.3".parse().unwrap());
+        p.set_config(c);
+        assert!(p.next_sync_is_full());
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        assert_eq!(t.list_elements("nodeport-ips").len(), 2);
     }
 }
