@@ -9,7 +9,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::iptables::config::IptablesBackend as Choice;
-use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane, LocalTrafficDetector};
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane};
+use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::model::{IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
 use kproxy_tests::netns::Netns;
@@ -57,7 +58,7 @@ fn run(choice: Choice) {
     let ns = Netns::new("ipt-bench").expect("netns");
     let mut cfg = IptablesConfig::new(
         IpFamily::V4,
-        LocalTrafficDetector::Cidr("10.128.0.0/9".parse().unwrap()),
+        LocalDetector::Cidr("10.128.0.0/9".parse().unwrap()),
     );
     cfg.netns = Some(ns.path());
     cfg.backend = choice;

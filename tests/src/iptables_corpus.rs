@@ -7,8 +7,9 @@ use std::path::Path;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy::dataplane::iptables::IptablesConfig;
 use kproxy::dataplane::iptables::config::NfacctCounters;
-use kproxy::dataplane::iptables::{IptablesConfig, LocalTrafficDetector};
+use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::model::input::{Delta, Event};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, Tracker};
 use serde::Deserialize;
@@ -36,14 +37,14 @@ pub fn settings_to_config(s: &Value) -> (IptablesConfig, Vec<IpAddr>, String) {
     };
     let det = &s["localDetector"];
     let detector = match det["mode"].as_str() {
-        Some("ClusterCIDR") => LocalTrafficDetector::Cidr(
+        Some("ClusterCIDR") => LocalDetector::Cidr(
             det["clusterCIDR"]
                 .as_str()
                 .expect("clusterCIDR")
                 .parse()
                 .expect("cidr"),
         ),
-        Some(m) if m.starts_with("NoOp") => LocalTrafficDetector::NoOp,
+        Some(m) if m.starts_with("NoOp") => LocalDetector::None,
         other => panic!("unknown localDetector mode {other:?}"),
     };
     let mut cfg = IptablesConfig::new(family, detector);

@@ -12,6 +12,7 @@
 //! - [`http`]: a minimal HTTP client for kproxy's servers.
 //! - [`iptables_corpus`] / [`iptables_tracer`]: upstream iptables corpus loading and the rule
 //!   tracer (upstream `tracePacket` semantics).
+//! - [`nftables_corpus`] / [`nftables_tracer`]: the same for upstream's nftables corpus.
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
 
@@ -25,5 +26,7 @@ pub mod iptables_corpus;
 pub mod iptables_tracer;
 pub mod maglev;
 pub mod netns;
+pub mod nftables_corpus;
+pub mod nftables_tracer;
 pub mod recording;
 pub mod topology;

@@ -13,7 +13,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::iptables::config::IptablesBackend as Choice;
-use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane, LocalTrafficDetector};
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane};
+use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::model::{ChangedSet, IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
 use kproxy_tests::netns::require_root;
@@ -79,7 +80,7 @@ fn rig(hint: &str, local: usize, remote: usize, backend: Choice, monitor: Durati
         .expect("default route");
     let mut cfg = IptablesConfig::new(
         IpFamily::V4,
-        LocalTrafficDetector::Cidr("10.244.0.0/16".parse().unwrap()),
+        LocalDetector::Cidr("10.244.0.0/16".parse().unwrap()),
     );
     cfg.node_ip = Some(NODE_IP.into());
     cfg.netns = Some(topo.node.path());

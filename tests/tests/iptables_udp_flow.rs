@@ -14,7 +14,8 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane, LocalTrafficDetector};
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane};
+use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
 use kproxy::model::{IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
@@ -98,7 +99,7 @@ fn run(with_cleanup: bool) {
     topo.serve_all().expect("servers");
     let mut cfg = IptablesConfig::new(
         IpFamily::V4,
-        LocalTrafficDetector::Cidr("10.244.0.0/16".parse().unwrap()),
+        LocalDetector::Cidr("10.244.0.0/16".parse().unwrap()),
     );
     cfg.node_ip = Some(NODE_IP.into());
     cfg.netns = Some(topo.node.path());

@@ -35,8 +35,9 @@ use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
 use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::MapSizes;
 use crate::dataplane::iptables::exec::{Flavor, Runner, detect_flavor};
-use crate::dataplane::iptables::{self as ipt, IptablesDataplane, LocalTrafficDetector};
+use crate::dataplane::iptables::{self as ipt, IptablesDataplane};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
+use crate::dataplane::netfilter::local_detect::LocalDetector;
 use crate::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
@@ -65,7 +66,7 @@ pub fn local_detector(
     cfg: &ProxyConfig,
     family: IpFamily,
     node_pod_cidrs: &[IpNet],
-) -> LocalTrafficDetector {
+) -> LocalDetector {
     use crate::dataplane::netfilter::local_detect::DetectLocalConfig;
     use crate::dataplane::netfilter::local_detect::DetectLocalMode;
     use crate::dataplane::netfilter::local_detect::detectors;
@@ -90,11 +91,11 @@ pub fn local_detector(
             for w in warnings {
                 info!("{w}");
             }
-            LocalTrafficDetector::from(d.get(family))
+            d.get(family).clone()
         }
         Err(e) => {
             warn!("{e}; no traffic is treated as local");
-            LocalTrafficDetector::NoOp
+            LocalDetector::None
         }
     }
 }
@@ -490,11 +491,11 @@ mod tests {
         assert_eq!(v.len(), 2);
         assert_eq!(
             v[0].local_detector,
-            LocalTrafficDetector::Cidr("10.244.0.0/16".parse().unwrap())
+            LocalDetector::Cidr("10.244.0.0/16".parse().unwrap())
         );
         assert_eq!(
             v[1].local_detector,
-            LocalTrafficDetector::Cidr("fd00:10::/64".parse().unwrap())
+            LocalDetector::Cidr("fd00:10::/64".parse().unwrap())
         );
         assert!(v.iter().all(|c| c.masquerade_all && c.masquerade_bit == 12));
         assert_eq!(
@@ -511,17 +512,11 @@ mod tests {
             "fd00:244:1::/64".parse().unwrap(),
         ];
         let v = iptables_configs(&c, &[IpFamily::V4, IpFamily::V6], &pod_cidrs);
-        assert_eq!(
-            v[0].local_detector,
-            LocalTrafficDetector::Cidr(pod_cidrs[0])
-        );
-        assert_eq!(
-            v[1].local_detector,
-            LocalTrafficDetector::Cidr(pod_cidrs[1])
-        );
+        assert_eq!(v[0].local_detector, LocalDetector::Cidr(pod_cidrs[0]));
+        assert_eq!(v[1].local_detector, LocalDetector::Cidr(pod_cidrs[1]));
         // Not known (yet): nothing is local, never the cluster CIDR.
         let v = iptables_configs(&c, &[IpFamily::V4], &[]);
-        assert_eq!(v[0].local_detector, LocalTrafficDetector::NoOp);
+        assert_eq!(v[0].local_detector, LocalDetector::None);
         let ip: IpAddr = "192.0.2.1".parse().unwrap();
         let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Nft, &pod_cidrs);
         assert_eq!(v[0].cluster_cidr, Some(pod_cidrs[0]));

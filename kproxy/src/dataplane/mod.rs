@@ -16,6 +16,7 @@ pub mod ebpf;
 pub mod iptables;
 pub mod ipvs;
 pub mod netfilter;
+pub mod nftables;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

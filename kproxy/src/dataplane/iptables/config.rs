@@ -10,45 +10,13 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
+use crate::dataplane::netfilter::local_detect::LocalDetector;
 use crate::model::IpFamily;
 
 /// Upstream's `largeClusterEndpointsThreshold`.
 pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
 /// Upstream `proxyutil.FullSyncPeriod`: a partial-sync proxier still does a full sync this often.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
-
-/// How traffic from this node's pods is told apart from other traffic (upstream
-/// `LocalTrafficDetector`; `--detect-local-mode`). Minimal local copy until the shared one lands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LocalTrafficDetector {
-    /// No detection (`IsImplemented() == false`): no pod-vs-external rules are written.
-    NoOp,
-    /// ClusterCIDR / NodeCIDR modes: `-s <cidr>` / `! -s <cidr>`.
-    Cidr(IpNet),
-    /// BridgeInterface mode: `-i <bridge>` / `! -i <bridge>`.
-    BridgeInterface(String),
-    /// InterfaceNamePrefix mode: `-i <prefix>+` / `! -i <prefix>+`.
-    InterfaceNamePrefix(String),
-}
-
-impl LocalTrafficDetector {
-    pub fn is_implemented(&self) -> bool {
-        !matches!(self, LocalTrafficDetector::NoOp)
-    }
-    /// Match args for "from a local pod" (upstream `IfLocal`).
-    pub fn if_local(&self) -> Option<String> {
-        match self {
-            LocalTrafficDetector::NoOp => None,
-            LocalTrafficDetector::Cidr(c) => Some(format!("-s {c}")),
-            LocalTrafficDetector::BridgeInterface(b) => Some(format!("-i {b}")),
-            LocalTrafficDetector::InterfaceNamePrefix(p) => Some(format!("-i {p}+")),
-        }
-    }
-    /// Match args for "not from a local pod" (upstream `IfNotLocal`).
-    pub fn if_not_local(&self) -> Option<String> {
-        self.if_local().map(|s| format!("! {s}"))
-    }
-}
 
 /// Names of the nfacct counters upstream's rules reference.
 pub const NFACCT_CT_INVALID: &str = "ct_state_invalid_dropped_pkts";
@@ -83,7 +51,7 @@ pub struct IptablesConfig {
     pub masquerade_bit: u8,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
-    pub local_detector: LocalTrafficDetector,
+    pub local_detector: LocalDetector,
     /// `--iptables-localhost-nodeports` (default true). Forced off for IPv6 rules and when
     /// `node_port_addresses` excludes 127.0.0.1, like upstream.
     pub localhost_node_ports: bool,
@@ -114,7 +82,7 @@ pub struct IptablesConfig {
 
 impl IptablesConfig {
     /// Upstream's defaults for `family` with the given detector.
-    pub fn new(family: IpFamily, local_detector: LocalTrafficDetector) -> Self {
+    pub fn new(family: IpFamily, local_detector: LocalDetector) -> Self {
         IptablesConfig {
             family,
             node_ip: None,
@@ -180,69 +148,5 @@ impl IptablesConfig {
             }
         }
         out
-    }
-}
-
-impl From<&crate::dataplane::netfilter::local_detect::LocalDetector> for LocalTrafficDetector {
-    /// The shared detector (`kproxy::dataplane::netfilter::local_detect`) as this module's copy.
-    fn from(d: &crate::dataplane::netfilter::local_detect::LocalDetector) -> Self {
-        use crate::dataplane::netfilter::local_detect::LocalDetector as D;
-        match d {
-            D::None => LocalTrafficDetector::NoOp,
-            D::Cidr(c) => LocalTrafficDetector::Cidr(*c),
-            D::BridgeInterface(b) => LocalTrafficDetector::BridgeInterface(b.clone()),
-            D::InterfaceNamePrefix(p) => LocalTrafficDetector::InterfaceNamePrefix(p.clone()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn detector_args_match_the_shared_detector() {
-        use crate::dataplane::netfilter::local_detect::LocalDetector as D;
-        for d in [
-            D::None,
-            D::Cidr("10.0.0.0/8".parse().unwrap()),
-            D::BridgeInterface("cbr0".into()),
-            D::InterfaceNamePrefix("veth".into()),
-        ] {
-            let mine = LocalTrafficDetector::from(&d);
-            assert_eq!(mine.is_implemented(), d.is_implemented());
-            assert_eq!(mine.if_local().unwrap_or_default(), d.if_local().join(" "));
-            assert_eq!(
-                mine.if_not_local().unwrap_or_default(),
-                d.if_not_local().join(" ")
-            );
-        }
-    }
-
-    #[test]
-    fn node_port_addresses_per_family() {
-        let mut c = IptablesConfig::new(IpFamily::V4, LocalTrafficDetector::NoOp);
-        assert!(c.node_ports_match_all() && c.effective_localhost_node_ports());
-        c.node_port_addresses = vec![
-            "192.168.0.0/24".parse().unwrap(),
-            "2001:db8::/64".parse().unwrap(),
-        ];
-        c.local_addresses = ["127.0.0.1", "192.168.0.2", "192.168.1.2", "2001:db8::1"]
-            .map(|s| s.parse().unwrap())
-            .to_vec();
-        assert!(!c.node_ports_match_all());
-        assert!(
-            !c.effective_localhost_node_ports(),
-            "127.0.0.1 not selected"
-        );
-        assert_eq!(
-            c.node_port_ips(),
-            vec!["192.168.0.2".parse::<IpAddr>().unwrap()]
-        );
-        c.family = IpFamily::V6;
-        assert_eq!(
-            c.node_port_ips(),
-            vec!["2001:db8::1".parse::<IpAddr>().unwrap()]
-        );
     }
 }

@@ -29,9 +29,7 @@ pub mod written;
 #[cfg(test)]
 mod scale_tests;
 
-pub use config::{
-    IptablesBackend as BackendChoice, IptablesConfig, LocalTrafficDetector, NfacctCounters,
-};
+pub use config::{IptablesBackend as BackendChoice, IptablesConfig, NfacctCounters};
 pub use dataplane::IptablesDataplane;
 pub use plan::{Plan, plan};
 pub use proxier::Proxier;

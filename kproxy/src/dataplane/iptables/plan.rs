@@ -969,7 +969,10 @@ mod tests {
 
     #[test]
     fn empty_snapshot_has_only_the_fixed_rules() {
-        let cfg = IptablesConfig::new(IpFamily::V4, super::super::LocalTrafficDetector::NoOp);
+        let cfg = IptablesConfig::new(
+            IpFamily::V4,
+            crate::dataplane::netfilter::local_detect::LocalDetector::None,
+        );
         let p = plan(&Snapshot::default(), &cfg);
         assert!(p.services.is_empty());
         assert_eq!(
@@ -984,7 +987,10 @@ mod tests {
         assert_eq!(fw.rules.len(), 1);
         let v6 = plan(
             &Snapshot::default(),
-            &IptablesConfig::new(IpFamily::V6, super::super::LocalTrafficDetector::NoOp),
+            &IptablesConfig::new(
+                IpFamily::V6,
+                crate::dataplane::netfilter::local_detect::LocalDetector::None,
+            ),
         );
         assert!(v6.filter.get(KUBE_FIREWALL).is_none(), "IPv4 only");
         let tail = &v6.nat.get(KUBE_SERVICES).expect("chain").rules[0];

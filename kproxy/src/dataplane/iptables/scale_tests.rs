@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use crate::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePortName, Snapshot, testing};
 
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
-use super::{IptablesConfig, LocalTrafficDetector, Proxier, plan, render};
+use super::{IptablesConfig, Proxier, plan, render};
+use crate::dataplane::netfilter::local_detect::LocalDetector;
 
 /// Accepts every operation; `save` returns an empty table.
 #[derive(Default)]
@@ -115,7 +116,7 @@ fn cpu_at_scale() {
     let n = services();
     let cfg = IptablesConfig::new(
         IpFamily::V4,
-        LocalTrafficDetector::Cidr("10.128.0.0/9".parse().expect("cidr")),
+        LocalDetector::Cidr("10.128.0.0/9".parse().expect("cidr")),
     );
     let snap = scale_snapshot(n);
     if let Ok(path) = std::env::var("KPROXY_IPT_DUMP") {

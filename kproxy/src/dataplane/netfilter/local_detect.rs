@@ -1,5 +1,5 @@
 //! How to tell pod-originated ("local") traffic from other traffic (pure): upstream's
-//! `LocalTrafficDetector` (pkg/proxy/util/localdetector.go) and its per-family selection
+//! `LocalDetector` (pkg/proxy/util/localdetector.go) and its per-family selection
 //! (cmd/kube-proxy `getLocalDetectors`).
 //!
 //! A [`LocalDetector`] is one rule: source address in a CIDR, arrival on a bridge interface,
@@ -98,54 +98,40 @@ impl LocalDetector {
         !matches!(self, LocalDetector::None)
     }
 
-    /// iptables match arguments selecting local traffic (upstream `IfLocal`); empty for `None`.
-    pub fn if_local(&self) -> Vec<String> {
+    /// iptables match arguments selecting local traffic (upstream `IfLocal`); `None` when not
+    /// implemented.
+    pub fn if_local(&self) -> Option<String> {
         match self {
-            LocalDetector::None => vec![],
-            LocalDetector::Cidr(c) => vec!["-s".into(), c.to_string()],
-            LocalDetector::BridgeInterface(i) => vec!["-i".into(), i.clone()],
-            LocalDetector::InterfaceNamePrefix(p) => vec!["-i".into(), format!("{p}+")],
+            LocalDetector::None => None,
+            LocalDetector::Cidr(c) => Some(format!("-s {c}")),
+            LocalDetector::BridgeInterface(i) => Some(format!("-i {i}")),
+            LocalDetector::InterfaceNamePrefix(p) => Some(format!("-i {p}+")),
         }
     }
 
     /// iptables match arguments selecting non-local traffic (upstream `IfNotLocal`).
-    pub fn if_not_local(&self) -> Vec<String> {
-        let mut v = self.if_local();
-        if !v.is_empty() {
-            v.insert(0, "!".into());
-        }
-        v
+    pub fn if_not_local(&self) -> Option<String> {
+        self.if_local().map(|l| format!("! {l}"))
     }
 
-    /// nftables expression words selecting local traffic (upstream `IfLocalNFT`).
-    pub fn if_local_nft(&self) -> Vec<String> {
-        self.nft(false)
+    /// nftables expression selecting local traffic (upstream `IfLocalNFT`).
+    pub fn if_local_nft(&self) -> Option<String> {
+        self.nft("")
     }
 
-    /// nftables expression words selecting non-local traffic (upstream `IfNotLocalNFT`).
-    pub fn if_not_local_nft(&self) -> Vec<String> {
-        self.nft(true)
+    /// nftables expression selecting non-local traffic (upstream `IfNotLocalNFT`).
+    pub fn if_not_local_nft(&self) -> Option<String> {
+        self.nft("!= ")
     }
 
-    fn nft(&self, negate: bool) -> Vec<String> {
-        let (key, value) = match self {
-            LocalDetector::None => return vec![],
-            LocalDetector::Cidr(c) => (
-                match c {
-                    IpNet::V4(_) => "ip saddr",
-                    IpNet::V6(_) => "ip6 saddr",
-                },
-                c.to_string(),
-            ),
-            LocalDetector::BridgeInterface(i) => ("iif", i.clone()),
-            LocalDetector::InterfaceNamePrefix(p) => ("iifname", format!("{p}*")),
-        };
-        let mut v: Vec<String> = key.split(' ').map(str::to_owned).collect();
-        if negate {
-            v.push("!=".into());
-        }
-        v.push(value);
-        v
+    fn nft(&self, op: &str) -> Option<String> {
+        Some(match self {
+            LocalDetector::None => return None,
+            LocalDetector::Cidr(c @ IpNet::V4(_)) => format!("ip saddr {op}{c}"),
+            LocalDetector::Cidr(c @ IpNet::V6(_)) => format!("ip6 saddr {op}{c}"),
+            LocalDetector::BridgeInterface(i) => format!("iif {op}{i}"),
+            LocalDetector::InterfaceNamePrefix(p) => format!("iifname {op}{p}*"),
+        })
     }
 
     /// Whether a packet from `src` that arrived on interface `in_iface` is local traffic.
@@ -274,8 +260,8 @@ mod tests {
     fn net(s: &str) -> IpNet {
         s.parse().unwrap()
     }
-    fn words(v: Vec<String>) -> String {
-        v.join(" ")
+    fn words(v: Option<String>) -> String {
+        v.unwrap_or_default()
     }
 
     #[test]

@@ -10,9 +10,10 @@ use crate::model::{
     ServicePortName, ServiceType, Snapshot,
 };
 
+use super::super::IptablesConfig;
 use super::super::plan::plan;
-use super::super::{IptablesConfig, LocalTrafficDetector};
 use super::IncrementalPlanner;
+use crate::dataplane::netfilter::local_detect::LocalDetector;
 
 /// xorshift64*: a small deterministic generator (every failure names its seed).
 struct Rng(u64);
@@ -190,9 +191,9 @@ fn mutate(r: &mut Rng, snap: &mut Snapshot, cfg: &mut IptablesConfig) {
             1 => cfg.large_cluster_threshold = r.below(12),
             2 => {
                 cfg.local_detector = if r.chance(50) {
-                    LocalTrafficDetector::NoOp
+                    LocalDetector::None
                 } else {
-                    LocalTrafficDetector::InterfaceNamePrefix("veth".into())
+                    LocalDetector::InterfaceNamePrefix("veth".into())
                 }
             }
             _ => cfg.nfacct_counters.localhost_nps_accepted_pkts ^= true,
@@ -226,7 +227,7 @@ fn check(seed: u64, family: IpFamily, use_changed: bool) {
     let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut cfg = IptablesConfig::new(
         family,
-        LocalTrafficDetector::Cidr(if family == IpFamily::V4 {
+        LocalDetector::Cidr(if family == IpFamily::V4 {
             "10.128.0.0/16".parse().expect("cidr")
         } else {
             "fd01::/64".parse().expect("cidr")
@@ -300,7 +301,7 @@ fn plans_from_the_change_set_equal_plans_from_scratch() {
 #[test]
 fn a_change_the_set_missed_is_planned_by_the_next_full_update() {
     use crate::model::testing;
-    let cfg = IptablesConfig::new(IpFamily::V4, LocalTrafficDetector::NoOp);
+    let cfg = IptablesConfig::new(IpFamily::V4, LocalDetector::None);
     let ep = |a: &str| {
         testing::endpoint(ip(a), 8080)
             .ready(true)
@@ -335,7 +336,7 @@ fn a_change_the_set_missed_is_planned_by_the_next_full_update() {
 
 #[test]
 fn only_changed_ports_are_replanned() {
-    let mut cfg = IptablesConfig::new(IpFamily::V4, LocalTrafficDetector::NoOp);
+    let mut cfg = IptablesConfig::new(IpFamily::V4, LocalDetector::None);
     cfg.large_cluster_threshold = 1000;
     let mut r = Rng(7);
     let mut snap = Snapshot::default();

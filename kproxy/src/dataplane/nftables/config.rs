@@ -1,0 +1,151 @@
+//! The resolved settings one nftables proxier (one IP family) needs: everything upstream's
+//! `NewProxier` receives or detects, as plain data, so the planner stays pure.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::dataplane::netfilter::local_detect::LocalDetector;
+use crate::model::IpFamily;
+
+/// Settings of one per-family nftables proxier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NftablesConfig {
+    pub family: IpFamily,
+    /// This node's primary IP of `family` (LB source ranges: "allow from node").
+    pub node_ip: Option<IpAddr>,
+    /// `--masquerade-bit` (0..=31, default 14).
+    pub masquerade_bit: u8,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--detect-local-mode` (the iptables mode's detector, rendered as nft matches here).
+    pub local_detector: LocalDetector,
+    /// `--nodeport-addresses` (all families; filtered per family). Empty = every local IP.
+    pub node_port_addresses: Vec<IpNet>,
+    /// The node's interface addresses (all families), for `node_port_addresses` matching.
+    pub local_addresses: Vec<IpAddr>,
+    /// ServiceCIDRs (all families; filtered per family): unallocated addresses are dropped.
+    pub service_cidrs: Vec<IpNet>,
+}
+
+impl NftablesConfig {
+    /// Upstream's defaults for `family` with the given detector.
+    pub fn new(family: IpFamily, local_detector: LocalDetector) -> Self {
+        NftablesConfig {
+            family,
+            node_ip: None,
+            masquerade_bit: 14,
+            masquerade_all: false,
+            local_detector,
+            node_port_addresses: vec![],
+            local_addresses: vec![],
+            service_cidrs: vec![],
+        }
+    }
+
+    /// `ip` or `ip6`.
+    pub fn ip_x(&self) -> &'static str {
+        match self.family {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        }
+    }
+
+    /// `ipv4_addr` or `ipv6_addr`.
+    pub fn addr_type(&self) -> &'static str {
+        match self.family {
+            IpFamily::V4 => "ipv4_addr",
+            IpFamily::V6 => "ipv6_addr",
+        }
+    }
+
+    /// The nft table family keyword (`ip` / `ip6`), same as [`Self::ip_x`].
+    pub fn table_family(&self) -> &'static str {
+        self.ip_x()
+    }
+
+    /// The masquerade mark as hex (`0x4000` for bit 14), as upstream's test proxier writes
+    /// it. Upstream's real proxier formats with `%#08x` (`0x004000`); nft reads both the same.
+    pub fn masquerade_mark(&self) -> String {
+        format!("{:#x}", 1u64 << self.masquerade_bit.min(31))
+    }
+
+    fn family_cidrs(&self) -> Vec<IpNet> {
+        self.node_port_addresses
+            .iter()
+            .copied()
+            .filter(|n| self.family.matches(&n.addr()))
+            .collect()
+    }
+
+    /// Upstream `NodePortAddresses.MatchAll()`.
+    pub fn node_ports_match_all(&self) -> bool {
+        let c = self.family_cidrs();
+        c.is_empty() || c.iter().any(|n| n.prefix_len() == 0)
+    }
+
+    /// Upstream `NodePortAddresses.GetNodeIPs()`: local addresses inside the CIDRs.
+    pub fn node_port_ips(&self) -> Vec<IpAddr> {
+        let cidrs = self.family_cidrs();
+        let mut out: Vec<IpAddr> = vec![];
+        for ip in &self.local_addresses {
+            if self.family.matches(ip) && cidrs.iter().any(|c| c.contains(ip)) && !out.contains(ip)
+            {
+                out.push(*ip);
+            }
+        }
+        out
+    }
+
+    /// Upstream `OnServiceCIDRsChanged`: this family's CIDRs joined by `,`.
+    pub fn service_cidrs_text(&self) -> String {
+        self.service_cidrs
+            .iter()
+            .filter(|n| self.family.matches(&n.addr()))
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Upstream `IfLocalNFT` of the detector.
+    pub fn if_local(&self) -> Option<String> {
+        self.local_detector.if_local_nft()
+    }
+
+    /// Upstream `IfNotLocalNFT` of the detector.
+    pub fn if_not_local(&self) -> Option<String> {
+        self.local_detector.if_not_local_nft()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_cidrs_are_filtered_per_family() {
+        let mut c = NftablesConfig::new(IpFamily::V4, LocalDetector::None);
+        c.service_cidrs = ["172.30.0.0/16", "fd00:10:96::/112", "172.50.0.0/16"]
+            .map(|s| s.parse().unwrap())
+            .to_vec();
+        assert_eq!(c.service_cidrs_text(), "172.30.0.0/16,172.50.0.0/16");
+        c.family = IpFamily::V6;
+        assert_eq!(c.service_cidrs_text(), "fd00:10:96::/112");
+    }
+
+    #[test]
+    fn local_detector_matches() {
+        let c = NftablesConfig::new(
+            IpFamily::V6,
+            LocalDetector::Cidr("fd00:10::/64".parse().unwrap()),
+        );
+        assert_eq!(c.if_local().unwrap(), "ip6 saddr fd00:10::/64");
+        assert_eq!(c.if_not_local().unwrap(), "ip6 saddr != fd00:10::/64");
+        let c = NftablesConfig::new(
+            IpFamily::V4,
+            LocalDetector::InterfaceNamePrefix("veth".into()),
+        );
+        assert_eq!(c.if_not_local().unwrap(), "iifname != veth*");
+        assert_eq!(c.masquerade_mark(), "0x4000");
+    }
+}

@@ -1,0 +1,537 @@
+//! The nftables proxier's sync state machine (upstream `syncProxyRules`), pure over a
+//! [`NftBackend`]: full syncs rewrite the static part of the table and every service, partial
+//! syncs only the services in the model's [`ChangedSet`]; map and set elements are always
+//! reconciled one by one; chains no longer used are flushed and deleted once stale for more
+//! than a second (the clock is a parameter), in a transaction of their own.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::model::{ChangedSet, Snapshot};
+
+use super::config::NftablesConfig;
+use super::fake::FakeTable;
+use super::names::{is_affinity_set, is_service_chain};
+use super::service::{Storages, SyncContext};
+use super::setup::{TABLE, setup};
+use super::transaction::{Object, Transaction};
+
+/// How long a flushed chain waits before it is deleted (kernels before 6.2 notice a map
+/// element's chain is unreferenced only a little after the element is gone).
+pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
+
+/// The kernel side of the proxier: the table's current objects and a way to run a
+/// transaction. [`FakeTable`] is the in-memory one. A table that does not exist has no
+/// chains, sets or elements (not an error).
+pub trait NftBackend {
+    fn list_chains(&mut self) -> Result<Vec<String>, String>;
+    fn list_sets(&mut self) -> Result<Vec<String>, String>;
+    fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String>;
+    fn run(&mut self, tx: &Transaction) -> Result<(), String>;
+}
+
+impl NftBackend for FakeTable {
+    fn list_chains(&mut self) -> Result<Vec<String>, String> {
+        Ok(FakeTable::list_chains(self))
+    }
+    fn list_sets(&mut self) -> Result<Vec<String>, String> {
+        Ok(FakeTable::list_sets(self))
+    }
+    fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String> {
+        Ok(FakeTable::list_elements(self, set))
+    }
+    fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+        self.apply(tx).map_err(|e| e.to_string())
+    }
+}
+
+/// A sync that failed; the next one is full.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("nftables sync failed: {0}")]
+pub struct NftSyncError(pub String);
+
+/// What the last successful sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NftSyncStats {
+    pub full: bool,
+    /// Operations in the main transaction.
+    pub operations: usize,
+    /// Stale chains deleted in the separate transaction before it.
+    pub stale_chains_deleted: usize,
+    pub service_ports: usize,
+    /// Upstream's `sync_proxy_rules_no_local_endpoints_total` (internal / external).
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
+}
+
+/// One per-family nftables proxier.
+#[derive(Debug, Clone)]
+pub struct Proxier {
+    pub cfg: NftablesConfig,
+    need_full_sync: bool,
+    /// The base chains were recreated once (first successful sync).
+    base_chains_recreated: bool,
+    /// Flushed chains and when they became stale (clock of the `now` arguments).
+    pub stale_chains: BTreeMap<String, Duration>,
+    storages: Storages,
+    pub stats: NftSyncStats,
+    /// The main transaction of the last sync attempt.
+    pub last_transaction: Option<Transaction>,
+}
+
+impl Proxier {
+    pub fn new(cfg: NftablesConfig) -> Self {
+        Proxier {
+            cfg,
+            need_full_sync: true,
+            base_chains_recreated: false,
+            stale_chains: BTreeMap::new(),
+            storages: Storages::default(),
+            stats: NftSyncStats::default(),
+            last_transaction: None,
+        }
+    }
+
+    pub fn next_sync_is_full(&self) -> bool {
+        self.need_full_sync
+    }
+
+    /// Replaces the settings (e.g. the node's addresses changed); a change makes the next
+    /// sync full, as every part of the table may depend on them.
+    pub fn set_config(&mut self, cfg: NftablesConfig) {
+        if cfg != self.cfg {
+            self.cfg = cfg;
+            self.need_full_sync = true;
+        }
+    }
+
+    /// Forces the next sync to be full (e.g. upstream's hourly full resync).
+    pub fn force_full_sync(&mut self) {
+        self.need_full_sync = true;
+    }
+
+    fn new_tx(&self) -> Transaction {
+        Transaction::new(self.cfg.table_family(), TABLE)
+    }
+
+    /// Deletes chains stale for more than [`STALE_CHAIN_DELAY`] in their own transaction.
+    fn delete_stale_chains(&mut self, now: Duration, backend: &mut dyn NftBackend) -> usize {
+        let due: Vec<String> = self
+            .stale_chains
+            .iter()
+            .filter(|(_, t)| now.saturating_sub(**t) > STALE_CHAIN_DELAY)
+            .map(|(c, _)| c.clone())
+            .collect();
+        if due.is_empty() {
+            return 0;
+        }
+        let mut tx = self.new_tx();
+        for c in &due {
+            tx.delete(Object::chain(c.as_str()));
+            self.stale_chains.remove(c);
+        }
+        if let Err(e) = backend.run(&tx) {
+            // Still existing chains are found stale again at the end of this sync.
+            tracing::error!(error = %e, "unable to delete stale nftables chains; will retry later");
+            return 0;
+        }
+        due.len()
+    }
+
+    /// Makes the table match `snap`. `now` is the caller's monotonic clock.
+    pub fn sync(
+        &mut self,
+        snap: &Snapshot,
+        changed: &ChangedSet,
+        now: Duration,
+        backend: &mut dyn NftBackend,
+    ) -> Result<NftSyncStats, NftSyncError> {
+        let full = self.need_full_sync || changed.node;
+        // Until this sync succeeds, the next one must be full.
+        self.need_full_sync = true;
+        let stale_deleted = self.delete_stale_chains(now, backend);
+        let err = |e: String| NftSyncError(e);
+        let mut tx = self.new_tx();
+        let existing = if full {
+            setup(&self.cfg, &mut tx, !self.base_chains_recreated);
+            for s in self.storages.all_mut() {
+                let content = backend.list_elements(&s.name).map_err(err)?;
+                s.reset(content);
+            }
+            let chains: BTreeSet<String> =
+                backend.list_chains().map_err(err)?.into_iter().collect();
+            let sets: BTreeSet<String> = backend.list_sets().map_err(err)?.into_iter().collect();
+            Some((chains, sets))
+        } else {
+            self.storages.all_mut().into_iter().for_each(|s| s.begin());
+            None
+        };
+        let changed_services: BTreeSet<(&str, &str)> = changed
+            .services
+            .iter()
+            .map(|n| (n.namespace.as_str(), n.name.as_str()))
+            .collect();
+        let mut ctx = SyncContext {
+            cfg: &self.cfg,
+            node: &snap.node,
+            tx,
+            storages: &mut self.storages,
+            active_chains: BTreeSet::new(),
+            active_affinity_sets: BTreeSet::new(),
+            existing,
+            no_local_internal: 0,
+            no_local_external: 0,
+            kept_chains: BTreeSet::new(),
+        };
+        let mut ports = 0;
+        for svc in snap.services.values() {
+            let Some(cluster_ip) = svc.cluster_ip(self.cfg.family) else {
+                continue;
+            };
+            let skip = !full
+                && !changed_services
+                    .contains(&(svc.name.namespace.as_str(), svc.name.name.as_str()));
+            ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name), skip);
+            ports += 1;
+        }
+        let SyncContext {
+            mut tx,
+            active_chains,
+            active_affinity_sets,
+            no_local_internal,
+            no_local_external,
+            ..
+        } = ctx;
+        self.stale_objects(&mut tx, &active_chains, &active_affinity_sets, now, backend)?;
+        for s in self.storages.all_mut() {
+            s.cleanup(&mut tx);
+        }
+        let result = backend.run(&tx);
+        let operations = tx.num_operations();
+        self.last_transaction = Some(tx);
+        if let Err(e) = result {
+            // The recorded stale chains were not flushed after all; recompute next time.
+            self.stale_chains.clear();
+            return Err(NftSyncError(e));
+        }
+        self.need_full_sync = false;
+        self.base_chains_recreated = true;
+        self.stats = NftSyncStats {
+            full,
+            operations,
+            stale_chains_deleted: stale_deleted,
+            service_ports: ports,
+            no_local_internal,
+            no_local_external,
+        };
+        Ok(self.stats.clone())
+    }
+
+    /// Flushes service chains no longer in use (recording them stale) and deletes affinity
+    /// sets no longer in use. Upstream re-flushes an already stale chain on every sync and
+    /// restarts its clock; kproxy flushes it once and keeps its first stale time, so a chain
+    /// is deleted one second after it became unused even when syncs come faster.
+    fn stale_objects(
+        &mut self,
+        tx: &mut Transaction,
+        active_chains: &BTreeSet<String>,
+        active_sets: &BTreeSet<String>,
+        now: Duration,
+        backend: &mut dyn NftBackend,
+    ) -> Result<(), NftSyncError> {
+        for chain in backend.list_chains().map_err(NftSyncError)? {
+            if !is_service_chain(&chain) {
+                continue;
+            }
+            if active_chains.contains(&chain) {
+                self.stale_chains.remove(&chain);
+            } else if let std::collections::btree_map::Entry::Vacant(e) =
+                self.stale_chains.entry(chain)
+            {
+                tx.flush(Object::chain(e.key().as_str()));
+                e.insert(now);
+            }
+        }
+        for set in backend.list_sets().map_err(NftSyncError)? {
+            if is_affinity_set(&set) && !active_sets.contains(&set) {
+                tx.delete(Object::Set {
+                    name: set,
+                    spec: Default::default(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The whole table `snap` gives under `cfg` (a full sync into an empty table), as `nft -f`
+/// text in upstream's canonical order.
+pub fn render(snap: &Snapshot, cfg: &NftablesConfig) -> Result<String, NftSyncError> {
+    let mut table = FakeTable::new(cfg.table_family(), TABLE);
+    let mut p = Proxier::new(cfg.clone());
+    p.sync(snap, &ChangedSet::default(), Duration::ZERO, &mut table)?;
+    Ok(super::transaction::canonical_sort(&table.dump()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::netfilter::local_detect::LocalDetector;
+    use crate::model::testing::{endpoint, port_name, service_port, snapshot};
+    use crate::model::{IpFamily, Protocol};
+
+    fn cfg(family: IpFamily) -> NftablesConfig {
+        NftablesConfig::new(
+            family,
+            LocalDetector::Cidr(match family {
+                IpFamily::V4 => "10.0.0.0/8".parse().unwrap(),
+                IpFamily::V6 => "fd00:10::/64".parse().unwrap(),
+            }),
+        )
+    }
+
+    fn two_services(second_ep: &str) -> Snapshot {
+        snapshot("n")
+            .service(
+                service_port("ns1", "a", "p")
+                    .cluster_ip("172.30.0.1")
+                    .build(),
+                vec![endpoint("10.0.1.1", 80).build()],
+            )
+            .service(
+                service_port("ns2", "b", "p")
+                    .cluster_ip("172.30.0.2")
+                    .affinity(Some(60))
+                    .build(),
+                vec![endpoint(second_ep, 80).build()],
+            )
+            .build()
+    }
+
+    fn changed(names: &[(&str, &str)]) -> ChangedSet {
+        ChangedSet {
+            services: names
+                .iter()
+                .map(|(ns, n)| port_name(ns, n, "p", Protocol::Tcp))
+                .collect(),
+            node: false,
+        }
+    }
+
+    /// A backend whose next `run` fails.
+    struct Failing<'a>(&'a mut FakeTable, bool);
+    impl NftBackend for Failing<'_> {
+        fn list_chains(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_chains(self.0))
+        }
+        fn list_sets(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_sets(self.0))
+        }
+        fn list_elements(&mut self, s: &str) -> Result<Vec<(String, Option<String>)>, String> {
+            Ok(FakeTable::list_elements(self.0, s))
+        }
+        fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+            if std::mem::take(&mut self.1) {
+                return Err("injected".into());
+            }
+            self.0.apply(tx).map_err(|e| e.to_string())
+        }
+    }
+
+    #[test]
+    fn partial_sync_writes_only_the_changed_service() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(
+            &two_services("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("full");
+        assert!(!p.next_sync_is_full());
+        let s = p
+            .sync(
+                &two_services("10.0.2.2"),
+                &changed(&[("ns2", "b")]),
+                Duration::ZERO,
+                &mut t,
+            )
+            .expect("partial");
+        assert!(!s.full);
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(!tx.contains("ns1/a"), "unchanged service rewritten:\n{tx}");
+        assert!(tx.contains("dnat to 10.0.2.2:80"), "{tx}");
+        // The old endpoint chain is flushed and stale; its affinity set deleted right away.
+        assert!(tx.contains("flush chain ip kube-proxy endpoint-"), "{tx}");
+        assert!(tx.contains("delete set ip kube-proxy affinity-"), "{tx}");
+        assert_eq!(p.stale_chains.len(), 1);
+        assert_eq!(
+            t.list_sets()
+                .iter()
+                .filter(|s| s.starts_with("affinity-"))
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn stale_chains_are_deleted_after_more_than_a_second() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let gone = snapshot("n").build();
+        let ms = Duration::from_millis;
+        let all = changed(&[("ns1", "a"), ("ns2", "b")]);
+        p.sync(&gone, &all, ms(500), &mut t).expect("remove");
+        assert_eq!(p.stale_chains.len(), 4, "2 service + 2 endpoint chains");
+        assert_eq!(
+            t.list_chains().iter().filter(|c| c.contains('/')).count(),
+            4
+        );
+        let s = p
+            .sync(&gone, &ChangedSet::default(), ms(1500), &mut t)
+            .expect("1 s");
+        assert_eq!(
+            s.stale_chains_deleted, 0,
+            "exactly 1 s is not yet stale enough"
+        );
+        assert_eq!(s.operations, 0, "stale chains are flushed once, not again");
+        let s = p
+            .sync(&gone, &ChangedSet::default(), ms(1501), &mut t)
+            .expect("later");
+        assert_eq!(s.stale_chains_deleted, 4);
+        assert!(FakeTable::list_chains(&t).iter().all(|c| !c.contains('/')));
+        assert!(p.stale_chains.is_empty());
+    }
+
+    #[test]
+    fn a_failed_sync_makes_the_next_one_full() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let before = t.dump();
+        let next = two_services("10.0.2.9");
+        let err = p
+            .sync(
+                &next,
+                &changed(&[("ns2", "b")]),
+                Duration::ZERO,
+                &mut Failing(&mut t, true),
+            )
+            .expect_err("injected failure");
+        assert!(err.to_string().contains("injected"));
+        assert_eq!(t.dump(), before, "nothing applied");
+        assert!(p.next_sync_is_full() && p.stale_chains.is_empty());
+        let s = p
+            .sync(&next, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full resync");
+        assert!(s.full);
+        assert!(t.dump().contains("dnat to 10.0.2.9:80"));
+        // Once the old endpoint's flushed chain is gone, the table is what a fresh full
+        // sync into an empty table gives.
+        assert_eq!(p.stale_chains.len(), 1);
+        p.sync(
+            &next,
+            &ChangedSet::default(),
+            Duration::from_secs(2),
+            &mut t,
+        )
+        .expect("cleanup");
+        assert_eq!(render(&next, &p.cfg).expect("render"), canonical(&t));
+    }
+
+    fn canonical(t: &FakeTable) -> String {
+        super::super::transaction::canonical_sort(&t.dump())
+    }
+
+    #[test]
+    fn ipv6_table_uses_ip6_matches() {
+        let snap = snapshot("n")
+            .service(
+                service_port("ns", "s", "p")
+                    .cluster_ip("fd00:172:30::41")
+                    .node_port(3001)
+                    .build(),
+                vec![endpoint("fd00:10:180::1", 80).build()],
+            )
+            .build();
+        let out = render(&snap, &cfg(IpFamily::V6)).expect("render");
+        for want in [
+            "add table ip6 kube-proxy { comment \"rules for kube-proxy\" ; }",
+            "add rule ip6 kube-proxy services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+            "add element ip6 kube-proxy service-ips { fd00:172:30::41 . tcp . 80 : goto service-",
+            "ip6 daddr fd00:172:30::41 ip6 saddr != fd00:10::/64 jump mark-for-masquerade",
+            "meta l4proto tcp dnat to [fd00:10:180::1]:80",
+        ] {
+            assert!(out.contains(want), "{want} missing:\n{out}");
+        }
+        assert!(
+            !out.contains("nodeport-ips"),
+            "match-all deletes the set:\n{out}"
+        );
+        // A v4-only service is not in the v6 table.
+        let v4 = snapshot("n")
+            .service(
+                service_port("ns", "s", "p")
+                    .cluster_ip("172.30.0.1")
+                    .build(),
+                vec![],
+            )
+            .build();
+        assert!(
+            !render(&v4, &cfg(IpFamily::V6))
+                .expect("render")
+                .contains("add element ip6 kube-proxy cluster-ips")
+        );
+    }
+
+    #[test]
+    fn first_sync_recreates_base_chains_of_another_priority() {
+        let mut t = FakeTable::new("ip", TABLE);
+        t.load(
+            "add table ip kube-proxy\nadd chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -90 ; }\nadd chain ip kube-proxy old\nadd rule ip kube-proxy nat-prerouting jump old\n",
+        )
+        .expect("load");
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("first sync replaces the chain");
+        let c = &t.chains["nat-prerouting"];
+        assert_eq!(c.base.as_ref().map(|b| b.priority), Some(-100));
+        assert_eq!(c.rules.len(), 1, "only `jump services`: {:?}", c.rules);
+        // Only the first sync recreates them.
+        p.force_full_sync();
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(
+            !tx.contains("delete chain ip kube-proxy nat-prerouting"),
+            "{tx}"
+        );
+    }
+
+    #[test]
+    fn a_config_change_makes_the_next_sync_full() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut c = cfg(IpFamily::V4);
+        c.node_port_addresses = vec!["192.168.0.0/24".parse().unwrap()];
+        c.local_addresses = vec!["192.168.0.2".parse().unwrap()];
+        let mut p = Proxier::new(c.clone());
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        p.set_config(c.clone());
+        assert!(!p.next_sync_is_full(), "same settings");
+        c.local_addresses.push("192.168.0.3".parse().unwrap());
+        p.set_config(c);
+        assert!(p.next_sync_is_full());
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        assert_eq!(t.list_elements("nodeport-ips").len(), 2);
+    }
+}
