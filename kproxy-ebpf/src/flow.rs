@@ -23,8 +23,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind,
-    DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
+    CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
+    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
@@ -34,10 +34,7 @@ use kproxy_common::service::{
 use crate::packet::Packet;
 use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, maglev_backend};
 
-pub(crate) const TCP_FIN: u8 = 0x01;
-pub(crate) const TCP_SYN: u8 = 0x02;
-pub(crate) const TCP_RST: u8 = 0x04;
-pub(crate) const TCP_ACK: u8 = 0x10;
+pub(crate) use kproxy_common::ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 pub(crate) const NS_PER_SEC: u64 = 1_000_000_000;
 
 /// `kproxy_common::ct::MAP_CT`.
@@ -102,9 +99,14 @@ pub(crate) struct CoarseClock {
 #[map]
 static KP_CLOCK: PerCpuArray<CoarseClock> = PerCpuArray::with_max_entries(1, 0);
 
-/// Refreshes an entry's timestamp and records TCP close.
+/// Refreshes an entry's timestamp and records the TCP close state the agent's expiry reads
+/// (`kproxy_common::ct::CT_F_FIN_ORIG` …): `fin` is the bit a FIN sets for the direction the
+/// packet travels (`CT_F_FIN_ORIG` client → backend, `CT_F_FIN_REPLY` backend → client).
+///
+/// Per-packet cost: one flags test on the packet (no SYN/FIN/RST: nothing more, so the
+/// established path adds no load or store); a SYN, FIN or RST updates the entry's flags.
 #[inline(always)]
-pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
+pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8, fin: u16) {
     let (last_seen_ns, flags) = F::stamps(entry);
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
@@ -113,16 +115,19 @@ pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
         if *last_seen_ns != t {
             *last_seen_ns = t;
         }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && *flags & CT_F_CLOSING == 0 {
-            *flags |= CT_F_CLOSING;
+        if tcp_flags & (TCP_FIN | TCP_RST | TCP_SYN) != 0 {
+            let f = close_state(*flags, tcp_flags, fin);
+            if f != *flags {
+                *flags = f;
+            }
         }
     }
 }
 
 /// [`touch_in`] for IPv4.
 #[inline(always)]
-pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
-    touch_in::<V4>(entry, tcp_flags)
+pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8, fin: u16) {
+    touch_in::<V4>(entry, tcp_flags, fin)
 }
 
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of

@@ -36,7 +36,9 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap},
     programs::TcContext,
 };
-use kproxy_common::ct::{CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
+use kproxy_common::ct::{
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat,
+};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
     PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
@@ -225,7 +227,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatIn))
     {
-        touch_in::<V6>(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_REPLY);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -234,7 +236,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     }
     // Established first, as in `crate::tc` (see its module docs).
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
-        touch_in::<V6>(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -300,7 +302,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         match egress_entry_in::<V6>(p.saddr, p.daddr, p.sport, p.dport, p.proto) {
             None => return Ok(NEXT),
             Some(Egress::Reply(e)) => {
-                touch_in::<V6>(e, p.tcp_flags);
+                touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_REPLY);
                 // SAFETY: lookup result, read by value.
                 let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
                 rewrite6(ctx, p, false, &addr, port)?;
@@ -309,7 +311,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
             }
             Some(Egress::Snat(e, addr, port)) => (e, addr, port),
         };
-    touch_in::<V6>(e, p.tcp_flags);
+    touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
     // SAFETY: fields of a lookup result.
     let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == [0; 4] {

@@ -37,7 +37,8 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use kproxy_common::ct::{
-    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, XDP_FWD_DEVS_MAX, XdpStat,
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind,
+    XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
@@ -310,9 +311,9 @@ pub(crate) fn forward(
         }
     }
     if let Some(e) = svc_entry {
-        touch(e, p.tcp_flags);
+        touch(e, p.tcp_flags, CT_F_FIN_ORIG);
     }
-    touch(out, p.tcp_flags);
+    touch(out, p.tcp_flags, CT_F_FIN_ORIG);
     stat(XdpStat::Forward);
     send(ctx, p, (n_addr, n_port), be, &f)
 }
@@ -363,8 +364,8 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
     let Ok(f) = fib(ctx, h, p.proto, frontend, client) else {
         return xdp_action::XDP_PASS;
     };
-    touch(snat_in, p.tcp_flags);
-    touch(r, p.tcp_flags);
+    touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
+    touch(r, p.tcp_flags, CT_F_FIN_REPLY);
     stat(XdpStat::Reply);
     send(ctx, p, frontend, client, &f)
 }

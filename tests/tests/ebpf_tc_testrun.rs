@@ -631,6 +631,9 @@ fn expiry_removes_idle_flows_whole() {
         tcp: std::time::Duration::ZERO,
         tcp_closing: std::time::Duration::ZERO,
         udp: std::time::Duration::ZERO,
+        tcp_time_wait: std::time::Duration::ZERO,
+        tcp_close: std::time::Duration::ZERO,
+        ..ct::Timeouts::default()
     };
     assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 3);
     assert!(ct_entries(&f.ebpf).is_empty());

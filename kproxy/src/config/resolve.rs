@@ -773,6 +773,32 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
             );
         }
     }
+    let bct = b.conntrack.clone().unwrap_or_default();
+    let secs = GoDuration::from_secs;
+    let ct_tcp_time_wait = cx.non_negative(
+        "bpf.conntrack.tcpTimeWaitTimeout",
+        Some(
+            bct.tcp_time_wait_timeout
+                .unwrap_or(secs(defaults::BPF_CT_TCP_TIME_WAIT_SECS)),
+        ),
+    );
+    let ct_tcp_close = cx.non_negative(
+        "bpf.conntrack.tcpCloseTimeout",
+        Some(
+            bct.tcp_close_timeout
+                .unwrap_or(secs(defaults::BPF_CT_TCP_CLOSE_SECS)),
+        ),
+    );
+    let ct_expiry_interval = cx.non_negative(
+        "bpf.conntrack.expiryInterval",
+        Some(
+            bct.expiry_interval
+                .unwrap_or(secs(defaults::BPF_CT_EXPIRY_INTERVAL_SECS)),
+        ),
+    );
+    if ct_expiry_interval.is_zero() {
+        cx.err("bpf.conntrack.expiryInterval", "must be > 0");
+    }
     BpfConfig {
         cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(cgroup)),
         bpffs: PathBuf::from(bpffs),
@@ -781,6 +807,9 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         xdp,
         lb_algorithm,
         maglev_table_size,
+        ct_tcp_time_wait,
+        ct_tcp_close,
+        ct_expiry_interval,
     }
 }
 

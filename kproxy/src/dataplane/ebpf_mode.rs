@@ -16,6 +16,8 @@
 //!   `nodePortAddresses`).
 //! - After each sync: connection-table entries of removed backends are purged, idle flows
 //!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
+//! - A background timer ([`ct::ExpiryTimer`]) expires idle and closed flows every
+//!   `bpf.conntrack.expiryInterval` between syncs too, and reports the tables' fill.
 //! - SCTP service ports are not translated (neither socket LB nor the TC programs handle
 //!   SCTP; see `kproxy-ebpf/src/sock.rs`): each sync counts them in
 //!   `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` and logs a warning when the count
@@ -75,8 +77,9 @@ pub enum EbpfModeError {
 }
 
 struct Tc {
-    // Drop order: watcher first (it holds a clone of `ebpf`).
+    // Drop order: watcher and expiry timer first (they hold clones of `ebpf`).
     _watcher: AddressWatcher,
+    _expiry: ct::ExpiryTimer,
     path: TcPath,
     xdp: XdpPath,
     ebpf: Arc<Mutex<Ebpf>>,
@@ -155,8 +158,15 @@ impl EbpfMode {
                 drop(ebpf);
                 *addrs2.lock().expect("poisoned") = Some(a.clone());
             });
+            let (m, ct_entries) = (metrics.clone(), cfg.ebpf.map_sizes.ct);
+            let expiry = ct::ExpiryTimer::spawn(ebpf.clone(), cfg.ct_timeouts, move |ebpf| {
+                if let Some(m) = &m {
+                    report_ct_fill(m, ebpf, ct_entries);
+                }
+            });
             Some(Tc {
                 _watcher: watcher,
+                _expiry: expiry,
                 path,
                 xdp,
                 ebpf,
@@ -224,15 +234,8 @@ impl EbpfMode {
                 Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
                 Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
             }
-            if let Some(m) = &self.metrics
-                && let Ok(entries) = ct::entries(&ebpf)
-            {
-                m.set_bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
-            }
-            if let Some(m) = &self.metrics
-                && let Ok(entries) = ct::entries6(&ebpf)
-            {
-                m.set_bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
+            if let Some(m) = &self.metrics {
+                report_ct_fill(m, &ebpf, self.ct_entries);
             }
         }
         if let Some(m) = &self.metrics {
@@ -240,6 +243,16 @@ impl EbpfMode {
                 m.set_bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
             }
         }
+    }
+}
+
+/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`).
+fn report_ct_fill(m: &Metrics, ebpf: &Ebpf, capacity: u32) {
+    if let Ok(entries) = ct::entries(ebpf) {
+        m.set_bpf_map("ct", entries.len() as i64, i64::from(capacity));
+    }
+    if let Ok(entries) = ct::entries6(ebpf) {
+        m.set_bpf_map("ct6", entries.len() as i64, i64::from(capacity));
     }
 }
 

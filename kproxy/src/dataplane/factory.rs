@@ -227,6 +227,11 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
     if !cfg.conntrack.udp_stream_timeout.is_zero() {
         timeouts.udp = cfg.conntrack.udp_stream_timeout;
     }
+    // kproxy extensions (`bpf.conntrack`): the kernel's TIME_WAIT / CLOSE timeouts, which
+    // upstream never sets, and the expiry period.
+    timeouts.tcp_time_wait = cfg.bpf.ct_tcp_time_wait;
+    timeouts.tcp_close = cfg.bpf.ct_tcp_close;
+    timeouts.interval = cfg.bpf.ct_expiry_interval;
     Ok(EbpfModeConfig {
         ebpf: EbpfConfig {
             families: families.to_vec(),
