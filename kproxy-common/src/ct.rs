@@ -95,9 +95,11 @@ pub const NODE_ADDR_ENTRIES: u32 = 256;
 pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
 /// Upper end (inclusive) of the default SNAT port range.
 pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
-/// Candidate ports the egress program tries before giving up on a new SNAT flow (the packet is
-/// then dropped and counted in [`TcStat::SnatExhausted`]).
-pub const SNAT_PORT_TRIES: u32 = 16;
+/// Random candidate ports a new SNAT flow tries (lookups) after its first random pick is taken,
+/// before the programs sweep the whole range for a free one (`kproxy-ebpf/src/flow.rs`,
+/// `allocate_port_in`). A flow finding no free port in the range is dropped and counted in
+/// [`TcStat::SnatExhausted`].
+pub const SNAT_PORT_TRIES: u32 = 32;
 
 /// Seconds an idle TCP entry lives before the agent's expiry removes it (kube-proxy's
 /// `--conntrack-tcp-timeout-established` default is 24 h; LRU eviction bounds memory anyway).

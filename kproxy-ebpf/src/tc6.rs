@@ -33,7 +33,7 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     helpers::{bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
-    maps::{HashMap, LruHashMap},
+    maps::{HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
 use kproxy_common::ct::{
@@ -45,8 +45,8 @@ use kproxy_common::service::{
 };
 
 use crate::flow::{
-    Egress, Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, egress_entry_in,
-    in_snat_range, now, touch_in,
+    Egress, Family, PortSearch, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in,
+    egress_entry_in, in_snat_range, now, touch_in,
 };
 use crate::frontend::{candidates_at, new_flow_entry_at, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold, l4_check_in_place};
@@ -460,7 +460,16 @@ impl Family for V6 {
         // SAFETY: as above.
         unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
+
+    #[inline(always)]
+    fn port_search() -> Option<*mut PortSearch<V6>> {
+        KP_PORT_SEARCH6.get_ptr_mut(0)
+    }
 }
+
+/// `Family::port_search` of IPv6 (private to each loaded instance; not pinned).
+#[map]
+static KP_PORT_SEARCH6: PerCpuArray<PortSearch<V6>> = PerCpuArray::with_max_entries(1, 0);
 
 // ---- no endpoints ---------------------------------------------------------------------------
 

@@ -35,12 +35,13 @@ use ipnet::IpNet;
 
 use super::ebpf::{EbpfConfig, EbpfDataplane};
 use super::ebpf_tc::addresses::{AddressWatcher, NodeAddresses, scan};
-use super::ebpf_tc::attach::load_object;
+use super::ebpf_tc::attach::{load_object, stat_name};
 use super::ebpf_tc::xdp::{XdpPath, XdpPolicy};
 use super::ebpf_tc::{TcConfig, TcPath, ct, devices};
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::metrics::Metrics;
 use crate::model::{ChangedSet, Protocol, Snapshot};
+use kproxy_common::ct::TcStat;
 
 /// How often the node's addresses are re-read.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
@@ -246,8 +247,14 @@ impl EbpfMode {
     }
 }
 
-/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`).
+/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`) and the new
+/// flows dropped for want of a SNAT port (`kproxy_bpf_snat_failures_total`).
 fn report_ct_fill(m: &Metrics, ebpf: &Ebpf, capacity: u32) {
+    if let Ok(stats) = TcPath::stats(ebpf)
+        && let Some(n) = stats.get(stat_name(TcStat::SnatExhausted))
+    {
+        m.set_bpf_snat_failures(*n);
+    }
     if let Ok(entries) = ct::entries(ebpf) {
         m.set_bpf_map("ct", entries.len() as i64, i64::from(capacity));
     }

@@ -267,6 +267,9 @@ pub(crate) struct Generic {
     pub bpf_map_entries: Family<MapLabels, Gauge>,
     pub bpf_map_capacity: Family<MapLabels, Gauge>,
     pub bpf_skipped_service_ports: Family<ProtocolLabels, Gauge>,
+    pub bpf_snat_failures: Counter,
+    /// The programs' summed counter at the last [`Metrics::set_bpf_snat_failures`].
+    bpf_snat_failures_last: AtomicU64,
 }
 
 type TriggerKey = (String, String, IpFamily);
@@ -338,6 +341,8 @@ impl Metrics {
             programmed_services: Gauge::default(),
             programmed_endpoints: Gauge::default(),
             bpf_skipped_service_ports: Family::default(),
+            bpf_snat_failures: Counter::default(),
+            bpf_snat_failures_last: AtomicU64::new(0),
             bpf_map_entries: Family::default(),
             bpf_map_capacity: Family::default(),
         };
@@ -486,6 +491,12 @@ impl Metrics {
             g.bpf_skipped_service_ports.clone(),
         );
         own.register(
+            "bpf_snat_failures",
+            "New flows the eBPF node-device path dropped because no SNAT port was free for \
+             their backend (eBPF mode; every port of the range in use)",
+            g.bpf_snat_failures.clone(),
+        );
+        own.register(
             "sync_errors",
             "Syncs of the datapath that failed, by proxy mode",
             g.sync_errors.clone(),
@@ -588,6 +599,16 @@ impl Metrics {
             .bpf_map_capacity
             .get_or_create(&l)
             .set(capacity);
+    }
+
+    /// `kproxy_bpf_snat_failures_total`: reports the programs' current (absolute) count of new
+    /// flows dropped for want of a SNAT port; the exported counter grows by the difference to
+    /// the previous reading (a reset, e.g. maps recreated, counts again from the new value).
+    pub fn set_bpf_snat_failures(&self, total: u64) {
+        let g = &self.inner.generic;
+        let last = g.bpf_snat_failures_last.swap(total, Ordering::Relaxed);
+        g.bpf_snat_failures
+            .inc_by(if total >= last { total - last } else { total });
     }
 
     /// `kproxy_bpf_skipped_service_ports{protocol}`: service ports of the last sync that the
@@ -799,5 +820,17 @@ mod tests {
         );
         let ipt = Metrics::new(ProxyMode::Iptables).encode();
         assert!(!ipt.contains("kproxy_bpf_skipped_service_ports{"), "{ipt}");
+    }
+
+    #[test]
+    fn bpf_snat_failures_count_the_programs_counter_growth() {
+        let m = Metrics::new(ProxyMode::Ebpf);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 0\n"));
+        m.set_bpf_snat_failures(3);
+        m.set_bpf_snat_failures(5);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 5\n"));
+        // The programs' counter restarted (maps recreated): counted from the new value.
+        m.set_bpf_snat_failures(2);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 7\n"));
     }
 }
