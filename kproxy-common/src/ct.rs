@@ -156,6 +156,10 @@ pub const CT_F_LOCAL_BACKEND: u16 = 1 << 1;
 /// expire such a flow after their close timeout; this build reads the bits below).
 pub const CT_F_CLOSING: u16 = 1 << 2;
 /// A FIN from the client (the flow's original direction, client → backend) passed this entry.
+///
+/// This bit, [`CT_F_FIN_REPLY`] and [`CT_F_RST`] were unused (zero) in entries of earlier
+/// builds, and [`CT_F_CLOSING`] keeps its meaning, so the entry layout version stays
+/// (`crate::layout`: nothing redefined); such entries read as [`TcpCloseState::Legacy`].
 pub const CT_F_FIN_ORIG: u16 = 1 << 4;
 /// A FIN from the backend (the reply direction) passed this entry.
 pub const CT_F_FIN_REPLY: u16 = 1 << 5;
