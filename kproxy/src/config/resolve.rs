@@ -1136,6 +1136,14 @@ mod tests {
                 "bpf:\n  devices: [eth0, \"a/b\"]\n",
                 "bpf.devices[1]: \"a/b\" is not a valid interface name",
             ),
+            (
+                "bpf:\n  conntrack: {expiryInterval: 0s}\n",
+                "bpf.conntrack.expiryInterval: must be > 0",
+            ),
+            (
+                "bpf:\n  conntrack: {tcpTimeWaitTimeout: -1s}\n",
+                "bpf.conntrack.tcpTimeWaitTimeout: must be >= 0",
+            ),
         ];
         for (yaml, want) in cases {
             let errs = errors(yaml);
@@ -1144,6 +1152,23 @@ mod tests {
                 "{yaml:?}: want {want:?}, got {errs:?}"
             );
         }
+    }
+
+    #[test]
+    fn bpf_conntrack_timeouts_default_to_the_kernels_and_can_be_set() {
+        let c = resolve(&cfg(""), &extra()).unwrap().config;
+        assert_eq!(c.bpf.ct_tcp_time_wait, std::time::Duration::from_secs(120));
+        assert_eq!(c.bpf.ct_tcp_close, std::time::Duration::from_secs(10));
+        assert_eq!(c.bpf.ct_expiry_interval, std::time::Duration::from_secs(15));
+        let c = resolve(
+            &cfg("bpf:\n  conntrack:\n    tcpTimeWaitTimeout: 2s\n    tcpCloseTimeout: 500ms\n    expiryInterval: 1s\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.bpf.ct_tcp_time_wait, std::time::Duration::from_secs(2));
+        assert_eq!(c.bpf.ct_tcp_close, std::time::Duration::from_millis(500));
+        assert_eq!(c.bpf.ct_expiry_interval, std::time::Duration::from_secs(1));
     }
 
     #[test]

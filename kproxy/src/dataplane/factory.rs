@@ -845,4 +845,20 @@ mod tests {
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
         assert_eq!(e.xdp, XdpPolicy::Native);
     }
+
+    #[test]
+    fn ebpf_ct_timeouts_follow_upstream_conntrack_and_the_bpf_extension() {
+        use std::time::Duration;
+        let mut c = cfg(&["--conntrack-tcp-timeout-close-wait=30m"]);
+        c.bpf.ct_tcp_time_wait = Duration::from_secs(7);
+        c.bpf.ct_tcp_close = Duration::from_secs(3);
+        c.bpf.ct_expiry_interval = Duration::from_secs(2);
+        let t = ebpf_config(&c, &[IpFamily::V4]).unwrap().ct_timeouts;
+        // Half-closed: upstream's close-wait flag; fully closed / reset: the extension.
+        assert_eq!(t.tcp_closing, Duration::from_secs(1800));
+        assert_eq!(t.tcp, Duration::from_secs(86_400));
+        assert_eq!(t.tcp_time_wait, Duration::from_secs(7));
+        assert_eq!(t.tcp_close, Duration::from_secs(3));
+        assert_eq!(t.interval, Duration::from_secs(2));
+    }
 }
