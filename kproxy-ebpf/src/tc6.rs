@@ -13,8 +13,8 @@
 //!   → new flow (source ranges, no endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
 //! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (the source kept in the
 //!   flow's `RevDnat` entry, looked up reversed; port allocated on the flow's first packet from
-//!   the range of `KP_NAT_CFG`, collisions resolved by `BPF_NOEXIST` inserts of the `SnatIn`
-//!   entry).
+//!   the range of `KP_NAT_CFG` by `crate::flow::allocate_port_in`, claimed by a
+//!   `BPF_NOEXIST` insert of the `SnatIn` entry; any free port of the range is found).
 //! - ICMPv6 errors (destination unreachable, packet too big, time exceeded, parameter
 //!   problem) about translated flows are translated like IPv4's (quoted tuple reversed → the
 //!   flow's entry); other ICMPv6 (echo, neighbour discovery) passes unchanged.

@@ -15,8 +15,9 @@
 //! Then TTL − 1, the IPv4 and L4 checksums are updated by hand (RFC 1624; XDP has no skb
 //! checksum helpers, and a frame here carries a complete checksum), `bpf_fib_lookup` gives
 //! the egress device and MACs, and the frame goes out with `XDP_TX` (same device) or
-//! `bpf_redirect(ifindex)` → `XDP_REDIRECT`. Entries are refreshed (`last_seen_ns`, TCP
-//! FIN/RST → closing) exactly like TC does, so the agent's expiry and purge keep working.
+//! `bpf_redirect(ifindex)` → `XDP_REDIRECT`. Entries are refreshed (`last_seen_ns`, the TCP
+//! close state: FIN per direction, RST, SYN reopening) exactly like TC does, so the agent's
+//! expiry and purge keep working.
 //!
 //! Everything else is passed (`XDP_PASS`) untouched, and TC handles it as if XDP were off:
 //! flows to a local backend (their CT entries are created here when the flow starts here, so
