@@ -75,6 +75,15 @@ pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
 pub const XDP_FWD_DEVS_MAX: u32 = 16_384;
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
+/// Fully closed TCP flows (FIN both ways) stay this long: the kernel's
+/// `nf_conntrack_tcp_timeout_time_wait` default (`bpf.conntrack.tcpTimeWaitTimeout`).
+pub const DEFAULT_CT_TCP_TIME_WAIT_SECS: u64 = 120;
+/// Reset TCP flows stay this long: the kernel's `nf_conntrack_tcp_timeout_close` default
+/// (`bpf.conntrack.tcpCloseTimeout`).
+pub const DEFAULT_CT_TCP_CLOSE_SECS: u64 = 10;
+/// Period of the agent's expiry of the connection tables (`bpf.conntrack.expiryInterval`).
+pub const DEFAULT_CT_EXPIRY_INTERVAL_SECS: u64 = 15;
+
 /// Every map the node-device service path owns.
 pub const MAPS: [&str; 6] = [
     MAP_CT,
@@ -95,9 +104,11 @@ pub const NODE_ADDR_ENTRIES: u32 = 256;
 pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
 /// Upper end (inclusive) of the default SNAT port range.
 pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
-/// Candidate ports the egress program tries before giving up on a new SNAT flow (the packet is
-/// then dropped and counted in [`TcStat::SnatExhausted`]).
-pub const SNAT_PORT_TRIES: u32 = 16;
+/// Random candidate ports a new SNAT flow tries (lookups) after its first random pick is taken,
+/// before the programs sweep the whole range for a free one (`kproxy-ebpf/src/flow.rs`,
+/// `allocate_port_in`). A flow finding no free port in the range is dropped and counted in
+/// [`TcStat::SnatExhausted`].
+pub const SNAT_PORT_TRIES: u32 = 32;
 
 /// Seconds an idle TCP entry lives before the agent's expiry removes it (kube-proxy's
 /// `--conntrack-tcp-timeout-established` default is 24 h; LRU eviction bounds memory anyway).
@@ -150,8 +161,83 @@ pub struct CtKey {
 pub const CT_F_SNAT: u16 = 1 << 0;
 /// The flow's backend is on this node.
 pub const CT_F_LOCAL_BACKEND: u16 = 1 << 1;
-/// A TCP FIN or RST was seen: the agent expires the entry after the short close timeout.
+/// A TCP FIN or RST was seen through this entry (kept for agents of earlier builds, which
+/// expire such a flow after their close timeout; this build reads the bits below).
 pub const CT_F_CLOSING: u16 = 1 << 2;
+/// A FIN from the client (the flow's original direction, client → backend) passed this entry.
+///
+/// This bit, [`CT_F_FIN_REPLY`] and [`CT_F_RST`] were unused (zero) in entries of earlier
+/// builds, and [`CT_F_CLOSING`] keeps its meaning, so the entry layout version stays
+/// (`crate::layout`: nothing redefined); such entries read as [`TcpCloseState::Legacy`].
+pub const CT_F_FIN_ORIG: u16 = 1 << 4;
+/// A FIN from the backend (the reply direction) passed this entry.
+pub const CT_F_FIN_REPLY: u16 = 1 << 5;
+/// A RST (either direction) passed this entry: the connection is gone.
+pub const CT_F_RST: u16 = 1 << 6;
+/// The close-state bits, cleared when a SYN reuses the tuple for a new connection.
+pub const CT_F_CLOSE_MASK: u16 = CT_F_CLOSING | CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
+
+/// TCP header flag bits (byte 13 of the header) the programs read.
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// An entry's flags after a packet with TCP flags `tcp_flags` passed it in the direction
+/// whose FIN bit is `fin` ([`CT_F_FIN_ORIG`] or [`CT_F_FIN_REPLY`]); the programs call it only
+/// when SYN, FIN or RST is set. A SYN starts a new connection on the tuple (a reused client
+/// port, as the kernel reopens a TIME_WAIT/CLOSE entry): the close state is cleared. A FIN
+/// marks its direction closed, a RST the whole connection.
+#[inline(always)]
+pub const fn close_state(flags: u16, tcp_flags: u8, fin: u16) -> u16 {
+    let mut f = flags;
+    if tcp_flags & TCP_SYN != 0 {
+        f &= !CT_F_CLOSE_MASK;
+    }
+    if tcp_flags & TCP_FIN != 0 {
+        f |= CT_F_CLOSING | fin;
+    }
+    if tcp_flags & TCP_RST != 0 {
+        f |= CT_F_CLOSING | CT_F_RST;
+    }
+    f
+}
+
+/// TCP state of a flow, from the close bits of all its entries ORed (the agent's expiry;
+/// each entry sees one or both directions, so only the union tells the flow's state).
+/// Mirrors the kernel's nf_conntrack TCP states at the granularity expiry needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcpCloseState {
+    /// No FIN or RST: established (or still opening).
+    Open,
+    /// FIN in one direction only (kernel FIN_WAIT / CLOSE_WAIT): the other side may still
+    /// send; kept for the close-wait timeout.
+    HalfClosed,
+    /// FIN in both directions (kernel LAST_ACK / TIME_WAIT).
+    Closed,
+    /// RST seen (kernel CLOSE).
+    Reset,
+    /// Only [`CT_F_CLOSING`]: an entry an earlier build marked (FIN or RST, direction
+    /// unknown); treated like [`TcpCloseState::HalfClosed`], the longer of the two.
+    Legacy,
+}
+
+impl TcpCloseState {
+    /// The state told by `flags` (the union of a flow's entries' flags).
+    pub const fn of(flags: u16) -> TcpCloseState {
+        if flags & CT_F_RST != 0 {
+            TcpCloseState::Reset
+        } else if flags & CT_F_FIN_ORIG != 0 && flags & CT_F_FIN_REPLY != 0 {
+            TcpCloseState::Closed
+        } else if flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) != 0 {
+            TcpCloseState::HalfClosed
+        } else if flags & CT_F_CLOSING != 0 {
+            TcpCloseState::Legacy
+        } else {
+            TcpCloseState::Open
+        }
+    }
+}
 /// With [`CT_F_SNAT`]: the flow's SNAT source is in its [`CtKind::RevDnat`] entry's
 /// `snat_addr`/`snat_port` (every flow this build creates); without, in its legacy
 /// [`CtKind::SnatOut`] entry (see the module docs).
@@ -369,6 +455,34 @@ mod tests {
         for (i, s) in XdpStat::ALL.iter().enumerate() {
             assert_eq!(s.index() as usize, i);
         }
+    }
+
+    #[test]
+    fn close_state_follows_fin_per_direction_rst_and_reopening_syn() {
+        let open = CT_F_SNAT;
+        // FIN from the client, then from the backend (seen in two entries, ORed by expiry).
+        let a = close_state(open, TCP_FIN | TCP_ACK, CT_F_FIN_ORIG);
+        assert_eq!(TcpCloseState::of(a), TcpCloseState::HalfClosed);
+        assert_eq!(a & CT_F_SNAT, CT_F_SNAT, "other flags kept");
+        let b = close_state(open, TCP_FIN | TCP_ACK, CT_F_FIN_REPLY);
+        assert_eq!(TcpCloseState::of(b), TcpCloseState::HalfClosed);
+        assert_eq!(TcpCloseState::of(a | b), TcpCloseState::Closed);
+        // Both FINs through one entry (a RevDnat entry sees both directions).
+        let c = close_state(a, TCP_FIN | TCP_ACK, CT_F_FIN_REPLY);
+        assert_eq!(TcpCloseState::of(c), TcpCloseState::Closed);
+        assert_eq!(
+            TcpCloseState::of(close_state(open, TCP_RST, CT_F_FIN_REPLY)),
+            TcpCloseState::Reset
+        );
+        assert_eq!(
+            TcpCloseState::of(close_state(c, TCP_RST | TCP_ACK, CT_F_FIN_ORIG)),
+            TcpCloseState::Reset
+        );
+        // A SYN on the tuple (client port reused) opens it again.
+        let reopened = close_state(c | CT_F_RST, TCP_SYN, CT_F_FIN_ORIG);
+        assert_eq!(TcpCloseState::of(reopened), TcpCloseState::Open);
+        assert_eq!(reopened, open);
+        assert_eq!(TcpCloseState::of(CT_F_CLOSING), TcpCloseState::Legacy);
     }
 
     #[test]

@@ -18,13 +18,16 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns},
+    cty::c_void,
+    helpers::{
+        bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns, bpf_loop,
+    },
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
-    CT_F_CLOSING, CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind,
-    DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
+    CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
+    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
@@ -34,10 +37,7 @@ use kproxy_common::service::{
 use crate::packet::Packet;
 use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, maglev_backend};
 
-pub(crate) const TCP_FIN: u8 = 0x01;
-pub(crate) const TCP_SYN: u8 = 0x02;
-pub(crate) const TCP_RST: u8 = 0x04;
-pub(crate) const TCP_ACK: u8 = 0x10;
+pub(crate) use kproxy_common::ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 pub(crate) const NS_PER_SEC: u64 = 1_000_000_000;
 
 /// `kproxy_common::ct::MAP_CT`.
@@ -102,9 +102,14 @@ pub(crate) struct CoarseClock {
 #[map]
 static KP_CLOCK: PerCpuArray<CoarseClock> = PerCpuArray::with_max_entries(1, 0);
 
-/// Refreshes an entry's timestamp and records TCP close.
+/// Refreshes an entry's timestamp and records the TCP close state the agent's expiry reads
+/// (`kproxy_common::ct::CT_F_FIN_ORIG` …): `fin` is the bit a FIN sets for the direction the
+/// packet travels (`CT_F_FIN_ORIG` client → backend, `CT_F_FIN_REPLY` backend → client).
+///
+/// Per-packet cost: one flags test on the packet (no SYN/FIN/RST: nothing more, so the
+/// established path adds no load or store); a SYN, FIN or RST updates the entry's flags.
 #[inline(always)]
-pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
+pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8, fin: u16) {
     let (last_seen_ns, flags) = F::stamps(entry);
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
@@ -113,16 +118,19 @@ pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8) {
         if *last_seen_ns != t {
             *last_seen_ns = t;
         }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && *flags & CT_F_CLOSING == 0 {
-            *flags |= CT_F_CLOSING;
+        if tcp_flags & (TCP_FIN | TCP_RST | TCP_SYN) != 0 {
+            let f = close_state(*flags, tcp_flags, fin);
+            if f != *flags {
+                *flags = f;
+            }
         }
     }
 }
 
 /// [`touch_in`] for IPv4.
 #[inline(always)]
-pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8) {
-    touch_in::<V4>(entry, tcp_flags)
+pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8, fin: u16) {
+    touch_in::<V4>(entry, tcp_flags, fin)
 }
 
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
@@ -340,6 +348,11 @@ pub(crate) trait Family {
     fn nat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
     /// Where an entry keeps its SNAT address and port (`snat_addr`, `snat_port`).
     fn snat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
+    /// This CPU's [`PortSearch`] scratch of the family (a per-CPU array, not the stack: the
+    /// IPv6 programs' stack has no room for it beside the sweep's callback frame).
+    fn port_search() -> Option<*mut PortSearch<Self>>
+    where
+        Self: Sized;
 }
 
 /// IPv4: `KP_CT`.
@@ -456,7 +469,16 @@ impl Family for V4 {
         // SAFETY: as above.
         unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
+
+    #[inline(always)]
+    fn port_search() -> Option<*mut PortSearch<V4>> {
+        KP_PORT_SEARCH4.get_ptr_mut(0)
+    }
 }
+
+/// [`Family::port_search`] of IPv4 (private to each loaded instance; not pinned).
+#[map]
+static KP_PORT_SEARCH4: PerCpuArray<PortSearch<V4>> = PerCpuArray::with_max_entries(1, 0);
 
 /// Where the SNAT source of a packet `C:cp → B:bp` leaving through a node device (network
 /// order) is kept, if it belongs to a SNATed flow: the entry to refresh and its address and
@@ -539,7 +561,19 @@ pub(crate) fn snat_slot(p: &Packet) -> Option<(*mut CtEntry, *mut u32, *mut u16)
 
 /// Picks a free SNAT port for the flow `saddr:sport → daddr:dport` (`C:cp → B:bp`, network
 /// order) on node address `node` and claims it by inserting the flow's [`CtKind::SnatIn`]
-/// entry with `BPF_NOEXIST` (atomic against other CPUs). Returns it in network order.
+/// entry with `BPF_NOEXIST` (atomic against other CPUs). Returns it in network order; `None`
+/// only when every port of the range is taken for this backend (issue #22: a new flow is
+/// never dropped while a port is free).
+///
+/// 1. One insert at a random port: the whole cost while the range is mostly free (as before).
+/// 2. Up to [`SNAT_PORT_TRIES`] more random ports (random start and stride, so taken ports
+///    do not cluster the way consecutive probing makes them), each a lookup, inserting at
+///    the first free one. A failed `BPF_NOEXIST` insert into the LRU table still takes a free
+///    node first, which may evict a live entry when the table is full: lookups avoid that.
+/// 3. Still none: a sweep of the whole range from a random port (`bpf_loop`, one lookup per
+///    port, stopping at the first free one), so the last free port is found too. Bounded by
+///    the range size; at load `a` it is reached with probability ≈ a^17 and costs ≈ 1/(1−a)
+///    lookups when a port is free.
 #[inline(always)]
 pub(crate) fn allocate_port_in<F: Family>(
     saddr: F::Addr,
@@ -562,22 +596,94 @@ pub(crate) fn allocate_port_in<F: Family>(
         // which the verifier would reject.
         return None;
     }
-    // One entry and one key on the stack, passed by reference (the IPv6 programs' stack is
-    // tight).
-    let entry = F::with_nat(template, saddr, sport);
     // SAFETY: helper without arguments.
-    let start = unsafe { bpf_get_prandom_u32() } % range;
-    let mut key = F::key(daddr, node, dport, 0, proto, CtKind::SnatIn);
-    let mut i = 0;
-    while i < SNAT_PORT_TRIES {
-        let port = ((min + (start + i) % range) as u16).to_be();
-        F::set_dport(&mut key, port);
-        if F::ct().insert(&key, &entry, BPF_NOEXIST as u64).is_ok() {
-            return Some(port);
+    let rnd = unsafe { bpf_get_prandom_u32() };
+    let sp = F::port_search()?;
+    // SAFETY: this CPU's scratch value; programs are not preempted on a CPU, and a bpf_loop
+    // callback runs on the same CPU before `bpf_loop` returns.
+    let s = unsafe { &mut *sp };
+    s.key = F::key(daddr, node, dport, 0, proto, CtKind::SnatIn);
+    s.entry = F::with_nat(template, saddr, sport);
+    s.min = min;
+    s.range = range;
+    s.start = rnd % range;
+    s.port = 0;
+    let port = ((min + s.start) as u16).to_be();
+    F::set_dport(&mut s.key, port);
+    if F::ct().insert(&s.key, &s.entry, BPF_NOEXIST as u64).is_ok() {
+        return Some(port);
+    }
+    if range == 1 {
+        return None;
+    }
+    // A stride in [1, range − 1].
+    let stride = 1 + (rnd >> 16) % (range - 1);
+    let mut i = 1;
+    while i <= SNAT_PORT_TRIES {
+        let idx = (s.start + i * stride) % range;
+        if try_port::<F>(s, idx) {
+            return Some(s.port);
         }
         i += 1;
     }
-    None
+    // SAFETY: the callback is a static BPF function; it finds its state through
+    // `F::port_search` (no context pointer).
+    unsafe {
+        bpf_loop(
+            range,
+            sweep_step::<F> as *mut c_void,
+            core::ptr::null_mut(),
+            0,
+        );
+    }
+    if s.port != 0 { Some(s.port) } else { None }
+}
+
+/// [`allocate_port_in`]'s search state.
+#[repr(C)]
+pub(crate) struct PortSearch<F: Family> {
+    key: F::Key,
+    entry: F::Entry,
+    min: u32,
+    range: u32,
+    start: u32,
+    /// The claimed port (network order); 0: none yet.
+    port: u16,
+}
+
+/// Tries port `min + idx` (`idx < range`): a lookup, then a `BPF_NOEXIST` insert if free.
+#[inline(always)]
+fn try_port<F: Family>(s: &mut PortSearch<F>, idx: u32) -> bool {
+    let port = ((s.min + idx) as u16).to_be();
+    F::set_dport(&mut s.key, port);
+    if F::ct().get_ptr(&s.key).is_some() {
+        return false;
+    }
+    if F::ct().insert(&s.key, &s.entry, BPF_NOEXIST as u64).is_ok() {
+        s.port = port;
+        return true;
+    }
+    false
+}
+
+/// One step of [`allocate_port_in`]'s sweep (`bpf_loop` callback): port `start + i` (mod
+/// range); returns 1 (stop) once a port is claimed.
+#[inline(never)]
+extern "C" fn sweep_step<F: Family>(i: u64, _ctx: *mut c_void) -> i64 {
+    let Some(sp) = F::port_search() else {
+        return 1;
+    };
+    // SAFETY: this CPU's scratch value, filled by `allocate_port_in` (see there).
+    let s = unsafe { &mut *sp };
+    let range = s.range;
+    if range == 0 || i >= u64::from(range) {
+        return 1;
+    }
+    let mut idx = s.start % range + i as u32;
+    if idx >= range {
+        idx -= range;
+    }
+    i64::from(try_port::<F>(s, idx))
 }
 
 /// [`allocate_port_in`] for an IPv4 packet `p` (`C:cp → B:bp`).

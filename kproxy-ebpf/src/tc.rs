@@ -41,7 +41,9 @@ use aya_ebpf::{
     maps::PerCpuArray,
     programs::TcContext,
 };
-use kproxy_common::ct::{CtEntry, CtKind, PROTO_ICMP, TC_STATS, TcStat};
+use kproxy_common::ct::{
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CtEntry, CtKind, PROTO_ICMP, TC_STATS, TcStat,
+};
 use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue};
 
 // The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
@@ -219,7 +221,7 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::SnatIn))
     {
-        touch(e, p.tcp_flags);
+        touch(e, p.tcp_flags, CT_F_FIN_REPLY);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite(ctx, p, true, addr, port)?;
@@ -228,7 +230,7 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     }
     // An established flow keeps its backend (one lookup; see the module docs).
     if let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::Service)) {
-        touch(e, p.tcp_flags);
+        touch(e, p.tcp_flags, CT_F_FIN_ORIG);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite(ctx, p, true, addr, port)?;
@@ -286,7 +288,7 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             None => return Ok(NEXT),
             // A reply from a backend: its source becomes the frontend again.
             Some(Egress::Reply(e)) => {
-                touch(e, p.tcp_flags);
+                touch(e, p.tcp_flags, CT_F_FIN_REPLY);
                 // SAFETY: lookup result, read by value.
                 let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
                 rewrite(ctx, p, false, addr, port)?;
@@ -296,7 +298,7 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
             // A packet to a backend: its flow's SNAT source (see `crate::flow::snat_slot_in`).
             Some(Egress::Snat(e, addr, port)) => (e, addr, port),
         };
-    touch(e, p.tcp_flags);
+    touch(e, p.tcp_flags, CT_F_FIN_ORIG);
     // SAFETY: fields of a lookup result.
     let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == 0 {

@@ -13,8 +13,8 @@
 //!   → new flow (source ranges, no endpoints ⇒ TCP RST / ICMPv6 port unreachable or drop, backend choice, CT6 entries, DNAT).
 //! - Egress: reply from a backend (`RevDnat`, src := frontend) → SNAT (the source kept in the
 //!   flow's `RevDnat` entry, looked up reversed; port allocated on the flow's first packet from
-//!   the range of `KP_NAT_CFG`, collisions resolved by `BPF_NOEXIST` inserts of the `SnatIn`
-//!   entry).
+//!   the range of `KP_NAT_CFG` by `crate::flow::allocate_port_in`, claimed by a
+//!   `BPF_NOEXIST` insert of the `SnatIn` entry; any free port of the range is found).
 //! - ICMPv6 errors (destination unreachable, packet too big, time exceeded, parameter
 //!   problem) about translated flows are translated like IPv4's (quoted tuple reversed → the
 //!   flow's entry); other ICMPv6 (echo, neighbour discovery) passes unchanged.
@@ -33,18 +33,20 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     helpers::{bpf_redirect, bpf_skb_change_tail},
     macros::{classifier, map},
-    maps::{HashMap, LruHashMap},
+    maps::{HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
-use kproxy_common::ct::{CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat};
+use kproxy_common::ct::{
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CtKind, DEFAULT_CT_ENTRIES, NODE_ADDR_ENTRIES, TcStat,
+};
 use kproxy_common::ct6::{CtEntry6, CtKey6, NodeAddr6, PROTO_ICMPV6};
 use kproxy_common::service::{
     PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue, is_v4_mapped,
 };
 
 use crate::flow::{
-    Egress, Family, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in, egress_entry_in,
-    in_snat_range, now, touch_in,
+    Egress, Family, PortSearch, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in,
+    egress_entry_in, in_snat_range, now, touch_in,
 };
 use crate::frontend::{candidates_at, new_flow_entry_at, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold, l4_check_in_place};
@@ -225,7 +227,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     if in_snat_range(p.dport)
         && let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::SnatIn))
     {
-        touch_in::<V6>(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_REPLY);
         // SAFETY: lookup result, read by value.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -234,7 +236,7 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
     }
     // Established first, as in `crate::tc` (see its module docs).
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
-        touch_in::<V6>(e, p.tcp_flags);
+        touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
         // SAFETY: as above.
         let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
         rewrite6(ctx, p, true, &addr, port)?;
@@ -300,7 +302,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         match egress_entry_in::<V6>(p.saddr, p.daddr, p.sport, p.dport, p.proto) {
             None => return Ok(NEXT),
             Some(Egress::Reply(e)) => {
-                touch_in::<V6>(e, p.tcp_flags);
+                touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_REPLY);
                 // SAFETY: lookup result, read by value.
                 let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
                 rewrite6(ctx, p, false, &addr, port)?;
@@ -309,7 +311,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
             }
             Some(Egress::Snat(e, addr, port)) => (e, addr, port),
         };
-    touch_in::<V6>(e, p.tcp_flags);
+    touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
     // SAFETY: fields of a lookup result.
     let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == [0; 4] {
@@ -458,7 +460,16 @@ impl Family for V6 {
         // SAFETY: as above.
         unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
+
+    #[inline(always)]
+    fn port_search() -> Option<*mut PortSearch<V6>> {
+        KP_PORT_SEARCH6.get_ptr_mut(0)
+    }
 }
+
+/// `Family::port_search` of IPv6 (private to each loaded instance; not pinned).
+#[map]
+static KP_PORT_SEARCH6: PerCpuArray<PortSearch<V6>> = PerCpuArray::with_max_entries(1, 0);
 
 // ---- no endpoints ---------------------------------------------------------------------------
 

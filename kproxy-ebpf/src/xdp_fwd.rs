@@ -15,8 +15,9 @@
 //! Then TTL − 1, the IPv4 and L4 checksums are updated by hand (RFC 1624; XDP has no skb
 //! checksum helpers, and a frame here carries a complete checksum), `bpf_fib_lookup` gives
 //! the egress device and MACs, and the frame goes out with `XDP_TX` (same device) or
-//! `bpf_redirect(ifindex)` → `XDP_REDIRECT`. Entries are refreshed (`last_seen_ns`, TCP
-//! FIN/RST → closing) exactly like TC does, so the agent's expiry and purge keep working.
+//! `bpf_redirect(ifindex)` → `XDP_REDIRECT`. Entries are refreshed (`last_seen_ns`, the TCP
+//! close state: FIN per direction, RST, SYN reopening) exactly like TC does, so the agent's
+//! expiry and purge keep working.
 //!
 //! Everything else is passed (`XDP_PASS`) untouched, and TC handles it as if XDP were off:
 //! flows to a local backend (their CT entries are created here when the flow starts here, so
@@ -37,7 +38,8 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use kproxy_common::ct::{
-    CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind, XDP_FWD_DEVS_MAX, XdpStat,
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind,
+    XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
@@ -310,9 +312,9 @@ pub(crate) fn forward(
         }
     }
     if let Some(e) = svc_entry {
-        touch(e, p.tcp_flags);
+        touch(e, p.tcp_flags, CT_F_FIN_ORIG);
     }
-    touch(out, p.tcp_flags);
+    touch(out, p.tcp_flags, CT_F_FIN_ORIG);
     stat(XdpStat::Forward);
     send(ctx, p, (n_addr, n_port), be, &f)
 }
@@ -363,8 +365,8 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
     let Ok(f) = fib(ctx, h, p.proto, frontend, client) else {
         return xdp_action::XDP_PASS;
     };
-    touch(snat_in, p.tcp_flags);
-    touch(r, p.tcp_flags);
+    touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
+    touch(r, p.tcp_flags, CT_F_FIN_REPLY);
     stat(XdpStat::Reply);
     send(ctx, p, frontend, client, &f)
 }

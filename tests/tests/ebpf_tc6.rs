@@ -253,6 +253,9 @@ fn ipv6_endpoint_removal_deletes_its_ct6_entries() {
         tcp: Duration::ZERO,
         tcp_closing: Duration::ZERO,
         udp: Duration::ZERO,
+        tcp_time_wait: Duration::ZERO,
+        tcp_close: Duration::ZERO,
+        ..flows::Timeouts::default()
     };
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(flows::expire(&mut ebpf, &zero).unwrap(), survivors);

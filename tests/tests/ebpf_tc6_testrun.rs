@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::frames6::*;
-use ebpf_tc_support::{TCP, UDP, load, node_port_service, tcp_frame};
+use ebpf_tc_support::{TCP, UDP, load, map_addr, node_port_service, tcp_frame};
 use kproxy::dataplane::ebpf::node_path::CtKind;
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
@@ -42,11 +42,22 @@ const ACK: u8 = 0x10;
 /// A NodePort NODE:NODE_PORT/proto (svc 1, `flags`) with `backends` (remote ones), both scope
 /// entries like the planner writes them; SNAT source NODE_INNER on ifindex 1.
 fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv6Addr)]) -> (Bpffs, Ebpf) {
+    fixture_ports(test, proto, flags, backends, SNAT_PORTS)
+}
+
+/// [`fixture`] with SNAT port range `snat_ports`.
+fn fixture_ports(
+    test: &str,
+    proto: u8,
+    flags: u32,
+    backends: &[(u32, Ipv6Addr)],
+    snat_ports: std::ops::RangeInclusive<u16>,
+) -> (Bpffs, Ebpf) {
     let bpffs = Bpffs::new(test).unwrap();
     let (mut ebpf, _tc) = load(
         &bpffs,
         TcConfig {
-            snat_ports: SNAT_PORTS,
+            snat_ports,
             ct_entries: 4096,
             ..TcConfig::default()
         },
@@ -245,4 +256,71 @@ fn ipv4_frames_pass_the_ipv6_programs_untouched() {
     for out in [run_in(&mut ebpf, &v4), run_eg(&mut ebpf, &v4)] {
         assert_eq!((out.verdict, &out.frame), (NEXT, &v4));
     }
+}
+
+/// Issue #22, IPv6: with a backend's SNAT range 90 % taken (claimed directly in `KP_CT6`, at
+/// random), every new flow still gets one of the free ports, up to the last; then new flows
+/// are dropped and counted.
+#[test]
+fn ipv6_snat_allocation_finds_every_free_port_up_to_a_full_range() {
+    if !require_root() {
+        return;
+    }
+    const PORTS: std::ops::RangeInclusive<u16> = 41_000..=41_399;
+    let (_fs, mut ebpf) = fixture_ports("tc6tr-fill", TCP, SVC_F_NODE_PORT, &[(1, BACKEND)], PORTS);
+    let mut all: Vec<u16> = PORTS.collect();
+    let mut x = 0x9e37_79b9_u32;
+    for i in (1..all.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        all.swap(i, x as usize % (i + 1));
+    }
+    let (taken, free) = all.split_at(all.len() * 9 / 10);
+    {
+        let mut ct: BpfHashMap<_, CtKey6, CtEntry6> =
+            BpfHashMap::try_from(ebpf.map_mut(MAP_CT6).unwrap()).unwrap();
+        for (i, p) in taken.iter().enumerate() {
+            let key = CtKey6 {
+                saddr: map_addr(BACKEND),
+                daddr: map_addr(NODE_INNER),
+                sport: BPORT.to_be(),
+                dport: p.to_be(),
+                proto: TCP,
+                kind: CtKind::SnatIn as u8,
+                _pad: [0; 2],
+            };
+            let entry = CtEntry6 {
+                nat_addr: map_addr(CLIENT),
+                nat_port: (10_000 + i as u16).to_be(),
+                backend_id: 1,
+                svc_id: 1,
+                ..CtEntry6::default()
+            };
+            ct.insert(key, entry, 0).unwrap();
+        }
+    }
+    let mut got = std::collections::BTreeSet::new();
+    for i in 0..free.len() as u16 {
+        let syn = tcp6_frame((CLIENT, 20_000 + i), (NODE, NODE_PORT), 1000, 0, SYN, &[]);
+        let out = run_in(&mut ebpf, &syn);
+        assert_eq!(out.verdict, NEXT);
+        let out = run_eg(&mut ebpf, &out.frame);
+        assert_eq!(
+            out.verdict,
+            NEXT,
+            "new flow {i} dropped with {} ports still free",
+            free.len() - got.len()
+        );
+        let p = parse6_checked(&out.frame);
+        assert_eq!((p.src, p.dst), (NODE_INNER, BACKEND));
+        assert!(got.insert(p.sport), "port {} given twice", p.sport);
+    }
+    let expect: std::collections::BTreeSet<u16> = free.iter().copied().collect();
+    assert_eq!(got, expect, "the flows took exactly the free ports");
+    assert_eq!(TcPath::stats(&ebpf).unwrap()["snat_failed"], 0);
+    let syn = tcp6_frame((CLIENT, 30_000), (NODE, NODE_PORT), 1000, 0, SYN, &[]);
+    let out = run_in(&mut ebpf, &syn);
+    assert_eq!(run_eg(&mut ebpf, &out.frame).verdict, 2, "dropped");
+    assert_eq!(TcPath::stats(&ebpf).unwrap()["snat_failed"], 1);
 }

@@ -57,11 +57,22 @@ struct Fixture {
 /// writes for every external frontend, its cluster-scope twin (read by socket LB). No
 /// frontend filter is written (all zero: every lookup is made).
 fn fixture(test: &str, proto: u8, flags: u32, backends: &[(u32, Ipv4Addr, u8)]) -> Fixture {
+    fixture_ports(test, proto, flags, backends, SNAT_PORTS)
+}
+
+/// [`fixture`] with SNAT port range `snat_ports`.
+fn fixture_ports(
+    test: &str,
+    proto: u8,
+    flags: u32,
+    backends: &[(u32, Ipv4Addr, u8)],
+    snat_ports: std::ops::RangeInclusive<u16>,
+) -> Fixture {
     let bpffs = Bpffs::new(test).unwrap();
     let (mut ebpf, _tc) = load(
         &bpffs,
         TcConfig {
-            snat_ports: SNAT_PORTS,
+            snat_ports,
             ct_entries: 4096,
             ..TcConfig::default()
         },
@@ -519,12 +530,8 @@ fn snat_port_collisions_are_avoided_and_exhaustion_drops() {
             ports.insert(parse_checked(&out.frame).sport);
         }
     }
-    // Random probing with 16 tries can miss a last free port; most must have been found.
-    assert!(
-        ports.len() >= 8,
-        "only {} distinct SNAT ports: {ports:?}",
-        ports.len()
-    );
+    // Every free port is found, the last one too.
+    assert_eq!(ports.len(), 10, "distinct SNAT ports: {ports:?}");
     assert!(ports.iter().all(|p| SNAT_PORTS.contains(p)));
     // The range is now (nearly) full: an eleventh flow finds no port and is dropped.
     let mut dropped = 0;
@@ -537,11 +544,76 @@ fn snat_port_collisions_are_avoided_and_exhaustion_drops() {
             dropped += 1;
         }
     }
-    assert!(
-        dropped >= 1,
-        "no flow was dropped with the SNAT range exhausted"
-    );
-    assert!(TcPath::stats(&f.ebpf).unwrap()["snat_failed"] >= 1);
+    assert_eq!(dropped, 3, "flows dropped with the SNAT range exhausted");
+    assert_eq!(TcPath::stats(&f.ebpf).unwrap()["snat_failed"], 3);
+}
+
+/// Issue #22: with a backend's SNAT range 90 % taken (ports claimed directly in the table, at
+/// random), every new flow still gets a free port, up to the last one (100 %); only then are
+/// new flows dropped, and counted.
+#[test]
+fn snat_allocation_finds_every_free_port_up_to_a_full_range() {
+    if !require_root() {
+        return;
+    }
+    const PORTS: std::ops::RangeInclusive<u16> = 41_000..=41_999;
+    let mut f = fixture_ports("tctr-fill", TCP, 0, &[(1, BACKEND, 0)], PORTS);
+    // Claim 90 % of the range for other flows to the same backend (deterministic shuffle).
+    let mut all: Vec<u16> = PORTS.collect();
+    let mut x = 0x2545_f491_u32;
+    for i in (1..all.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        all.swap(i, x as usize % (i + 1));
+    }
+    let (taken, free) = all.split_at(all.len() * 9 / 10);
+    {
+        let mut ct: BpfHashMap<_, CtKey, CtEntry> =
+            BpfHashMap::try_from(f.ebpf.map_mut(MAP_CT).unwrap()).unwrap();
+        for (i, p) in taken.iter().enumerate() {
+            let key = CtKey {
+                saddr: ip4(BACKEND),
+                daddr: ip4(NODE_INNER),
+                sport: BPORT.to_be(),
+                dport: p.to_be(),
+                proto: TCP,
+                kind: CtKind::SnatIn as u8,
+                _pad: [0; 2],
+            };
+            let entry = CtEntry {
+                nat_addr: ip4(Ipv4Addr::new(198, 51, 100, 200)),
+                nat_port: (10_000 + i as u16).to_be(),
+                backend_id: 1,
+                svc_id: 1,
+                flags: CT_F_SNAT,
+                ..CtEntry::default()
+            };
+            ct.insert(key, entry, 0).unwrap();
+        }
+    }
+    let mut got = std::collections::BTreeSet::new();
+    for i in 0..free.len() as u16 {
+        let out = run_in(&mut f, &syn((CLIENT, 20_000 + i)));
+        assert_eq!(out.verdict, NEXT);
+        let out = run_eg(&mut f, &out.frame);
+        assert_eq!(
+            out.verdict,
+            NEXT,
+            "new flow {i} dropped with {} ports still free",
+            free.len() - got.len()
+        );
+        let p = parse_checked(&out.frame);
+        assert_eq!((p.src, p.dst), (NODE_INNER, BACKEND));
+        assert!(got.insert(p.sport), "port {} given twice", p.sport);
+    }
+    let expect: std::collections::BTreeSet<u16> = free.iter().copied().collect();
+    assert_eq!(got, expect, "the flows took exactly the free ports");
+    assert_eq!(TcPath::stats(&f.ebpf).unwrap()["snat_failed"], 0);
+    // 100 %: the next flow has no port and is dropped, and counted.
+    let out = run_in(&mut f, &syn((CLIENT, 30_000)));
+    assert_eq!(run_eg(&mut f, &out.frame).verdict, DROP);
+    assert_eq!(TcPath::stats(&f.ebpf).unwrap()["snat_failed"], 1);
 }
 
 #[test]
@@ -638,6 +710,9 @@ fn expiry_removes_idle_flows_whole() {
         tcp: std::time::Duration::ZERO,
         tcp_closing: std::time::Duration::ZERO,
         udp: std::time::Duration::ZERO,
+        tcp_time_wait: std::time::Duration::ZERO,
+        tcp_close: std::time::Duration::ZERO,
+        ..flows::Timeouts::default()
     };
     assert_eq!(flows::expire(&mut f.ebpf, &zero).unwrap(), 3);
     assert!(ct_entries(&f.ebpf).is_empty());

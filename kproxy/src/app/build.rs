@@ -231,6 +231,11 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
     if !cfg.conntrack.udp_stream_timeout.is_zero() {
         timeouts.udp = cfg.conntrack.udp_stream_timeout;
     }
+    // kproxy extensions (`bpf.conntrack`): the kernel's TIME_WAIT / CLOSE timeouts, which
+    // upstream never sets, and the expiry period.
+    timeouts.tcp_time_wait = cfg.bpf.ct_tcp_time_wait;
+    timeouts.tcp_close = cfg.bpf.ct_tcp_close;
+    timeouts.interval = cfg.bpf.ct_expiry_interval;
     Ok(EbpfModeConfig {
         ebpf: EbpfConfig {
             families: families.to_vec(),
@@ -566,5 +571,21 @@ mod tests {
         let c = cfg(&["--bpf-xdp=native"]);
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
         assert_eq!(e.xdp, XdpPolicy::Native);
+    }
+
+    #[test]
+    fn ebpf_ct_timeouts_follow_upstream_conntrack_and_the_bpf_extension() {
+        use std::time::Duration;
+        let mut c = cfg(&["--conntrack-tcp-timeout-close-wait=30m"]);
+        c.bpf.ct_tcp_time_wait = Duration::from_secs(7);
+        c.bpf.ct_tcp_close = Duration::from_secs(3);
+        c.bpf.ct_expiry_interval = Duration::from_secs(2);
+        let t = ebpf_config(&c, &[IpFamily::V4]).unwrap().ct_timeouts;
+        // Half-closed: upstream's close-wait flag; fully closed / reset: the extension.
+        assert_eq!(t.tcp_closing, Duration::from_secs(1800));
+        assert_eq!(t.tcp, Duration::from_secs(86_400));
+        assert_eq!(t.tcp_time_wait, Duration::from_secs(7));
+        assert_eq!(t.tcp_close, Duration::from_secs(3));
+        assert_eq!(t.interval, Duration::from_secs(2));
     }
 }

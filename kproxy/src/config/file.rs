@@ -60,6 +60,16 @@ pub mod defaults {
     pub const BPF_LB_ALGORITHM: &str = "random";
     /// kproxy extension: Maglev table size (Cilium's default).
     pub const BPF_MAGLEV_TABLE_SIZE: u32 = kproxy_common::maglev::DEFAULT_TABLE_SIZE;
+    /// kproxy extension: eBPF connection table, fully closed TCP flows (the kernel's
+    /// `nf_conntrack_tcp_timeout_time_wait` default).
+    pub const BPF_CT_TCP_TIME_WAIT_SECS: i64 =
+        kproxy_common::ct::DEFAULT_CT_TCP_TIME_WAIT_SECS as i64;
+    /// kproxy extension: eBPF connection table, reset TCP flows (the kernel's
+    /// `nf_conntrack_tcp_timeout_close` default).
+    pub const BPF_CT_TCP_CLOSE_SECS: i64 = kproxy_common::ct::DEFAULT_CT_TCP_CLOSE_SECS as i64;
+    /// kproxy extension: period of the eBPF connection table's expiry.
+    pub const BPF_CT_EXPIRY_INTERVAL_SECS: i64 =
+        kproxy_common::ct::DEFAULT_CT_EXPIRY_INTERVAL_SECS as i64;
 }
 
 /// `KubeProxyConfiguration` v1alpha1 (+ kproxy's extensions), every field optional.
@@ -346,6 +356,27 @@ pub struct Bpf {
     /// Maglev table size per service (a prime, default 16381).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub maglev_table_size: Option<u32>,
+    /// Expiry of the eBPF connection table beyond upstream's `conntrack` settings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<BpfConntrack>,
+}
+
+/// kproxy extension `bpf.conntrack:` — timeouts the kernel's conntrack has and upstream does
+/// not set (kube-proxy leaves them at the kernel's defaults), for the eBPF datapath's own
+/// connection table. Established and half-closed TCP and UDP follow upstream's `conntrack:`
+/// fields.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BpfConntrack {
+    /// TCP flows closed by a FIN in both directions (kernel TIME_WAIT), default 2m.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_time_wait_timeout: Option<GoDuration>,
+    /// TCP flows closed by a RST (kernel CLOSE), default 10s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_close_timeout: Option<GoDuration>,
+    /// How often idle and closed flows are expired, default 15s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expiry_interval: Option<GoDuration>,
 }
 
 /// Reading or decoding a config file failed.
@@ -556,6 +587,13 @@ impl KubeProxyConfiguration {
         set_if_empty(&mut bpf.xdp, BPF_XDP);
         set_if_empty(&mut bpf.lb_algorithm, BPF_LB_ALGORITHM);
         bpf.maglev_table_size.get_or_insert(BPF_MAGLEV_TABLE_SIZE);
+        let bct = bpf.conntrack.get_or_insert_with(BpfConntrack::default);
+        bct.tcp_time_wait_timeout
+            .get_or_insert(secs(BPF_CT_TCP_TIME_WAIT_SECS));
+        bct.tcp_close_timeout
+            .get_or_insert(secs(BPF_CT_TCP_CLOSE_SECS));
+        bct.expiry_interval
+            .get_or_insert(secs(BPF_CT_EXPIRY_INTERVAL_SECS));
     }
 }
 

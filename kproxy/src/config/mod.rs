@@ -249,6 +249,13 @@ pub struct BpfConfig {
     /// `bpf.maglevTableSize` / `--bpf-lb-maglev-table-size`: entries per Maglev table, a
     /// prime in `[MIN_TABLE_SIZE, MAX_TABLE_SIZE]` (`kproxy_common::maglev`).
     pub maglev_table_size: u32,
+    /// `bpf.conntrack.tcpTimeWaitTimeout`: connection-table timeout of TCP flows closed by FIN
+    /// both ways.
+    pub ct_tcp_time_wait: Duration,
+    /// `bpf.conntrack.tcpCloseTimeout`: … of TCP flows closed by RST.
+    pub ct_tcp_close: Duration,
+    /// `bpf.conntrack.expiryInterval`: period of the connection table's expiry (> 0).
+    pub ct_expiry_interval: Duration,
 }
 
 /// XDP attachment policy.

@@ -857,6 +857,32 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
             );
         }
     }
+    let bct = b.conntrack.clone().unwrap_or_default();
+    let secs = GoDuration::from_secs;
+    let ct_tcp_time_wait = cx.non_negative(
+        "bpf.conntrack.tcpTimeWaitTimeout",
+        Some(
+            bct.tcp_time_wait_timeout
+                .unwrap_or(secs(defaults::BPF_CT_TCP_TIME_WAIT_SECS)),
+        ),
+    );
+    let ct_tcp_close = cx.non_negative(
+        "bpf.conntrack.tcpCloseTimeout",
+        Some(
+            bct.tcp_close_timeout
+                .unwrap_or(secs(defaults::BPF_CT_TCP_CLOSE_SECS)),
+        ),
+    );
+    let ct_expiry_interval = cx.non_negative(
+        "bpf.conntrack.expiryInterval",
+        Some(
+            bct.expiry_interval
+                .unwrap_or(secs(defaults::BPF_CT_EXPIRY_INTERVAL_SECS)),
+        ),
+    );
+    if ct_expiry_interval.is_zero() {
+        cx.err("bpf.conntrack.expiryInterval", "must be > 0");
+    }
     BpfConfig {
         cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(cgroup)),
         bpffs: PathBuf::from(bpffs),
@@ -865,6 +891,9 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         xdp,
         lb_algorithm,
         maglev_table_size,
+        ct_tcp_time_wait,
+        ct_tcp_close,
+        ct_expiry_interval,
     }
 }
 
@@ -1191,6 +1220,14 @@ mod tests {
                 "bpf:\n  devices: [eth0, \"a/b\"]\n",
                 "bpf.devices[1]: \"a/b\" is not a valid interface name",
             ),
+            (
+                "bpf:\n  conntrack: {expiryInterval: 0s}\n",
+                "bpf.conntrack.expiryInterval: must be > 0",
+            ),
+            (
+                "bpf:\n  conntrack: {tcpTimeWaitTimeout: -1s}\n",
+                "bpf.conntrack.tcpTimeWaitTimeout: must be >= 0",
+            ),
         ];
         for (yaml, want) in cases {
             let errs = errors(yaml);
@@ -1199,6 +1236,23 @@ mod tests {
                 "{yaml:?}: want {want:?}, got {errs:?}"
             );
         }
+    }
+
+    #[test]
+    fn bpf_conntrack_timeouts_default_to_the_kernels_and_can_be_set() {
+        let c = resolve(&cfg(""), &extra()).unwrap().config;
+        assert_eq!(c.bpf.ct_tcp_time_wait, std::time::Duration::from_secs(120));
+        assert_eq!(c.bpf.ct_tcp_close, std::time::Duration::from_secs(10));
+        assert_eq!(c.bpf.ct_expiry_interval, std::time::Duration::from_secs(15));
+        let c = resolve(
+            &cfg("bpf:\n  conntrack:\n    tcpTimeWaitTimeout: 2s\n    tcpCloseTimeout: 500ms\n    expiryInterval: 1s\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.bpf.ct_tcp_time_wait, std::time::Duration::from_secs(2));
+        assert_eq!(c.bpf.ct_tcp_close, std::time::Duration::from_millis(500));
+        assert_eq!(c.bpf.ct_expiry_interval, std::time::Duration::from_secs(1));
     }
 
     #[test]

@@ -94,6 +94,8 @@ pub trait Telemetry: Send + Sync {
     fn bpf_map(&self, map: &str, entries: i64, capacity: i64);
     /// Service ports of `protocol` the datapath cannot translate.
     fn skipped_service_ports(&self, protocol: &str, count: i64);
+    /// The node path's running count of new flows dropped for want of a SNAT port.
+    fn snat_failures(&self, total: u64);
     /// One conntrack cleanup of `family`: entries deleted and how long it took.
     fn conntrack_cleanup(&self, family: IpFamily, deleted: u64, seconds: f64);
 }

@@ -16,6 +16,8 @@
 //!   `nodePortAddresses`).
 //! - After each sync: connection-table entries of removed backends are purged, idle flows
 //!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
+//! - A background timer ([`ct::ExpiryTimer`]) expires idle and closed flows every
+//!   `bpf.conntrack.expiryInterval` between syncs too, and reports the tables' fill.
 //! - SCTP service ports are not translated (neither socket LB nor the TC programs handle
 //!   SCTP; see `kproxy-ebpf/src/sock.rs`): each sync counts them in
 //!   `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` and logs a warning when the count
@@ -35,7 +37,7 @@ use crate::dataplane::ebpf::node_path::TcConfig;
 use crate::dataplane::ebpf::node_path::TcPath;
 use crate::dataplane::ebpf::node_path::devices;
 use crate::dataplane::ebpf::node_path::flows as ct;
-use crate::dataplane::ebpf::node_path::tc::load_object;
+use crate::dataplane::ebpf::node_path::tc::{load_object, stat_name};
 use crate::dataplane::ebpf::node_path::xdp::XdpPath;
 use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
 use crate::dataplane::ebpf::service_maps::EbpfConfig;
@@ -45,6 +47,7 @@ use crate::kernel::addresses::AddressWatcher;
 use crate::kernel::addresses::NodeAddresses;
 use crate::kernel::addresses::scan;
 use crate::model::{ChangedSet, Protocol, Snapshot};
+use kproxy_common::ct::TcStat;
 
 /// How often the node's addresses are re-read.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
@@ -81,8 +84,9 @@ pub enum EbpfModeError {
 }
 
 struct Tc {
-    // Drop order: watcher first (it holds a clone of `ebpf`).
+    // Drop order: watcher and expiry timer first (they hold clones of `ebpf`).
     _watcher: AddressWatcher,
+    _expiry: ct::ExpiryTimer,
     path: TcPath,
     xdp: XdpPath,
     ebpf: Arc<Mutex<Ebpf>>,
@@ -164,8 +168,15 @@ impl EbpfMode {
                 drop(ebpf);
                 *addrs2.lock().expect("poisoned") = Some(a.clone());
             });
+            let (m, ct_entries) = (telemetry.clone(), cfg.ebpf.map_sizes.ct);
+            let expiry = ct::ExpiryTimer::spawn(ebpf.clone(), cfg.ct_timeouts, move |ebpf| {
+                if let Some(m) = &m {
+                    report_ct_fill(m.as_ref(), ebpf, ct_entries);
+                }
+            });
             Some(Tc {
                 _watcher: watcher,
+                _expiry: expiry,
                 path,
                 xdp,
                 ebpf,
@@ -233,15 +244,8 @@ impl EbpfMode {
                 Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
                 Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
             }
-            if let Some(m) = &self.telemetry
-                && let Ok(entries) = ct::entries(&ebpf)
-            {
-                m.bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
-            }
-            if let Some(m) = &self.telemetry
-                && let Ok(entries) = ct::entries6(&ebpf)
-            {
-                m.bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
+            if let Some(m) = &self.telemetry {
+                report_ct_fill(m.as_ref(), &ebpf, self.ct_entries);
             }
         }
         if let Some(m) = &self.telemetry {
@@ -249,6 +253,22 @@ impl EbpfMode {
                 m.bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
             }
         }
+    }
+}
+
+/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`) and the new
+/// flows dropped for want of a SNAT port (`kproxy_bpf_snat_failures_total`).
+fn report_ct_fill(m: &dyn Telemetry, ebpf: &Ebpf, capacity: u32) {
+    if let Ok(stats) = TcPath::stats(ebpf)
+        && let Some(n) = stats.get(stat_name(TcStat::SnatExhausted))
+    {
+        m.snat_failures(*n);
+    }
+    if let Ok(entries) = ct::entries(ebpf) {
+        m.bpf_map("ct", entries.len() as i64, i64::from(capacity));
+    }
+    if let Ok(entries) = ct::entries6(ebpf) {
+        m.bpf_map("ct6", entries.len() as i64, i64::from(capacity));
     }
 }
 

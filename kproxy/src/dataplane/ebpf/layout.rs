@@ -21,7 +21,7 @@
 //! any map was carried over or replaced, the pinned socket-LB links (whose programs still
 //! reference the old maps) are removed too, so the loader attaches this build's programs
 //! against the new maps (a gap of a few milliseconds in which connects are not translated);
-//! the TC links always get this build's programs on start (`ebpf_tc::attach`).
+//! the TC links always get this build's programs on start (`node_path::tc`).
 
 use std::collections::BTreeMap;
 use std::fs;

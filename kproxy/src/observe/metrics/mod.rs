@@ -267,6 +267,9 @@ pub(crate) struct Generic {
     pub bpf_map_entries: Family<MapLabels, Gauge>,
     pub bpf_map_capacity: Family<MapLabels, Gauge>,
     pub bpf_skipped_service_ports: Family<ProtocolLabels, Gauge>,
+    pub bpf_snat_failures: Counter,
+    /// The programs' summed counter at the last [`Metrics::set_bpf_snat_failures`].
+    bpf_snat_failures_last: AtomicU64,
 }
 
 // Every series that can exist is created up front (prometheus-client leaves out a family
@@ -293,6 +296,8 @@ impl Generic {
             programmed_services: Gauge::default(),
             programmed_endpoints: Gauge::default(),
             bpf_skipped_service_ports: Family::default(),
+            bpf_snat_failures: Counter::default(),
+            bpf_snat_failures_last: AtomicU64::new(0),
             bpf_map_entries: Family::default(),
             bpf_map_capacity: Family::default(),
         }
@@ -378,6 +383,12 @@ impl Generic {
             "Service ports of the last sync the eBPF datapath does not translate, by protocol \
              (eBPF mode; SCTP has no socket-LB or TC translation)",
             self.bpf_skipped_service_ports.clone(),
+        );
+        own.register(
+            "bpf_snat_failures",
+            "New flows the eBPF node-device path dropped because no SNAT port was free for \
+             their backend (eBPF mode; every port of the range in use)",
+            self.bpf_snat_failures.clone(),
         );
         own.register(
             "sync_errors",
@@ -651,6 +662,16 @@ impl Metrics {
             .set(capacity);
     }
 
+    /// `kproxy_bpf_snat_failures_total`: reports the programs' current (absolute) count of new
+    /// flows dropped for want of a SNAT port; the exported counter grows by the difference to
+    /// the previous reading (a reset, e.g. maps recreated, counts again from the new value).
+    pub fn set_bpf_snat_failures(&self, total: u64) {
+        let g = &self.inner.generic;
+        let last = g.bpf_snat_failures_last.swap(total, Ordering::Relaxed);
+        g.bpf_snat_failures
+            .inc_by(if total >= last { total - last } else { total });
+    }
+
     /// `kproxy_bpf_skipped_service_ports{protocol}`: service ports of the last sync that the
     /// eBPF datapath does not translate (set by the ebpf mode after every sync).
     pub fn set_bpf_skipped_service_ports(&self, protocol: &str, ports: i64) {
@@ -766,6 +787,9 @@ impl crate::dataplane::Telemetry for Metrics {
     fn skipped_service_ports(&self, protocol: &str, count: i64) {
         self.set_bpf_skipped_service_ports(protocol, count);
     }
+    fn snat_failures(&self, total: u64) {
+        self.set_bpf_snat_failures(total);
+    }
     fn conntrack_cleanup(&self, family: IpFamily, deleted: u64, seconds: f64) {
         self.conntrack().deleted(family, deleted);
         self.conntrack().observe(family, seconds);
@@ -874,5 +898,17 @@ mod tests {
         );
         let ipt = Metrics::new(ProxyMode::Iptables).encode();
         assert!(!ipt.contains("kproxy_bpf_skipped_service_ports{"), "{ipt}");
+    }
+
+    #[test]
+    fn bpf_snat_failures_count_the_programs_counter_growth() {
+        let m = Metrics::new(ProxyMode::Ebpf);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 0\n"));
+        m.set_bpf_snat_failures(3);
+        m.set_bpf_snat_failures(5);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 5\n"));
+        // The programs' counter restarted (maps recreated): counted from the new value.
+        m.set_bpf_snat_failures(2);
+        assert!(m.encode().contains("kproxy_bpf_snat_failures_total 7\n"));
     }
 }

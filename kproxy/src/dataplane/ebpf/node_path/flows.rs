@@ -5,8 +5,19 @@
 //! - [`purge_backends`]: after a sync removed backends, delete every entry of every flow to
 //!   them (the eBPF applier calls it with the removed backend ids), so the next packet of such
 //!   a flow is load-balanced afresh instead of being sent to an address that is gone.
-//! - [`expire`]: delete flows idle for longer than their protocol's timeout (the agent calls
-//!   it periodically; the LRU map also evicts under pressure).
+//! - [`expire`]: delete flows idle for longer than their state's timeout (the agent runs it
+//!   on its own timer, every [`Timeouts::interval`], and after syncs; the LRU map also evicts
+//!   under pressure, but eviction picks idle *live* flows as readily as dead ones, so closed
+//!   flows must go by expiry before the table fills).
+//!
+//! TCP flows expire like kernel conntrack (nf_conntrack_proto_tcp) expires them, from the
+//! close state the programs record in each entry (`kproxy_common::ct::TcpCloseState`):
+//! established → [`Timeouts::tcp`]; FIN one way (half-closed, the kernel's FIN_WAIT /
+//! CLOSE_WAIT) → [`Timeouts::tcp_closing`] (`--conntrack-tcp-timeout-close-wait`, which upstream
+//! writes to `nf_conntrack_tcp_timeout_close_wait`); FIN both ways (LAST_ACK / TIME_WAIT) →
+//! [`Timeouts::tcp_time_wait`] (kernel default 120 s); RST (CLOSE) → [`Timeouts::tcp_close`]
+//! (kernel default 10 s). Not modelled: the kernel's shorter SYN_RECV / LAST_ACK timers and
+//! its 120 s FIN_WAIT before the FIN is acknowledged (the half-closed timeout covers both).
 //!
 //! Entries of one flow are recognised by what the programs copy into all of them: service id,
 //! backend id, protocol and creation time. A flow's idle time is that of its most recently
@@ -14,36 +25,81 @@
 //! Planning ([`plan_purge`], [`plan_expiry`]) is pure; the map I/O is a dump and deletes.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aya::Ebpf;
 use aya::Pod;
 use aya::maps::HashMap as BpfHashMap;
 use kproxy_common::ct::{
-    CT_F_CLOSING, CtEntry, CtKey, DEFAULT_TCP_TIMEOUT_SECS, DEFAULT_UDP_TIMEOUT_SECS, MAP_CT,
+    CT_F_CLOSE_MASK, CtEntry, CtKey, DEFAULT_TCP_TIMEOUT_SECS, DEFAULT_UDP_TIMEOUT_SECS, MAP_CT,
+    TcpCloseState,
 };
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::PROTO_TCP;
 
 use crate::dataplane::ebpf::node_path::TcError;
+use kproxy_common::ct::{
+    DEFAULT_CT_EXPIRY_INTERVAL_SECS, DEFAULT_CT_TCP_CLOSE_SECS, DEFAULT_CT_TCP_TIME_WAIT_SECS,
+};
 
 /// Idle timeouts of [`expire`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
     /// Established TCP (kube-proxy `--conntrack-tcp-timeout-established`).
     pub tcp: Duration,
-    /// TCP after FIN/RST (kube-proxy `--conntrack-tcp-timeout-close-wait`).
+    /// Half-closed TCP: a FIN in one direction only (kube-proxy
+    /// `--conntrack-tcp-timeout-close-wait`).
     pub tcp_closing: Duration,
+    /// Closed TCP: a FIN in both directions (kernel `nf_conntrack_tcp_timeout_time_wait`;
+    /// kproxy extension `bpf.conntrack.tcpTimeWaitTimeout`).
+    pub tcp_time_wait: Duration,
+    /// Reset TCP: a RST seen (kernel `nf_conntrack_tcp_timeout_close`; kproxy extension
+    /// `bpf.conntrack.tcpCloseTimeout`).
+    pub tcp_close: Duration,
     /// UDP (and everything else).
     pub udp: Duration,
+    /// How often the agent runs [`expire`] on its own timer (kproxy extension
+    /// `bpf.conntrack.expiryInterval`).
+    pub interval: Duration,
+}
+
+/// Kernel default of `nf_conntrack_tcp_timeout_close_wait` (upstream kube-proxy raises it to
+/// 1 h through `--conntrack-tcp-timeout-close-wait`, which the agent passes on).
+pub const DEFAULT_TCP_CLOSE_WAIT: Duration = Duration::from_secs(60);
+/// Kernel default of `nf_conntrack_tcp_timeout_time_wait`.
+pub const DEFAULT_TCP_TIME_WAIT: Duration = Duration::from_secs(DEFAULT_CT_TCP_TIME_WAIT_SECS);
+/// Kernel default of `nf_conntrack_tcp_timeout_close`.
+pub const DEFAULT_TCP_CLOSE: Duration = Duration::from_secs(DEFAULT_CT_TCP_CLOSE_SECS);
+/// Default period of the agent's expiry timer: a closed flow's entries are gone at most this
+/// long after its timeout. Each run dumps the tables (≈ 2 syscalls per entry).
+pub const DEFAULT_EXPIRY_INTERVAL: Duration = Duration::from_secs(DEFAULT_CT_EXPIRY_INTERVAL_SECS);
+
+impl Timeouts {
+    /// The idle timeout of a flow of protocol `proto` whose entries' flags ORed are `flags`.
+    pub fn of(&self, proto: u8, flags: u16) -> Duration {
+        if proto != PROTO_TCP {
+            return self.udp;
+        }
+        match TcpCloseState::of(flags) {
+            TcpCloseState::Open => self.tcp,
+            TcpCloseState::HalfClosed | TcpCloseState::Legacy => self.tcp_closing,
+            TcpCloseState::Closed => self.tcp_time_wait,
+            TcpCloseState::Reset => self.tcp_close,
+        }
+    }
 }
 
 impl Default for Timeouts {
     fn default() -> Self {
         Timeouts {
             tcp: Duration::from_secs(DEFAULT_TCP_TIMEOUT_SECS.into()),
-            tcp_closing: Duration::from_secs(60),
+            tcp_closing: DEFAULT_TCP_CLOSE_WAIT,
+            tcp_time_wait: DEFAULT_TCP_TIME_WAIT,
+            tcp_close: DEFAULT_TCP_CLOSE,
             udp: Duration::from_secs(DEFAULT_UDP_TIMEOUT_SECS.into()),
+            interval: DEFAULT_EXPIRY_INTERVAL,
         }
     }
 }
@@ -121,21 +177,19 @@ pub fn plan_expiry<K: FlowKey, E: FlowEntry>(
     now_ns: u64,
     t: &Timeouts,
 ) -> Vec<K> {
-    let mut flows: HashMap<FlowId, (u64, bool)> = HashMap::new();
+    // Per flow: the most recent use and the close bits of all its entries (each entry sees
+    // one direction or both, so only the union tells whether both sides sent a FIN).
+    let mut flows: HashMap<FlowId, (u64, u16)> = HashMap::new();
     for (k, e) in entries {
-        let f = flows.entry(flow_id(k, e)).or_insert((0, false));
+        let f = flows.entry(flow_id(k, e)).or_insert((0, 0));
         f.0 = f.0.max(e.last_seen_ns());
-        f.1 |= e.flags() & CT_F_CLOSING != 0;
+        f.1 |= e.flags() & CT_F_CLOSE_MASK;
     }
     entries
         .iter()
         .filter(|(k, e)| {
-            let (last, closing) = flows[&flow_id(k, e)];
-            let timeout = match (k.proto(), closing) {
-                (PROTO_TCP, true) => t.tcp_closing,
-                (PROTO_TCP, false) => t.tcp,
-                _ => t.udp,
-            };
+            let (last, flags) = flows[&flow_id(k, e)];
+            let timeout = t.of(k.proto(), flags);
             now_ns.saturating_sub(last) > timeout.as_nanos() as u64
         })
         .map(|(k, _)| *k)
@@ -195,6 +249,52 @@ pub fn expire(ebpf: &mut Ebpf, timeouts: &Timeouts) -> Result<usize, TcError> {
     let keys6 = plan_expiry(&entries6(ebpf)?, now, timeouts);
     n += delete::<CtKey6, CtEntry6>(ebpf, MAP_CT6, &keys6)?;
     Ok(n)
+}
+
+/// [`expire`] on its own thread every [`Timeouts::interval`], so closed flows leave the tables
+/// whether or not syncs happen (a quiet cluster may not sync for an hour). Stopped (and
+/// joined) on drop. `after` runs after each pass with the table it expired (for metrics).
+pub struct ExpiryTimer {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ExpiryTimer {
+    pub fn spawn<F>(ebpf: Arc<Mutex<Ebpf>>, timeouts: Timeouts, mut after: F) -> Self
+    where
+        F: FnMut(&Ebpf) + Send + 'static,
+    {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let interval = timeouts.interval.max(Duration::from_millis(100));
+        let thread = std::thread::Builder::new()
+            .name("kp-ct-expiry".into())
+            .spawn(move || {
+                while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
+                    let mut ebpf = ebpf.lock().expect("poisoned");
+                    match expire(&mut ebpf, &timeouts) {
+                        Ok(0) => {}
+                        Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
+                        Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
+                    }
+                    after(&ebpf);
+                }
+            })
+            .expect("spawning the CT expiry thread");
+        ExpiryTimer {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for ExpiryTimer {
+    fn drop(&mut self) {
+        // Dropping the sender wakes the thread (Disconnected) at once.
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock the programs stamp entries with).
@@ -262,11 +362,73 @@ mod tests {
         ];
         assert_eq!(plan_expiry(&entries, now, &t), vec![entries[2].0]);
         let mut closing = entries.clone();
-        closing[3].1.flags |= CT_F_CLOSING;
+        closing[3].1.flags |= kproxy_common::ct::CT_F_CLOSING;
         assert_eq!(
             plan_expiry(&closing, now, &t),
             vec![closing[2].0, closing[3].0]
         );
+    }
+
+    #[test]
+    fn tcp_flows_expire_by_their_close_state_like_kernel_conntrack() {
+        use kproxy_common::ct::{CT_F_CLOSING, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_RST};
+        let t = Timeouts {
+            tcp: Duration::from_secs(1000),
+            tcp_closing: Duration::from_secs(300),
+            tcp_time_wait: Duration::from_secs(120),
+            tcp_close: Duration::from_secs(10),
+            ..Timeouts::default()
+        };
+        let now = 10_000 * S;
+        // Flow per backend id, each with a Service and a RevDnat entry, idle `idle` seconds;
+        // the FIN bits are split over the entries as the programs write them (orig in the
+        // Service entry, reply in the RevDnat one).
+        let flow = |backend: u32, idle: u64, svc_flags: u16, rev_flags: u16| {
+            let mut a = entry(
+                CtKind::Service,
+                PROTO_TCP,
+                backend,
+                u64::from(backend),
+                now - idle * S,
+            );
+            let mut b = entry(
+                CtKind::RevDnat,
+                PROTO_TCP,
+                backend,
+                u64::from(backend),
+                now - idle * S,
+            );
+            a.1.flags = svc_flags;
+            b.1.flags = rev_flags;
+            [a, b]
+        };
+        let entries: Vec<_> = [
+            flow(1, 200, 0, 0),                            // established: alive
+            flow(2, 200, CT_F_CLOSING | CT_F_FIN_ORIG, 0), // half-closed: alive
+            flow(
+                3,
+                200,
+                CT_F_CLOSING | CT_F_FIN_ORIG,
+                CT_F_CLOSING | CT_F_FIN_REPLY,
+            ), // closed
+            flow(
+                4,
+                100,
+                CT_F_CLOSING | CT_F_FIN_ORIG,
+                CT_F_CLOSING | CT_F_FIN_REPLY,
+            ), // closed, young
+            flow(5, 11, 0, CT_F_CLOSING | CT_F_RST),       // reset: gone after 10 s
+            flow(6, 400, 0, CT_F_CLOSING | CT_F_FIN_REPLY), // half-closed too long
+            flow(7, 200, CT_F_CLOSING, 0),                 // an earlier build's mark
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let expired: Vec<u32> = plan_expiry(&entries, now, &t)
+            .iter()
+            .map(|k| k.saddr / 100)
+            .collect();
+        assert_eq!(expired, vec![3, 3, 5, 5, 6, 6]);
     }
 
     #[test]
