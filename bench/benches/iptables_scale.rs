@@ -1,4 +1,4 @@
-//! `cargo bench -p kproxy-tests --bench iptables_scale` (root): the iptables proxier at
+//! `cargo bench -p kproxy-bench --bench iptables_scale` (root): the iptables proxier at
 //! 10,000 ClusterIP services × 5 endpoints in a private network namespace, per backend:
 //! cold start (first, full sync), a partial sync after one endpoint change, and a forced full
 //! resync. Prints the timings; asserts nothing about them.

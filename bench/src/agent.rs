@@ -9,9 +9,9 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 
-pub use crate::agentproc::{ScratchDir, strip_ansi};
-use crate::netns::{Bpffs, Netns, TestCgroup};
-use crate::topology::{NODE_CLIENT_IF, Probe, kproxy_bin, target_bin};
+pub use kproxy_tests::agentproc::{ScratchDir, strip_ansi};
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup};
+use kproxy_tests::topology::{NODE_CLIENT_IF, Probe, kproxy_bin, target_bin};
 
 use super::services::NODE_NAME;
 
@@ -54,7 +54,7 @@ pub fn iptables_backend(mode: &str) -> Option<&'static str> {
 pub fn plant_backend_hint(node: &Netns, backend: &str) -> anyhow::Result<()> {
     let mut cmd = node.command(format!("iptables-{backend}"));
     cmd.args(["-w", "5", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
-    crate::netns::run_checked(&mut cmd)
+    kproxy_tests::netns::run_checked(&mut cmd)
         .with_context(|| format!("hint chain in iptables-{backend}"))?;
     Ok(())
 }
@@ -65,7 +65,7 @@ pub fn check_backend(node: &Netns, backend: &str) -> anyhow::Result<()> {
     let has_services = |b: &str| -> anyhow::Result<bool> {
         let mut cmd = node.command(format!("iptables-{b}-save"));
         cmd.args(["-t", "nat"]);
-        let out = crate::netns::run_checked(&mut cmd)?;
+        let out = kproxy_tests::netns::run_checked(&mut cmd)?;
         Ok(out.lines().any(|l| l.starts_with(":KUBE-SERVICES ")))
     };
     let other = if backend == "nft" { "legacy" } else { "nft" };

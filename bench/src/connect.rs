@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::netns::{Bpffs, Netns, TestCgroup, run_checked};
-use crate::topology::{Topology, TopologySpec, target_bin};
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, run_checked};
+use kproxy_tests::topology::{Topology, TopologySpec, target_bin};
 
 use super::agent::{AgentSpec, ScratchDir, Source, check_backend, iptables_backend};
 use super::services::ServiceSet;
@@ -132,7 +132,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
         count: n,
         endpoints_per_service: 5,
         target_backends: vec![topo.pod("pod-l1").ip, topo.pod("pod-l2").ip],
-        node_ip: crate::topology::NODE_IP,
+        node_ip: kproxy_tests::topology::NODE_IP,
     };
     let manifests = scratch.path().join("services.yaml");
     std::fs::write(&manifests, set.manifests())?;

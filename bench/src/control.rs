@@ -24,9 +24,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
 
-use crate::fakeapi::FakeApi;
-use crate::netns::{Bpffs, Netns, TestCgroup};
-use crate::topology::TopologySpec;
+use kproxy_tests::fakeapi::FakeApi;
+use kproxy_tests::netns::{Bpffs, Netns, TestCgroup};
+use kproxy_tests::topology::TopologySpec;
 
 use super::agent::{AgentSpec, ScratchDir, Source, Waiter, check_backend, iptables_backend};
 use super::services::ServiceSet;
@@ -102,7 +102,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
         count: n,
         endpoints_per_service: 5,
         target_backends: vec![l1],
-        node_ip: crate::topology::NODE_IP,
+        node_ip: kproxy_tests::topology::NODE_IP,
     };
     let server = NetnsApi::start(&topo.node)?;
     let api = &server.api;
@@ -302,7 +302,7 @@ fn restore_floors(
 ) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let mut save = node.command(format!("iptables-{backend}-save"));
     save.args(["-t", "nat"]);
-    let saved = crate::netns::run_checked(&mut save)?;
+    let saved = kproxy_tests::netns::run_checked(&mut save)?;
     let dest = format!("-d {cluster_ip}/32 ");
     let chain = saved
         .lines()

@@ -3,7 +3,9 @@
 //!
 //! The measuring runs in the `kp-bench` binary of this package (it needs the test topology,
 //! the fake API server and root); `xtask bench` builds it and the agent in release mode and
-//! runs it. What it measures:
+//! runs it. This crate is `bench/` of the repository: the code in `src/`, beside the report a
+//! full run writes there and the repository keeps (`REPORT.md`, `results.json`, the SVG plots,
+//! `README-section.md`). What it measures:
 //!
 //! | group | figure | baseline |
 //! |---|---|---|

@@ -19,8 +19,8 @@ use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::DEFAULT_TABLE_SIZE;
 
 use super::{Figure, Plan, Results};
-use crate::maglev::{BACKEND_PORT, config, node_port_snapshot};
-use crate::netns::Bpffs;
+use kproxy_tests::maglev::{BACKEND_PORT, config, node_port_snapshot};
+use kproxy_tests::netns::Bpffs;
 
 /// Backends of the measured service.
 pub const BACKENDS: u32 = 1_000;

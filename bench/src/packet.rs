@@ -114,7 +114,7 @@ pub fn single_runs(plan: &Plan) -> u32 {
 /// minute: the 1k `established` outlier).
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
     // The object declares pinned maps: keep them on a private bpffs.
-    let counter_fs = crate::netns::Bpffs::new("bench-counter")?;
+    let counter_fs = kproxy_tests::netns::Bpffs::new("bench-counter")?;
     let mut counter = PacketCounter::load_with_pins(counter_fs.path())?;
     // 256 flows (source ports): the same rotation the datapath paths use.
     let packets: Vec<Vec<u8>> = (0..256u16).map(|i| udp_packet(40_000 + i)).collect();

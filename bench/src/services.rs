@@ -18,7 +18,7 @@ pub const SERVICE_PORT: u16 = 80;
 pub struct ServiceSet {
     pub count: u32,
     pub endpoints_per_service: u32,
-    /// Backends of the target service (real pods, port [`crate::topology::POD_PORT`]).
+    /// Backends of the target service (real pods, port [`kproxy_tests::topology::POD_PORT`]).
     pub target_backends: Vec<Ipv4Addr>,
     /// The node's address (for the Node object).
     pub node_ip: Ipv4Addr,
@@ -61,7 +61,7 @@ impl ServiceSet {
             "spec": {"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip],
                      "ipFamilies": ["IPv4"],
                      "ports": [{"name": "http", "protocol": "TCP", "port": SERVICE_PORT,
-                                "targetPort": crate::topology::POD_PORT}]}
+                                "targetPort": kproxy_tests::topology::POD_PORT}]}
         })
     }
 
@@ -78,7 +78,7 @@ impl ServiceSet {
             "metadata": {"name": format!("{}-1", Self::name(i)), "namespace": "bench",
                          "labels": {"kubernetes.io/service-name": Self::name(i)}},
             "addressType": "IPv4",
-            "ports": [{"name": "http", "protocol": "TCP", "port": crate::topology::POD_PORT}],
+            "ports": [{"name": "http", "protocol": "TCP", "port": kproxy_tests::topology::POD_PORT}],
             "endpoints": endpoints
         })
     }

@@ -70,7 +70,7 @@ use kproxy_common::ct::MAP_CT;
 use kproxy_common::ct6::MAP_CT6;
 use nix::net::if_::if_nametoindex;
 
-use crate::netns::{Bpffs, Netns};
+use kproxy_tests::netns::{Bpffs, Netns};
 
 /// The cases measured, in report order.
 pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];

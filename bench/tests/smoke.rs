@@ -1,8 +1,10 @@
 //! `kp-bench --quick` (what `cargo xtask bench --quick` runs) completes and writes a report
 //! whose JSON holds the commit and, per figure, the number of samples the quick plan asks
 //! for; every figure it could not measure is listed with a reason. No timing is asserted.
+//! kp-bench runs `kproxy` and `kp-probe` of the same profile: `cargo build -p kproxy -p
+//! kproxy-tests --bins` first (`cargo xtask test` builds them).
 
-use kproxy_tests::bench::{Plan, Results};
+use kproxy_bench::{Plan, Results};
 use kproxy_tests::netns::{require_root, run_checked};
 use kproxy_tests::topology::target_bin;
 

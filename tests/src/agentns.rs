@@ -1,17 +1,15 @@
-//! Helpers shared by the agent-process tests of `agent_node_cidr.rs` and `inspect_api.rs`
-//! (the agent process itself: `kproxy_tests::agentproc`): a fake API server listening inside
-//! a network namespace (so an agent in that namespace reaches it on 127.0.0.1), the nat rules
-//! of both iptables backends, and one-shot `kproxy` commands.
-
-#![allow(dead_code)]
+//! Around an agent process in a network namespace, for the `agent` group's `agent_node_cidr`
+//! and `inspect_api` (the agent process itself: [`crate::agentproc`]): a fake API server
+//! listening inside a network namespace (so an agent in that namespace reaches it on
+//! 127.0.0.1), the nat rules of both iptables backends, and one-shot `kproxy` commands.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use kproxy_tests::fakeapi::FakeApi;
-use kproxy_tests::netns::Netns;
-use kproxy_tests::topology::kproxy_bin;
+use crate::fakeapi::FakeApi;
+use crate::netns::Netns;
+use crate::topology::kproxy_bin;
 
 /// A fake API server listening on 127.0.0.1 inside a network namespace, served by a
 /// current-thread runtime on a thread of that namespace. Stopped on drop.

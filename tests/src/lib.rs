@@ -1,7 +1,9 @@
-//! Support code for kproxy's integration tests.
+//! Support code for kproxy's integration tests (tests/tests/, grouped as tests/README.md
+//! explains) and its benchmarks (the `kproxy-bench` crate). Every helper lives here; the
+//! helpers' own tests are this library's unit tests (`selftest`).
 //!
-//! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests.
-//! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
+//! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests;
+//!   [`agentns`]: a fake API server in the agent's network namespace, its nat rules.
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`maglev`]: the Maglev NodePort scenario of the `ebpf_maglev` test and the maglev bench.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
@@ -12,9 +14,11 @@
 //!   tracer (upstream `tracePacket` semantics).
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
+//! - [`tc`]: the TC-program kit of the eBPF tests (object loading, service maps, crafted
+//!   frames, the traffic rig).
 
+pub mod agentns;
 pub mod agentproc;
-pub mod bench;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;
@@ -23,4 +27,7 @@ pub mod iptables_tracer;
 pub mod maglev;
 pub mod netns;
 pub mod recording;
+#[cfg(test)]
+mod selftest;
+pub mod tc;
 pub mod topology;

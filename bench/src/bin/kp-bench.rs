@@ -1,5 +1,5 @@
 //! `kp-bench [--quick] [--out DIR] [--only GROUP,…] [--commit SHA]`: runs kproxy's
-//! benchmarks (see `kproxy_tests::bench`) and writes the report into DIR (default `bench/`).
+//! benchmarks (see `kproxy_bench`) and writes the report into DIR (default `bench/`).
 //! Needs root. `cargo xtask bench` builds everything in release mode and runs this.
 //!
 //! The ipvs figures (the host kernel has no IPVS) come from two more invocations, both driven
@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::{Instant, SystemTime};
 
 use anyhow::Context as _;
-use kproxy_tests::bench::{
+use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json, maglev,
     packet, report,
 };

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::fakeapi::FakeApi;
 use axum::body::Body;
 use axum::http::{Method, Request};
 use futures::StreamExt;
@@ -11,7 +12,6 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kproxy_tests::fakeapi::FakeApi;
 use serde_json::{Value, json};
 
 /// Liveness bound for anything the test waits for.

@@ -1,4 +1,4 @@
-//! The kernel sandboxes of `kproxy_tests::netns` do what other tests rely on: they isolate,
+//! The kernel sandboxes of [`crate::netns`] do what other tests rely on: they isolate,
 //! connect, and leave nothing behind (also after a panic).
 
 use std::net::UdpSocket;
@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, Veth, VethEnd, require_root};
+use crate::netns::{Bpffs, Netns, TestCgroup, Veth, VethEnd, require_root};
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 

@@ -1,9 +1,9 @@
-//! The shared traffic topology (`kproxy_tests::topology`) routes like a CNI without any proxy:
+//! The shared traffic topology ([`crate::topology`]) routes like a CNI without any proxy:
 //! the client reaches local and remote pods through the node, pods reach each other, both
 //! families, and `kp-probe` reports who answered, the peer it saw, and errors by kind.
 
-use kproxy_tests::netns::require_root;
-use kproxy_tests::topology::{CLIENT_IP, CLIENT_IP6, Probe, TopologySpec, assert_spread, probe};
+use crate::netns::require_root;
+use crate::topology::{CLIENT_IP, CLIENT_IP6, Probe, TopologySpec, assert_spread, probe};
 
 #[test]
 fn client_and_pods_reach_local_and_remote_pods_directly_over_ipv4_and_ipv6() {

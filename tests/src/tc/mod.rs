@@ -1,13 +1,14 @@
-//! Shared by the `ebpf_tc*` tests: loading the object with a private bpffs, writing the
-//! service maps the way the eBPF applier does (`kproxy_common::service` encoding), crafting
-//! IPv4 frames and checking their checksums.
-#![allow(dead_code)]
+//! The TC-program kit of the `ebpf` test group (`ebpf_tc*`, `ebpf_maglev`, `ebpf_xdp_fastpath`):
+//! loading the object with a private bpffs, writing the service maps the way the eBPF applier
+//! does (`kproxy_common::service` encoding), crafting IPv4 frames and checking their checksums;
+//! IPv6 frames in [`frames6`], the traffic rig of `ebpf_tc`/`ebpf_tc6` in [`rig`].
 
 pub mod frames6;
 pub mod rig;
 
 use std::net::{IpAddr, Ipv4Addr};
 
+use crate::netns::Bpffs;
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
@@ -18,7 +19,6 @@ use kproxy_common::service::{
     SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey,
     ServiceValue, SlotValue, SourceRangeKey, v4_mapped,
 };
-use kproxy_tests::netns::Bpffs;
 
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;

@@ -8,6 +8,8 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::netns::Bpffs;
+use crate::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
 use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
 use kproxy::dataplane::Dataplane;
@@ -19,8 +21,6 @@ use kproxy::model::{
     ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ServicePort,
     ServicePortName, ServiceType, Snapshot, testing,
 };
-use kproxy_tests::netns::Bpffs;
-use kproxy_tests::topology::{NODE_CLIENT_IF, NODE_PEER_IF, Probe, Topology, TopologySpec};
 
 pub const NODE_PORT: u16 = 30080;
 pub const POD_PORT: u16 = 8080;
@@ -203,7 +203,7 @@ impl Rig {
         assert_eq!(report.failed_services, 0, "{report:?}");
     }
 
-    pub fn probe(&self, p: Probe) -> kproxy_tests::topology::ProbeResult {
+    pub fn probe(&self, p: Probe) -> crate::topology::ProbeResult {
         p.run(&self.topo.client, None).unwrap()
     }
 

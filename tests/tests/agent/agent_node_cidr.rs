@@ -10,15 +10,13 @@
 //! - when the podCIDRs change afterwards, the agent exits 1 (to restart with the new ones),
 //!   as upstream's NodePodCIDRHandler does.
 
-mod ops_support;
-
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy_tests::agentns::{NsFakeApi, nat_rules};
 use kproxy_tests::agentproc::{AgentProcess, LIVENESS, ScratchDir, http_get};
 use kproxy_tests::netns::{Netns, require_root};
-use ops_support::{NsFakeApi, nat_rules};
 
 const NODE: &str = "kpt-node";
 const POD_CIDR: &str = "10.244.1.0/24";

@@ -3,15 +3,13 @@
 //! states and node-locality come from the API (listed once, the agent's snapshot), the kernel
 //! column from what iptables holds.
 
-mod ops_support;
-
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy_tests::agentns::{NsFakeApi, kproxy_output, nat_rules};
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir};
 use kproxy_tests::netns::{Netns, require_root};
-use ops_support::{NsFakeApi, kproxy_output, nat_rules};
 
 const NODE: &str = "kpt-node";
 

@@ -6,14 +6,11 @@
 //! same 5-tuple maps to the same backend again once its connection-table entry is gone, and
 //! that removing 1 of N backends moves that backend's flows and at most half as many others.
 
-mod ebpf_tc_support;
-
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
-use ebpf_tc_support::*;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, LbAlgorithm, maglev};
 use kproxy::dataplane::ebpf_tc::attach::load_object;
@@ -23,6 +20,7 @@ use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::flow_hash;
 use kproxy_tests::maglev::{BACKEND_PORT as BPORT, NODE, NODE_PORT, node_port_snapshot};
 use kproxy_tests::netns::{Bpffs, require_root};
+use kproxy_tests::tc::*;
 
 const NODE_INNER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const M: u32 = 16_381;

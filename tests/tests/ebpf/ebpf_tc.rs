@@ -9,8 +9,6 @@
 //! LB VIP 203.0.113.20; backends pod-l0 (local, 10.244.1.2) and pod-r0 (on node2,
 //! 10.244.2.2), port 8080.
 
-mod ebpf_tc_support;
-
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr};
@@ -20,8 +18,6 @@ use std::time::{Duration, Instant};
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
-use ebpf_tc_support::ct_entries;
-use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::EbpfDataplane;
 use kproxy::dataplane::ebpf_tc::addresses::AddressWatcher;
@@ -30,6 +26,8 @@ use kproxy::dataplane::ebpf_tc::{TcPath, ct};
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServiceType};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
 use kproxy_tests::netns::{Bpffs, require_root};
+use kproxy_tests::tc::ct_entries;
+use kproxy_tests::tc::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Probe,
 };

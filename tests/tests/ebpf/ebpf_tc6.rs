@@ -7,21 +7,19 @@
 //! `fd00:78::1` toward node2), externalIP `fd00:203::10`, LB VIP `fd00:203::20`; backends
 //! pod-l0 (local, `fd00:244:1::2`) and pod-r0 (on node2, `fd00:244:2::2`), port 8080.
 
-mod ebpf_tc_support;
-
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv6Addr};
 use std::time::Duration;
 
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
-use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy::dataplane::ebpf_tc::{TcPath, ct};
 use kproxy::model::{Endpoint, Protocol, ServicePort, ServiceType};
 use kproxy_common::ct::CtKind;
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
 use kproxy_tests::netns::require_root;
+use kproxy_tests::tc::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy_tests::topology::{CLIENT_IP6, NODE_IP, NODE_IP6, NODE_LINK_IP, NODE_LINK_IP6, Probe};
 
 const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x203, 0, 0, 0, 0, 0, 0x10);
@@ -105,7 +103,7 @@ fn ipv6_nodeport_from_outside_reaches_local_and_remote_backends() {
         "a RevDnat entry holding the allocated node address: {entries:?}"
     );
     assert!(
-        ebpf_tc_support::ct_entries(&ebpf).is_empty(),
+        kproxy_tests::tc::ct_entries(&ebpf).is_empty(),
         "no IPv4 flow"
     );
 }

@@ -5,13 +5,10 @@
 //! checking the rewritten headers and that every checksum (IP, TCP/UDP with pseudo header,
 //! ICMP, quoted IP) is right.
 
-mod ebpf_tc_support;
-
 use std::net::Ipv4Addr;
 
 use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap};
-use ebpf_tc_support::*;
 use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run, run_xdp};
 use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
 use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
@@ -22,6 +19,7 @@ use kproxy_common::service::{
     SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, require_root};
+use kproxy_tests::tc::*;
 
 const NEXT: i32 = -1;
 const DROP: i32 = 2;

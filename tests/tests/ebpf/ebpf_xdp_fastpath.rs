@@ -1,7 +1,7 @@
 //! The XDP NodePort fast path (`kp_xdp` → `kproxy-ebpf/src/xdp_fwd.rs`) with real packets: the
 //! shared topology (client ─ node ─ node2), `kp_tc_in`/`kp_tc_eg` on the node's two devices
 //! and `kp_xdp` attached natively beside them; NodePort frontends written into the service
-//! maps directly (the `ebpf_tc_support` encoding): 30080 TCP/UDP → pod-r0 on node2 (remote,
+//! maps directly (the `kproxy_tests::tc` encoding): 30080 TCP/UDP → pod-r0 on node2 (remote,
 //! SNATed), 30081 TCP → pod-l0 (local). The client talks through in-process sockets created in
 //! its namespace, so one connection can outlive attaching and detaching XDP.
 //!
@@ -12,15 +12,12 @@
 //! over CHECKSUM_PARTIAL frames; transmit checksum offload is turned off on those two ends,
 //! as a physical NIC's received frames always are complete).
 
-mod ebpf_tc_support;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use aya::Ebpf;
-use ebpf_tc_support::{backend, frontend, load, slots};
 use kproxy::bpf::PacketCounter;
 use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
 use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy, driver};
@@ -30,6 +27,7 @@ use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
 };
 use kproxy_tests::netns::{Bpffs, Netns, require_root};
+use kproxy_tests::tc::{backend, frontend, load, slots};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Topology, TopologySpec,
 };
@@ -454,8 +452,8 @@ fn frames_the_fast_path_cannot_forward_are_passed() {
     if !require_root() {
         return;
     }
-    use ebpf_tc_support::{csum, ipv4_header, tcp_frame, tcp_segment};
     use kproxy::dataplane::ebpf_tc::testrun::run_xdp;
+    use kproxy_tests::tc::{csum, ipv4_header, tcp_frame, tcp_segment};
     const XDP_PASS: i32 = 2;
     const XDP_REDIRECT: i32 = 4;
     const SYN: u8 = 0x02;
