@@ -18,7 +18,8 @@ use std::collections::BTreeMap;
 
 use anyhow::Context as _;
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
-use kproxy::bpf::{CounterSlot, PacketCounter};
+use kproxy_common::counter::CounterSlot;
+use kproxy_tests::bpf::PacketCounter;
 
 use super::{Figure, Plan, Results, Target};
 

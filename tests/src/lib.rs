@@ -4,6 +4,8 @@
 //!
 //! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests;
 //!   [`agentns`]: a fake API server in the agent's network namespace, its nat rules.
+//! - [`bpf`]: the packet counter and `BPF_PROG_TEST_RUN` of the node path (test tools that
+//!   stay out of the agent).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`maglev`]: the Maglev NodePort scenario of the `ebpf_maglev` test and the maglev bench.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
@@ -19,6 +21,7 @@
 
 pub mod agentns;
 pub mod agentproc;
+pub mod bpf;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;

@@ -25,7 +25,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::{Delta, Event, PROXYABLE_LABEL_SELECTOR};
+use super::PROXYABLE_LABEL_SELECTOR;
+use crate::model::input::{Delta, Event};
 
 /// Why no API client could be built.
 #[derive(Debug, thiserror::Error)]

@@ -18,14 +18,18 @@ use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use aya::Ebpf;
-use kproxy::bpf::PacketCounter;
-use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
-use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy, driver};
-use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy;
+use kproxy::dataplane::ebpf::node_path::xdp::driver;
+use kproxy::kernel::addresses::NodeAddresses;
+use kproxy::kernel::addresses::scan;
 use kproxy_common::counter::CounterSlot;
 use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
 };
+use kproxy_tests::bpf::PacketCounter;
 use kproxy_tests::netns::{Bpffs, Netns, require_root};
 use kproxy_tests::tc::{backend, frontend, load, slots};
 use kproxy_tests::topology::{
@@ -452,7 +456,7 @@ fn frames_the_fast_path_cannot_forward_are_passed() {
     if !require_root() {
         return;
     }
-    use kproxy::dataplane::ebpf_tc::testrun::run_xdp;
+    use kproxy_tests::bpf::testrun::run_xdp;
     use kproxy_tests::tc::{csum, ipv4_header, tcp_frame, tcp_segment};
     const XDP_PASS: i32 = 2;
     const XDP_REDIRECT: i32 = 4;
