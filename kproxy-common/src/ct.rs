@@ -18,7 +18,7 @@
 //! The flow's two tuples between client and backend are one pair seen from either end, so one
 //! entry serves both egress directions: a SNATed flow's SNAT source lives in its `RevDnat`
 //! entry ([`CT_F_SNAT_HERE`]), which saves a new flow a third connection-table insert (each
-//! costs a few cold cache lines; see `tests/src/bench/tc_path.rs`). Flows created by builds
+//! costs a few cold cache lines; see `bench/src/tc_path.rs`). Flows created by builds
 //! before that kept it in a separate [`CtKind::SnatOut`] entry (`C:cp → B:bp`); the programs
 //! still read such an entry for a flow whose `RevDnat` entry lacks [`CT_F_SNAT_HERE`], so flows
 //! survive an upgrade, but no longer create one.

@@ -199,7 +199,7 @@ pub struct BackendSlotKey {
 
 /// Value of [`MAP_BACKEND_SLOTS`]: the backend in the slot, id and value, so choosing a
 /// backend at random costs one lookup, not two (a new flow's service-map reads get slower as
-/// the maps grow: issue #3, `tests/src/bench/tc_path.rs`).
+/// the maps grow: issue #3, `bench/src/tc_path.rs`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SlotValue {

@@ -120,7 +120,7 @@ impl PacketCounter {
 /// times) on a crafted Ethernet frame and get the verdict and the rewritten frame. Used by the
 /// crafted-packet tests and by `cargo xtask bench` (program names: `kproxy_common::ct::
 /// PROG_TC_INGRESS` / `PROG_TC_EGRESS`; the cases worth timing are a new flow, an established
-/// flow, a miss (not a service) and a reverse NAT, see `tests/tests/ebpf_tc_testrun.rs` for
+/// flow, a miss (not a service) and a reverse NAT, see `tests/tests/ebpf/ebpf_tc_testrun.rs` for
 /// how to build each). The skb of a test run has ifindex 1 (`lo`) and CHECKSUM_NONE, so the
 /// SNAT source used is `KP_NODE_ADDR4[1]`.
 pub mod testrun {

@@ -1,7 +1,9 @@
-//! Support code for kproxy's integration tests.
+//! Support code for kproxy's integration tests (tests/tests/, grouped as tests/README.md
+//! explains) and its benchmarks (the `kproxy-bench` crate). Every helper lives here; the
+//! helpers' own tests are this library's unit tests (`selftest`).
 //!
-//! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests.
-//! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
+//! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests;
+//!   [`agentns`]: a fake API server in the agent's network namespace, its nat rules.
 //! - [`bpf`]: the packet counter and `BPF_PROG_TEST_RUN` of the node path (test tools that
 //!   stay out of the agent).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
@@ -15,9 +17,11 @@
 //! - [`nftables_corpus`] / [`nftables_tracer`]: the same for upstream's nftables corpus.
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
+//! - [`tc`]: the TC-program kit of the eBPF tests (object loading, service maps, crafted
+//!   frames, the traffic rig).
 
+pub mod agentns;
 pub mod agentproc;
-pub mod bench;
 pub mod bpf;
 pub mod fakeapi;
 pub mod fixtures;
@@ -29,4 +33,7 @@ pub mod netns;
 pub mod nftables_corpus;
 pub mod nftables_tracer;
 pub mod recording;
+#[cfg(test)]
+mod selftest;
+pub mod tc;
 pub mod topology;

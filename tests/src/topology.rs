@@ -560,7 +560,8 @@ pub fn assert_spread(result: &ProbeResult, names: &[&str]) {
 /// A binary of this workspace's current profile: `target/<profile>/<name>`, found next to the
 /// running executable (a test harness in `target/<profile>/deps/`, or a binary such as
 /// `kp-bench` in `target/<profile>/`). `kp-probe` is built with
-/// this package's tests; `kproxy` by `cargo xtask test` (or `cargo build -p kproxy`).
+/// this package's tests, `kp-bench` with `kproxy-bench`'s; `kproxy` by `cargo xtask test` (or
+/// `cargo build -p kproxy`).
 pub fn target_bin(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("current_exe")?;
     let dir = exe.parent().context("executable has no directory")?;
@@ -575,10 +576,10 @@ pub fn target_bin(name: &str) -> anyhow::Result<PathBuf> {
         bail!(
             "{} does not exist: build it first (`cargo build -p {}`; `cargo xtask test` does)",
             path.display(),
-            if name == "kproxy" {
-                "kproxy"
-            } else {
-                "kproxy-tests --bins"
+            match name {
+                "kproxy" => "kproxy",
+                "kp-bench" => "kproxy-bench --bins",
+                _ => "kproxy-tests --bins",
             }
         );
     }

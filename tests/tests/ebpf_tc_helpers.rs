@@ -4,13 +4,11 @@
 //! helpers. Its own test binary because the choice is made once per process, before the
 //! first load. Same checks as `ebpf_tc::translated_checksums_hold_in_every_skb_state`.
 
-mod ebpf_tc_support;
-
 use std::net::IpAddr;
 
-use ebpf_tc_support::rig::{NODE_PORT, Rig, endpoint, service, snapshot};
 use kproxy::model::Protocol;
 use kproxy_tests::netns::require_root;
+use kproxy_tests::tc::rig::{NODE_PORT, Rig, endpoint, service, snapshot};
 use kproxy_tests::topology::{CLIENT_IP, NODE_IP, NODE_LINK_IP};
 
 #[test]

@@ -1,8 +1,8 @@
 //! `cargo xtask bench [--quick] [--out DIR] [--only GROUP,…]`: builds the agent and the
-//! benchmark runner in release mode and runs `kp-bench` (tests/src/bin/kp-bench.rs; what it
-//! measures is documented in `kproxy_tests::bench`). Needs root. Writes `REPORT.md`,
-//! `results.json` and SVG plots into DIR (default `bench/`). `--quick` finishes in under
-//! 3 minutes; the full run in under 15 on 2 cores.
+//! benchmark runner in release mode and runs `kp-bench` (bench/src/bin/kp-bench.rs of the
+//! `kproxy-bench` crate; what it measures is documented in bench/src/lib.rs). Needs root.
+//! Writes `REPORT.md`, `results.json` and SVG plots into DIR (default `bench/`, beside the
+//! crate's code). `--quick` finishes in under 3 minutes; the full run in under 15 on 2 cores.
 //!
 //! `cargo xtask bench --ipvs-guest [--out DIR]`: the ipvs figures, which need a kernel with
 //! IPVS: boots the QEMU guest of `cargo xtask guest` ([`crate::guest::run_payload`]) with the
@@ -37,6 +37,9 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             "--release",
             "--package",
             "kproxy",
+            "--package",
+            "kproxy-bench",
+            // kp-probe, which kp-bench runs in the test namespaces.
             "--package",
             "kproxy-tests",
         ])

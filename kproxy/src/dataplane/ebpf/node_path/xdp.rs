@@ -301,7 +301,7 @@ mod tests {
 
     #[test]
     fn driver_of_a_missing_device_is_an_error() {
-        // (A veth's driver is read in tests/tests/ebpf_xdp_fastpath.rs, inside a test netns.)
+        // (A veth's driver is read in tests/tests/ebpf/ebpf_xdp_fastpath.rs, inside a test netns.)
         assert!(driver("no-such-dev-kp").is_err());
         assert!(driver("a-device-name-longer-than-ifnamsiz").is_err());
     }

@@ -1,0 +1,13 @@
+//! The agent as a whole: the real `kproxy` binary, its command line and configuration, its
+//! HTTP servers and the deploy manifests. One test binary for these files (see tests/README.md).
+
+mod agent_cgroup;
+mod agent_modes;
+mod agent_node_cidr;
+mod agent_restart;
+mod cli_config;
+mod deploy_manifests;
+mod health_checknodeport;
+mod health_server;
+mod inspect_api;
+mod metrics_server;

@@ -1,0 +1,537 @@
+//! The XDP NodePort fast path (`kp_xdp` → `kproxy-ebpf/src/xdp_fwd.rs`) with real packets: the
+//! shared topology (client ─ node ─ node2), `kp_tc_in`/`kp_tc_eg` on the node's two devices
+//! and `kp_xdp` attached natively beside them; NodePort frontends written into the service
+//! maps directly (the `kproxy_tests::tc` encoding): 30080 TCP/UDP → pod-r0 on node2 (remote,
+//! SNATed), 30081 TCP → pod-l0 (local). The client talks through in-process sockets created in
+//! its namespace, so one connection can outlive attaching and detaching XDP.
+//!
+//! veth specifics (see `kproxy/src/dataplane/ebpf_tc/xdp.rs`): a frame sent by `XDP_TX` /
+//! `XDP_REDIRECT` into a veth is only received when the peer end runs an XDP program (here the
+//! object's counter program, which passes everything, on the client's and node2's ends), and
+//! XDP only sees complete checksums when the sender does not offload them (a veth peer hands
+//! over CHECKSUM_PARTIAL frames; transmit checksum offload is turned off on those two ends,
+//! as a physical NIC's received frames always are complete).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::time::Duration;
+
+use aya::Ebpf;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy;
+use kproxy::dataplane::ebpf::node_path::xdp::driver;
+use kproxy::kernel::addresses::NodeAddresses;
+use kproxy::kernel::addresses::scan;
+use kproxy_common::counter::CounterSlot;
+use kproxy_common::service::{
+    BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
+};
+use kproxy_tests::bpf::PacketCounter;
+use kproxy_tests::netns::{Bpffs, Netns, require_root};
+use kproxy_tests::tc::{backend, frontend, load, slots};
+use kproxy_tests::topology::{
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Topology, TopologySpec,
+};
+
+const REMOTE_PORT: u16 = 30080;
+const LOCAL_PORT: u16 = 30081;
+const POD_PORT: u16 = 8080;
+const SNAT_MIN: u16 = 61_000;
+const LIVENESS: Duration = Duration::from_secs(10);
+/// The peer ends' device name (client side and node2 side of the node's links).
+const PEER_IF: &str = "eth0";
+
+struct Rig {
+    // Drop order: programs, peers' programs, namespaces, bpffs.
+    xdp: XdpPath,
+    _tc: TcPath,
+    ebpf: Ebpf,
+    _peers: PacketCounter,
+    topo: Topology,
+    _bpffs: Bpffs,
+}
+
+/// `ethtool -K IF tx off` (SIOCETHTOOL / ETHTOOL_STXCSUM) in the calling thread's netns.
+fn tx_checksum_off(ifname: &str) -> std::io::Result<()> {
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        data: *mut EthtoolValue,
+        _pad: [u8; 16],
+    }
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    let mut value = EthtoolValue {
+        cmd: ETHTOOL_STXCSUM,
+        data: 0,
+    };
+    let mut req = IfReq {
+        name: [0; 16],
+        data: &mut value,
+        _pad: [0; 16],
+    };
+    req.name[..ifname.len()].copy_from_slice(ifname.as_bytes());
+    // SAFETY: plain socket + ioctl with a request that outlives the call; fd closed below.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let rc = libc::ioctl(fd, SIOCETHTOOL, &mut req);
+        let err = std::io::Error::last_os_error();
+        libc::close(fd);
+        if rc != 0 {
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+fn service(flags: u32, svc_id: u32, count: u32) -> ServiceValue {
+    ServiceValue {
+        svc_id,
+        count,
+        flags: flags | SVC_F_NODE_PORT,
+        affinity_timeout: 0,
+    }
+}
+
+impl Rig {
+    fn new(test: &str) -> Rig {
+        let mut topo = TopologySpec::new(test)
+            .local_pods(1)
+            .remote_pods(1)
+            .ipv6(false)
+            .build()
+            .unwrap();
+        topo.serve_all().unwrap();
+        let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
+        let (mut ebpf, mut tc) = load(
+            &bpffs,
+            TcConfig {
+                ct_entries: 8192,
+                ..TcConfig::default()
+            },
+        );
+        let local = topo.pod("pod-l0").ip;
+        let remote = topo.pod("pod-r0").ip;
+        backend(&mut ebpf, 1, remote, POD_PORT, 0);
+        backend(&mut ebpf, 2, local, POD_PORT, BE_F_LOCAL);
+        slots(&mut ebpf, 1, &[1]);
+        slots(&mut ebpf, 2, &[2]);
+        for addr in [NODE_IP, NODE_LINK_IP] {
+            for scope in [SCOPE_CLUSTER, SCOPE_EXTERNAL] {
+                for proto in [PROTO_TCP, PROTO_UDP] {
+                    frontend(&mut ebpf, addr, REMOTE_PORT, proto, scope, service(0, 1, 1));
+                }
+                frontend(
+                    &mut ebpf,
+                    addr,
+                    LOCAL_PORT,
+                    PROTO_TCP,
+                    scope,
+                    service(0, 2, 1),
+                );
+            }
+        }
+        let devices = vec![NODE_CLIENT_IF.to_string(), NODE_PEER_IF.to_string()];
+        let ifaces = topo.node.run(scan).unwrap().unwrap();
+        let addrs = NodeAddresses::from_interfaces(&ifaces, Some(&devices));
+        TcPath::set_node_addresses(&mut ebpf, &addrs.snat_v4()).unwrap();
+        topo.node
+            .run(|| {
+                for dev in &devices {
+                    tc.attach(&mut ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        let xdp = XdpPath::load(&mut ebpf).unwrap();
+        // The peers: a passing XDP program (so redirected frames are received) and complete
+        // checksums on what they send.
+        let peer_pins = bpffs.path().join("peers");
+        std::fs::create_dir_all(&peer_pins).unwrap();
+        let mut peers = PacketCounter::load_with_pins(&peer_pins).unwrap();
+        let node2 = topo.node2.as_ref().unwrap();
+        for ns in [&topo.client, node2] {
+            ns.run(|| {
+                tx_checksum_off(PEER_IF).unwrap();
+                peers.attach(PEER_IF, CounterSlot::Xdp).unwrap();
+            })
+            .unwrap();
+        }
+        Rig {
+            xdp,
+            _tc: tc,
+            ebpf,
+            _peers: peers,
+            topo,
+            _bpffs: bpffs,
+        }
+    }
+
+    /// Attaches `kp_xdp` natively to both node devices. They are veths, which are no
+    /// fast-path devices by default; their peers are prepared (see [`Rig::new`]), so the test
+    /// opts in.
+    fn attach_xdp(&mut self) {
+        let (xdp, ebpf) = (&mut self.xdp, &mut self.ebpf);
+        self.topo
+            .node
+            .run(|| {
+                for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                    assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
+                    assert_eq!(driver(dev).unwrap(), "veth");
+                    XdpPath::set_fast_path(ebpf, dev, true).unwrap();
+                }
+            })
+            .unwrap();
+    }
+
+    fn detach_xdp(&mut self) {
+        let (xdp, ebpf) = (&mut self.xdp, &mut self.ebpf);
+        self.topo
+            .node
+            .run(|| {
+                for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                    xdp.detach(ebpf, dev).unwrap();
+                }
+            })
+            .unwrap();
+        assert!(self.xdp.attached().is_empty());
+    }
+
+    fn stats(&self) -> Stats {
+        Stats {
+            tc: TcPath::stats(&self.ebpf).unwrap(),
+            xdp: XdpPath::stats(&self.ebpf).unwrap(),
+        }
+    }
+
+    /// Resolves the node's neighbours (client, node2) with one flow through TC, so the FIB
+    /// lookups of later flows succeed from their first packet.
+    fn warm_neighbours(&self) {
+        let mut c = Conn::open(&self.topo.client, REMOTE_PORT);
+        c.exchange(1);
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Stats {
+    tc: BTreeMap<&'static str, u64>,
+    xdp: BTreeMap<&'static str, u64>,
+}
+
+impl Stats {
+    fn tc_delta(&self, before: &Stats, name: &str) -> u64 {
+        self.tc[name] - before.tc[name]
+    }
+    fn xdp_delta(&self, before: &Stats, name: &str) -> u64 {
+        self.xdp[name] - before.xdp[name]
+    }
+    /// TC counters of translated packets (any direction).
+    fn tc_translated(&self, before: &Stats) -> u64 {
+        ["new_flow", "established", "reply", "snat"]
+            .iter()
+            .map(|n| self.tc_delta(before, n))
+            .sum()
+    }
+}
+
+/// A TCP connection from the client to a NodePort on `NODE_IP`, to a `kp-probe serve`
+/// backend: its greeting names the backend and the peer it saw; then it echoes.
+struct Conn {
+    stream: BufReader<TcpStream>,
+    backend: String,
+    peer_seen: SocketAddrV4,
+}
+
+impl Conn {
+    fn open(client: &Netns, port: u16) -> Conn {
+        let dst = SocketAddr::from((NODE_IP, port));
+        let stream = client
+            .run(move || TcpStream::connect_timeout(&dst, LIVENESS))
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connecting to {dst}: {e}"));
+        stream.set_read_timeout(Some(LIVENESS)).unwrap();
+        assert_eq!(stream.peer_addr().unwrap(), dst);
+        let mut stream = BufReader::new(stream);
+        let mut greeting = String::new();
+        stream.read_line(&mut greeting).unwrap();
+        let (backend, peer) = greeting.trim().split_once(' ').expect("greeting");
+        Conn {
+            backend: backend.to_string(),
+            peer_seen: peer.parse().unwrap(),
+            stream,
+        }
+    }
+
+    /// `n` request/echo round trips (one data segment each way per trip).
+    fn exchange(&mut self, n: usize) {
+        for i in 0..n {
+            let msg = format!("message {i:04}\n");
+            self.stream.get_mut().write_all(msg.as_bytes()).unwrap();
+            let mut echo = vec![0u8; msg.len()];
+            self.stream.read_exact(&mut echo).unwrap();
+            assert_eq!(echo, msg.as_bytes());
+        }
+    }
+}
+
+/// `n` datagrams from one client socket to the UDP NodePort; returns (answer, source) pairs.
+fn udp_exchange(client: &Netns, n: usize) -> Vec<(String, SocketAddr)> {
+    let sock = client
+        .run(|| UdpSocket::bind((CLIENT_IP, 0)))
+        .unwrap()
+        .unwrap();
+    sock.set_read_timeout(Some(LIVENESS)).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 512];
+    for _ in 0..n {
+        sock.send_to(b"ping", (NODE_IP, REMOTE_PORT)).unwrap();
+        let (len, from) = sock.recv_from(&mut buf).unwrap();
+        out.push((
+            String::from_utf8_lossy(&buf[..len]).trim().to_string(),
+            from,
+        ));
+    }
+    out
+}
+
+/// The backend saw the node's address on the link to node2 and a port from the SNAT range.
+fn assert_snat(c: &Conn) {
+    assert_eq!(c.backend, "pod-r0");
+    assert_eq!(
+        *c.peer_seen.ip(),
+        NODE_LINK_IP,
+        "SNAT source: {}",
+        c.peer_seen
+    );
+    assert!(c.peer_seen.port() >= SNAT_MIN, "SNAT port: {}", c.peer_seen);
+}
+
+#[test]
+fn remote_backend_flows_take_the_xdp_fast_path_both_ways() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-fast");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    let before = rig.stats();
+
+    // TCP: 20 round trips on a flow that starts in XDP.
+    let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&c);
+    c.exchange(20);
+    drop(c);
+    // UDP: the client sees the NodePort as the source of every answer.
+    let answers = udp_exchange(&rig.topo.client, 10);
+    for (answer, from) in &answers {
+        assert_eq!(*from, SocketAddr::from((NODE_IP, REMOTE_PORT)), "{answer}");
+        let (name, peer) = answer.split_once(' ').unwrap();
+        assert_eq!(name, "pod-r0");
+        let peer: SocketAddrV4 = peer.parse().unwrap();
+        assert_eq!(*peer.ip(), NODE_LINK_IP, "UDP SNAT source: {answer}");
+    }
+    let after = rig.stats();
+    // SYN + ACK + 20 data segments, and 10 datagrams, at least.
+    assert!(
+        after.xdp_delta(&before, "forward") >= 22 + 10,
+        "XDP forward: {after:?} vs {before:?}"
+    );
+    // SYN-ACK + 20 echoes, and 10 answers, at least.
+    assert!(
+        after.xdp_delta(&before, "reply") >= 21 + 10,
+        "XDP reply: {after:?} vs {before:?}"
+    );
+    assert!(after.xdp_delta(&before, "new_flow") >= 2, "{after:?}");
+    assert_eq!(
+        after.tc_translated(&before),
+        0,
+        "TC translated none of these packets: {after:?} vs {before:?}"
+    );
+
+    // A flow to the local backend is passed to TC, which translates it (no SNAT).
+    let before = rig.stats();
+    let mut c = Conn::open(&rig.topo.client, LOCAL_PORT);
+    assert_eq!(c.backend, "pod-l0");
+    assert_eq!(
+        *c.peer_seen.ip(),
+        CLIENT_IP,
+        "local backend sees the client"
+    );
+    c.exchange(5);
+    let after = rig.stats();
+    assert!(after.xdp_delta(&before, "pass_local") >= 7, "{after:?}");
+    assert!(after.tc_delta(&before, "established") >= 7, "{after:?}");
+    assert_eq!(after.xdp_delta(&before, "forward"), 0, "{after:?}");
+}
+
+#[test]
+fn flows_continue_across_xdp_attach_and_detach() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-move");
+    rig.warm_neighbours();
+
+    // Started by TC alone.
+    let mut tc_flow = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&tc_flow);
+    tc_flow.exchange(3);
+    let before = rig.stats();
+    assert!(
+        before.tc["snat"] > 0 && before.xdp["forward"] == 0,
+        "{before:?}"
+    );
+
+    // XDP attached: the same flow continues in XDP, from TC's CT entries.
+    rig.attach_xdp();
+    let before = rig.stats();
+    tc_flow.exchange(10);
+    let after = rig.stats();
+    assert!(after.xdp_delta(&before, "forward") >= 10, "{after:?}");
+    assert!(after.xdp_delta(&before, "reply") >= 10, "{after:?}");
+    assert_eq!(after.xdp_delta(&before, "new_flow"), 0, "{after:?}");
+    assert_eq!(after.tc_translated(&before), 0, "{after:?} vs {before:?}");
+
+    // Started in XDP …
+    let mut xdp_flow = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&xdp_flow);
+    xdp_flow.exchange(3);
+    assert!(rig.stats().xdp_delta(&after, "new_flow") >= 1);
+
+    // … continues in TC once XDP is gone (and so does the first flow).
+    rig.detach_xdp();
+    let before = rig.stats();
+    xdp_flow.exchange(10);
+    tc_flow.exchange(10);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "forward"), 0, "{after:?}");
+    assert!(after.tc_delta(&before, "established") >= 20, "{after:?}");
+    assert!(after.tc_delta(&before, "snat") >= 20, "{after:?}");
+    assert!(after.tc_delta(&before, "reply") >= 40, "{after:?}");
+    assert_eq!(after.tc_delta(&before, "new_flow"), 0, "{after:?}");
+}
+
+#[test]
+fn veth_devices_are_not_fast_path_devices_unless_enabled() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-veth");
+    let (xdp, ebpf) = (&mut rig.xdp, &mut rig.ebpf);
+    rig.topo
+        .node
+        .run(|| {
+            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
+            }
+        })
+        .unwrap();
+    let before = rig.stats();
+    let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&c);
+    c.exchange(5);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "forward"), 0, "{after:?}");
+    assert_eq!(after.xdp_delta(&before, "reply"), 0, "{after:?}");
+    assert!(after.xdp_delta(&before, "pass_device") >= 7, "{after:?}");
+    assert!(after.tc_delta(&before, "snat") >= 7, "{after:?}");
+}
+
+/// What the fast path leaves to TC, on crafted frames through `BPF_PROG_TEST_RUN` in the
+/// node's namespace (the FIB lookup of a test run uses the caller's netns; its ingress is the
+/// namespace's `lo`, enabled as a fast-path device here): a plain SYN is forwarded, TTL 1, a
+/// fragment, IP options and a frame over the egress MTU are passed, each counted.
+#[test]
+fn frames_the_fast_path_cannot_forward_are_passed() {
+    if !require_root() {
+        return;
+    }
+    use kproxy_tests::bpf::testrun::run_xdp;
+    use kproxy_tests::tc::{csum, ipv4_header, tcp_frame, tcp_segment};
+    const XDP_PASS: i32 = 2;
+    const XDP_REDIRECT: i32 = 4;
+    const SYN: u8 = 0x02;
+    let mut rig = Rig::new("xdp-pass");
+    rig.warm_neighbours();
+    let remote = rig.topo.pod("pod-r0").ip;
+    let dst = (NODE_IP, REMOTE_PORT);
+    let syn =
+        |sport: u16, payload: &[u8]| tcp_frame((CLIENT_IP, sport), dst, 1, 0, SYN, &[], payload);
+    let mut ttl1 = syn(40_002, &[]);
+    ttl1[14 + 8] = 1;
+    let mut fragment = syn(40_003, &[]);
+    fragment[14 + 6] = 0x20; // MF
+    let options = {
+        let seg = tcp_segment((CLIENT_IP, 40_004), dst, 1, 0, SYN, &[], &[]);
+        let mut ip = ipv4_header(CLIENT_IP, NODE_IP, PROTO_TCP, seg.len() + 4);
+        ip[0] = 0x46;
+        ip.extend_from_slice(&[1, 1, 1, 1]); // four NOP options
+        ip[10..12].copy_from_slice(&[0, 0]);
+        let c = csum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        ip.extend_from_slice(&seg);
+        let mut f = syn(40_004, &[])[..14].to_vec();
+        f.extend_from_slice(&ip);
+        f
+    };
+    let oversized = syn(40_005, &[0u8; 1600]);
+    let (node, ebpf) = (&rig.topo.node, &mut rig.ebpf);
+    let results = node
+        .run(|| {
+            XdpPath::set_fast_path(ebpf, "lo", true).unwrap();
+            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                XdpPath::set_fast_path(ebpf, dev, true).unwrap();
+            }
+            let mut out = vec![];
+            for (name, frame) in [
+                ("plain", syn(40_001, &[])),
+                ("ttl1", ttl1),
+                ("fragment", fragment),
+                ("options", options),
+                ("oversized", oversized),
+            ] {
+                let before = XdpPath::stats(ebpf).unwrap();
+                let r = run_xdp(ebpf, &frame, 1).unwrap();
+                let after = XdpPath::stats(ebpf).unwrap();
+                let bumped: Vec<&str> = after
+                    .iter()
+                    .filter(|(k, v)| before[*k] != **v)
+                    .map(|(k, _)| *k)
+                    .collect();
+                out.push((name, r, bumped));
+            }
+            out
+        })
+        .unwrap();
+    for (name, r, bumped) in results {
+        match name {
+            "plain" => {
+                assert_eq!(r.verdict, XDP_REDIRECT, "{name}: {bumped:?}");
+                let ip = &r.frame[14..34];
+                assert_eq!(csum(ip), 0, "IPv4 checksum after the rewrite");
+                assert_eq!(ip[8], 63, "TTL decremented");
+                assert_eq!(&ip[12..16], &NODE_LINK_IP.octets(), "SNAT source");
+                assert_eq!(&ip[16..20], &remote.octets(), "backend");
+                assert_eq!(bumped, ["forward", "new_flow"], "{name}");
+            }
+            "oversized" => {
+                assert_eq!(r.verdict, XDP_PASS, "{name}");
+                assert_eq!(bumped, ["new_flow", "pass_mtu"], "{name}");
+            }
+            _ => {
+                assert_eq!(r.verdict, XDP_PASS, "{name}");
+                assert_eq!(bumped, ["pass_header"], "{name}");
+            }
+        }
+    }
+}

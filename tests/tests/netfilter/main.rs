@@ -1,0 +1,15 @@
+//! The iptables proxier (upstream's corpus, the real kernel, traffic, the agent's canary
+//! monitor), the nftables planner (upstream's corpus, `nft -f` in a namespace), conntrack
+//! cleanup and sysctls. One test binary for these files (see tests/README.md).
+
+mod conntrack_cleanup;
+mod conntrack_upstream;
+mod iptables_agent;
+mod iptables_corpus;
+mod iptables_kernel;
+mod iptables_partial;
+mod iptables_traffic;
+mod iptables_udp_flow;
+mod nftables_corpus;
+mod nftables_kernel;
+mod sysctl_apply;
