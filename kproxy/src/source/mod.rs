@@ -16,6 +16,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 pub mod kube;
 pub mod manifests;
+pub mod retry;
 
 /// A change to one kind of object.
 #[derive(Debug, Clone)]
