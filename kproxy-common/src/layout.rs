@@ -253,6 +253,17 @@ pub const LAYOUTS: [MapLayout; 17] = [
     ),
 ];
 
+impl MapLayout {
+    /// A hash-like map (hash, LRU hash, LPM trie): its fill is a key count, and a probe may
+    /// create it small.
+    pub const fn is_keyed(&self) -> bool {
+        matches!(
+            self.map_type,
+            MAP_TYPE_HASH | MAP_TYPE_LRU_HASH | MAP_TYPE_LPM_TRIE
+        )
+    }
+}
+
 /// The layout of map `name` in this build.
 pub fn find(name: &str) -> Option<&'static MapLayout> {
     LAYOUTS.iter().find(|l| l.name == name)

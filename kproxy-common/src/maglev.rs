@@ -154,3 +154,21 @@ mod tests {
         }
     }
 }
+
+/// Whether `n` is prime (table sizes).
+pub const fn is_prime(n: u32) -> bool {
+    if n < 2 {
+        return false;
+    }
+    if n.is_multiple_of(2) {
+        return n == 2;
+    }
+    let mut d = 3u32;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 2;
+    }
+    true
+}

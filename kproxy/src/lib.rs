@@ -1,27 +1,20 @@
 //! kproxy: a drop-in replacement for Kubernetes' kube-proxy.
 //!
-//! Data flow (see README.md): [`source`] → [`model::Tracker`] → [`sync::Runner`] →
-//! [`dataplane::Dataplane::sync`].
+//! ARCHITECTURE.md at the repository root is the map. Data flow: [`source`] → [`model::Tracker`]
+//! → [`sync::Runner`] → [`dataplane::Dataplane::sync`]; [`app`] wires it together from
+//! [`config`] (filled by [`cli`]), [`observe`] reports on it, [`kernel`] holds the kernel
+//! interfaces more than one datapath uses.
 
-pub mod agent;
-pub mod bpf;
-pub mod btf;
+pub mod app;
 pub mod cli;
 pub mod config;
-pub mod conntrack;
 pub mod dataplane;
-pub mod events;
-pub mod health;
-pub mod healthcheck;
-pub mod httpserve;
-pub mod inspect;
-pub mod localdetect;
-pub mod logging;
-pub mod metrics;
+pub mod kernel;
 pub mod model;
-pub mod netlink;
-pub mod nodeip;
+pub mod observe;
 pub mod source;
 pub mod sync;
-pub mod sysctl;
-pub mod vecmap;
+
+/// The import rules of ARCHITECTURE.md, checked against the code.
+#[cfg(test)]
+mod layering;

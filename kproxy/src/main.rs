@@ -11,11 +11,12 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use kproxy::agent::{Agent, AgentOptions};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::app::logging;
+use kproxy::app::{build, modes};
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
 use kproxy::config::{DetectLocal, LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
-use kproxy::dataplane::factory;
-use kproxy::logging;
 use tracing::{info, warn};
 
 fn main() -> ExitCode {
@@ -107,12 +108,12 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
         Command::Inspect => {
             print!(
                 "{}",
-                kproxy::inspect::run(&l.config, l.output, l.service.as_deref())?
+                kproxy::app::inspect::run(&l.config, l.output, l.service.as_deref())?
             );
             Ok(())
         }
         Command::Cleanup => {
-            factory::cleanup_all(&l.config)?;
+            modes::cleanup_all(&l.config)?;
             info!("cleanup done");
             Ok(())
         }
@@ -128,7 +129,7 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
     let SourceConfig::Manifests(path) = &l.config.source else {
         anyhow::bail!("render needs --manifests PATH (a YAML file or directory)");
     };
-    let (snap, problems) = kproxy::agent::snapshot_from_manifests(path, &l.config.node_name)?;
+    let (snap, problems) = kproxy::app::agent::snapshot_from_manifests(path, &l.config.node_name)?;
     for p in &problems {
         eprintln!("warning: {p}");
     }
@@ -141,7 +142,7 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
                 let kproxy::config::ModeChoice::Forced(mode) = l.config.mode else {
                     unreachable!("the plan output is chosen only with --proxy-mode")
                 };
-                factory::render_plan(mode, &l.config, &snap)?
+                build::render_plan(mode, &l.config, &snap)?
             }
         }
     );
@@ -158,10 +159,10 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         // built (upstream waits for them too).
         let pod_cidrs = if cfg.detect_local == DetectLocal::NodeCidr {
             Some(
-                kproxy::agent::wait_for_pod_cidrs(
-                    &cfg.source.spec(),
+                kproxy::app::agent::wait_for_pod_cidrs(
+                    &cfg.source.clone(),
                     &cfg.node_name,
-                    kproxy::agent::NODE_POD_CIDR_TIMEOUT,
+                    kproxy::app::agent::NODE_POD_CIDR_TIMEOUT,
                 )
                 .await?,
             )
@@ -180,7 +181,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
         let resync = kproxy::sync::SyncRequester::default();
-        let (dataplane, metrics) = factory::select(
+        let (dataplane, metrics) = modes::select(
             cfg.mode,
             cfg,
             pod_cidrs.as_deref().unwrap_or_default(),
@@ -189,7 +190,7 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         let mode = dataplane.mode();
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
-            cfg.source.spec(),
+            cfg.source.clone(),
             cfg.runner_config(mode),
         );
         opts.healthz_bind = cfg.healthz_bind_address;

@@ -32,9 +32,9 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::dataplane::{Dataplane, SyncReport};
+use crate::model::input::{Delta, Event};
 use crate::model::tracker::Pending;
 use crate::model::{ChangedSet, Snapshot, Tracker};
-use crate::source::{Delta, Event};
 
 /// Asks the sync loop for a sync as soon as the rate limit allows (upstream
 /// `BoundedFrequencyRunner.Run()`); cheap to clone, callable from any thread.

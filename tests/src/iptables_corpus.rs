@@ -9,8 +9,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::iptables::config::NfacctCounters;
 use kproxy::dataplane::iptables::{IptablesConfig, LocalTrafficDetector};
+use kproxy::model::input::{Delta, Event};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, Tracker};
-use kproxy::source::{Delta, Event};
 use serde::Deserialize;
 use serde_yaml::Value;
 

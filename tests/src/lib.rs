@@ -2,6 +2,8 @@
 //!
 //! - [`agentproc`]: the `kproxy` binary as a child process for end-to-end agent tests.
 //! - [`bench`]: the benchmark scenarios and report of `cargo xtask bench` (`kp-bench`).
+//! - [`bpf`]: the packet counter and `BPF_PROG_TEST_RUN` of the node path (test tools that
+//!   stay out of the agent).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`maglev`]: the Maglev NodePort scenario of the `ebpf_maglev` test and the maglev bench.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
@@ -15,6 +17,7 @@
 
 pub mod agentproc;
 pub mod bench;
+pub mod bpf;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;

@@ -5,7 +5,9 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use kproxy::dataplane::ebpf::{EbpfConfig, LbAlgorithm, MapSizes};
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
 use kproxy::model::{Snapshot, testing};
 
 /// The node's address (the destination of NodePort flows).

@@ -1,5 +1,5 @@
 //! Issue #7: the agent checks `--bpf-cgroup` before running socket LB (see
-//! `kproxy::dataplane::ebpf_cgroup` for the rule), with the real binary in a network namespace:
+//! `kproxy::dataplane::ebpf::socket_lb::cgroup` for the rule), with the real binary in a network namespace:
 //!
 //! - inside a new cgroup namespace rooted at a test cgroup with its **own** cgroup2 mount (what
 //!   a container runtime gives a container: `unshare --cgroup --mount` + `mount -t cgroup2`),

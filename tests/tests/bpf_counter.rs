@@ -6,7 +6,9 @@
 use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
-use kproxy::bpf::{CounterSlot, PacketCount, PacketCounter};
+use kproxy_common::counter::CounterSlot;
+use kproxy_common::counter::PacketCount;
+use kproxy_tests::bpf::PacketCounter;
 use kproxy_tests::netns::{Bpffs, Netns, Veth, VethEnd, require_root};
 
 const PACKETS: u64 = 25;

@@ -1,4 +1,4 @@
-//! `kproxy::conntrack::Cleaner` against the real kernel, in test network namespaces:
+//! `kproxy::dataplane::netfilter::conntrack::Cleaner` against the real kernel, in test network namespaces:
 //!
 //! 1. entries created with `conntrack -I` (explicit tuples): after an endpoint was removed,
 //!    exactly the stale UDP entries of the changed service are deleted (ClusterIP, externalIP
@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use kproxy::conntrack::{Cleaner, Entry};
+use kproxy::dataplane::netfilter::conntrack::Cleaner;
+use kproxy::dataplane::netfilter::conntrack::Entry;
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, Tracker};
 use kproxy::source::manifests;
 use kproxy_tests::netns::{Netns, Veth, VethEnd, require_root};
@@ -162,7 +163,7 @@ fn netlink_keys(ns: &Netns) -> BTreeSet<Key> {
     let mut keys = BTreeSet::new();
     for family in [IpFamily::V4, IpFamily::V6] {
         let dump = ns
-            .run(move || kproxy::conntrack::list(family))
+            .run(move || kproxy::dataplane::netfilter::conntrack::list(family))
             .unwrap()
             .unwrap();
         assert!(!dump.interrupted);
@@ -304,7 +305,8 @@ fn no_cleanup_without_a_udp_endpoint_change_and_gone_entries_are_tolerated() {
     // Deleting an entry that vanished in between counts as already gone, not as a failure.
     let (gone, outcome) = ns
         .run(|| {
-            let mut sock = kproxy::conntrack::netlink::Socket::open().unwrap();
+            let mut sock =
+                kproxy::dataplane::netfilter::conntrack::netlink::Socket::open().unwrap();
             let entries = sock.dump(IpFamily::V4).unwrap().entries;
             let first = sock.delete(&entries);
             let again = sock.delete(&entries);
@@ -547,7 +549,7 @@ fn large_tables_span_many_dump_datagrams_and_delete_batches() {
     let (snap, _) = step(&mut tracker, &manifests(&["10.240.0.4"], &[]));
     // More stale entries than one delete batch holds (twice over), and more entries in all
     // than one dump datagram carries.
-    let stale = 2 * kproxy::conntrack::netlink::DELETE_BATCH + 44;
+    let stale = 2 * kproxy::dataplane::netfilter::conntrack::netlink::DELETE_BATCH + 44;
     let kept = 20;
     // One `conntrack -I` per entry, batched through one shell per 100 entries.
     let lines: Vec<String> = (0..stale + kept)
@@ -569,7 +571,7 @@ fn large_tables_span_many_dump_datagrams_and_delete_batches() {
         ns.exec("sh", &["-c", &chunk.join("\n")]).unwrap();
     }
     let listed = ns
-        .run(|| kproxy::conntrack::list(IpFamily::V4))
+        .run(|| kproxy::dataplane::netfilter::conntrack::list(IpFamily::V4))
         .unwrap()
         .unwrap()
         .entries

@@ -1,11 +1,14 @@
 //! Upstream's conntrack cleanup cases (tests/fixtures/upstream/conntrack/, from
-//! pkg/proxy/conntrack/cleanup_test.go) against `kproxy::conntrack::StaleFilters`: every
+//! pkg/proxy/conntrack/cleanup_test.go) against `kproxy::dataplane::netfilter::conntrack::StaleFilters`: every
 //! entry's kept/deleted verdict must match, and the deleted count must equal upstream's
 //! `kubeproxy_conntrack_reconciler_deleted_entries_total`.
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use kproxy::conntrack::{Entry, StaleFilters, Tuple, cleanup_required};
+use kproxy::dataplane::netfilter::conntrack::Entry;
+use kproxy::dataplane::netfilter::conntrack::StaleFilters;
+use kproxy::dataplane::netfilter::conntrack::Tuple;
+use kproxy::dataplane::netfilter::conntrack::cleanup_required;
 use kproxy::model::{ChangedSet, IpFamily, Snapshot};
 use kproxy_tests::fixtures;
 use serde::Deserialize;
@@ -68,7 +71,8 @@ fn entry(f: &Flow) -> Entry {
 fn load(case: &str) -> (Snapshot, Entries) {
     let dir = fixtures::upstream(&format!("conntrack/{case}"));
     let (snap, problems) =
-        kproxy::agent::snapshot_from_manifests(&dir.join("input.yaml"), "test-worker").unwrap();
+        kproxy::app::agent::snapshot_from_manifests(&dir.join("input.yaml"), "test-worker")
+            .unwrap();
     // The only document the manifests reader rejects is upstream's settings header
     // (`kind: ProxierSettings`, no apiVersion).
     assert_eq!(problems.len(), 1, "{case}: {problems:?}");

@@ -15,7 +15,9 @@ use k8s_openapi::api::core::v1::{ConfigMap, Node, Service, ServiceAccount};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::config::SourceConfig;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::fakeapi::FakeApi;
 use kproxy_tests::fixtures;
@@ -305,7 +307,7 @@ async fn cluster_role_covers_exactly_what_a_running_agent_requests() {
         node_port_addresses: vec!["127.0.0.0/8".parse().unwrap()],
         ..AgentOptions::new(
             "node-a",
-            SourceSpec::Kube {
+            SourceConfig::Kube {
                 kubeconfig: Some(kubeconfig),
                 master: None,
             },

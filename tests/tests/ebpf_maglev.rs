@@ -2,7 +2,7 @@
 //! `kp_tc_in`): the eBPF datapath programs a NodePort service with N backends (tables in the
 //! pinned, mmapped `KP_MAGLEV` array), then a few hundred synthetic flows (SYNs from distinct
 //! client address/port pairs) are DNATed. Checks that each flow goes to the backend the
-//! userspace table (`kproxy::dataplane::ebpf::maglev::build` + `flow_hash`) names, that the
+//! userspace table (`kproxy::dataplane::ebpf::service_maps::maglev::build` + `flow_hash`) names, that the
 //! same 5-tuple maps to the same backend again once its connection-table entry is gone, and
 //! that removing 1 of N backends moves that backend's flows and at most half as many others.
 
@@ -15,12 +15,20 @@ use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::*;
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, LbAlgorithm, maglev};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
-use kproxy::dataplane::ebpf_tc::testrun::run;
-use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, PROG_TC_INGRESS, TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::CtEntry;
+use kproxy::dataplane::ebpf::node_path::CtKey;
+use kproxy::dataplane::ebpf::node_path::MAP_CT;
+use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::tc::load_object;
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
+use kproxy::dataplane::ebpf::service_maps::maglev;
 use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::flow_hash;
+use kproxy_tests::bpf::testrun::run;
 use kproxy_tests::maglev::{BACKEND_PORT as BPORT, NODE, NODE_PORT, node_port_snapshot};
 use kproxy_tests::netns::{Bpffs, require_root};
 

@@ -14,9 +14,15 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, MapSizes};
-use kproxy::dataplane::ebpf_mode::{EbpfMode, EbpfModeConfig};
-use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, CtKind, MAP_CT, ct};
+use kproxy::dataplane::ebpf::dataplane::EbpfMode;
+use kproxy::dataplane::ebpf::dataplane::EbpfModeConfig;
+use kproxy::dataplane::ebpf::node_path::CtEntry;
+use kproxy::dataplane::ebpf::node_path::CtKey;
+use kproxy::dataplane::ebpf::node_path::CtKind;
+use kproxy::dataplane::ebpf::node_path::MAP_CT;
+use kproxy::dataplane::ebpf::node_path::flows;
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
 use kproxy::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, testing};
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_tests::netns::{Bpffs, require_root};
@@ -87,9 +93,9 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
         },
         devices: None,
         tc: true,
-        ct_timeouts: ct::Timeouts::default(),
+        ct_timeouts: flows::Timeouts::default(),
         node_port_cidrs: vec![],
-        xdp: kproxy::dataplane::ebpf_tc::xdp::XdpPolicy::Off,
+        xdp: kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy::Off,
     };
     let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
     // `mapSizes.ct` sizes both connection tables (the socket-LB object creates their pins,

@@ -18,8 +18,11 @@ use std::time::Duration;
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::planner::{decode_addr, encode_addr};
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::plan::decode_addr;
+use kproxy::dataplane::ebpf::service_maps::plan::encode_addr;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Snapshot, testing};
 use kproxy_common::frontend_filter::{FILTER_WORDS, MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{

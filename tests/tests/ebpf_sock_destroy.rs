@@ -1,4 +1,4 @@
-//! Stale UDP sockets on this kernel (`kproxy::dataplane::ebpf::sockdestroy`): a pod in the
+//! Stale UDP sockets on this kernel (`kproxy::dataplane::ebpf::socket_lb::sock_destroy`): a pod in the
 //! socket-LB cgroup holds a UDP socket connected (through socket LB) to a ClusterIP; the backend
 //! it got is removed from the service; the next sync destroys that socket, so the client's next
 //! `recv` fails with ECONNABORTED at once, and a new socket reaches a live backend. A socket
@@ -14,7 +14,9 @@ use std::net::IpAddr;
 use std::process::Stdio;
 
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, Snapshot, testing};
 use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
 use kproxy_tests::topology::{POD_PORT, Topology, TopologySpec};

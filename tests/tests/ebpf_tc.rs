@@ -23,10 +23,12 @@ use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::ct_entries;
 use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::EbpfDataplane;
-use kproxy::dataplane::ebpf_tc::addresses::AddressWatcher;
-use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy};
-use kproxy::dataplane::ebpf_tc::{TcPath, ct};
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::flows;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::kernel::addresses::AddressWatcher;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServiceType};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
 use kproxy_tests::netns::{Bpffs, require_root};
@@ -359,7 +361,7 @@ fn endpoint_removal_deletes_its_ct_entries() {
     let n = of_removed(&ebpf);
     assert!(n > 0, "the removed backend had CT entries");
     let survivors = ct_entries(&ebpf).len() - n;
-    assert_eq!(ct::purge_backends(&mut ebpf, &removed).unwrap(), n);
+    assert_eq!(flows::purge_backends(&mut ebpf, &removed).unwrap(), n);
     assert_eq!(of_removed(&ebpf), 0);
     assert_eq!(ct_entries(&ebpf).len(), survivors, "other flows kept");
     drop(ebpf);
@@ -401,7 +403,7 @@ fn restart_reuses_pinned_links_and_keeps_established_flows() {
     let links = rig.link_ids();
     assert_eq!(
         links.len(),
-        kproxy::dataplane::ebpf_tc::attach::HOOKS.len() * rig.tc.attached().len(),
+        kproxy::dataplane::ebpf::node_path::tc::HOOKS.len() * rig.tc.attached().len(),
         "IPv4 and IPv6 ingress and egress links per device"
     );
 

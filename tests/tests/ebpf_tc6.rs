@@ -16,7 +16,8 @@ use std::time::Duration;
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::rig::{NODE_PORT, Rig, denied_copy, endpoint, lb_vip, service, snapshot};
-use kproxy::dataplane::ebpf_tc::{TcPath, ct};
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::flows;
 use kproxy::model::{Endpoint, Protocol, ServicePort, ServiceType};
 use kproxy_common::ct::CtKind;
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
@@ -97,7 +98,7 @@ fn ipv6_nodeport_from_outside_reaches_local_and_remote_backends() {
     );
     // The flows live in the IPv6 table, SNATed ones with the node's address as source.
     let entries = ct6_entries(&ebpf);
-    let link = kproxy::dataplane::ebpf_tc::attach::encode6(NODE_LINK_IP6);
+    let link = kproxy::dataplane::ebpf::node_path::tc::encode6(NODE_LINK_IP6);
     assert!(
         entries.iter().any(|(k, e)| k.kind == CtKind::RevDnat as u8
             && e.snat_addr == link
@@ -244,17 +245,17 @@ fn ipv6_endpoint_removal_deletes_its_ct6_entries() {
     );
     let survivors = ct6_entries(&ebpf).len() - n;
     assert!(survivors > 0, "the local backend's flows have entries too");
-    assert_eq!(ct::purge_backends(&mut ebpf, &removed).unwrap(), n);
+    assert_eq!(flows::purge_backends(&mut ebpf, &removed).unwrap(), n);
     assert_eq!(of_removed(&ebpf), 0);
     assert_eq!(ct6_entries(&ebpf).len(), survivors, "other flows kept");
     // Idle expiry covers the IPv6 table too.
-    let zero = ct::Timeouts {
+    let zero = flows::Timeouts {
         tcp: Duration::ZERO,
         tcp_closing: Duration::ZERO,
         udp: Duration::ZERO,
     };
     std::thread::sleep(Duration::from_millis(20));
-    assert_eq!(ct::expire(&mut ebpf, &zero).unwrap(), survivors);
+    assert_eq!(flows::expire(&mut ebpf, &zero).unwrap(), survivors);
     assert!(ct6_entries(&ebpf).is_empty());
     drop(ebpf);
     // New flows go to the remaining backend only.

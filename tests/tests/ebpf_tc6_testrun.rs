@@ -13,10 +13,13 @@ use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use ebpf_tc_support::frames6::*;
 use ebpf_tc_support::{TCP, UDP, load, node_port_service, tcp_frame};
-use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run};
-use kproxy::dataplane::ebpf_tc::{CtKind, TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::CtKind;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6, PROG_TC6_EGRESS, PROG_TC6_INGRESS};
 use kproxy_common::service::{SVC_F_EXTERNAL_IP, SVC_F_NODE_PORT, SVC_F_REJECT};
+use kproxy_tests::bpf::testrun::TestRunOutcome;
+use kproxy_tests::bpf::testrun::run;
 use kproxy_tests::netns::{Bpffs, require_root};
 
 const NEXT: i32 = -1;

@@ -1,4 +1,4 @@
-//! The TC service path with its checksum-state read turned off (`kproxy::bpf::
+//! The TC service path with its checksum-state read turned off (`kproxy::dataplane::ebpf::object::
 //! use_checksum_helpers_only`): what runs on a kernel without `bpf_cast_to_kern_ctx` or BTF,
 //! and for `CHECKSUM_COMPLETE` skbs everywhere — every L4 checksum is updated by the kernel
 //! helpers. Its own test binary because the choice is made once per process, before the
@@ -19,10 +19,10 @@ fn helper_checksums_hold_in_every_skb_state() {
         return;
     }
     assert!(
-        kproxy::bpf::use_checksum_helpers_only(),
+        kproxy::dataplane::ebpf::object::use_checksum_helpers_only(),
         "nothing in this process loaded the object before"
     );
-    assert!(!kproxy::bpf::reads_checksum_state());
+    assert!(!kproxy::dataplane::ebpf::object::reads_checksum_state());
     let rig = Rig::new("tc-helpers");
     let pods = vec![
         endpoint(std::net::Ipv4Addr::new(10, 244, 1, 2), true),

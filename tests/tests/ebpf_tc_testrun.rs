@@ -12,15 +12,22 @@ use std::net::Ipv4Addr;
 use aya::Ebpf;
 use aya::maps::{Array, HashMap as BpfHashMap};
 use ebpf_tc_support::*;
-use kproxy::dataplane::ebpf_tc::testrun::{TestRunOutcome, run, run_xdp};
-use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
-use kproxy::dataplane::ebpf_tc::{CtKind, PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath, ct};
+use kproxy::dataplane::ebpf::node_path::CtKind;
+use kproxy::dataplane::ebpf::node_path::PROG_TC_EGRESS;
+use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::flows;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
 use kproxy_common::ct::{CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, MAP_CT, NodeAddr4};
 use kproxy_common::frontend_filter::{MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{
     BE_F_LOCAL, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_AFFINITY, SVC_F_EXTERNAL_IP, SVC_F_LOCAL_ONLY,
     SVC_F_NODE_PORT, SVC_F_REJECT, SVC_F_SOURCE_RANGES, ServiceValue,
 };
+use kproxy_tests::bpf::testrun::TestRunOutcome;
+use kproxy_tests::bpf::testrun::run;
+use kproxy_tests::bpf::testrun::run_xdp;
 use kproxy_tests::netns::{Bpffs, require_root};
 
 const NEXT: i32 = -1;
@@ -551,12 +558,12 @@ fn purging_a_backend_deletes_its_flows_only() {
     let before = ct_entries(&f.ebpf);
     let of = |id: u32,
               e: &[(
-        kproxy::dataplane::ebpf_tc::CtKey,
-        kproxy::dataplane::ebpf_tc::CtEntry,
+        kproxy::dataplane::ebpf::node_path::CtKey,
+        kproxy::dataplane::ebpf::node_path::CtEntry,
     )]| { e.iter().filter(|(_, v)| v.backend_id == id).count() };
     let (n1, n2) = (of(1, &before), of(2, &before));
     assert!(n1 > 0 && n2 > 0, "both backends got flows: {n1}/{n2}");
-    let deleted = ct::purge_backends(&mut f.ebpf, &[1]).unwrap();
+    let deleted = flows::purge_backends(&mut f.ebpf, &[1]).unwrap();
     assert_eq!(deleted, n1);
     let after = ct_entries(&f.ebpf);
     assert_eq!(of(1, &after), 0);
@@ -622,17 +629,17 @@ fn expiry_removes_idle_flows_whole() {
     assert_eq!(ct_entries(&f.ebpf).len(), 3);
     // Generous timeouts: nothing is idle yet.
     assert_eq!(
-        ct::expire(&mut f.ebpf, &ct::Timeouts::default()).unwrap(),
+        flows::expire(&mut f.ebpf, &flows::Timeouts::default()).unwrap(),
         0
     );
     assert_eq!(ct_entries(&f.ebpf).len(), 3);
     std::thread::sleep(std::time::Duration::from_millis(20));
-    let zero = ct::Timeouts {
+    let zero = flows::Timeouts {
         tcp: std::time::Duration::ZERO,
         tcp_closing: std::time::Duration::ZERO,
         udp: std::time::Duration::ZERO,
     };
-    assert_eq!(ct::expire(&mut f.ebpf, &zero).unwrap(), 3);
+    assert_eq!(flows::expire(&mut f.ebpf, &zero).unwrap(), 3);
     assert!(ct_entries(&f.ebpf).is_empty());
 }
 

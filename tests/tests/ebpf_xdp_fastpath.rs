@@ -21,14 +21,18 @@ use std::time::Duration;
 
 use aya::Ebpf;
 use ebpf_tc_support::{backend, frontend, load, slots};
-use kproxy::bpf::PacketCounter;
-use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
-use kproxy::dataplane::ebpf_tc::xdp::{XdpPath, XdpPolicy, driver};
-use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy;
+use kproxy::dataplane::ebpf::node_path::xdp::driver;
+use kproxy::kernel::addresses::NodeAddresses;
+use kproxy::kernel::addresses::scan;
 use kproxy_common::counter::CounterSlot;
 use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
 };
+use kproxy_tests::bpf::PacketCounter;
 use kproxy_tests::netns::{Bpffs, Netns, require_root};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Topology, TopologySpec,
@@ -455,7 +459,7 @@ fn frames_the_fast_path_cannot_forward_are_passed() {
         return;
     }
     use ebpf_tc_support::{csum, ipv4_header, tcp_frame, tcp_segment};
-    use kproxy::dataplane::ebpf_tc::testrun::run_xdp;
+    use kproxy_tests::bpf::testrun::run_xdp;
     const XDP_PASS: i32 = 2;
     const XDP_REDIRECT: i32 = 4;
     const SYN: u8 = 0x02;

@@ -8,7 +8,9 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::config::SourceConfig;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::http;
 use kproxy_tests::recording::RecordingDataplane;
@@ -78,7 +80,7 @@ async fn health_check_node_port_follows_local_endpoints_and_closes_with_the_serv
         node_port_addresses: vec!["127.0.0.0/8".parse().unwrap()],
         ..AgentOptions::new(
             "node-a",
-            SourceSpec::Manifests(dir.clone()),
+            SourceConfig::Manifests(dir.clone()),
             RunnerConfig::new(Duration::from_millis(10), Duration::from_secs(3600)),
         )
     };
@@ -140,7 +142,7 @@ async fn health_check_node_port_moves_when_the_port_changes() {
         node_port_addresses: vec!["127.0.0.0/8".parse().unwrap()],
         ..AgentOptions::new(
             "node-a",
-            SourceSpec::Manifests(dir.clone()),
+            SourceConfig::Manifests(dir.clone()),
             RunnerConfig::new(Duration::from_millis(10), Duration::from_secs(3600)),
         )
     };
@@ -251,7 +253,7 @@ async fn health_check_node_port_listens_where_nodeport_addresses_say() {
             node_port_addresses: cidrs,
             ..AgentOptions::new(
                 "node-a",
-                SourceSpec::Manifests(dir.clone()),
+                SourceConfig::Manifests(dir.clone()),
                 RunnerConfig::new(Duration::from_millis(10), Duration::from_secs(3600)),
             )
         };

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus, Taint};
 use k8s_openapi::api::events::v1::Event;
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::config::SourceConfig;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::fakeapi::FakeApi;
 use kproxy_tests::http::{self, sample};
@@ -39,7 +41,7 @@ fn runner() -> RunnerConfig {
     }
 }
 
-fn options(source: SourceSpec) -> AgentOptions {
+fn options(source: SourceConfig) -> AgentOptions {
     AgentOptions {
         healthz_bind: Some("127.0.0.1:0".parse().unwrap()),
         metrics_bind: Some("127.0.0.1:0".parse().unwrap()),
@@ -59,7 +61,7 @@ async fn healthz_turns_503_when_syncs_stop_succeeding_and_recovers() {
     let (dp, rec) = RecordingDataplane::new();
     let (stop, stopped) = oneshot::channel::<()>();
     let agent = Agent::start(
-        options(SourceSpec::Manifests(dir.clone())),
+        options(SourceConfig::Manifests(dir.clone())),
         Box::new(dp),
         async {
             let _ = stopped.await;
@@ -183,7 +185,7 @@ async fn healthz_follows_node_eligibility_livez_does_not() {
     api.write_kubeconfig(&kubeconfig).unwrap();
     let (dp, rec) = RecordingDataplane::new();
     let (stop, stopped) = oneshot::channel::<()>();
-    let source = SourceSpec::Kube {
+    let source = SourceConfig::Kube {
         kubeconfig: Some(kubeconfig),
         master: None,
     };

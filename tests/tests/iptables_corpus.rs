@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kproxy::dataplane::iptables::backend::{FakeIptables, IptablesBackend, rule_target};
+use kproxy::dataplane::iptables::kernel::FakeIptables;
+use kproxy::dataplane::iptables::kernel::IptablesBackend;
+use kproxy::dataplane::iptables::kernel::rule_target;
 use kproxy::dataplane::iptables::render::canonical_sort;
 use kproxy::dataplane::iptables::{IptablesConfig, Proxier};
 use kproxy::model::{ChangedSet, Tracker};
@@ -65,7 +67,7 @@ fn check_rule_jumps(text: &str) -> Result<(), String> {
                 }
                 with_rules.push(chain);
                 if let Some(t) = rule_target(rest)
-                    && !kproxy::dataplane::iptables::backend::is_builtin_target(t)
+                    && !kproxy::dataplane::iptables::kernel::is_builtin_target(t)
                 {
                     if !declared.iter().any(|d| d == t) {
                         return Err(format!("jump to undeclared chain: {line}"));

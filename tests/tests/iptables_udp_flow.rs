@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane, LocalTrafficDetector};
-use kproxy::dataplane::with_conntrack::WithConntrackCleanup;
+use kproxy::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
 use kproxy::model::{IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
 use kproxy_tests::netns::require_root;

@@ -13,8 +13,9 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kproxy::model::input::{Delta, Event};
+use kproxy::source::PROXYABLE_LABEL_SELECTOR;
 use kproxy::source::kube::{KubeSourceError, client, spawn};
-use kproxy::source::{Delta, Event, PROXYABLE_LABEL_SELECTOR};
 use kproxy_tests::fakeapi::{FakeApi, Kind};
 use tokio::sync::mpsc;
 

@@ -6,10 +6,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::config::SourceConfig;
 use kproxy::dataplane::ProxyMode;
-use kproxy::metrics::Metrics;
 use kproxy::model::IpFamily;
+use kproxy::observe::metrics::Metrics;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::fixtures;
 use kproxy_tests::http::{self, sample};
@@ -94,7 +96,7 @@ async fn metrics_server_exposes_upstream_metrics_and_follows_syncs() {
     let (stop, stopped) = oneshot::channel::<()>();
     let opts = AgentOptions {
         metrics_bind: Some("127.0.0.1:0".parse().unwrap()),
-        ..AgentOptions::new("node-a", SourceSpec::Manifests(dir.clone()), runner())
+        ..AgentOptions::new("node-a", SourceConfig::Manifests(dir.clone()), runner())
     };
     let agent = Agent::start(opts, Box::new(dp), async {
         let _ = stopped.await;
@@ -264,9 +266,11 @@ fn no_local_endpoints_matches_upstream_cases() {
             .collect();
         let file = dir.join("objects.yaml");
         std::fs::write(&file, objects.join("---\n")).unwrap();
-        let (snap, problems) = kproxy::agent::snapshot_from_manifests(&file, "test-node").unwrap();
+        let (snap, problems) =
+            kproxy::app::agent::snapshot_from_manifests(&file, "test-node").unwrap();
         assert!(problems.is_empty(), "{name}: {problems:?}");
-        let (internal, external) = kproxy::metrics::no_local_endpoints(&snap, IpFamily::V4);
+        let (internal, external) =
+            kproxy::observe::metrics::no_local_endpoints(&snap, IpFamily::V4);
         let want = |policy: &str| {
             case["expected"][format!(
                 "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}}"
@@ -280,7 +284,7 @@ fn no_local_endpoints_matches_upstream_cases() {
             "{name}"
         );
         assert_eq!(
-            kproxy::metrics::no_local_endpoints(&snap, IpFamily::V6),
+            kproxy::observe::metrics::no_local_endpoints(&snap, IpFamily::V6),
             (0, 0),
             "{name}: no IPv6 services"
         );

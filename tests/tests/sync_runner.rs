@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kproxy::agent::{Agent, AgentOptions, SourceSpec};
+use kproxy::app::agent::Agent;
+use kproxy::app::agent::AgentOptions;
+use kproxy::config::SourceConfig;
 use kproxy::model::Tracker;
-use kproxy::source::{Delta, Event};
+use kproxy::model::input::{Delta, Event};
 use kproxy::sync::{Runner, RunnerConfig};
 use kproxy_tests::recording::{Recorded, RecordingDataplane};
 use tokio::sync::{mpsc, oneshot};
@@ -243,7 +245,7 @@ async fn manifests_source_drives_syncs_and_rereads_changes() {
     write(&dir, "web.yaml", WEB);
     let (dp, rec) = RecordingDataplane::new();
     let (stop, stopped) = oneshot::channel::<()>();
-    let opts = AgentOptions::new("node-a", SourceSpec::Manifests(dir.clone()), fast());
+    let opts = AgentOptions::new("node-a", SourceConfig::Manifests(dir.clone()), fast());
     let agent = Agent::start(opts, Box::new(dp), async move {
         let _ = stopped.await;
     })

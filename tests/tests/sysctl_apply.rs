@@ -1,4 +1,4 @@
-//! `kproxy::sysctl::apply` doing real file I/O: on a fake /proc + /sys tree (the global
+//! `kproxy::app::sysctl::apply` doing real file I/O: on a fake /proc + /sys tree (the global
 //! conntrack settings, which must never be changed on the test machine), and inside a test
 //! network namespace for the per-namespace sysctls.
 
@@ -6,11 +6,20 @@ use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
-use kproxy::sysctl::{
-    BRIDGE_NF_CALL_IPTABLES, CONNTRACK_MAX, Change, ConntrackConfig, Host, ROUTE_LOCALNET,
-    SysctlConfig, TCP_BE_LIBERAL, TCP_CLOSE_WAIT, TCP_ESTABLISHED, Target, UDP_STREAM_TIMEOUT,
-    UDP_TIMEOUT, apply,
-};
+use kproxy::app::sysctl::BRIDGE_NF_CALL_IPTABLES;
+use kproxy::app::sysctl::CONNTRACK_MAX;
+use kproxy::app::sysctl::Change;
+use kproxy::app::sysctl::ConntrackConfig;
+use kproxy::app::sysctl::Host;
+use kproxy::app::sysctl::ROUTE_LOCALNET;
+use kproxy::app::sysctl::SysctlConfig;
+use kproxy::app::sysctl::TCP_BE_LIBERAL;
+use kproxy::app::sysctl::TCP_CLOSE_WAIT;
+use kproxy::app::sysctl::TCP_ESTABLISHED;
+use kproxy::app::sysctl::Target;
+use kproxy::app::sysctl::UDP_STREAM_TIMEOUT;
+use kproxy::app::sysctl::UDP_TIMEOUT;
+use kproxy::app::sysctl::apply;
 use kproxy_tests::netns::{Netns, require_root, unique_name};
 
 /// A temp directory removed on drop.

@@ -56,8 +56,43 @@ pub struct FlagSpec {
     /// The `KubeProxyConfiguration` field the flag sets, if any.
     pub field: Option<&'static str>,
     pub help: &'static str,
+    /// How the flag's value is applied to the configuration.
+    pub apply: Apply,
 }
 
+/// Where a flag's value goes (and how it is parsed), applied by [`super::apply_flags`].
+/// Accessors return the `KubeProxyConfiguration` field the value is stored in.
+#[derive(Debug, Clone, Copy)]
+pub enum Apply {
+    /// Read elsewhere (`load` / `main`: config, write-config-to, cleanup, init-only,
+    /// version, output), or ignored without a config field. A boolean flag's value is still
+    /// checked to be a boolean.
+    Nothing,
+    /// The last value, as given.
+    Str(fn(&mut KubeProxyConfiguration) -> &mut Option<String>),
+    /// The last value, a Go boolean.
+    Bool(fn(&mut KubeProxyConfiguration) -> &mut Option<bool>),
+    /// The last value, a Go 32-bit integer (`0x…`, `0…` accepted).
+    I32(fn(&mut KubeProxyConfiguration) -> &mut Option<i32>),
+    /// The last value, a Go duration.
+    Duration(fn(&mut KubeProxyConfiguration) -> &mut Option<GoDuration>),
+    /// Every value, comma-separated lists appended.
+    List(fn(&mut KubeProxyConfiguration) -> &mut Option<Vec<String>>),
+    /// A flag with its own parsing, or one that sets something outside the file.
+    Custom(fn(&mut KubeProxyConfiguration, &mut Extra, &Given) -> Result<(), CliError>),
+}
+
+impl FlagSpec {
+    /// This flag, applied by `apply`.
+    const fn sets(self, apply: Apply) -> FlagSpec {
+        FlagSpec { apply, ..self }
+    }
+}
+
+use super::{CliError, Given};
+use crate::config::resolve::Extra;
+use crate::config::{GoDuration, KubeProxyConfiguration};
+use Apply::{Custom, Duration, I32, List, Str};
 use Kind::{Bool, Value};
 use Origin::{Kproxy, Legacy, Upstream, UpstreamWindows};
 use Support::{Ignored, Implemented, Removed};
@@ -78,6 +113,7 @@ const fn f(
         origin,
         field,
         help,
+        apply: Apply::Nothing,
     }
 }
 
@@ -131,7 +167,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("clientConnection.kubeconfig"),
         "Path to a kubeconfig file with authorization information.",
-    ),
+    )
+    .sets(Str(|c| &mut c.client_connection.kubeconfig)),
     f(
         "master",
         Value("URL"),
@@ -139,7 +176,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         None,
         "The address of the Kubernetes API server (overrides any value in kubeconfig).",
-    ),
+    )
+    .sets(Custom(super::set_master)),
     f(
         "hostname-override",
         Value("NAME"),
@@ -147,7 +185,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("hostnameOverride"),
         "The name of the Node kproxy runs on (default: the hostname).",
-    ),
+    )
+    .sets(Custom(super::set_hostname_override)),
     f(
         "bind-address",
         Value("IP"),
@@ -155,7 +194,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("bindAddress"),
         "Overrides the idea of the node's primary IP (no socket is bound to it).",
-    ),
+    )
+    .sets(Str(|c| &mut c.bind_address)),
     f(
         "healthz-bind-address",
         Value("IP[:PORT]"),
@@ -163,7 +203,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("healthzBindAddress"),
         "Address of the health server (default 0.0.0.0:10256); empty disables it.",
-    ),
+    )
+    .sets(Custom(super::set_healthz_bind_address)),
     f(
         "metrics-bind-address",
         Value("IP[:PORT]"),
@@ -171,7 +212,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("metricsBindAddress"),
         "Address of the metrics server (default 127.0.0.1:10249); empty disables it.",
-    ),
+    )
+    .sets(Custom(super::set_metrics_bind_address)),
     f(
         "healthz-port",
         Value("PORT"),
@@ -179,7 +221,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("healthzBindAddress"),
         "Deprecated: the health server's port; 0 disables it. Use --healthz-bind-address.",
-    ),
+    )
+    .sets(Custom(super::set_healthz_port)),
     f(
         "metrics-port",
         Value("PORT"),
@@ -187,7 +230,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("metricsBindAddress"),
         "Deprecated: the metrics server's port; 0 disables it. Use --metrics-bind-address.",
-    ),
+    )
+    .sets(Custom(super::set_metrics_port)),
     f(
         "proxy-mode",
         Value("MODE"),
@@ -195,7 +239,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("mode"),
         "ebpf, ipvs or iptables; empty (default) detects: ebpf, else ipvs, else iptables.",
-    ),
+    )
+    .sets(Str(|c| &mut c.mode)),
     f(
         "bind-address-hard-fail",
         Bool,
@@ -203,7 +248,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("bindAddressHardFail"),
         "Treat failure to bind the health or metrics port as fatal.",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.bind_address_hard_fail)),
     f(
         "profiling",
         Bool,
@@ -211,7 +257,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("enableProfiling"),
         "Serve /debug/pprof (kproxy has no pprof).",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.enable_profiling)),
     f(
         "show-hidden-metrics-for-version",
         Value("VERSION"),
@@ -219,7 +266,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("showHiddenMetricsForVersion"),
         "Show metrics hidden since this version.",
-    ),
+    )
+    .sets(Str(|c| &mut c.show_hidden_metrics_for_version)),
     f(
         "feature-gates",
         Value("KEY=BOOL,..."),
@@ -227,7 +275,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("featureGates"),
         "Upstream feature gates (kproxy has none).",
-    ),
+    )
+    .sets(Custom(super::set_feature_gates)),
     f(
         "kube-api-content-type",
         Value("TYPE"),
@@ -235,7 +284,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("clientConnection.contentType"),
         "Content type of requests sent to the API server.",
-    ),
+    )
+    .sets(Str(|c| &mut c.client_connection.content_type)),
     f(
         "kube-api-qps",
         Value("QPS"),
@@ -243,7 +293,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("clientConnection.qps"),
         "QPS to use while talking with the API server.",
-    ),
+    )
+    .sets(Custom(super::set_kube_api_qps)),
     f(
         "kube-api-burst",
         Value("N"),
@@ -251,7 +302,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("clientConnection.burst"),
         "Burst to use while talking with the API server.",
-    ),
+    )
+    .sets(I32(|c| &mut c.client_connection.burst)),
     f(
         "config-sync-period",
         Value("DURATION"),
@@ -259,7 +311,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("configSyncPeriod"),
         "How often configuration from the API server is refreshed.",
-    ),
+    )
+    .sets(Duration(|c| &mut c.config_sync_period)),
     // --- local traffic, NodePorts, masquerading ---
     f(
         "cluster-cidr",
@@ -268,7 +321,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("clusterCIDR"),
         "The pods' CIDR range(s) (one, or a dual-stack pair); used by --detect-local-mode=ClusterCIDR.",
-    ),
+    )
+    .sets(Str(|c| &mut c.cluster_cidr)),
     f(
         "detect-local-mode",
         Value("MODE"),
@@ -276,7 +330,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("detectLocalMode"),
         "ClusterCIDR (default), NodeCIDR, BridgeInterface or InterfaceNamePrefix.",
-    ),
+    )
+    .sets(Str(|c| &mut c.detect_local_mode)),
     f(
         "pod-bridge-interface",
         Value("IFACE"),
@@ -284,7 +339,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("detectLocal.bridgeInterface"),
         "The bridge whose traffic is local (--detect-local-mode=BridgeInterface).",
-    ),
+    )
+    .sets(Str(|c| &mut c.detect_local.bridge_interface)),
     f(
         "pod-interface-name-prefix",
         Value("PREFIX"),
@@ -292,7 +348,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("detectLocal.interfaceNamePrefix"),
         "Interfaces with this prefix carry local traffic (--detect-local-mode=InterfaceNamePrefix).",
-    ),
+    )
+    .sets(Str(|c| &mut c.detect_local.interface_name_prefix)),
     f(
         "nodeport-addresses",
         Value("CIDR,..."),
@@ -300,7 +357,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("nodePortAddresses"),
         "Node IP ranges that accept NodePort traffic, or 'primary'; default all local IPs.",
-    ),
+    )
+    .sets(List(|c| &mut c.node_port_addresses)),
     f(
         "masquerade-all",
         Bool,
@@ -308,7 +366,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("iptables.masqueradeAll"),
         "SNAT all traffic sent to service cluster IPs.",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.iptables.masquerade_all)),
     f(
         "iptables-masquerade-bit",
         Value("BIT"),
@@ -316,7 +375,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("iptables.masqueradeBit"),
         "The fwmark bit marking packets to SNAT (0..31, default 14).",
-    ),
+    )
+    .sets(I32(|c| &mut c.iptables.masquerade_bit)),
     f(
         "iptables-localhost-nodeports",
         Bool,
@@ -324,7 +384,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("iptables.localhostNodePorts"),
         "Allow NodePorts on localhost (iptables mode, IPv4; default true).",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.iptables.localhost_node_ports)),
     f(
         "iptables-sync-period",
         Value("DURATION"),
@@ -332,7 +393,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("iptables.syncPeriod"),
         "iptables mode: full resync at least this often (default 30s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.iptables.sync_period)),
     f(
         "iptables-min-sync-period",
         Value("DURATION"),
@@ -340,7 +402,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("iptables.minSyncPeriod"),
         "iptables mode: minimum interval between syncs (default 1s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.iptables.min_sync_period)),
     f(
         "ipvs-sync-period",
         Value("DURATION"),
@@ -348,7 +411,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.syncPeriod"),
         "ipvs mode: full resync at least this often (default 30s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.ipvs.sync_period)),
     f(
         "ipvs-min-sync-period",
         Value("DURATION"),
@@ -356,7 +420,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.minSyncPeriod"),
         "ipvs mode: minimum interval between syncs (default 1s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.ipvs.min_sync_period)),
     f(
         "ipvs-scheduler",
         Value("NAME"),
@@ -364,7 +429,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.scheduler"),
         "ipvs mode: the IPVS scheduler (default rr).",
-    ),
+    )
+    .sets(Str(|c| &mut c.ipvs.scheduler)),
     f(
         "ipvs-exclude-cidrs",
         Value("CIDR,..."),
@@ -372,7 +438,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.excludeCIDRs"),
         "ipvs mode: IPVS virtual servers in these ranges are left alone.",
-    ),
+    )
+    .sets(List(|c| &mut c.ipvs.exclude_cidrs)),
     f(
         "ipvs-strict-arp",
         Bool,
@@ -380,7 +447,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.strictARP"),
         "ipvs mode: set arp_ignore=1 and arp_announce=2.",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.ipvs.strict_arp)),
     f(
         "ipvs-tcp-timeout",
         Value("DURATION"),
@@ -388,7 +456,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.tcpTimeout"),
         "ipvs mode: idle TCP timeout; 0 leaves the kernel's value.",
-    ),
+    )
+    .sets(Duration(|c| &mut c.ipvs.tcp_timeout)),
     f(
         "ipvs-tcpfin-timeout",
         Value("DURATION"),
@@ -396,7 +465,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.tcpFinTimeout"),
         "ipvs mode: TCP timeout after FIN; 0 leaves the kernel's value.",
-    ),
+    )
+    .sets(Duration(|c| &mut c.ipvs.tcp_fin_timeout)),
     f(
         "ipvs-udp-timeout",
         Value("DURATION"),
@@ -404,7 +474,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("ipvs.udpTimeout"),
         "ipvs mode: UDP timeout; 0 leaves the kernel's value.",
-    ),
+    )
+    .sets(Duration(|c| &mut c.ipvs.udp_timeout)),
     // --- conntrack, process ---
     f(
         "conntrack-max-per-core",
@@ -413,7 +484,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.maxPerCore"),
         "Conntrack entries per CPU (0 leaves the limit and ignores --conntrack-min).",
-    ),
+    )
+    .sets(I32(|c| &mut c.conntrack.max_per_core)),
     f(
         "conntrack-min",
         Value("N"),
@@ -421,7 +493,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.min"),
         "Minimum conntrack limit regardless of --conntrack-max-per-core.",
-    ),
+    )
+    .sets(I32(|c| &mut c.conntrack.min)),
     f(
         "conntrack-tcp-timeout-established",
         Value("DURATION"),
@@ -429,7 +502,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.tcpEstablishedTimeout"),
         "Idle timeout of established TCP connections (0 leaves it).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.conntrack.tcp_established_timeout)),
     f(
         "conntrack-tcp-timeout-close-wait",
         Value("DURATION"),
@@ -437,7 +511,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.tcpCloseWaitTimeout"),
         "Timeout of TCP connections in CLOSE_WAIT (0 leaves it).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.conntrack.tcp_close_wait_timeout)),
     f(
         "conntrack-tcp-be-liberal",
         Bool,
@@ -445,7 +520,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.tcpBeLiberal"),
         "Set nf_conntrack_tcp_be_liberal=1.",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.conntrack.tcp_be_liberal)),
     f(
         "conntrack-udp-timeout",
         Value("DURATION"),
@@ -453,7 +529,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.udpTimeout"),
         "Idle timeout of UNREPLIED UDP entries (0 leaves it).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.conntrack.udp_timeout)),
     f(
         "conntrack-udp-timeout-stream",
         Value("DURATION"),
@@ -461,7 +538,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("conntrack.udpStreamTimeout"),
         "Idle timeout of ASSURED UDP entries (0 leaves it).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.conntrack.udp_stream_timeout)),
     f(
         "oom-score-adj",
         Value("N"),
@@ -469,7 +547,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("oomScoreAdj"),
         "The process's oom_score_adj (-1000..1000, default -999).",
-    ),
+    )
+    .sets(I32(|c| &mut c.oom_score_adj)),
     // --- logging (component-base) ---
     f(
         "logging-format",
@@ -478,7 +557,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Upstream,
         Some("logging.format"),
         "Log format: text (default) or json.",
-    ),
+    )
+    .sets(Str(|c| &mut c.logging.format)),
     FlagSpec {
         name: "v",
         short: Some('v'),
@@ -487,6 +567,7 @@ pub const FLAGS: &[FlagSpec] = &[
         origin: Upstream,
         field: Some("logging.verbosity"),
         help: "Log verbosity: >=4 logs debug, >=6 trace (when RUST_LOG is unset).",
+        apply: Custom(super::set_verbosity),
     },
     f(
         "vmodule",
@@ -544,7 +625,8 @@ pub const FLAGS: &[FlagSpec] = &[
         UpstreamWindows,
         Some("windowsRunAsService"),
         "Windows: run as a service.",
-    ),
+    )
+    .sets(Apply::Bool(|c| &mut c.windows_run_as_service)),
     // --- klog flags of older releases, and removed kube-proxy flags ---
     f(
         "add-dir-header",
@@ -641,7 +723,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Legacy,
         Some("portRange"),
         "Userspace proxy port range (removed upstream).",
-    ),
+    )
+    .sets(Str(|c| &mut c.port_range)),
     f(
         "udp-timeout",
         Value("DURATION"),
@@ -682,7 +765,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         None,
         "Standalone mode: read Services/EndpointSlices (and the Node) from a YAML file or directory instead of the API server.",
-    ),
+    )
+    .sets(Custom(super::set_manifests)),
     f(
         "sync-period",
         Value("DURATION"),
@@ -690,7 +774,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("syncPeriod"),
         "ebpf mode: full resync at least this often (default 30s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.sync_period)),
     f(
         "min-sync-period",
         Value("DURATION"),
@@ -698,7 +783,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("minSyncPeriod"),
         "ebpf mode: minimum interval between syncs (default 1s).",
-    ),
+    )
+    .sets(Duration(|c| &mut c.min_sync_period)),
     f(
         "bpf-cgroup",
         Value("PATH"),
@@ -706,7 +792,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.cgroup"),
         "cgroup v2 directory for socket load balancing (default: the cgroup2 mount root).",
-    ),
+    )
+    .sets(Str(|c| &mut c.bpf.cgroup)),
     f(
         "bpffs",
         Value("PATH"),
@@ -714,7 +801,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.bpffs"),
         "bpffs mount; maps are pinned under PATH/kproxy (default /sys/fs/bpf).",
-    ),
+    )
+    .sets(Str(|c| &mut c.bpf.bpffs)),
     f(
         "bpf-devices",
         Value("IFACE,..."),
@@ -722,7 +810,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.devices"),
         "Devices for the TC/XDP programs (default: detected).",
-    ),
+    )
+    .sets(List(|c| &mut c.bpf.devices)),
     f(
         "bpf-map-sizes",
         Value("MAP=N,..."),
@@ -730,7 +819,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.mapSizes"),
         "BPF map size overrides (services, backendSlots, backends, ct, revNat, affinity, sourceRanges, maglev = number of Maglev tables).",
-    ),
+    )
+    .sets(Custom(super::set_bpf_map_sizes)),
     f(
         "bpf-xdp",
         Value("MODE"),
@@ -738,7 +828,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.xdp"),
         "off, best-effort (default) or native.",
-    ),
+    )
+    .sets(Str(|c| &mut c.bpf.xdp)),
     f(
         "bpf-lb-algorithm",
         Value("ALG"),
@@ -746,7 +837,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.lbAlgorithm"),
         "random (default) or maglev (TC path: Maglev consistent hashing for traffic from outside the node).",
-    ),
+    )
+    .sets(Str(|c| &mut c.bpf.lb_algorithm)),
     f(
         "bpf-lb-maglev-table-size",
         Value("M"),
@@ -754,7 +846,8 @@ pub const FLAGS: &[FlagSpec] = &[
         Kproxy,
         Some("bpf.maglevTableSize"),
         "Maglev lookup table size per service, a prime in [251, 131071] (default 16381; use M > 100 × backends).",
-    ),
+    )
+    .sets(Custom(super::set_maglev_table_size)),
     f(
         "output",
         Value("FORMAT"),

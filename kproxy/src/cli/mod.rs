@@ -29,7 +29,7 @@ use crate::config::{ConfigErrors, GoDuration, KubeProxyConfiguration, ProxyConfi
 pub mod flags;
 pub mod render;
 
-use flags::{FLAGS, FlagSpec, Kind, Support};
+use flags::{Apply, FLAGS, FlagSpec, Kind, Support};
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -313,8 +313,8 @@ fn with_port(
     Ok(append_port_if_needed(&host, port))
 }
 
-/// Applies every given flag to `cfg` (already defaulted) and `extra`; collects warnings for
-/// ignored and removed flags.
+/// Applies every given flag to `cfg` (already defaulted) and `extra`, each as its
+/// [`FlagSpec::apply`] says; collects warnings for ignored and removed flags.
 pub fn apply_flags(
     cfg: &mut KubeProxyConfiguration,
     inv: &Invocation,
@@ -336,144 +336,180 @@ pub fn apply_flags(
                 "flag --{name} was removed from kube-proxy; accepted and ignored"
             )),
         }
-        let s = || Some(v.to_owned());
-        let dur = || parse_duration(name, v).map(Some);
-        let all_values = || {
-            g.values
-                .iter()
-                .flat_map(|v| split_list(v))
-                .collect::<Vec<_>>()
-        };
-        match name {
-            "kubeconfig" => cfg.client_connection.kubeconfig = s(),
-            "master" => extra.master = s(),
-            "manifests" => extra.manifests = Some(PathBuf::from(v)),
-            "hostname-override" => {
-                if !v.is_empty() {
-                    let h = v.trim();
-                    if h.is_empty() {
-                        return Err(CliError::Usage("empty hostname-override is invalid".into()));
-                    }
-                    cfg.hostname_override = Some(h.to_lowercase());
-                }
-            }
-            "bind-address" => cfg.bind_address = s(),
-            "healthz-bind-address" => {
-                cfg.healthz_bind_address = Some(append_port_if_needed(
-                    v,
-                    crate::config::file::defaults::HEALTHZ_PORT,
-                ));
-            }
-            "metrics-bind-address" => {
-                cfg.metrics_bind_address = Some(append_port_if_needed(
-                    v,
-                    crate::config::file::defaults::METRICS_PORT,
-                ));
-            }
-            "healthz-port" => {
-                let p = parse_i32(name, v)?;
-                cfg.healthz_bind_address = Some(with_port(&cfg.healthz_bind_address, p, name, v)?);
-            }
-            "metrics-port" => {
-                let p = parse_i32(name, v)?;
-                cfg.metrics_bind_address = Some(with_port(&cfg.metrics_bind_address, p, name, v)?);
-            }
-            "proxy-mode" => cfg.mode = s(),
-            "bind-address-hard-fail" => cfg.bind_address_hard_fail = Some(parse_bool(name, v)?),
-            "profiling" => cfg.enable_profiling = Some(parse_bool(name, v)?),
-            "show-hidden-metrics-for-version" => cfg.show_hidden_metrics_for_version = s(),
-            "feature-gates" => {
-                let gates = cfg.feature_gates.get_or_insert_with(BTreeMap::new);
-                for raw in &g.values {
-                    for (k, b) in pairs(name, raw)? {
-                        gates.insert(k.to_owned(), parse_bool(name, b)?);
-                    }
-                }
-            }
-            "kube-api-content-type" => cfg.client_connection.content_type = s(),
-            "kube-api-qps" => {
-                let q: f32 = v
-                    .parse()
-                    .map_err(|_| flag_err(name, v, "expected a number"))?;
-                cfg.client_connection.qps = Some(q);
-            }
-            "kube-api-burst" => cfg.client_connection.burst = Some(parse_i32(name, v)?),
-            "config-sync-period" => cfg.config_sync_period = dur()?,
-            "cluster-cidr" => cfg.cluster_cidr = s(),
-            "detect-local-mode" => cfg.detect_local_mode = s(),
-            "pod-bridge-interface" => cfg.detect_local.bridge_interface = s(),
-            "pod-interface-name-prefix" => cfg.detect_local.interface_name_prefix = s(),
-            "nodeport-addresses" => cfg.node_port_addresses = Some(all_values()),
-            "masquerade-all" => cfg.iptables.masquerade_all = Some(parse_bool(name, v)?),
-            "iptables-masquerade-bit" => cfg.iptables.masquerade_bit = Some(parse_i32(name, v)?),
-            "iptables-localhost-nodeports" => {
-                cfg.iptables.localhost_node_ports = Some(parse_bool(name, v)?);
-            }
-            "iptables-sync-period" => cfg.iptables.sync_period = dur()?,
-            "iptables-min-sync-period" => cfg.iptables.min_sync_period = dur()?,
-            "ipvs-sync-period" => cfg.ipvs.sync_period = dur()?,
-            "ipvs-min-sync-period" => cfg.ipvs.min_sync_period = dur()?,
-            "ipvs-scheduler" => cfg.ipvs.scheduler = s(),
-            "ipvs-exclude-cidrs" => cfg.ipvs.exclude_cidrs = Some(all_values()),
-            "ipvs-strict-arp" => cfg.ipvs.strict_arp = Some(parse_bool(name, v)?),
-            "ipvs-tcp-timeout" => cfg.ipvs.tcp_timeout = dur()?,
-            "ipvs-tcpfin-timeout" => cfg.ipvs.tcp_fin_timeout = dur()?,
-            "ipvs-udp-timeout" => cfg.ipvs.udp_timeout = dur()?,
-            "conntrack-max-per-core" => cfg.conntrack.max_per_core = Some(parse_i32(name, v)?),
-            "conntrack-min" => cfg.conntrack.min = Some(parse_i32(name, v)?),
-            "conntrack-tcp-timeout-established" => cfg.conntrack.tcp_established_timeout = dur()?,
-            "conntrack-tcp-timeout-close-wait" => cfg.conntrack.tcp_close_wait_timeout = dur()?,
-            "conntrack-tcp-be-liberal" => cfg.conntrack.tcp_be_liberal = Some(parse_bool(name, v)?),
-            "conntrack-udp-timeout" => cfg.conntrack.udp_timeout = dur()?,
-            "conntrack-udp-timeout-stream" => cfg.conntrack.udp_stream_timeout = dur()?,
-            "oom-score-adj" => cfg.oom_score_adj = Some(parse_i32(name, v)?),
-            "logging-format" => cfg.logging.format = s(),
-            "v" => {
-                let n: u32 = v
-                    .parse()
-                    .map_err(|_| flag_err(name, v, "expected a non-negative integer"))?;
-                cfg.logging.verbosity = Some(n);
-            }
-            "windows-service" => cfg.windows_run_as_service = Some(parse_bool(name, v)?),
-            "proxy-port-range" => cfg.port_range = s(),
-            "sync-period" => cfg.sync_period = dur()?,
-            "min-sync-period" => cfg.min_sync_period = dur()?,
-            "bpf-cgroup" => cfg.bpf.cgroup = s(),
-            "bpffs" => cfg.bpf.bpffs = s(),
-            "bpf-devices" => cfg.bpf.devices = Some(all_values()),
-            "bpf-map-sizes" => {
-                let sizes = cfg.bpf.map_sizes.get_or_insert_with(BTreeMap::new);
-                for raw in &g.values {
-                    for (k, n) in pairs(name, raw)? {
-                        let n: u32 = n.parse().map_err(|_| {
-                            flag_err(
-                                name,
-                                raw,
-                                format!("size of {k:?} must be a positive integer"),
-                            )
-                        })?;
-                        sizes.insert(k.to_owned(), n);
-                    }
-                }
-            }
-            "bpf-xdp" => cfg.bpf.xdp = s(),
-            "bpf-lb-algorithm" => cfg.bpf.lb_algorithm = s(),
-            "bpf-lb-maglev-table-size" => {
-                let n: u32 = v
-                    .parse()
-                    .map_err(|_| flag_err(name, v, "expected a positive integer (a prime)"))?;
-                cfg.bpf.maglev_table_size = Some(n);
-            }
-            // Boolean flags that take no value apart from being valid booleans, and the flags
-            // handled by `load` / `main` (config, write-config-to, cleanup, init-only, version,
-            // output), and ignored flags without a config field.
-            _ => {
+        match g.spec.apply {
+            Apply::Nothing => {
                 if g.spec.kind == Kind::Bool {
                     parse_bool(name, v)?;
                 }
             }
+            Apply::Str(field) => *field(cfg) = Some(v.to_owned()),
+            Apply::Bool(field) => *field(cfg) = Some(parse_bool(name, v)?),
+            Apply::I32(field) => *field(cfg) = Some(parse_i32(name, v)?),
+            Apply::Duration(field) => *field(cfg) = Some(parse_duration(name, v)?),
+            Apply::List(field) => {
+                *field(cfg) = Some(g.values.iter().flat_map(|v| split_list(v)).collect());
+            }
+            Apply::Custom(set) => set(cfg, extra, g)?,
         }
     }
+    Ok(())
+}
+
+// The flags with their own parsing ([`Apply::Custom`]).
+
+fn set_master(
+    _: &mut KubeProxyConfiguration,
+    extra: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    extra.master = Some(g.last().to_owned());
+    Ok(())
+}
+
+fn set_manifests(
+    _: &mut KubeProxyConfiguration,
+    extra: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    extra.manifests = Some(PathBuf::from(g.last()));
+    Ok(())
+}
+
+fn set_hostname_override(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let v = g.last();
+    if !v.is_empty() {
+        let h = v.trim();
+        if h.is_empty() {
+            return Err(CliError::Usage("empty hostname-override is invalid".into()));
+        }
+        cfg.hostname_override = Some(h.to_lowercase());
+    }
+    Ok(())
+}
+
+fn set_healthz_bind_address(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    cfg.healthz_bind_address = Some(append_port_if_needed(
+        g.last(),
+        crate::config::file::defaults::HEALTHZ_PORT,
+    ));
+    Ok(())
+}
+
+fn set_metrics_bind_address(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    cfg.metrics_bind_address = Some(append_port_if_needed(
+        g.last(),
+        crate::config::file::defaults::METRICS_PORT,
+    ));
+    Ok(())
+}
+
+fn set_healthz_port(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let (name, v) = (g.spec.name, g.last());
+    let p = parse_i32(name, v)?;
+    cfg.healthz_bind_address = Some(with_port(&cfg.healthz_bind_address, p, name, v)?);
+    Ok(())
+}
+
+fn set_metrics_port(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let (name, v) = (g.spec.name, g.last());
+    let p = parse_i32(name, v)?;
+    cfg.metrics_bind_address = Some(with_port(&cfg.metrics_bind_address, p, name, v)?);
+    Ok(())
+}
+
+fn set_feature_gates(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let name = g.spec.name;
+    let gates = cfg.feature_gates.get_or_insert_with(BTreeMap::new);
+    for raw in &g.values {
+        for (k, b) in pairs(name, raw)? {
+            gates.insert(k.to_owned(), parse_bool(name, b)?);
+        }
+    }
+    Ok(())
+}
+
+fn set_kube_api_qps(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let (name, v) = (g.spec.name, g.last());
+    let q: f32 = v
+        .parse()
+        .map_err(|_| flag_err(name, v, "expected a number"))?;
+    cfg.client_connection.qps = Some(q);
+    Ok(())
+}
+
+fn set_verbosity(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let (name, v) = (g.spec.name, g.last());
+    let n: u32 = v
+        .parse()
+        .map_err(|_| flag_err(name, v, "expected a non-negative integer"))?;
+    cfg.logging.verbosity = Some(n);
+    Ok(())
+}
+
+fn set_bpf_map_sizes(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let name = g.spec.name;
+    let sizes = cfg.bpf.map_sizes.get_or_insert_with(BTreeMap::new);
+    for raw in &g.values {
+        for (k, n) in pairs(name, raw)? {
+            let n: u32 = n.parse().map_err(|_| {
+                flag_err(
+                    name,
+                    raw,
+                    format!("size of {k:?} must be a positive integer"),
+                )
+            })?;
+            sizes.insert(k.to_owned(), n);
+        }
+    }
+    Ok(())
+}
+
+fn set_maglev_table_size(
+    cfg: &mut KubeProxyConfiguration,
+    _: &mut Extra,
+    g: &Given,
+) -> Result<(), CliError> {
+    let (name, v) = (g.spec.name, g.last());
+    let n: u32 = v
+        .parse()
+        .map_err(|_| flag_err(name, v, "expected a positive integer (a prime)"))?;
+    cfg.bpf.maglev_table_size = Some(n);
     Ok(())
 }
 

@@ -30,9 +30,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::Serialize;
 
-use crate::agent::SourceSpec;
 use crate::dataplane::ProxyMode;
-use crate::logging::LogFormat;
 use crate::sync::RunnerConfig;
 
 pub mod duration;
@@ -128,7 +126,15 @@ pub enum ModeChoice {
     Forced(ProxyMode),
 }
 
-/// Where the cluster state comes from (see [`crate::agent::SourceSpec`]).
+/// Log line format (`--logging-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Where the cluster state comes from (the agent builds its source from this).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SourceConfig {
@@ -140,19 +146,6 @@ pub enum SourceConfig {
         kubeconfig: Option<PathBuf>,
         master: Option<String>,
     },
-}
-
-impl SourceConfig {
-    /// The agent's source specification.
-    pub fn spec(&self) -> SourceSpec {
-        match self {
-            SourceConfig::Manifests(p) => SourceSpec::Manifests(p.clone()),
-            SourceConfig::Kube { kubeconfig, master } => SourceSpec::Kube {
-                kubeconfig: kubeconfig.clone(),
-                master: master.clone(),
-            },
-        }
-    }
 }
 
 /// `clientConnection` settings other than the kubeconfig (accepted; kube-rs has no

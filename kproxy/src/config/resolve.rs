@@ -29,10 +29,10 @@ use std::path::PathBuf;
 
 use ipnet::IpNet;
 
+use super::LogFormat;
 use super::duration::GoDuration;
 use super::file::{KubeProxyConfiguration, defaults};
 use super::*;
-use crate::logging::LogFormat;
 
 /// One invalid field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -226,6 +226,11 @@ impl Ctx<'_> {
 }
 
 /// Validates `cfg` (defaulted, flags applied) and converts it.
+///
+/// Each section has its own validator (upstream's `validateKubeProxyIPTablesConfiguration`,
+/// `…IPVSConfiguration`, `…ConntrackConfiguration`, `validateKubeProxyNodePortAddress`, …);
+/// each records its errors, naming the field, in `cx`. They run in the order the fields are
+/// reported.
 pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, ConfigErrors> {
     let mut cx = Ctx {
         errors: Vec::new(),
@@ -234,9 +239,65 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     };
 
     let mode = resolve_mode(&mut cx, cfg.mode.as_deref().unwrap_or_default());
+    let node_name = resolve_node_name(&mut cx, cfg, extra);
+    let source = resolve_source(cfg, extra);
+    let client = resolve_client(&mut cx, &cfg.client_connection);
+    let addrs = resolve_addresses(&mut cx, cfg);
+    let cluster_cidrs = resolve_cluster_cidrs(&mut cx, cfg);
+    let detect_local = resolve_detect_local(&mut cx, cfg);
+    let node_port_addresses =
+        resolve_node_port_addresses(&mut cx, cfg.node_port_addresses.as_deref());
+    let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", cfg.iptables.masquerade_bit);
+    let masquerade_all = cfg.iptables.masquerade_all.unwrap_or(false);
+    let iptables = resolve_iptables(&mut cx, &cfg.iptables);
+    validate_nftables(&mut cx, &cfg.nftables);
+    let ipvs = resolve_ipvs(&mut cx, &cfg.ipvs);
+    let ebpf_sync = cx.periods("", cfg.sync_period, cfg.min_sync_period);
+    let bpf = resolve_bpf(&mut cx, &cfg.bpf);
+    let conntrack = resolve_conntrack(&mut cx, &cfg.conntrack);
+    let oom_score_adj = resolve_oom_score_adj(&mut cx, cfg);
+    let config_sync_period = resolve_config_sync_period(&mut cx, cfg);
+    validate_port_range(&mut cx, cfg);
+    let logging = resolve_logging(&mut cx, &cfg.logging);
+    let feature_gates = resolve_feature_gates(&mut cx, cfg);
+    warn_windows_and_removed(&mut cx, cfg);
 
-    // Node name.
-    let node_name = match cfg.hostname_override.as_deref().map(str::trim) {
+    if !cx.errors.is_empty() {
+        return Err(ConfigErrors(cx.errors));
+    }
+    Ok(Resolved {
+        config: ProxyConfig {
+            mode,
+            node_name,
+            source,
+            client,
+            bind_address: addrs.bind_address,
+            healthz_bind_address: addrs.healthz_bind_address,
+            metrics_bind_address: addrs.metrics_bind_address,
+            bind_address_hard_fail: addrs.bind_address_hard_fail,
+            enable_profiling: addrs.enable_profiling,
+            cluster_cidrs,
+            detect_local,
+            node_port_addresses,
+            masquerade_all,
+            masquerade_bit,
+            iptables,
+            ipvs,
+            ebpf_sync,
+            bpf,
+            conntrack,
+            oom_score_adj,
+            config_sync_period,
+            logging,
+            feature_gates,
+        },
+        warnings: cx.warnings,
+    })
+}
+
+/// `hostnameOverride`, else the machine's hostname, lowercased; empty is an error.
+fn resolve_node_name(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration, extra: &Extra) -> String {
+    match cfg.hostname_override.as_deref().map(str::trim) {
         Some(h) if !h.is_empty() => h.to_lowercase(),
         _ => {
             let h = extra
@@ -253,22 +314,28 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             }
             h
         }
-    };
+    }
+}
 
-    // Source.
-    let cc = &cfg.client_connection;
-    let kubeconfig = cc
+/// Where Services come from: `--manifests`, else the API server (`--master`, kubeconfig).
+fn resolve_source(cfg: &KubeProxyConfiguration, extra: &Extra) -> SourceConfig {
+    let kubeconfig = cfg
+        .client_connection
         .kubeconfig
         .as_deref()
         .filter(|k| !k.is_empty())
         .map(PathBuf::from);
-    let source = match &extra.manifests {
+    match &extra.manifests {
         Some(p) => SourceConfig::Manifests(p.clone()),
         None => SourceConfig::Kube {
             kubeconfig,
             master: extra.master.clone().filter(|m| !m.is_empty()),
         },
-    };
+    }
+}
+
+/// `clientConnection`: `burst` ≥ 0; the rest accepted but ignored.
+fn resolve_client(cx: &mut Ctx<'_>, cc: &super::file::ClientConnection) -> ClientConfig {
     let burst = cc.burst.unwrap_or(defaults::BURST);
     if burst < 0 {
         cx.err(
@@ -300,8 +367,21 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     if client.burst != defaults::BURST && burst >= 0 {
         cx.ignored("clientConnection.burst", client.burst);
     }
+    client
+}
 
-    // Addresses.
+/// The listening addresses and their companions.
+struct Addresses {
+    bind_address: IpAddr,
+    healthz_bind_address: Option<SocketAddr>,
+    metrics_bind_address: Option<SocketAddr>,
+    bind_address_hard_fail: bool,
+    enable_profiling: bool,
+}
+
+/// `bindAddress`, `healthzBindAddress`, `metricsBindAddress`, `enableProfiling`,
+/// `showHiddenMetricsForVersion`.
+fn resolve_addresses(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> Addresses {
     let bind_text = cfg
         .bind_address
         .as_deref()
@@ -342,8 +422,17 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             );
         }
     }
+    Addresses {
+        bind_address,
+        healthz_bind_address,
+        metrics_bind_address,
+        bind_address_hard_fail,
+        enable_profiling,
+    }
+}
 
-    // Local traffic detection.
+/// `clusterCIDR`: one CIDR or a dual-stack pair.
+fn resolve_cluster_cidrs(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> Vec<IpNet> {
     let cluster_cidr_text = cfg.cluster_cidr.clone().unwrap_or_default();
     let mut cluster_cidrs = Vec::new();
     if !cluster_cidr_text.trim().is_empty() {
@@ -369,6 +458,11 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             }
         }
     }
+    cluster_cidrs
+}
+
+/// `detectLocalMode` and its `detectLocal` interface settings.
+fn resolve_detect_local(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> DetectLocal {
     let bridge = cfg
         .detect_local
         .bridge_interface
@@ -379,7 +473,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
         .interface_name_prefix
         .clone()
         .unwrap_or_default();
-    let detect_local = match cfg.detect_local_mode.as_deref().unwrap_or_default() {
+    match cfg.detect_local_mode.as_deref().unwrap_or_default() {
         "" | "ClusterCIDR" => DetectLocal::ClusterCidr,
         "NodeCIDR" => DetectLocal::NodeCidr,
         "BridgeInterface" => {
@@ -407,29 +501,31 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             );
             DetectLocal::ClusterCidr
         }
-    };
+    }
+}
 
-    let node_port_addresses =
-        resolve_node_port_addresses(&mut cx, cfg.node_port_addresses.as_deref());
-
-    // iptables / nftables / ipvs.
-    let ipt = &cfg.iptables;
-    let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", ipt.masquerade_bit);
-    let masquerade_all = ipt.masquerade_all.unwrap_or(false);
-    let iptables = IptablesConfig {
+/// `iptables.*` sync periods and `localhostNodePorts` (the masquerade fields are read by
+/// [`resolve`], being mode-independent in [`ProxyConfig`]).
+fn resolve_iptables(cx: &mut Ctx<'_>, ipt: &super::file::Iptables) -> IptablesConfig {
+    IptablesConfig {
         sync: cx.periods("iptables", ipt.sync_period, ipt.min_sync_period),
         localhost_node_ports: ipt
             .localhost_node_ports
             .unwrap_or(defaults::LOCALHOST_NODE_PORTS),
-    };
-    let nft = &cfg.nftables;
+    }
+}
+
+/// `nftables.*`: validated like upstream, otherwise unused (kproxy has no nftables mode yet).
+fn validate_nftables(cx: &mut Ctx<'_>, nft: &super::file::Nftables) {
     cx.masquerade_bit("nftables.masqueradeBit", nft.masquerade_bit);
     cx.periods("nftables", nft.sync_period, nft.min_sync_period);
     if nft.masquerade_all == Some(true) {
         cx.ignored("nftables.masqueradeAll", true);
     }
+}
 
-    let iv = &cfg.ipvs;
+/// `ipvs.*`: scheduler, excludeCIDRs, sync periods and timeouts.
+fn resolve_ipvs(cx: &mut Ctx<'_>, iv: &super::file::Ipvs) -> IpvsConfig {
     let scheduler = iv.scheduler.clone().unwrap_or_default();
     if !IPVS_SCHEDULERS.contains(&scheduler.as_str()) {
         cx.err(
@@ -444,7 +540,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
         }
     }
     let leave_if_zero = |d: std::time::Duration| (!d.is_zero()).then_some(d);
-    let ipvs = IpvsConfig {
+    IpvsConfig {
         sync: cx.periods("ipvs", iv.sync_period, iv.min_sync_period),
         scheduler: if scheduler.is_empty() {
             "rr".into()
@@ -456,27 +552,25 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
         tcp_timeout: leave_if_zero(cx.non_negative("ipvs.tcpTimeout", iv.tcp_timeout)),
         tcp_fin_timeout: leave_if_zero(cx.non_negative("ipvs.tcpFinTimeout", iv.tcp_fin_timeout)),
         udp_timeout: leave_if_zero(cx.non_negative("ipvs.udpTimeout", iv.udp_timeout)),
-    };
+    }
+}
 
-    let ebpf_sync = cx.periods("", cfg.sync_period, cfg.min_sync_period);
-    let bpf = resolve_bpf(&mut cx, &cfg.bpf);
-
-    // conntrack.
-    let ct = &cfg.conntrack;
+/// `conntrack.*`: counts and timeouts ≥ 0.
+fn resolve_conntrack(cx: &mut Ctx<'_>, ct: &super::file::Conntrack) -> ConntrackConfig {
     let count = |cx: &mut Ctx<'_>, path: &str, v: i32| -> u32 {
         u32::try_from(v).unwrap_or_else(|_| {
             cx.err(path, format!("must be >= 0 (got {v})"));
             0
         })
     };
-    let conntrack = ConntrackConfig {
+    ConntrackConfig {
         max_per_core: count(
-            &mut cx,
+            cx,
             "conntrack.maxPerCore",
             ct.max_per_core.unwrap_or(defaults::CONNTRACK_MAX_PER_CORE),
         ),
         min: count(
-            &mut cx,
+            cx,
             "conntrack.min",
             ct.min.unwrap_or(defaults::CONNTRACK_MIN),
         ),
@@ -495,8 +589,11 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
         tcp_be_liberal: ct.tcp_be_liberal.unwrap_or(false),
         udp_timeout: cx.non_negative("conntrack.udpTimeout", ct.udp_timeout),
         udp_stream_timeout: cx.non_negative("conntrack.udpStreamTimeout", ct.udp_stream_timeout),
-    };
+    }
+}
 
+/// `oomScoreAdj` in [-1000, 1000].
+fn resolve_oom_score_adj(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> i32 {
     let oom_score_adj = cfg.oom_score_adj.unwrap_or(defaults::OOM_SCORE_ADJ);
     if !(-1000..=1000).contains(&oom_score_adj) {
         cx.err(
@@ -504,6 +601,14 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             format!("must be within the range [-1000, 1000] (got {oom_score_adj})"),
         );
     }
+    oom_score_adj
+}
+
+/// `configSyncPeriod` > 0 (accepted, ignored when not the default).
+fn resolve_config_sync_period(
+    cx: &mut Ctx<'_>,
+    cfg: &KubeProxyConfiguration,
+) -> std::time::Duration {
     let csp = cfg
         .config_sync_period
         .unwrap_or(GoDuration::from_secs(defaults::CONFIG_SYNC_PERIOD_SECS));
@@ -512,6 +617,11 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     } else if csp != GoDuration::from_secs(defaults::CONFIG_SYNC_PERIOD_SECS) {
         cx.ignored("configSyncPeriod", csp);
     }
+    csp.to_std()
+}
+
+/// `portRange`: empty or a port range (accepted, ignored).
+fn validate_port_range(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) {
     let port_range = cfg.port_range.clone().unwrap_or_default();
     if !port_range.is_empty() {
         if valid_port_range(&port_range) {
@@ -523,9 +633,11 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             );
         }
     }
+}
 
-    // logging.
-    let format = match cfg.logging.format.as_deref().unwrap_or("text") {
+/// `logging.*`: format `text` or `json`, verbosity; vmodule and flushFrequency ignored.
+fn resolve_logging(cx: &mut Ctx<'_>, logging: &super::file::Logging) -> LoggingConfig {
+    let format = match logging.format.as_deref().unwrap_or("text") {
         "" | "text" => LogFormat::Text,
         "json" => LogFormat::Json,
         other => {
@@ -536,14 +648,10 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             LogFormat::Text
         }
     };
-    let logging = LoggingConfig {
-        format,
-        verbosity: cfg.logging.verbosity.unwrap_or(0),
-    };
-    if cfg.logging.vmodule.as_ref().is_some_and(|v| !v.is_empty()) {
+    if logging.vmodule.as_ref().is_some_and(|v| !v.is_empty()) {
         cx.ignored("logging.vmodule", "[...]");
     }
-    if let Some(f) = cfg.logging.flush_frequency
+    if let Some(f) = logging.flush_frequency
         && f.0 != GoDuration::from_secs(defaults::LOG_FLUSH_FREQUENCY_SECS)
     {
         if f.0.is_negative() {
@@ -555,7 +663,14 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             cx.ignored("logging.flushFrequency", f.0);
         }
     }
+    LoggingConfig {
+        format,
+        verbosity: logging.verbosity.unwrap_or(0),
+    }
+}
 
+/// `featureGates`: kept, each warned about (kproxy has none) unless a flag set them.
+fn resolve_feature_gates(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> BTreeMap<String, bool> {
     let feature_gates = cfg.feature_gates.clone().unwrap_or_default();
     let gates_by_flag = cx.flag_for("featureGates").is_some();
     for (gate, on) in feature_gates.iter().filter(|_| !gates_by_flag) {
@@ -563,8 +678,12 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             "feature gate {gate}={on} is accepted but kproxy has no feature gates; ignored"
         ));
     }
+    feature_gates
+}
 
-    // Windows-only and removed fields.
+/// Windows-only (`winkernel`, `windowsRunAsService`) and removed fields: warnings only.
+/// (`bindAddressHardFail` is implemented by the health/metrics servers.)
+fn warn_windows_and_removed(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) {
     let wk = &cfg.winkernel;
     if wk.network_name.as_deref().is_some_and(|s| !s.is_empty())
         || wk.source_vip.as_deref().is_some_and(|s| !s.is_empty())
@@ -580,9 +699,6 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     if cfg.windows_run_as_service == Some(true) {
         cx.ignored("windowsRunAsService", true);
     }
-    if cfg.bind_address_hard_fail == Some(true) {
-        // Implemented by the health/metrics servers; nothing to warn about.
-    }
     for (field, v) in [
         ("udpIdleTimeout", &cfg.udp_idle_timeout),
         ("resourceContainer", &cfg.resource_container),
@@ -593,38 +709,6 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             ));
         }
     }
-
-    if !cx.errors.is_empty() {
-        return Err(ConfigErrors(cx.errors));
-    }
-    Ok(Resolved {
-        config: ProxyConfig {
-            mode,
-            node_name,
-            source,
-            client,
-            bind_address,
-            healthz_bind_address,
-            metrics_bind_address,
-            bind_address_hard_fail,
-            enable_profiling,
-            cluster_cidrs,
-            detect_local,
-            node_port_addresses,
-            masquerade_all,
-            masquerade_bit,
-            iptables,
-            ipvs,
-            ebpf_sync,
-            bpf,
-            conntrack,
-            oom_score_adj,
-            config_sync_period: csp.to_std(),
-            logging,
-            feature_gates,
-        },
-        warnings: cx.warnings,
-    })
 }
 
 /// `mode`: "" = detect; ebpf / ipvs / iptables forced; anything else an error naming the field.
@@ -759,7 +843,7 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         .maglev_table_size
         .unwrap_or(defaults::BPF_MAGLEV_TABLE_SIZE);
     {
-        use crate::dataplane::ebpf::maglev::is_prime;
+        use kproxy_common::maglev::is_prime;
         use kproxy_common::maglev::{MAX_TABLE_SIZE, MIN_TABLE_SIZE};
         if !(MIN_TABLE_SIZE..=MAX_TABLE_SIZE).contains(&maglev_table_size)
             || !is_prime(maglev_table_size)

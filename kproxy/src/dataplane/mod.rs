@@ -10,17 +10,12 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::model::{ChangedSet, Snapshot};
+use crate::model::{ChangedSet, IpFamily, Snapshot};
 
-pub mod detect;
 pub mod ebpf;
-pub mod ebpf_cgroup;
-pub mod ebpf_mode;
-pub mod ebpf_tc;
-pub mod factory;
 pub mod iptables;
 pub mod ipvs;
-pub mod with_conntrack;
+pub mod netfilter;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -88,6 +83,18 @@ pub enum SyncError {
 pub struct CleanupError {
     pub mode: ProxyMode,
     pub reason: String,
+}
+
+/// What a datapath reports beyond its [`SyncReport`]: kernel-side gauges and counters that
+/// observers turn into metrics. Datapaths hold an `Arc<dyn Telemetry>` and never import
+/// `observe` (`observe::metrics::Metrics` implements this).
+pub trait Telemetry: Send + Sync {
+    /// Fill of one BPF map (`kproxy_bpf_map_entries` / `kproxy_bpf_map_capacity`).
+    fn bpf_map(&self, map: &str, entries: i64, capacity: i64);
+    /// Service ports of `protocol` the datapath cannot translate.
+    fn skipped_service_ports(&self, protocol: &str, count: i64);
+    /// One conntrack cleanup of `family`: entries deleted and how long it took.
+    fn conntrack_cleanup(&self, family: IpFamily, deleted: u64, seconds: f64);
 }
 
 /// One datapath. `sync` is called from one thread at a time with successive snapshots.

@@ -81,70 +81,15 @@ pub fn parse_slice(
 
     let mut endpoints = vec![];
     for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
-        let Some(raw) = ep.addresses.first() else {
-            continue; // upstream ignores endpoints without addresses
-        };
-        let Some(ip) = parse_ip_sloppy(raw.trim()) else {
-            warn(
-                format!("endpoints[{i}].addresses[0]"),
-                format!("invalid IP {raw:?}; endpoint skipped"),
-            );
-            continue;
-        };
-        let c = ep.conditions.as_ref();
-        let ready = c.and_then(|c| c.ready).unwrap_or(true);
-        let serving = c.and_then(|c| c.serving).unwrap_or(true);
-        let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
-        let hints = ep.hints.as_ref();
-        let zone_hints: BTreeSet<String> = hints
-            .and_then(|h| h.for_zones.as_ref())
-            .into_iter()
-            .flatten()
-            .map(|z| z.name.clone())
-            .collect();
-        let node_hints: BTreeSet<String> = hints
-            .and_then(|h| h.for_nodes.as_ref())
-            .into_iter()
-            .flatten()
-            .map(|n| n.name.clone())
-            .collect();
-        endpoints.push(Endpoint {
-            ip,
-            port: 0,
-            ready,
-            serving,
-            terminating,
-            is_local: ep.node_name.as_deref() == Some(node_name),
-            node_name: ep.node_name.clone(),
-            zone: ep.zone.clone(),
-            zone_hints,
-            node_hints,
-        });
+        if let Some(e) = parse_endpoint(i, ep, node_name, &mut warn) {
+            endpoints.push(e);
+        }
     }
 
     let mut ports = Vec::with_capacity(slice.ports.as_ref().map_or(0, Vec::len));
     for (i, p) in slice.ports.iter().flatten().enumerate() {
-        let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
-            warn(
-                format!("ports[{i}].protocol"),
-                format!(
-                    "unknown protocol {:?}; port skipped",
-                    p.protocol.as_deref().unwrap_or("")
-                ),
-            );
+        let Some((protocol, port)) = parse_port(i, p, &mut warn) else {
             continue;
-        };
-        let port = match p.port.map(u16::try_from) {
-            Some(Ok(port)) if port != 0 => port,
-            other => {
-                let shown = p.port.map_or("unset".to_string(), |v| v.to_string());
-                let _ = other;
-                warn(
-                    format!("ports[{i}].port"),
-                    format!("{shown} is not a port in 1-65535; port skipped"),
-                );
-                continue;
-            }
         };
         let spn = ServicePortName {
             namespace: ns.clone(),
@@ -168,6 +113,84 @@ pub fn parse_slice(
         }),
         warnings,
     )
+}
+
+/// `endpoints[i]` of a slice (its port set later); `None` when it has no usable address.
+fn parse_endpoint(
+    i: usize,
+    ep: &k8s_openapi::api::discovery::v1::Endpoint,
+    node_name: &str,
+    warn: &mut impl FnMut(String, String),
+) -> Option<Endpoint> {
+    // Upstream ignores endpoints without addresses.
+    let raw = ep.addresses.first()?;
+    let Some(ip) = parse_ip_sloppy(raw.trim()) else {
+        warn(
+            format!("endpoints[{i}].addresses[0]"),
+            format!("invalid IP {raw:?}; endpoint skipped"),
+        );
+        return None;
+    };
+    let c = ep.conditions.as_ref();
+    let ready = c.and_then(|c| c.ready).unwrap_or(true);
+    let serving = c.and_then(|c| c.serving).unwrap_or(true);
+    let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+    let hints = ep.hints.as_ref();
+    let zone_hints: BTreeSet<String> = hints
+        .and_then(|h| h.for_zones.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|z| z.name.clone())
+        .collect();
+    let node_hints: BTreeSet<String> = hints
+        .and_then(|h| h.for_nodes.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|n| n.name.clone())
+        .collect();
+    Some(Endpoint {
+        ip,
+        port: 0,
+        ready,
+        serving,
+        terminating,
+        is_local: ep.node_name.as_deref() == Some(node_name),
+        node_name: ep.node_name.clone(),
+        zone: ep.zone.clone(),
+        zone_hints,
+        node_hints,
+    })
+}
+
+/// `ports[i]` of a slice: its protocol and port; `None` (port skipped) when either is unusable.
+fn parse_port(
+    i: usize,
+    p: &k8s_openapi::api::discovery::v1::EndpointPort,
+    warn: &mut impl FnMut(String, String),
+) -> Option<(Protocol, u16)> {
+    let Some(protocol) = Protocol::parse(p.protocol.as_deref()) else {
+        warn(
+            format!("ports[{i}].protocol"),
+            format!(
+                "unknown protocol {:?}; port skipped",
+                p.protocol.as_deref().unwrap_or("")
+            ),
+        );
+        return None;
+    };
+    let port = match p.port.map(u16::try_from) {
+        Some(Ok(port)) if port != 0 => port,
+        other => {
+            let shown = p.port.map_or("unset".to_string(), |v| v.to_string());
+            let _ = other;
+            warn(
+                format!("ports[{i}].port"),
+                format!("{shown} is not a port in 1-65535; port skipped"),
+            );
+            return None;
+        }
+    };
+    Some((protocol, port))
 }
 
 /// Endpoints (in slice-name order) deduplicated by `IP:port` and sorted: the first copy wins

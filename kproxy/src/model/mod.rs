@@ -9,6 +9,7 @@
 //! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
 pub mod endpoints;
+pub mod input;
 pub mod service;
 pub mod snapshot;
 #[doc(hidden)]
@@ -16,6 +17,7 @@ pub mod testing;
 pub mod topology;
 pub mod tracker;
 pub mod types;
+pub mod vecmap;
 pub mod warning;
 
 pub use snapshot::{ChangedSet, Snapshot};

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use super::endpoints::{merge, parse_slice};
 use super::service::{parse_ip_sloppy, service_ports};
 use super::*;
-use crate::source::{Delta, Event};
+use crate::model::input::{Delta, Event};
 
 fn svc(yaml: &str) -> Service {
     serde_yaml::from_str(yaml).unwrap()

@@ -17,8 +17,8 @@ use super::endpoints::{SliceData, merge, parse_slice};
 use super::service::{parse_cidr_sloppy, parse_ip_sloppy, service_ports};
 use super::types::{NodeInfo, Protocol, ServicePort, ServicePortName};
 use super::{ChangedSet, ModelWarning, Snapshot};
-use crate::source::{Delta, Event};
-use crate::vecmap::VecMap;
+use crate::model::input::{Delta, Event};
+use crate::model::vecmap::VecMap;
 
 /// Counts of changes not yet in a snapshot (upstream's `*_changes_pending` metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -20,6 +20,14 @@ pub enum IpFamily {
 }
 
 impl IpFamily {
+    /// `IPv4` / `IPv6`, as upstream names families in messages and health output.
+    pub fn name(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+
     pub fn of(ip: &IpAddr) -> Self {
         match ip {
             IpAddr::V4(_) => IpFamily::V4,

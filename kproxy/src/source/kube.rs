@@ -27,8 +27,9 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use super::PROXYABLE_LABEL_SELECTOR;
 use super::retry::{Next, Retry};
-use super::{Delta, Event, PROXYABLE_LABEL_SELECTOR};
+use crate::model::input::{Delta, Event};
 
 /// Why no API client could be built.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::{Delta, Event};
+use crate::model::input::{Delta, Event};
 
 /// Fallback re-read interval when no file event arrives.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);

@@ -2,7 +2,7 @@
 //!
 //! | figure | what | baseline |
 //! |---|---|---|
-//! | `maglev/build/1000` | [`kproxy::dataplane::ebpf::maglev::build`] of one table, M = 16381, 1,000 backends (pure) | — |
+//! | `maglev/build/1000` | [`kproxy::dataplane::ebpf::service_maps::maglev::build`] of one table, M = 16381, 1,000 backends (pure) | — |
 //! | `maglev/sync-one-change/maglev/1000` | one eBPF sync after one of a NodePort service's 1,000 backends left or came back: plan, table rebuild, writes into the pinned mmapped array | the same sync in random mode |
 //! | `maglev/sync-one-change/random/1000` | the same change with `--bpf-lb-algorithm random` (slots only) | — |
 //!
@@ -14,7 +14,9 @@ use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfDataplane, LbAlgorithm, maglev};
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
+use kproxy::dataplane::ebpf::service_maps::maglev;
 use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::DEFAULT_TABLE_SIZE;
 

@@ -16,9 +16,10 @@
 
 use std::collections::BTreeMap;
 
+use crate::bpf::PacketCounter;
 use anyhow::Context as _;
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
-use kproxy::bpf::{CounterSlot, PacketCounter};
+use kproxy_common::counter::CounterSlot;
 
 use super::{Figure, Plan, Results, Target};
 

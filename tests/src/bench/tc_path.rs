@@ -53,15 +53,22 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
+use crate::bpf::testrun::run;
+use crate::bpf::testrun::run_xdp;
 use anyhow::{Context as _, bail};
+use aya::Ebpf;
 use aya::programs::SchedClassifier;
-use aya::{Ebpf, EbpfLoader};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
-use kproxy::dataplane::ebpf_tc::testrun::{run, run_xdp};
-use kproxy::dataplane::ebpf_tc::xdp::XdpPath;
-use kproxy::dataplane::ebpf_tc::{PROG_TC_EGRESS, PROG_TC_INGRESS, TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::PROG_TC_EGRESS;
+use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::tc::load_object;
+use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
+use kproxy::dataplane::ebpf::object::LoadOptions;
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use kproxy_common::counter::{
     FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_NEW_FLOW,
@@ -333,13 +340,15 @@ impl TcBench {
         XdpPath::load(&mut ebpf)?;
         // The floors run from an instance of their own, whose floor table gets the
         // connection table's size (the object declares it small, see `MAP_FLOOR_CT`).
-        let mut floor = EbpfLoader::new()
-            .default_map_pin_directory(&pins)
-            .map_max_entries(MAP_FLOOR_CT, ct_entries)
-            .map_max_entries(MAP_CT, ct_entries)
-            .map_max_entries(MAP_CT6, ct_entries)
-            .load(kproxy::bpf::object())
-            .context("loading the object for the floor programs")?;
+        let mut floor = kproxy::dataplane::ebpf::object::load(&LoadOptions {
+            pin_dir: Some(&pins),
+            max_entries: vec![
+                (MAP_FLOOR_CT, ct_entries),
+                (MAP_CT, ct_entries),
+                (MAP_CT6, ct_entries),
+            ],
+        })
+        .context("loading the object for the floor programs")?;
         for name in FLOOR_PROGRAMS {
             let prog: &mut SchedClassifier = floor
                 .program_mut(name)
@@ -442,7 +451,7 @@ impl TcBench {
         let (ns, ebpf) = (&self.xdp_ns, &mut self.ebpf);
         ns.run(move || -> anyhow::Result<f64> {
             // The SYN's output: DNATed to the backend (port 8081) and SNATed to NODE_INNER.
-            let forwarded = |out: &kproxy::dataplane::ebpf_tc::testrun::TestRunOutcome| {
+            let forwarded = |out: &crate::bpf::testrun::TestRunOutcome| {
                 out.verdict == XDP_REDIRECT
                     && addrs(&out.frame).1.1 == 8081
                     && addrs(&out.frame).0.0 == NODE_INNER

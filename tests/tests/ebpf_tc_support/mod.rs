@@ -11,8 +11,13 @@ use std::net::{IpAddr, Ipv4Addr};
 use aya::Ebpf;
 use aya::maps::HashMap as BpfHashMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use kproxy::dataplane::ebpf_tc::attach::{encode6, load_object};
-use kproxy::dataplane::ebpf_tc::{CtEntry, CtKey, MAP_CT, TcConfig, TcPath};
+use kproxy::dataplane::ebpf::node_path::CtEntry;
+use kproxy::dataplane::ebpf::node_path::CtKey;
+use kproxy::dataplane::ebpf::node_path::MAP_CT;
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::tc::encode6;
+use kproxy::dataplane::ebpf::node_path::tc::load_object;
 use kproxy_common::service::{
     BackendSlotKey, BackendValue, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOURCE_RANGES,
     SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ALLOW, SOURCE_RANGE_ID_BITS, ServiceKey,

@@ -11,10 +11,15 @@ use std::time::Duration;
 use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::{EbpfConfig, EbpfDataplane, MapSizes};
-use kproxy::dataplane::ebpf_tc::addresses::{NodeAddresses, scan};
-use kproxy::dataplane::ebpf_tc::attach::load_object;
-use kproxy::dataplane::ebpf_tc::{TcConfig, TcPath, devices};
+use kproxy::dataplane::ebpf::node_path::TcConfig;
+use kproxy::dataplane::ebpf::node_path::TcPath;
+use kproxy::dataplane::ebpf::node_path::devices;
+use kproxy::dataplane::ebpf::node_path::tc::load_object;
+use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
+use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::kernel::addresses::NodeAddresses;
+use kproxy::kernel::addresses::scan;
 use kproxy::model::{
     ChangedSet, Endpoint, IpFamily, IpMode, LoadBalancerIngress, Protocol, ServicePort,
     ServicePortName, ServiceType, Snapshot, testing,

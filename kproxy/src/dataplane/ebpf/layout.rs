@@ -485,13 +485,15 @@ mod tests {
     }
 
     /// Every pinned map of the built object is in the layout table, with its real shape.
+    /// `LAYOUTS` is the one list of pinned maps (mode detection, inspect and this check read
+    /// it): every pinned map of the object has its row, and every row its map.
     #[test]
     fn the_table_matches_the_object() {
-        if !crate::bpf::is_built() {
+        if !crate::dataplane::ebpf::object::is_built() {
             eprintln!("skipped: no BPF object");
             return;
         }
-        let obj = aya_obj::Object::parse(crate::bpf::OBJECT).unwrap();
+        let obj = aya_obj::Object::parse(crate::dataplane::ebpf::object::OBJECT).unwrap();
         let mut pinned = 0;
         for (name, map) in &obj.maps {
             if map.pinning() != aya_obj::maps::PinningType::ByName {

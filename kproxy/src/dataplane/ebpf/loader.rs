@@ -25,10 +25,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use aya::Ebpf;
 use aya::maps::MapData;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
-use aya::{Ebpf, EbpfLoader};
 use kproxy_common::ct::MAP_CT;
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_common::frontend_filter::MAP_FRONTEND_FILTER;
@@ -41,10 +41,12 @@ use kproxy_common::service::{
 };
 use kproxy_common::sock;
 
-use super::applier::Tables;
-use super::tables::{KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError};
-use super::{EbpfConfig, LbAlgorithm};
-use crate::bpf::{BpfError, OBJECT};
+use super::service_maps::apply::Tables;
+use super::service_maps::tables::{
+    KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError,
+};
+use super::service_maps::{EbpfConfig, LbAlgorithm};
+use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions};
 
 /// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -120,7 +122,7 @@ fn link_dir(pin_dir: &Path) -> PathBuf {
 
 /// Loads the object (reusing pinned maps), returns the service tables and attaches socket LB.
 pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
-    if OBJECT.is_empty() {
+    if !object::is_built() {
         return Err(BpfError::NotBuilt.into());
     }
     ensure_bpffs(&cfg.bpffs)?;
@@ -137,21 +139,22 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
     let sizes = &cfg.map_sizes;
     let (maglev_entries, maglev_refs) = maglev_sizes(cfg);
     recreate_maglev_if_resized(&dir, maglev_entries)?;
-    let mut ebpf = EbpfLoader::new()
-        .default_map_pin_directory(&dir)
-        .map_max_entries(MAP_SERVICES, sizes.services)
-        .map_max_entries(MAP_BACKEND_SLOTS, sizes.backend_slots)
-        .map_max_entries(MAP_BACKENDS, sizes.backends)
-        .map_max_entries(MAP_AFFINITY, sizes.affinity)
-        .map_max_entries(MAP_SOURCE_RANGES, sizes.source_ranges)
-        .map_max_entries(MAP_SOCK_REV_NAT, sizes.sock_rev_nat)
-        .map_max_entries(MAP_SOCK_FWD, sizes.sock_rev_nat)
-        .map_max_entries(MAP_CT, sizes.ct)
-        .map_max_entries(MAP_CT6, sizes.ct)
-        .map_max_entries(MAP_MAGLEV, maglev_entries)
-        .map_max_entries(MAP_MAGLEV_REF, maglev_refs)
-        .load(crate::bpf::object())
-        .map_err(BpfError::from)?;
+    let mut ebpf = object::load(&LoadOptions {
+        pin_dir: Some(&dir),
+        max_entries: vec![
+            (MAP_SERVICES, sizes.services),
+            (MAP_BACKEND_SLOTS, sizes.backend_slots),
+            (MAP_BACKENDS, sizes.backends),
+            (MAP_AFFINITY, sizes.affinity),
+            (MAP_SOURCE_RANGES, sizes.source_ranges),
+            (MAP_SOCK_REV_NAT, sizes.sock_rev_nat),
+            (MAP_SOCK_FWD, sizes.sock_rev_nat),
+            (MAP_CT, sizes.ct),
+            (MAP_CT6, sizes.ct),
+            (MAP_MAGLEV, maglev_entries),
+            (MAP_MAGLEV_REF, maglev_refs),
+        ],
+    })?;
 
     // Owned handles on the pinned maps, independent of the object's own map table.
     let take = |name: &'static str| -> Result<MapData, LoaderError> {

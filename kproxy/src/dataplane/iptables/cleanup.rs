@@ -4,7 +4,7 @@
 //! `KUBE-FIREWALL` chain and its jumps are kubelet's and stay (as upstream's
 //! `CleanupLeftovers` leaves them).
 
-use super::backend::{IptablesBackend, IptablesError, RestoreMode};
+use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 use super::names::*;
 use super::plan::jump_rules;
 use super::render::{TableInput, render_tables};
@@ -75,7 +75,7 @@ pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataplane::iptables::backend::FakeIptables;
+    use crate::dataplane::iptables::kernel::FakeIptables;
 
     #[test]
     fn removes_ours_and_keeps_others() {

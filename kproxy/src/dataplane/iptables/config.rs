@@ -183,10 +183,10 @@ impl IptablesConfig {
     }
 }
 
-impl From<&crate::localdetect::LocalDetector> for LocalTrafficDetector {
-    /// The shared detector (`kproxy::localdetect`) as this module's copy.
-    fn from(d: &crate::localdetect::LocalDetector) -> Self {
-        use crate::localdetect::LocalDetector as D;
+impl From<&crate::dataplane::netfilter::local_detect::LocalDetector> for LocalTrafficDetector {
+    /// The shared detector (`kproxy::dataplane::netfilter::local_detect`) as this module's copy.
+    fn from(d: &crate::dataplane::netfilter::local_detect::LocalDetector) -> Self {
+        use crate::dataplane::netfilter::local_detect::LocalDetector as D;
         match d {
             D::None => LocalTrafficDetector::NoOp,
             D::Cidr(c) => LocalTrafficDetector::Cidr(*c),
@@ -202,7 +202,7 @@ mod tests {
 
     #[test]
     fn detector_args_match_the_shared_detector() {
-        use crate::localdetect::LocalDetector as D;
+        use crate::dataplane::netfilter::local_detect::LocalDetector as D;
         for d in [
             D::None,
             D::Cidr("10.0.0.0/8".parse().unwrap()),

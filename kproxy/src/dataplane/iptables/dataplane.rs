@@ -22,10 +22,10 @@ use std::time::Duration;
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
-use super::backend::{IptablesBackend, IptablesError};
 use super::cleanup::cleanup_leftovers;
 use super::config::IptablesConfig;
 use super::exec::{ExecIptables, Flavor, Runner, detect_flavor, has_random_fully};
+use super::kernel::{IptablesBackend, IptablesError};
 use super::names::{KUBE_PROXY_CANARY, KUBE_SERVICES};
 use super::plan::jump_rules;
 use super::proxier::Proxier;

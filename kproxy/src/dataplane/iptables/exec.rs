@@ -8,8 +8,8 @@ use std::process::{Command, Stdio};
 
 use crate::model::IpFamily;
 
-use super::backend::{IptablesBackend, IptablesError, RestoreMode};
 use super::config::IptablesBackend as Choice;
+use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 
 /// How long a command waits for the xtables lock.
 pub const LOCK_WAIT_SECONDS: &str = "5";

@@ -14,12 +14,12 @@
 //!
 //! One proxier runs per IP family (like upstream's dual-stack meta-proxier).
 
-pub mod backend;
 pub mod cleanup;
 pub mod config;
 pub mod dataplane;
 pub mod exec;
 pub mod incremental;
+pub mod kernel;
 pub mod names;
 pub mod plan;
 pub mod proxier;

@@ -489,151 +489,202 @@ pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
     )
 }
 
-fn write_service_port(
-    p: &mut PortPlan,
-    ctx: &PortContext<'_>,
-    svc: &ServicePort,
+/// What one service port's rules are built from: the decisions of upstream's per-service
+/// block in `syncProxyRules` (which chains it uses, where traffic without endpoints goes),
+/// shared by the steps that write its rules.
+struct PortRules<'a> {
+    cfg: &'a IptablesConfig,
+    svc: &'a ServicePort,
     cluster_ip: IpAddr,
-    eps: &[Endpoint],
-) {
-    let cfg = ctx.cfg;
-    let node = ctx.node;
-    let localhost_nps = cfg.effective_localhost_node_ports();
-    let name = svc.name.to_string();
-    let proto = svc.protocol.lower();
-    let port = svc.port;
-    let ch = ServiceChains::of(&svc.name);
-    let cat = categorize_endpoints(eps, svc, node);
-    let cluster_eps = cat.cluster.clone().unwrap_or_default();
-    let local_eps = cat.local.clone().unwrap_or_default();
-    let has_endpoints = cat.has_any_endpoints;
+    /// `namespace/name:port`.
+    name: String,
+    /// `tcp`, `udp`, `sctp`.
+    proto: &'static str,
+    ch: ServiceChains,
+    cat: crate::model::topology::CategorizedEndpoints,
+    has_endpoints: bool,
+    /// Internal traffic has endpoints to go to (per its traffic policy).
+    has_internal: bool,
+    /// External traffic has endpoints to go to (per its traffic policy).
+    has_external: bool,
+    /// The chain internal traffic jumps to (`KUBE-SVC-…` or `KUBE-SVL-…`).
+    internal_chain: String,
+    /// The chain the external chain ends in (`KUBE-SVC-…` or `KUBE-SVL-…`).
+    external_policy_chain: String,
+    lb_vips: Vec<IpAddr>,
+    uses_fw_chain: bool,
+    /// `REJECT` (no endpoints at all) or `DROP` (no local ones).
+    no_endpoints_target: &'static str,
+    no_endpoints_comment: String,
+    large_cluster: bool,
+}
 
-    let uses_cluster_chain = !cluster_eps.is_empty() && svc.uses_cluster_endpoints();
-    let uses_local_chain = !local_eps.is_empty() && svc.uses_local_endpoints();
-
-    let mut internal_chain = ch.cluster.as_str();
-    let mut has_internal = has_endpoints;
-    if svc.internal_policy_local {
-        internal_chain = ch.local.as_str();
-        if local_eps.is_empty() {
-            has_internal = false;
+impl<'a> PortRules<'a> {
+    fn new(
+        ctx: &PortContext<'a>,
+        svc: &'a ServicePort,
+        cluster_ip: IpAddr,
+        eps: &[Endpoint],
+    ) -> Self {
+        let cfg = ctx.cfg;
+        let name = svc.name.to_string();
+        let ch = ServiceChains::of(&svc.name);
+        let cat = categorize_endpoints(eps, svc, ctx.node);
+        let has_endpoints = cat.has_any_endpoints;
+        let no_local = cat.local.as_ref().is_none_or(|l| l.is_empty());
+        let policy_chain = |local: bool| {
+            if local {
+                ch.local.clone()
+            } else {
+                ch.cluster.clone()
+            }
+        };
+        let lb_vips: Vec<IpAddr> = svc.load_balancer_vips(cfg.family).collect();
+        let uses_fw_chain =
+            has_endpoints && !lb_vips.is_empty() && !svc.load_balancer_source_ranges.is_empty();
+        let (no_endpoints_target, no_endpoints_comment) = if has_endpoints {
+            ("DROP", quoted(&format!("{name} has no local endpoints")))
+        } else {
+            ("REJECT", quoted(&format!("{name} has no endpoints")))
+        };
+        PortRules {
+            cfg,
+            svc,
+            cluster_ip,
+            proto: svc.protocol.lower(),
+            has_endpoints,
+            has_internal: has_endpoints && !(svc.internal_policy_local && no_local),
+            has_external: has_endpoints && !(svc.external_policy_local && no_local),
+            internal_chain: policy_chain(svc.internal_policy_local),
+            external_policy_chain: policy_chain(svc.external_policy_local),
+            lb_vips,
+            uses_fw_chain,
+            no_endpoints_target,
+            no_endpoints_comment,
+            large_cluster: ctx.large_cluster,
+            name,
+            ch,
+            cat,
         }
     }
-    let mut external_policy_chain = ch.cluster.as_str();
-    let mut has_external = has_endpoints;
-    if svc.external_policy_local {
-        external_policy_chain = ch.local.as_str();
-        if local_eps.is_empty() {
-            has_external = false;
+
+    /// `-m <proto> -p <proto> -d <ip> --dport <port>`.
+    fn dst(&self, ip: &IpAddr) -> String {
+        let (proto, port) = (self.proto, self.svc.port);
+        format!("-m {proto} -p {proto} -d {ip} --dport {port}")
+    }
+
+    /// The chain load-balancer traffic jumps to: the firewall chain when source ranges apply.
+    fn lb_chain(&self) -> &str {
+        if self.uses_fw_chain {
+            &self.ch.firewall
+        } else {
+            &self.ch.external
         }
     }
-    let ext_chain = ch.external.as_str();
-    let uses_ext_chain = has_endpoints && svc.externally_accessible();
-    let lb_vips: Vec<IpAddr> = svc.load_balancer_vips(cfg.family).collect();
-    let ranges = &svc.load_balancer_source_ranges;
-    let uses_fw_chain = has_endpoints && !lb_vips.is_empty() && !ranges.is_empty();
-    let lb_chain = if uses_fw_chain {
-        ch.firewall.as_str()
-    } else {
-        ext_chain
-    };
 
-    let (internal_target, internal_comment, external_target, external_comment);
-    if !has_endpoints {
-        internal_target = "REJECT";
-        internal_comment = quoted(&format!("{name} has no endpoints"));
-        external_target = "REJECT";
-        external_comment = internal_comment.clone();
-    } else {
-        internal_target = "DROP";
-        internal_comment = quoted(&format!("{name} has no local endpoints"));
-        external_target = "DROP";
-        external_comment = internal_comment.clone();
-        p.no_local_internal = !has_internal;
-        p.no_local_external = !has_external;
-    }
-    let dst = |ip: &IpAddr| format!("-m {proto} -p {proto} -d {ip} --dport {port}");
-
-    // ClusterIP.
-    if has_internal {
-        p.nat.push(
-            KUBE_SERVICES,
-            format!(
-                "-m comment --comment {} {} -j {internal_chain}",
-                quoted(&format!("{name} cluster IP")),
-                dst(&cluster_ip)
-            ),
-        );
-    } else {
+    /// A rule in KUBE-EXTERNAL-SERVICES dropping/rejecting external traffic to `matches`.
+    fn no_external_endpoints(&self, p: &mut PortPlan, matches: &str) {
         p.filter.push(
-            KUBE_SERVICES,
+            KUBE_EXTERNAL_SERVICES,
             format!(
-                "-m comment --comment {internal_comment} {} -j {internal_target}",
-                dst(&cluster_ip)
+                "-m comment --comment {} {matches} -j {}",
+                self.no_endpoints_comment, self.no_endpoints_target
             ),
         );
     }
-    // External IPs.
-    for ip in &svc.external_ips {
-        if has_endpoints {
+
+    /// KUBE-SERVICES: the cluster IP jumps to its chain, or is rejected/dropped in filter.
+    fn write_cluster_ip_rules(&self, p: &mut PortPlan) {
+        let name = &self.name;
+        if self.has_internal {
             p.nat.push(
                 KUBE_SERVICES,
                 format!(
-                    "-m comment --comment {} {} -j {ext_chain}",
-                    quoted(&format!("{name} external IP")),
-                    dst(ip)
+                    "-m comment --comment {} {} -j {}",
+                    quoted(&format!("{name} cluster IP")),
+                    self.dst(&self.cluster_ip),
+                    self.internal_chain
                 ),
             );
-        }
-        if !has_external {
+        } else {
             p.filter.push(
-                KUBE_EXTERNAL_SERVICES,
-                format!(
-                    "-m comment --comment {external_comment} {} -j {external_target}",
-                    dst(ip)
-                ),
-            );
-        }
-    }
-    // Load-balancer IPs.
-    for ip in &lb_vips {
-        if has_endpoints {
-            p.nat.push(
                 KUBE_SERVICES,
                 format!(
-                    "-m comment --comment {} {} -j {lb_chain}",
-                    quoted(&format!("{name} loadbalancer IP")),
-                    dst(ip)
-                ),
-            );
-        }
-        if uses_fw_chain {
-            p.filter.push(
-                KUBE_PROXY_FIREWALL,
-                format!(
-                    "-m comment --comment {} {} -j DROP",
-                    quoted(&format!("{name} traffic not accepted by {}", ch.firewall)),
-                    dst(ip)
+                    "-m comment --comment {} {} -j {}",
+                    self.no_endpoints_comment,
+                    self.dst(&self.cluster_ip),
+                    self.no_endpoints_target
                 ),
             );
         }
     }
-    if !has_external {
-        for ip in &lb_vips {
-            p.filter.push(
-                KUBE_EXTERNAL_SERVICES,
-                format!(
-                    "-m comment --comment {external_comment} {} -j {external_target}",
-                    dst(ip)
-                ),
-            );
+
+    /// KUBE-SERVICES / KUBE-EXTERNAL-SERVICES for each external IP.
+    fn write_external_ip_rules(&self, p: &mut PortPlan) {
+        for ip in &self.svc.external_ips {
+            if self.has_endpoints {
+                p.nat.push(
+                    KUBE_SERVICES,
+                    format!(
+                        "-m comment --comment {} {} -j {}",
+                        quoted(&format!("{} external IP", self.name)),
+                        self.dst(ip),
+                        self.ch.external
+                    ),
+                );
+            }
+            if !self.has_external {
+                self.no_external_endpoints(p, &self.dst(ip));
+            }
         }
     }
-    // NodePort.
-    if svc.node_port != 0 {
-        let np = svc.node_port;
-        if has_endpoints {
-            if localhost_nps
+
+    /// KUBE-SERVICES for each load-balancer IP, KUBE-PROXY-FIREWALL's drops when source
+    /// ranges apply, then KUBE-EXTERNAL-SERVICES when external traffic has no endpoints.
+    fn write_load_balancer_rules(&self, p: &mut PortPlan) {
+        for ip in &self.lb_vips {
+            if self.has_endpoints {
+                p.nat.push(
+                    KUBE_SERVICES,
+                    format!(
+                        "-m comment --comment {} {} -j {}",
+                        quoted(&format!("{} loadbalancer IP", self.name)),
+                        self.dst(ip),
+                        self.lb_chain()
+                    ),
+                );
+            }
+            if self.uses_fw_chain {
+                p.filter.push(
+                    KUBE_PROXY_FIREWALL,
+                    format!(
+                        "-m comment --comment {} {} -j DROP",
+                        quoted(&format!(
+                            "{} traffic not accepted by {}",
+                            self.name, self.ch.firewall
+                        )),
+                        self.dst(ip)
+                    ),
+                );
+            }
+        }
+        if !self.has_external {
+            for ip in &self.lb_vips {
+                self.no_external_endpoints(p, &self.dst(ip));
+            }
+        }
+    }
+
+    /// KUBE-NODEPORTS (nat) and KUBE-EXTERNAL-SERVICES for the node port.
+    fn write_node_port_rules(&self, p: &mut PortPlan) {
+        let np = self.svc.node_port;
+        if np == 0 {
+            return;
+        }
+        let (cfg, name, proto, ext_chain) = (self.cfg, &self.name, self.proto, &self.ch.external);
+        if self.has_endpoints {
+            if cfg.effective_localhost_node_ports()
                 && cfg.family == IpFamily::V4
                 && cfg.nfacct_counters.localhost_nps_accepted_pkts
             {
@@ -651,47 +702,55 @@ fn write_service_port(
                 ),
             );
         }
-        if !has_external {
+        if !self.has_external {
+            self.no_external_endpoints(
+                p,
+                &format!("-m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {np}"),
+            );
+        }
+    }
+
+    /// KUBE-NODEPORTS (filter): accept the health check node port.
+    fn write_health_check_rule(&self, p: &mut PortPlan) {
+        if self.svc.health_check_node_port != 0 {
             p.filter.push(
-                KUBE_EXTERNAL_SERVICES,
+                KUBE_NODEPORTS,
                 format!(
-                    "-m comment --comment {external_comment} -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {np} -j {external_target}"
+                    "-m comment --comment {} -m tcp -p tcp --dport {} -j ACCEPT",
+                    quoted(&format!("{} health check node port", self.name)),
+                    self.svc.health_check_node_port
                 ),
             );
         }
     }
-    // Health check node port.
-    if svc.health_check_node_port != 0 {
-        p.filter.push(
-            KUBE_NODEPORTS,
-            format!(
-                "-m comment --comment {} -m tcp -p tcp --dport {} -j ACCEPT",
-                quoted(&format!("{name} health check node port")),
-                svc.health_check_node_port
-            ),
-        );
-    }
 
-    // Per-service chains.
-    let mut t = TablePlan::default();
-    if has_internal {
+    /// The internal chain's masquerade rule (all traffic, or traffic not from a local pod).
+    fn write_internal_masquerade(&self, t: &mut TablePlan) {
+        if !self.has_internal {
+            return;
+        }
         let args = format!(
             "-m comment --comment {} {}",
-            quoted(&format!("{name} cluster IP")),
-            dst(&cluster_ip)
+            quoted(&format!("{} cluster IP", self.name)),
+            self.dst(&self.cluster_ip)
         );
-        if cfg.masquerade_all {
-            t.push(internal_chain, format!("{args} -j {KUBE_MARK_MASQ}"));
-        } else if let Some(not_local) = cfg.local_detector.if_not_local() {
-            t.push(
-                internal_chain,
-                format!("{args} {not_local} -j {KUBE_MARK_MASQ}"),
-            );
+        let chain = self.internal_chain.as_str();
+        if self.cfg.masquerade_all {
+            t.push(chain, format!("{args} -j {KUBE_MARK_MASQ}"));
+        } else if let Some(not_local) = self.cfg.local_detector.if_not_local() {
+            t.push(chain, format!("{args} {not_local} -j {KUBE_MARK_MASQ}"));
         }
     }
-    if uses_ext_chain {
+
+    /// `KUBE-EXT-…`: masquerade external traffic (or, for Local policy, only the node's own
+    /// and short-circuit pods'), then the policy chain.
+    fn write_external_chain(&self, t: &mut TablePlan) {
+        if !(self.has_endpoints && self.svc.externally_accessible()) {
+            return;
+        }
+        let (name, ext_chain) = (&self.name, self.ch.external.as_str());
         t.declare(ext_chain);
-        if !svc.external_policy_local {
+        if !self.svc.external_policy_local {
             t.push(
                 ext_chain,
                 format!(
@@ -702,13 +761,13 @@ fn write_service_port(
                 ),
             );
         } else {
-            if let Some(local) = cfg.local_detector.if_local() {
+            if let Some(local) = self.cfg.local_detector.if_local() {
                 t.push(
                     ext_chain,
                     format!(
                         "-m comment --comment {} {local} -j {}",
                         quoted(&format!("pod traffic for {name} external destinations")),
-                        ch.cluster
+                        self.ch.cluster
                     ),
                 );
             }
@@ -728,30 +787,36 @@ fn write_service_port(
                     quoted(&format!(
                         "route LOCAL traffic for {name} external destinations"
                     )),
-                    ch.cluster
+                    self.ch.cluster
                 ),
             );
         }
-        if has_external {
-            t.push(ext_chain, format!("-j {external_policy_chain}"));
+        if self.has_external {
+            t.push(ext_chain, format!("-j {}", self.external_policy_chain));
         }
     }
-    if uses_fw_chain {
-        let fw = ch.firewall.as_str();
+
+    /// `KUBE-FW-…`: loadBalancerSourceRanges (and the LB IPs themselves when the node is in
+    /// a range) go on to the external chain; anything else falls through to be dropped.
+    fn write_firewall_chain(&self, t: &mut TablePlan) {
+        if !self.uses_fw_chain {
+            return;
+        }
+        let (fw, ext_chain) = (self.ch.firewall.as_str(), self.ch.external.as_str());
         t.declare(fw);
         let args = format!(
             "-m comment --comment {}",
-            quoted(&format!("{name} loadbalancer IP"))
+            quoted(&format!("{} loadbalancer IP", self.name))
         );
         let mut allow_from_node = false;
-        for cidr in ranges {
+        for cidr in &self.svc.load_balancer_source_ranges {
             t.push(fw, format!("{args} -s {cidr} -j {ext_chain}"));
-            if cfg.node_ip.is_some_and(|ip| cidr.contains(&ip)) {
+            if self.cfg.node_ip.is_some_and(|ip| cidr.contains(&ip)) {
                 allow_from_node = true;
             }
         }
         if allow_from_node {
-            for ip in &lb_vips {
+            for ip in &self.lb_vips {
                 t.push(fw, format!("{args} -s {ip} -j {ext_chain}"));
             }
         }
@@ -760,20 +825,26 @@ fn write_service_port(
             format!(
                 "-m comment --comment {}",
                 quoted(&format!(
-                    "other traffic to {name} will be dropped by KUBE-PROXY-FIREWALL"
+                    "other traffic to {} will be dropped by KUBE-PROXY-FIREWALL",
+                    self.name
                 ))
             ),
         );
     }
-    let large = ctx.large_cluster;
-    let comment = |c: &str| {
-        if large {
+
+    /// `-m comment --comment <c> `, left out in large-cluster mode.
+    fn comment(&self, c: &str) -> String {
+        if self.large_cluster {
             String::new()
         } else {
             format!("-m comment --comment {c} ")
         }
-    };
-    let endpoint_rules = |t: &mut TablePlan, chain: &str, eps: &[Endpoint]| {
+    }
+
+    /// `KUBE-SVC-…` / `KUBE-SVL-…`: affinity checks, then a random pick of an endpoint chain.
+    fn write_service_chain(&self, t: &mut TablePlan, chain: &str, eps: &[Endpoint]) {
+        let svc = self.svc;
+        let name = &self.name;
         t.declare(chain);
         if let Some(timeout) = svc.session_affinity_timeout {
             for ep in eps {
@@ -782,7 +853,7 @@ fn write_service_port(
                     chain,
                     format!(
                         "{}-m recent --name {sep} --rcheck --seconds {timeout} --reap -j {sep}",
-                        comment(&quoted(&format!("{name} -> {}", ep.addr())))
+                        self.comment(&quoted(&format!("{name} -> {}", ep.addr())))
                     ),
                 );
             }
@@ -802,35 +873,79 @@ fn write_service_port(
                 chain,
                 format!(
                     "{}{prob}-j {sep}",
-                    comment(&quoted(&format!("{name} -> {}", ep.addr())))
+                    self.comment(&quoted(&format!("{name} -> {}", ep.addr())))
                 ),
             );
         }
-    };
-    if uses_cluster_chain {
-        endpoint_rules(&mut t, &ch.cluster, &cluster_eps);
     }
-    if uses_local_chain {
-        endpoint_rules(&mut t, &ch.local, &local_eps);
+
+    /// The cluster and local service chains, when used.
+    fn write_service_chains(&self, t: &mut TablePlan) {
+        let svc = self.svc;
+        if let Some(eps) = self.cat.cluster.as_deref()
+            && !eps.is_empty()
+            && svc.uses_cluster_endpoints()
+        {
+            self.write_service_chain(t, &self.ch.cluster, eps);
+        }
+        if let Some(eps) = self.cat.local.as_deref()
+            && !eps.is_empty()
+            && svc.uses_local_endpoints()
+        {
+            self.write_service_chain(t, &self.ch.local, eps);
+        }
     }
-    for ep in &cat.all_reachable {
-        let sep = endpoint_chain(&svc.name, ep);
-        t.declare(&sep);
-        let c = comment(&name);
-        t.push(&sep, format!("{c}-s {} -j {KUBE_MARK_MASQ}", ep.ip));
-        let affinity = if svc.session_affinity_timeout.is_some() {
-            format!("-m recent --name {sep} --set ")
-        } else {
-            String::new()
-        };
-        t.push(
-            &sep,
-            format!(
-                "{c}{affinity}-m {proto} -p {proto} -j DNAT --to-destination {}",
-                ep.addr()
-            ),
-        );
+
+    /// `KUBE-SEP-…` for every reachable endpoint: hairpin masquerade, then DNAT.
+    fn write_endpoint_chains(&self, t: &mut TablePlan) {
+        let proto = self.proto;
+        for ep in &self.cat.all_reachable {
+            let sep = endpoint_chain(&self.svc.name, ep);
+            t.declare(&sep);
+            let c = self.comment(&self.name);
+            t.push(&sep, format!("{c}-s {} -j {KUBE_MARK_MASQ}", ep.ip));
+            let affinity = if self.svc.session_affinity_timeout.is_some() {
+                format!("-m recent --name {sep} --set ")
+            } else {
+                String::new()
+            };
+            t.push(
+                &sep,
+                format!(
+                    "{c}{affinity}-m {proto} -p {proto} -j DNAT --to-destination {}",
+                    ep.addr()
+                ),
+            );
+        }
     }
+}
+
+/// One service port's rules (upstream's per-service block in `syncProxyRules`): its rules in
+/// the shared chains, then its own chains.
+fn write_service_port(
+    p: &mut PortPlan,
+    ctx: &PortContext<'_>,
+    svc: &ServicePort,
+    cluster_ip: IpAddr,
+    eps: &[Endpoint],
+) {
+    let r = PortRules::new(ctx, svc, cluster_ip, eps);
+    if r.has_endpoints {
+        p.no_local_internal = !r.has_internal;
+        p.no_local_external = !r.has_external;
+    }
+    r.write_cluster_ip_rules(p);
+    r.write_external_ip_rules(p);
+    r.write_load_balancer_rules(p);
+    r.write_node_port_rules(p);
+    r.write_health_check_rule(p);
+
+    let mut t = TablePlan::default();
+    r.write_internal_masquerade(&mut t);
+    r.write_external_chain(&mut t);
+    r.write_firewall_chain(&mut t);
+    r.write_service_chains(&mut t);
+    r.write_endpoint_chains(&mut t);
     p.chains = t;
 }
 

@@ -95,9 +95,9 @@ use std::time::{Duration, Instant};
 
 use crate::model::{ChangedSet, Snapshot};
 
-use super::backend::{IptablesBackend, IptablesError, RestoreMode};
 use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
 use super::incremental::{IncrementalPlanner, UpdateStats};
+use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 use super::names::{KUBE_PROXY_CANARY, is_service_chain};
 use super::plan::{ServiceKey, jump_rules, service_key};
 use super::render::{TableInput, render_tables};
@@ -179,6 +179,14 @@ impl std::fmt::Display for Phases {
         }
         Ok(())
     }
+}
+
+/// The restore input of one sync (the shared chains and the per-service chains to write).
+struct SyncInput {
+    filter: TableInput,
+    nat: TableInput,
+    /// Rules in `nat` (shared and per-service chains, before stale-chain deletes).
+    nat_rules: usize,
 }
 
 /// Parsed `iptables-save` of one table.
@@ -303,6 +311,28 @@ impl<B: IptablesBackend> Proxier<B> {
             self.ensure_jumps()?;
             phases.lap("jumps");
         }
+        let (outcome, mut input) = self.plan_input(snap, changed, full, phases);
+        let saved_nat =
+            self.delete_stale_chains(full, outcome.large_cluster, &mut input.nat, phases);
+        self.render_input(&input);
+        phases.lap("render");
+        if full {
+            self.restore_full(input, saved_nat.as_ref(), phases)?;
+        } else {
+            self.restore_partial(&input, phases)?;
+        }
+        Ok(outcome)
+    }
+
+    /// Updates the plan (all service ports, or the changed ones) and makes the restore
+    /// input: the shared chains and the per-service chains to write.
+    fn plan_input(
+        &mut self,
+        snap: &Snapshot,
+        changed: &ChangedSet,
+        full: bool,
+        phases: &mut Phases,
+    ) -> (SyncOutcome, SyncInput) {
         let planned = if full {
             self.planner.update(snap, &self.cfg)
         } else {
@@ -312,7 +342,6 @@ impl<B: IptablesBackend> Proxier<B> {
         self.planner.refresh_shared(&self.cfg);
         let shared = self.planner.shared();
         phases.lap("shared");
-        let large_cluster = shared.large_cluster;
 
         let mut filter = TableInput::new("filter");
         filter.add(&shared.filter);
@@ -337,13 +366,30 @@ impl<B: IptablesBackend> Proxier<B> {
         let outcome = SyncOutcome {
             full,
             total_endpoints: shared.total_endpoints,
-            large_cluster,
+            large_cluster: shared.large_cluster,
             planned,
         };
+        (
+            outcome,
+            SyncInput {
+                filter,
+                nat,
+                nat_rules,
+            },
+        )
+    }
 
-        // Stale per-service chains (and, on full syncs, whether nat holds only our objects).
-        // A partial sync in large-cluster mode takes the existing chains from what it knows
-        // instead of saving a huge table.
+    /// Stale per-service chains go into `nat` as deletes (and, on full syncs, the saved nat
+    /// table tells whether it holds only our objects: returned). A partial sync in
+    /// large-cluster mode takes the existing chains from what it knows instead of saving a
+    /// huge table.
+    fn delete_stale_chains(
+        &mut self,
+        full: bool,
+        large_cluster: bool,
+        nat: &mut TableInput,
+        phases: &mut Phases,
+    ) -> Option<Saved> {
         let cleanup_due = !large_cluster
             || self
                 .last_cleanup
@@ -378,49 +424,65 @@ impl<B: IptablesBackend> Proxier<B> {
                 self.last_cleanup = Some(Instant::now());
             }
         }
+        saved_nat
+    }
+
+    /// Renders the whole input into `last_input` (what a full sync restores).
+    fn render_input(&mut self, input: &SyncInput) {
         self.last_input.clear();
-        let len = filter.rendered_len() + nat.rendered_len();
+        let len = input.filter.rendered_len() + input.nat.rendered_len();
         // Exactly the text's size: the buffer is kept between syncs.
         if self.last_input.capacity() > 2 * len {
             self.last_input.shrink_to(len);
         } else {
             self.last_input.reserve_exact(len);
         }
-        filter.render(&mut self.last_input);
-        nat.render(&mut self.last_input);
-        self.stats.nat_rules_last = nat_rules;
-        phases.lap("render");
+        input.filter.render(&mut self.last_input);
+        input.nat.render(&mut self.last_input);
+        self.stats.nat_rules_last = input.nat_rules;
+    }
 
-        if !full {
-            // Only what differs from the kernel's known content.
-            let (filter, omitted_f) = self.kernel.without_unchanged(&filter);
-            let (nat, omitted_n) = self.kernel.without_unchanged(&nat);
-            phases.lap("diff");
-            self.stats.chains_omitted_last = omitted_f + omitted_n;
-            let tables: Vec<TableInput> = [filter, nat]
-                .into_iter()
-                .filter(|t| !t.chains.is_empty() || !t.deletes.is_empty())
-                .collect();
-            self.stats.chains_written_last = tables.iter().map(|t| t.chains.len()).sum();
-            if !tables.is_empty() {
-                let input = render_tables(&tables);
-                if let Err(e) = self.backend.restore(&input, RestoreMode::NoFlush) {
-                    return Err(self.restore_failed(e, full));
-                }
-                phases.lap("restore");
+    /// A partial sync writes only the chains that differ from the kernel's known content.
+    fn restore_partial(
+        &mut self,
+        input: &SyncInput,
+        phases: &mut Phases,
+    ) -> Result<(), IptablesError> {
+        let (filter, omitted_f) = self.kernel.without_unchanged(&input.filter);
+        let (nat, omitted_n) = self.kernel.without_unchanged(&input.nat);
+        phases.lap("diff");
+        self.stats.chains_omitted_last = omitted_f + omitted_n;
+        let tables: Vec<TableInput> = [filter, nat]
+            .into_iter()
+            .filter(|t| !t.chains.is_empty() || !t.deletes.is_empty())
+            .collect();
+        self.stats.chains_written_last = tables.iter().map(|t| t.chains.len()).sum();
+        if !tables.is_empty() {
+            let input = render_tables(&tables);
+            if let Err(e) = self.backend.restore(&input, RestoreMode::NoFlush) {
+                return Err(self.restore_failed(e, false));
             }
-            for t in &tables {
-                self.kernel.record(t);
-            }
-            phases.lap("record");
-            return Ok(outcome);
+            phases.lap("restore");
         }
+        for t in &tables {
+            self.kernel.record(t);
+        }
+        phases.lap("record");
+        Ok(())
+    }
 
+    /// A full sync restores everything: nat as a whole table when it holds only our
+    /// objects, else both tables with `--noflush`; then rebuilds the kernel knowledge.
+    fn restore_full(
+        &mut self,
+        input: SyncInput,
+        saved_nat: Option<&Saved>,
+        phases: &mut Phases,
+    ) -> Result<(), IptablesError> {
+        let SyncInput { filter, nat, .. } = input;
         self.stats.chains_omitted_last = 0;
         self.stats.chains_written_last = filter.chains.len() + nat.chains.len();
-        let whole = saved_nat
-            .as_ref()
-            .and_then(|s| self.whole_table_nat(s, &nat));
+        let whole = saved_nat.and_then(|s| self.whole_table_nat(s, &nat));
         phases.lap("whole-input");
         let result = match whole {
             Some(whole) => self
@@ -446,7 +508,7 @@ impl<B: IptablesBackend> Proxier<B> {
                 // Rebuild the knowledge: after a whole-table restore nat holds exactly the
                 // declared chains (and the canary); else what the save showed plus the input.
                 self.kernel.clear();
-                match &saved_nat {
+                match saved_nat {
                     Some(s) if !whole => {
                         self.kernel
                             .set_saved("nat", s.chains.iter().map(|(c, _)| c.as_str()));
@@ -456,9 +518,9 @@ impl<B: IptablesBackend> Proxier<B> {
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
                 phases.lap("record");
-                Ok(outcome)
+                Ok(())
             }
-            Err(e) => Err(self.restore_failed(e, full)),
+            Err(e) => Err(self.restore_failed(e, true)),
         }
     }
 

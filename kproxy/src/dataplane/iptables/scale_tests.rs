@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePortName, Snapshot, testing};
 
-use super::backend::{IptablesBackend, IptablesError, RestoreMode};
+use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 use super::{IptablesConfig, LocalTrafficDetector, Proxier, plan, render};
 
 /// Accepts every operation; `save` returns an empty table.

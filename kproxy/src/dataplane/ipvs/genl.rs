@@ -8,11 +8,17 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use crate::kernel::netlink::MsgBuilder;
+use crate::kernel::netlink::NLM_F_ACK;
+use crate::kernel::netlink::NLM_F_DUMP;
+use crate::kernel::netlink::OwnedMsg;
+use crate::kernel::netlink::Socket;
+use crate::kernel::netlink::attrs;
+use crate::kernel::netlink::find_attr;
+use crate::kernel::netlink::read_str;
+use crate::kernel::netlink::read_u16;
+use crate::kernel::netlink::read_u32;
 use crate::model::Protocol;
-use crate::netlink::{
-    MsgBuilder, NLM_F_ACK, NLM_F_DUMP, OwnedMsg, Socket, attrs, find_attr, read_str, read_u16,
-    read_u32,
-};
 
 const GENL_ID_CTRL: u16 = 0x10;
 const CTRL_CMD_GETFAMILY: u8 = 3;
@@ -450,7 +456,7 @@ impl IpvsHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::parse_messages;
+    use crate::kernel::netlink::parse_messages;
 
     fn svc(addr: &str, proto: Protocol) -> VirtualService {
         VirtualService {

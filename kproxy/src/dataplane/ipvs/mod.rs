@@ -6,7 +6,7 @@
 //! - [`config`]: [`IpvsConfig`], what this datapath needs from the resolved configuration.
 //! - [`plan`]: snapshot → [`plan::Plan`] (virtual services, real servers, bound addresses,
 //!   ipsets, iptables rules); [`render`] prints it.
-//! - [`crate::netlink`] / [`genl`] / [`rtnl`]: hand-written netlink for the IPVS generic-netlink
+//! - [`crate::kernel::netlink`] / [`genl`] / [`rtnl`]: hand-written netlink for the IPVS generic-netlink
 //!   family and for the dummy link's addresses (no external tools for IPVS itself).
 //! - [`netfilter`]: `ipset restore` / `iptables-restore` application.
 //! - [`sysctl`]: the sysctls upstream's IPVS mode sets.

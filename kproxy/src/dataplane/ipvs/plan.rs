@@ -383,120 +383,172 @@ fn plan_port(
     p: &mut Plan,
     no_node_access: &mut BTreeSet<(IpAddr, Protocol, u16)>,
 ) -> Result<(), String> {
-    let family = cfg.family;
-    let cat = snap.categorize(svc);
-    let all: &[Endpoint] = snap.endpoints_of(&svc.name);
-    let all: Vec<&Endpoint> = all.iter().filter(|e| family.matches(&e.ip)).collect();
-    let internal_eps = if svc.internal_policy_local {
-        cat.local.clone().unwrap_or_default()
-    } else {
-        cat.cluster.clone().unwrap_or_default()
-    };
-    let external_eps = if svc.external_policy_local {
-        cat.local.clone().unwrap_or_default()
-    } else {
-        cat.cluster.clone().unwrap_or_default()
-    };
-    let real_servers = |selected: &[Endpoint]| -> BTreeMap<(IpAddr, u16), u32> {
+    let mut d = PortDraft::new(snap, cfg, svc);
+    d.add_cluster_ip(cluster_ip);
+    d.add_external_ips();
+    d.add_load_balancers(no_node_access);
+    d.add_node_ports();
+    d.add_health_check_node_port();
+    d.add_loopback_entries();
+    d.commit(p)
+}
+
+/// One service port's virtual services, bound addresses and set entries, before they are
+/// checked against what earlier service ports planned.
+struct PortDraft<'a> {
+    cfg: &'a IpvsConfig,
+    svc: &'a ServicePort,
+    /// The service port's endpoints of the family (terminating ones included).
+    all: Vec<&'a Endpoint>,
+    /// The endpoints internal / external traffic goes to (per its traffic policy).
+    internal_eps: Vec<Endpoint>,
+    external_eps: Vec<Endpoint>,
+    services: Vec<PlannedService>,
+    bound: Vec<IpAddr>,
+    entries: Vec<(&'static str, String)>,
+}
+
+impl<'a> PortDraft<'a> {
+    fn new(snap: &'a Snapshot, cfg: &'a IpvsConfig, svc: &'a ServicePort) -> Self {
+        let family = cfg.family;
+        let cat = snap.categorize(svc);
+        let all: Vec<&Endpoint> = snap
+            .endpoints_of(&svc.name)
+            .iter()
+            .filter(|e| family.matches(&e.ip))
+            .collect();
+        let for_policy = |local: bool| {
+            if local {
+                cat.local.clone().unwrap_or_default()
+            } else {
+                cat.cluster.clone().unwrap_or_default()
+            }
+        };
+        PortDraft {
+            cfg,
+            svc,
+            all,
+            internal_eps: for_policy(svc.internal_policy_local),
+            external_eps: for_policy(svc.external_policy_local),
+            services: vec![],
+            bound: vec![],
+            entries: vec![],
+        }
+    }
+
+    /// The real servers of `selected` (weight 1), plus the terminating endpoints still
+    /// listed, which keep draining with weight 0.
+    fn real_servers(&self, selected: &[Endpoint]) -> BTreeMap<(IpAddr, u16), u32> {
+        let family = self.cfg.family;
         let mut rs: BTreeMap<(IpAddr, u16), u32> = selected
             .iter()
             .filter(|e| family.matches(&e.ip))
             .map(|e| ((e.ip, e.port), 1))
             .collect();
-        // Terminating endpoints still listed keep draining with weight 0.
-        for e in &all {
+        for e in &self.all {
             if e.terminating {
                 rs.entry((e.ip, e.port)).or_insert(0);
             }
         }
         rs
-    };
-    let (flags, timeout) = match svc.session_affinity_timeout {
-        Some(t) => (SVC_F_PERSISTENT, t),
-        None => (0, 0),
-    };
-    let vs = |addr: IpAddr, port: u16| VirtualService {
-        key: ServiceKey {
-            addr,
-            protocol: svc.protocol,
-            port,
-        },
-        scheduler: cfg.scheduler().to_string(),
-        flags,
-        timeout,
-    };
+    }
 
-    let mut services: Vec<PlannedService> = vec![];
-    let mut bound: Vec<IpAddr> = vec![];
-    let mut entries: Vec<(&'static str, String)> = vec![];
-    let ext_local = svc.external_policy_local;
-
-    services.push(PlannedService {
-        service: vs(cluster_ip, svc.port),
-        kind: VsKind::ClusterIp,
-        origin: svc.name.clone(),
-        real_servers: real_servers(&internal_eps),
-    });
-    bound.push(cluster_ip);
-    entries.push((
-        CLUSTER_IP,
-        ip_port_entry(cluster_ip, svc.protocol, svc.port),
-    ));
-
-    for ip in svc.external_ips_for(family) {
-        services.push(PlannedService {
-            service: vs(ip, svc.port),
-            kind: VsKind::ExternalIp,
-            origin: svc.name.clone(),
-            real_servers: real_servers(&external_eps),
-        });
-        bound.push(ip);
-        let set = if ext_local {
-            EXTERNAL_IP_LOCAL
-        } else {
-            EXTERNAL_IP
+    /// Adds the virtual service `addr:port` of `kind`, to the internal or external endpoints.
+    fn add_service(&mut self, addr: IpAddr, port: u16, kind: VsKind, external: bool) {
+        let svc = self.svc;
+        let (flags, timeout) = match svc.session_affinity_timeout {
+            Some(t) => (SVC_F_PERSISTENT, t),
+            None => (0, 0),
         };
-        entries.push((set, ip_port_entry(ip, svc.protocol, svc.port)));
-    }
-
-    let ranges: Vec<IpNet> = svc.source_ranges_for(family).collect();
-    for ip in svc.load_balancer_vips(family) {
-        services.push(PlannedService {
-            service: vs(ip, svc.port),
-            kind: VsKind::LoadBalancer,
+        let real_servers = if external {
+            self.real_servers(&self.external_eps)
+        } else {
+            self.real_servers(&self.internal_eps)
+        };
+        self.services.push(PlannedService {
+            service: VirtualService {
+                key: ServiceKey {
+                    addr,
+                    protocol: svc.protocol,
+                    port,
+                },
+                scheduler: self.cfg.scheduler().to_string(),
+                flags,
+                timeout,
+            },
+            kind,
             origin: svc.name.clone(),
-            real_servers: real_servers(&external_eps),
+            real_servers,
         });
-        bound.push(ip);
-        let entry = ip_port_entry(ip, svc.protocol, svc.port);
-        entries.push((LOAD_BALANCER, entry.clone()));
-        if ext_local {
-            entries.push((LOAD_BALANCER_LOCAL, entry.clone()));
-        }
-        if !ranges.is_empty() {
-            entries.push((LOAD_BALANCER_FW, entry.clone()));
-            let mut node_allowed = false;
-            for r in &ranges {
-                entries.push((LOAD_BALANCER_SOURCE_CIDR, format!("{entry},{r}")));
-                node_allowed |= cfg.node_ips.iter().any(|n| r.contains(n));
-            }
-            if node_allowed {
-                entries.push((LOAD_BALANCER_SOURCE_IP, format!("{entry},{ip}")));
+    }
+
+    fn add_cluster_ip(&mut self, cluster_ip: IpAddr) {
+        let svc = self.svc;
+        self.add_service(cluster_ip, svc.port, VsKind::ClusterIp, false);
+        self.bound.push(cluster_ip);
+        self.entries.push((
+            CLUSTER_IP,
+            ip_port_entry(cluster_ip, svc.protocol, svc.port),
+        ));
+    }
+
+    fn add_external_ips(&mut self) {
+        let svc = self.svc;
+        for ip in svc.external_ips_for(self.cfg.family) {
+            self.add_service(ip, svc.port, VsKind::ExternalIp, true);
+            self.bound.push(ip);
+            let set = if svc.external_policy_local {
+                EXTERNAL_IP_LOCAL
             } else {
-                no_node_access.insert((ip, svc.protocol, svc.port));
+                EXTERNAL_IP
+            };
+            self.entries
+                .push((set, ip_port_entry(ip, svc.protocol, svc.port)));
+        }
+    }
+
+    /// Load-balancer IPs, with their source ranges; an LB IP the node itself may not reach
+    /// (no range holds a node IP) goes into `no_node_access`.
+    fn add_load_balancers(&mut self, no_node_access: &mut BTreeSet<(IpAddr, Protocol, u16)>) {
+        let (cfg, svc) = (self.cfg, self.svc);
+        let ranges: Vec<IpNet> = svc.source_ranges_for(cfg.family).collect();
+        for ip in svc.load_balancer_vips(cfg.family) {
+            self.add_service(ip, svc.port, VsKind::LoadBalancer, true);
+            self.bound.push(ip);
+            let entry = ip_port_entry(ip, svc.protocol, svc.port);
+            self.entries.push((LOAD_BALANCER, entry.clone()));
+            if svc.external_policy_local {
+                self.entries.push((LOAD_BALANCER_LOCAL, entry.clone()));
+            }
+            if !ranges.is_empty() {
+                self.entries.push((LOAD_BALANCER_FW, entry.clone()));
+                let mut node_allowed = false;
+                for r in &ranges {
+                    self.entries
+                        .push((LOAD_BALANCER_SOURCE_CIDR, format!("{entry},{r}")));
+                    node_allowed |= cfg.node_ips.iter().any(|n| r.contains(n));
+                }
+                if node_allowed {
+                    self.entries
+                        .push((LOAD_BALANCER_SOURCE_IP, format!("{entry},{ip}")));
+                } else {
+                    no_node_access.insert((ip, svc.protocol, svc.port));
+                }
             }
         }
     }
 
-    if svc.node_port != 0 {
-        for &node_ip in cfg.node_ips.iter().filter(|ip| family.matches(ip)) {
-            services.push(PlannedService {
-                service: vs(node_ip, svc.node_port),
-                kind: VsKind::NodePort,
-                origin: svc.name.clone(),
-                real_servers: real_servers(&external_eps),
-            });
+    /// A virtual service per node IP, and the node port's set entries.
+    fn add_node_ports(&mut self) {
+        let (cfg, svc) = (self.cfg, self.svc);
+        if svc.node_port == 0 {
+            return;
         }
+        let family = cfg.family;
+        for &node_ip in cfg.node_ips.iter().filter(|ip| family.matches(ip)) {
+            self.add_service(node_ip, svc.node_port, VsKind::NodePort, true);
+        }
+        let ext_local = svc.external_policy_local;
         match svc.protocol {
             Protocol::Tcp | Protocol::Udp => {
                 let set = match (svc.protocol, ext_local) {
@@ -505,7 +557,7 @@ fn plan_port(
                     (_, false) => NODE_PORT_UDP,
                     (_, true) => NODE_PORT_LOCAL_UDP,
                 };
-                entries.push((set, svc.node_port.to_string()));
+                self.entries.push((set, svc.node_port.to_string()));
             }
             Protocol::Sctp => {
                 let set = if ext_local {
@@ -514,55 +566,197 @@ fn plan_port(
                     NODE_PORT_SCTP
                 };
                 for &node_ip in cfg.node_ips.iter().filter(|ip| family.matches(ip)) {
-                    entries.push((set, ip_port_entry(node_ip, svc.protocol, svc.node_port)));
+                    self.entries
+                        .push((set, ip_port_entry(node_ip, svc.protocol, svc.node_port)));
                 }
             }
         }
     }
-    if svc.health_check_node_port != 0 {
-        entries.push((
-            HEALTH_CHECK_NODE_PORT,
-            svc.health_check_node_port.to_string(),
-        ));
-    }
-    for e in &all {
-        if e.is_local {
-            entries.push((
-                LOOP_BACK,
-                format!("{},{}", ip_port_entry(e.ip, svc.protocol, e.port), e.ip),
+
+    fn add_health_check_node_port(&mut self) {
+        if self.svc.health_check_node_port != 0 {
+            self.entries.push((
+                HEALTH_CHECK_NODE_PORT,
+                self.svc.health_check_node_port.to_string(),
             ));
         }
     }
 
-    // Conflicts with what earlier service ports planned.
-    let mut seen = BTreeSet::new();
-    for s in &services {
-        if !seen.insert(s.service.key) {
-            return Err(format!(
-                "{} appears twice in this service (e.g. an external IP equal to a node address)",
-                s.service.key
-            ));
-        }
-        if let Some(other) = p.services.get(&s.service.key) {
-            return Err(format!(
-                "virtual service {} is already used by {}",
-                s.service.key, other.origin
-            ));
+    /// LOOP_BACK entries for the local endpoints (hairpin masquerade).
+    fn add_loopback_entries(&mut self) {
+        let protocol = self.svc.protocol;
+        for e in &self.all {
+            if e.is_local {
+                self.entries.push((
+                    LOOP_BACK,
+                    format!("{},{}", ip_port_entry(e.ip, protocol, e.port), e.ip),
+                ));
+            }
         }
     }
-    for s in services {
-        p.services.insert(s.service.key, s);
+
+    /// Checks for conflicts with what earlier service ports planned, then adds the draft
+    /// to `p`.
+    fn commit(self, p: &mut Plan) -> Result<(), String> {
+        let mut seen = BTreeSet::new();
+        for s in &self.services {
+            if !seen.insert(s.service.key) {
+                return Err(format!(
+                    "{} appears twice in this service (e.g. an external IP equal to a node address)",
+                    s.service.key
+                ));
+            }
+            if let Some(other) = p.services.get(&s.service.key) {
+                return Err(format!(
+                    "virtual service {} is already used by {}",
+                    s.service.key, other.origin
+                ));
+            }
+        }
+        for s in self.services {
+            p.services.insert(s.service.key, s);
+        }
+        p.bound.extend(self.bound);
+        for (set, entry) in self.entries {
+            p.sets
+                .get_mut(set)
+                .expect("every set is planned")
+                .entries
+                .insert(entry);
+        }
+        Ok(())
     }
-    p.bound.extend(bound);
-    for (set, entry) in entries {
-        p.sets
-            .get_mut(set)
-            .expect("every set is planned")
-            .entries
-            .insert(entry);
-    }
-    Ok(())
 }
+
+/// A rule matching one ipset (upstream's `ipsetWithIptablesChain`).
+struct IpsetChain {
+    set: &'static str,
+    /// In the filter table (else nat).
+    filter: bool,
+    from: &'static str,
+    to: &'static str,
+    matcher: &'static str,
+    /// `-p` (empty: none).
+    protocol: &'static str,
+}
+
+const fn ipset_chain(
+    set: &'static str,
+    filter: bool,
+    from: &'static str,
+    to: &'static str,
+    matcher: &'static str,
+    protocol: &'static str,
+) -> IpsetChain {
+    IpsetChain {
+        set,
+        filter,
+        from,
+        to,
+        matcher,
+        protocol,
+    }
+}
+
+/// Upstream's `ipsetWithIptablesChain`, in its order.
+const IPSET_CHAINS: &[IpsetChain] = &[
+    ipset_chain(
+        LOOP_BACK,
+        false,
+        "KUBE-POSTROUTING",
+        "MASQUERADE",
+        "dst,dst,src",
+        "",
+    ),
+    ipset_chain(
+        LOAD_BALANCER,
+        false,
+        "KUBE-SERVICES",
+        "KUBE-LOAD-BALANCER",
+        "dst,dst",
+        "",
+    ),
+    ipset_chain(
+        LOAD_BALANCER_LOCAL,
+        false,
+        "KUBE-LOAD-BALANCER",
+        "RETURN",
+        "dst,dst",
+        "",
+    ),
+    ipset_chain(
+        NODE_PORT_LOCAL_TCP,
+        false,
+        "KUBE-NODE-PORT",
+        "RETURN",
+        "dst",
+        "tcp",
+    ),
+    ipset_chain(
+        NODE_PORT_TCP,
+        false,
+        "KUBE-NODE-PORT",
+        "KUBE-MARK-MASQ",
+        "dst",
+        "tcp",
+    ),
+    ipset_chain(
+        NODE_PORT_LOCAL_UDP,
+        false,
+        "KUBE-NODE-PORT",
+        "RETURN",
+        "dst",
+        "udp",
+    ),
+    ipset_chain(
+        NODE_PORT_UDP,
+        false,
+        "KUBE-NODE-PORT",
+        "KUBE-MARK-MASQ",
+        "dst",
+        "udp",
+    ),
+    ipset_chain(
+        NODE_PORT_LOCAL_SCTP,
+        false,
+        "KUBE-NODE-PORT",
+        "RETURN",
+        "dst,dst",
+        "sctp",
+    ),
+    ipset_chain(
+        NODE_PORT_SCTP,
+        false,
+        "KUBE-NODE-PORT",
+        "KUBE-MARK-MASQ",
+        "dst,dst",
+        "sctp",
+    ),
+    ipset_chain(
+        LOAD_BALANCER_FW,
+        true,
+        "KUBE-PROXY-FIREWALL",
+        "KUBE-SOURCE-RANGES-FIREWALL",
+        "dst,dst",
+        "",
+    ),
+    ipset_chain(
+        LOAD_BALANCER_SOURCE_CIDR,
+        true,
+        "KUBE-SOURCE-RANGES-FIREWALL",
+        "RETURN",
+        "dst,dst,src",
+        "",
+    ),
+    ipset_chain(
+        LOAD_BALANCER_SOURCE_IP,
+        true,
+        "KUBE-SOURCE-RANGES-FIREWALL",
+        "RETURN",
+        "dst,dst,src",
+        "",
+    ),
+];
 
 /// The iptables rules (restore syntax, without `*table`/`COMMIT`), upstream's
 /// `writeIptablesRules`: rules whose set is empty are left out, like upstream.
@@ -571,153 +765,90 @@ fn rules(
     sets: &BTreeMap<&'static str, PlannedSet>,
     no_node_access: &BTreeSet<(IpAddr, Protocol, u16)>,
 ) -> Rules {
-    let mut nat = vec![];
-    let mut filter = vec![];
-    let set = |base: &str| &sets[base];
-    let nonempty = |base: &str| !sets[base].entries.is_empty();
-    let mark = cfg.masquerade_mark();
+    let mut r = Rules {
+        nat: vec![],
+        filter: vec![],
+    };
     let lo = match cfg.family {
         IpFamily::V4 => "127.0.0.0/8",
         IpFamily::V6 => "::1/128",
     };
-    nat.push(format!("-A KUBE-SERVICES -s {lo} -j RETURN"));
-    // (set, table is filter, from, to, match, protocol): upstream's ipsetWithIptablesChain.
-    let table: &[(&str, bool, &str, &str, &str, &str)] = &[
-        (
-            LOOP_BACK,
-            false,
-            "KUBE-POSTROUTING",
-            "MASQUERADE",
-            "dst,dst,src",
-            "",
-        ),
-        (
-            LOAD_BALANCER,
-            false,
-            "KUBE-SERVICES",
-            "KUBE-LOAD-BALANCER",
-            "dst,dst",
-            "",
-        ),
-        (
-            LOAD_BALANCER_LOCAL,
-            false,
-            "KUBE-LOAD-BALANCER",
-            "RETURN",
-            "dst,dst",
-            "",
-        ),
-        (
-            NODE_PORT_LOCAL_TCP,
-            false,
-            "KUBE-NODE-PORT",
-            "RETURN",
-            "dst",
-            "tcp",
-        ),
-        (
-            NODE_PORT_TCP,
-            false,
-            "KUBE-NODE-PORT",
-            "KUBE-MARK-MASQ",
-            "dst",
-            "tcp",
-        ),
-        (
-            NODE_PORT_LOCAL_UDP,
-            false,
-            "KUBE-NODE-PORT",
-            "RETURN",
-            "dst",
-            "udp",
-        ),
-        (
-            NODE_PORT_UDP,
-            false,
-            "KUBE-NODE-PORT",
-            "KUBE-MARK-MASQ",
-            "dst",
-            "udp",
-        ),
-        (
-            NODE_PORT_LOCAL_SCTP,
-            false,
-            "KUBE-NODE-PORT",
-            "RETURN",
-            "dst,dst",
-            "sctp",
-        ),
-        (
-            NODE_PORT_SCTP,
-            false,
-            "KUBE-NODE-PORT",
-            "KUBE-MARK-MASQ",
-            "dst,dst",
-            "sctp",
-        ),
-        (
-            LOAD_BALANCER_FW,
-            true,
-            "KUBE-PROXY-FIREWALL",
-            "KUBE-SOURCE-RANGES-FIREWALL",
-            "dst,dst",
-            "",
-        ),
-        (
-            LOAD_BALANCER_SOURCE_CIDR,
-            true,
-            "KUBE-SOURCE-RANGES-FIREWALL",
-            "RETURN",
-            "dst,dst,src",
-            "",
-        ),
-        (
-            LOAD_BALANCER_SOURCE_IP,
-            true,
-            "KUBE-SOURCE-RANGES-FIREWALL",
-            "RETURN",
-            "dst,dst,src",
-            "",
-        ),
-    ];
-    for (base, is_filter, from, to, matcher, proto) in table {
-        if !nonempty(base) {
+    r.nat.push(format!("-A KUBE-SERVICES -s {lo} -j RETURN"));
+    write_ipset_chain_rules(sets, &mut r);
+    write_cluster_ip_rule(cfg, sets, &mut r.nat);
+    write_external_ip_rules(sets, &mut r.nat);
+    r.nat
+        .push("-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT".into());
+    r.nat.push("-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ".into());
+    write_firewall_tail(no_node_access, &mut r.filter);
+    for base in [CLUSTER_IP, LOAD_BALANCER] {
+        if !sets[base].entries.is_empty() {
+            r.nat.push(format!(
+                "-A KUBE-SERVICES -m set --match-set {} dst,dst -j ACCEPT",
+                sets[base].name
+            ));
+        }
+    }
+    write_filter_accept_rules(cfg, sets, &mut r.filter);
+    write_masquerade_rules(cfg, &mut r.nat);
+    r
+}
+
+/// One rule per non-empty set of [`IPSET_CHAINS`].
+fn write_ipset_chain_rules(sets: &BTreeMap<&'static str, PlannedSet>, r: &mut Rules) {
+    for c in IPSET_CHAINS {
+        let s = &sets[c.set];
+        if s.entries.is_empty() {
             continue;
         }
-        let s = set(base);
-        let proto = if proto.is_empty() {
+        let proto = if c.protocol.is_empty() {
             String::new()
         } else {
-            format!(" -p {proto}")
+            format!(" -p {}", c.protocol)
         };
         let line = format!(
-            "-A {from}{proto} -m comment --comment \"{}\" -m set --match-set {} {matcher} -j {to}",
-            s.comment, s.name
+            "-A {}{proto} -m comment --comment \"{}\" -m set --match-set {} {} -j {}",
+            c.from, s.comment, s.name, c.matcher, c.to
         );
-        if *is_filter {
-            filter.push(line);
+        if c.filter {
+            r.filter.push(line);
         } else {
-            nat.push(line);
+            r.nat.push(line);
         }
     }
-    if nonempty(CLUSTER_IP) {
-        let s = set(CLUSTER_IP);
-        // Written the way iptables-save prints it (address matches first).
-        let (src, matcher) = match (cfg.masquerade_all, cfg.cluster_cidr) {
-            (true, _) => (String::new(), "dst,dst"),
-            (false, Some(cidr)) => (format!(" ! -s {cidr}"), "dst,dst"),
-            (false, None) => (String::new(), "src,dst"),
-        };
-        nat.push(format!(
-            "-A KUBE-SERVICES{src} -m comment --comment \"{}\" -m set --match-set {} {matcher} -j KUBE-MARK-MASQ",
-            s.comment, s.name
-        ));
+}
+
+/// Masquerade for cluster IPs: everything (`masqueradeAll`), traffic from outside the
+/// cluster CIDR, or (no cluster CIDR) by source.
+fn write_cluster_ip_rule(
+    cfg: &IpvsConfig,
+    sets: &BTreeMap<&'static str, PlannedSet>,
+    nat: &mut Vec<String>,
+) {
+    let s = &sets[CLUSTER_IP];
+    if s.entries.is_empty() {
+        return;
     }
+    // Written the way iptables-save prints it (address matches first).
+    let (src, matcher) = match (cfg.masquerade_all, cfg.cluster_cidr) {
+        (true, _) => (String::new(), "dst,dst"),
+        (false, Some(cidr)) => (format!(" ! -s {cidr}"), "dst,dst"),
+        (false, None) => (String::new(), "src,dst"),
+    };
+    nat.push(format!(
+        "-A KUBE-SERVICES{src} -m comment --comment \"{}\" -m set --match-set {} {matcher} -j KUBE-MARK-MASQ",
+        s.comment, s.name
+    ));
+}
+
+/// External IPs: masquerade (Cluster policy), accept what is not from a local bridge or
+/// is for a local address.
+fn write_external_ip_rules(sets: &BTreeMap<&'static str, PlannedSet>, nat: &mut Vec<String>) {
     for (base, masq) in [(EXTERNAL_IP, true), (EXTERNAL_IP_LOCAL, false)] {
-        if !nonempty(base) {
+        let s = &sets[base];
+        if s.entries.is_empty() {
             continue;
         }
-        let s = set(base);
         let head = format!(
             "-A KUBE-SERVICES -m comment --comment \"{}\" -m set --match-set {} dst,dst",
             s.comment, s.name
@@ -730,8 +861,13 @@ fn rules(
         ));
         nat.push(format!("{head} -m addrtype --dst-type LOCAL -j ACCEPT"));
     }
-    nat.push("-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT".into());
-    nat.push("-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ".into());
+}
+
+/// The source-ranges firewall's final drop, and the drops of LB IPs the node may not reach.
+fn write_firewall_tail(
+    no_node_access: &BTreeSet<(IpAddr, Protocol, u16)>,
+    filter: &mut Vec<String>,
+) {
     filter.push("-A KUBE-SOURCE-RANGES-FIREWALL -j DROP".into());
     for (ip, proto, port) in no_node_access {
         filter.push(format!(
@@ -739,21 +875,23 @@ fn rules(
             proto.number()
         ));
     }
-    for base in [CLUSTER_IP, LOAD_BALANCER] {
-        if nonempty(base) {
-            nat.push(format!(
-                "-A KUBE-SERVICES -m set --match-set {} dst,dst -j ACCEPT",
-                set(base).name
-            ));
-        }
-    }
+}
+
+/// KUBE-FORWARD, the health check node ports, and KUBE-IPVS-FILTER (service addresses pass,
+/// new connections to other IPVS-bound addresses are rejected).
+fn write_filter_accept_rules(
+    cfg: &IpvsConfig,
+    sets: &BTreeMap<&'static str, PlannedSet>,
+    filter: &mut Vec<String>,
+) {
+    let mark = cfg.masquerade_mark();
     filter.push(format!(
         "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"
     ));
     filter.push(
         "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT".into(),
     );
-    let hc = set(HEALTH_CHECK_NODE_PORT);
+    let hc = &sets[HEALTH_CHECK_NODE_PORT];
     filter.push(format!(
         "-A KUBE-NODE-PORT -m comment --comment \"{}\" -m set --match-set {} dst -j ACCEPT",
         hc.comment, hc.name
@@ -767,13 +905,18 @@ fn rules(
     ] {
         filter.push(format!(
             "-A KUBE-IPVS-FILTER -m set --match-set {} {matcher} -j RETURN",
-            set(base).name
+            sets[base].name
         ));
     }
     filter.push(format!(
         "-A KUBE-IPVS-FILTER -m conntrack --ctstate NEW -m set --match-set {} dst -j REJECT",
-        set(IPVS_IPS).name
+        sets[IPVS_IPS].name
     ));
+}
+
+/// KUBE-POSTROUTING's masquerade of marked traffic, and KUBE-MARK-MASQ.
+fn write_masquerade_rules(cfg: &IpvsConfig, nat: &mut Vec<String>) {
+    let mark = cfg.masquerade_mark();
     nat.push(format!(
         "-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN"
     ));
@@ -782,7 +925,6 @@ fn rules(
         "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully".into(),
     );
     nat.push(format!("-A KUBE-MARK-MASQ -j MARK --or-mark {mark}"));
-    Rules { nat, filter }
 }
 
 /// `iptables-restore --noflush` input: our chains declared (so flushed) and refilled.

@@ -7,9 +7,15 @@ use std::io;
 use std::net::IpAddr;
 
 use super::genl::open_socket;
-use crate::netlink::{
-    MsgBuilder, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, Socket, attrs, find_attr, read_str,
-};
+use crate::kernel::netlink::MsgBuilder;
+use crate::kernel::netlink::NLM_F_ACK;
+use crate::kernel::netlink::NLM_F_CREATE;
+use crate::kernel::netlink::NLM_F_DUMP;
+use crate::kernel::netlink::NLM_F_EXCL;
+use crate::kernel::netlink::Socket;
+use crate::kernel::netlink::attrs;
+use crate::kernel::netlink::find_attr;
+use crate::kernel::netlink::read_str;
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_DELLINK: u16 = 17;
@@ -188,7 +194,7 @@ impl Rtnl {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::netlink::parse_messages;
+    use crate::kernel::netlink::parse_messages;
 
     #[test]
     fn address_messages_round_trip_for_both_families() {

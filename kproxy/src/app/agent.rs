@@ -1,0 +1,519 @@
+//! Wires one agent together: a source, the tracker, the sync runner and a datapath.
+//!
+//! `main.rs` turns the command line and config file into [`AgentOptions`]; everything below
+//! takes explicit values so tests can run an agent in-process.
+//!
+//! Besides source → tracker → sync loop → datapath, an agent runs the operational surface:
+//! the healthz server (`/healthz`, `/livez`), the metrics server (`/metrics`, `/proxyMode`),
+//! the healthCheckNodePort servers, the "Starting" event on the Node, and a watch on its own
+//! Node (eligibility for `/healthz`, node IPs). Node events are seen on their way from the
+//! source to the sync loop (a pass-through tap), so no second watch is needed.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
+use tokio::sync::{mpsc, watch};
+use tracing::{error, info, warn};
+
+use crate::app::nodeip::NodeIps;
+use crate::app::nodeip::detect_node_ips;
+use crate::app::nodeip::node_ips_of;
+use crate::config::SourceConfig;
+use crate::dataplane::Dataplane;
+use crate::model::input::{Delta, Event};
+use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
+use crate::observe::events::Events;
+use crate::observe::health::HealthHandle;
+use crate::observe::health::NodeEligibility;
+use crate::observe::metrics::Metrics;
+use crate::observe::metrics::SyncMetrics;
+use crate::observe::server::Served;
+use crate::observe::service_health::ServiceHealthServers;
+use crate::source;
+use crate::sync::{Runner, RunnerConfig, RunnerStatus, SyncRequester};
+
+/// Everything an agent needs besides its datapath.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    pub node_name: String,
+    pub source: SourceConfig,
+    pub runner: RunnerConfig,
+    /// `--healthz-bind-address` (default `0.0.0.0:10256`); `None` disables the server.
+    pub healthz_bind: Option<SocketAddr>,
+    /// `--metrics-bind-address` (default `127.0.0.1:10249`); `None` disables the server.
+    pub metrics_bind: Option<SocketAddr>,
+    /// `--bind-address` when it names one IP (overrides the node IP of its family).
+    pub bind_address: Option<IpAddr>,
+    /// `--nodeport-addresses` as CIDRs (empty: all addresses); where healthCheckNodePorts listen.
+    pub node_port_addresses: Vec<IpNet>,
+    /// `--oom-score-adj` (upstream default -999); `None` leaves the process' score alone.
+    pub oom_score_adj: Option<i32>,
+    /// The metrics handle the datapath reports into (create it with [`Metrics::new`] for the
+    /// datapath's mode before building the datapath); `None`: the agent creates one.
+    pub metrics: Option<Metrics>,
+    /// `detectLocalMode: NodeCIDR`: the pod CIDRs the datapath was built with. When the Node's
+    /// `spec.podCIDRs` later differ, the process exits 1 so that it restarts with the new ones
+    /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
+    pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
+    /// The requester the datapath was built with (syncs it asks for on its own, e.g. the
+    /// iptables canary monitor's); `None`: only source changes and the period trigger syncs.
+    pub resync: Option<SyncRequester>,
+}
+
+impl AgentOptions {
+    /// Options with upstream's defaults for everything but the essentials; servers disabled
+    /// (tests and `main` set the bind addresses they want).
+    pub fn new(node_name: impl Into<String>, source: SourceConfig, runner: RunnerConfig) -> Self {
+        AgentOptions {
+            node_name: node_name.into(),
+            source,
+            runner,
+            healthz_bind: None,
+            metrics_bind: None,
+            bind_address: None,
+            node_port_addresses: vec![],
+            oom_score_adj: None,
+            metrics: None,
+            exit_on_pod_cidr_change: None,
+            resync: None,
+        }
+    }
+
+    /// The health timeout: 2 × syncPeriod, as kube-proxy passes to its health server.
+    pub fn health_timeout(&self) -> Duration {
+        self.runner.max_interval * 2
+    }
+}
+
+/// Upstream's default `--healthz-bind-address`.
+pub const DEFAULT_HEALTHZ_BIND: &str = "0.0.0.0:10256";
+/// Upstream's default `--metrics-bind-address`.
+pub const DEFAULT_METRICS_BIND: &str = "127.0.0.1:10249";
+/// Upstream's default `--oom-score-adj`.
+pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
+
+/// Capacity of the source → runner event channel (sources wait when the runner is busy).
+const EVENT_QUEUE: usize = 1024;
+
+/// Starts the source for `spec`, sending into `tx`.
+pub async fn start_source(
+    spec: &SourceConfig,
+    node_name: &str,
+    tx: mpsc::Sender<Event>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    Ok(match spec {
+        SourceConfig::Manifests(path) => {
+            info!(path = %path.display(), "standalone mode: reading services from manifests");
+            source::manifests::spawn(path.clone(), node_name.to_owned(), tx)
+        }
+        SourceConfig::Kube { kubeconfig, master } => {
+            let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
+            source::kube::spawn(client, node_name.to_owned(), tx)
+        }
+    })
+}
+
+/// A running agent: its status, and the task that returns the datapath when it stops.
+pub struct Agent {
+    pub status: watch::Receiver<RunnerStatus>,
+    pub task: tokio::task::JoinHandle<Box<dyn Dataplane>>,
+    /// The metrics every part reports into.
+    pub metrics: Metrics,
+    /// The proxy's health (what `/healthz` and `/livez` answer from).
+    pub health: HealthHandle,
+    /// The node's IPs, updated when the Node object changes.
+    pub node_ips: watch::Receiver<NodeIps>,
+    /// The node's own Node object as last seen (`None`: not known).
+    pub node: watch::Receiver<Option<Arc<Node>>>,
+    source: tokio::task::JoinHandle<()>,
+    tap: tokio::task::JoinHandle<()>,
+    healthz: Option<Served>,
+    metrics_server: Option<Served>,
+    _health_checks: ServiceHealthServers,
+}
+
+impl Agent {
+    /// Starts the source, the sync loop and the servers; the loop stops when `shutdown`
+    /// resolves.
+    pub async fn start(
+        opts: AgentOptions,
+        dataplane: Box<dyn Dataplane>,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<Agent> {
+        if let Some(adj) = opts.oom_score_adj
+            && let Err(e) = crate::observe::events::apply_oom_score_adj(adj)
+        {
+            warn!(oom_score_adj = adj, error = %e, "cannot set the OOM score adjustment");
+        }
+        let metrics = opts
+            .metrics
+            .clone()
+            .unwrap_or_else(|| Metrics::new(dataplane.mode()));
+        let families = metrics.families().to_vec();
+        let standalone = matches!(opts.source, SourceConfig::Manifests(_));
+        let health = HealthHandle::new(
+            opts.health_timeout(),
+            &families,
+            if standalone {
+                NodeEligibility::Standalone
+            } else {
+                NodeEligibility::Unknown
+            },
+        );
+
+        let (source_tx, source_rx) = mpsc::channel(EVENT_QUEUE);
+        let (client, source) = match &opts.source {
+            SourceConfig::Manifests(path) => {
+                info!(path = %path.display(), "standalone mode: reading services from manifests");
+                let task =
+                    source::manifests::spawn(path.clone(), opts.node_name.clone(), source_tx);
+                (None, task)
+            }
+            SourceConfig::Kube { kubeconfig, master } => {
+                let client = source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?;
+                let task = source::kube::spawn(client.clone(), opts.node_name.clone(), source_tx);
+                (Some(client), task)
+            }
+        };
+        let events = Events::new(client, &opts.node_name);
+        events.starting();
+
+        let initial_ips = detect_node_ips(&[], opts.bind_address);
+        let (ips_tx, node_ips) = watch::channel(initial_ips);
+        let (node_tx, node) = watch::channel(None);
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
+        let tap = tokio::spawn(node_tap(
+            source_rx,
+            tx,
+            NodeTap {
+                node_name: opts.node_name.clone(),
+                bind_address: opts.bind_address,
+                health: health.clone(),
+                metrics: metrics.clone(),
+                ips_tx,
+                node_tx,
+                pod_cidrs: opts.exit_on_pod_cidr_change.clone(),
+            },
+        ));
+
+        let health_checks =
+            ServiceHealthServers::start(health.clone(), events, opts.node_port_addresses.clone());
+        let mut runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        if let Some(r) = &opts.resync {
+            runner.set_requester(r.clone());
+        }
+        runner.observe(Arc::new(health.clone()));
+        runner.observe(Arc::new(SyncMetrics::new(metrics.clone())));
+        runner.observe(Arc::new(health_checks.observer()));
+        let status = runner.status();
+
+        let healthz = match opts.healthz_bind {
+            Some(addr) => Some(
+                crate::observe::health::server::start(addr, health.clone(), metrics.clone()).await,
+            ),
+            None => None,
+        };
+        let metrics_server = match opts.metrics_bind {
+            Some(addr) => Some(crate::observe::metrics::server::start(addr, metrics.clone()).await),
+            None => None,
+        };
+        let task = tokio::spawn(runner.run(rx, shutdown));
+        Ok(Agent {
+            status,
+            task,
+            metrics,
+            health,
+            node_ips,
+            node,
+            source,
+            tap,
+            healthz,
+            metrics_server,
+            _health_checks: health_checks,
+        })
+    }
+
+    /// Where the healthz server listens (once bound).
+    pub fn healthz_addr(&self) -> Option<SocketAddr> {
+        self.healthz.as_ref().and_then(|s| s.local_addr)
+    }
+
+    /// Where the metrics server listens (once bound).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_server.as_ref().and_then(|s| s.local_addr)
+    }
+
+    /// Waits for the sync loop to stop; stops the source and the servers; returns the (still
+    /// programmed) datapath.
+    pub async fn wait(self) -> anyhow::Result<Box<dyn Dataplane>> {
+        let dp = self.task.await?;
+        self.source.abort();
+        self.tap.abort();
+        Ok(dp)
+    }
+}
+
+/// Passes events from the source to the sync loop, watching on the way the node's own Node
+/// (its eligibility for `/healthz`, its IPs, the object itself) and EndpointSlices' change
+/// trigger times (network programming latency).
+struct NodeTap {
+    node_name: String,
+    bind_address: Option<IpAddr>,
+    health: HealthHandle,
+    metrics: Metrics,
+    ips_tx: watch::Sender<NodeIps>,
+    node_tx: watch::Sender<Option<Arc<Node>>>,
+    pod_cidrs: Option<Vec<IpNet>>,
+}
+
+async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
+    let NodeTap {
+        node_name,
+        bind_address,
+        health,
+        metrics,
+        ips_tx,
+        node_tx,
+        pod_cidrs,
+    } = tap;
+    let mut announced = false;
+    while let Some(ev) = rx.recv().await {
+        match &ev {
+            Event::EndpointSlice(Delta::Apply(s)) => metrics.endpoint_slice_seen(s),
+            Event::EndpointSlice(Delta::Replace(all) | Delta::Listed(all)) => {
+                for s in all {
+                    metrics.endpoint_slice_seen(s);
+                }
+            }
+            _ => {}
+        }
+        // The kube source delivers Node lists whole (`Lists::Whole`); were one streamed, its
+        // objects would arrive in `Listed` and its bounds would carry nothing to look at here.
+        if let Event::Node(d) = &ev
+            && !matches!(d, Delta::ListStart | Delta::ListDone)
+        {
+            let node = match d {
+                Delta::Apply(n) => Some(n),
+                Delta::Delete(_) | Delta::ListStart | Delta::ListDone => None,
+                Delta::Replace(all) | Delta::Listed(all) => all
+                    .iter()
+                    .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str())),
+            };
+            if node.is_none_or(|n| n.metadata.name.as_deref() == Some(node_name.as_str())) {
+                health.node_seen(node);
+                if let (Some(fixed), Some(n)) = (&pod_cidrs, node) {
+                    let now = crate::model::tracker::node_info(n, &node_name).pod_cidrs;
+                    if !now.is_empty() && &now != fixed {
+                        error!(
+                            previous = ?fixed,
+                            current = ?now,
+                            "using NodeCIDR local-traffic detection, and the Node's podCIDRs \
+                             changed; exiting so that kproxy restarts with the new ones"
+                        );
+                        std::process::exit(1);
+                    }
+                }
+                let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
+                let changed = ips_tx.send_if_modified(|old| {
+                    let changed = *old != ips;
+                    *old = ips;
+                    changed
+                });
+                if changed || !announced {
+                    announced = true;
+                    info!(
+                        primary_family = ?ips.primary_family,
+                        ipv4 = %ips.ip(IpFamily::V4),
+                        ipv6 = %ips.ip(IpFamily::V6),
+                        "node IPs"
+                    );
+                    if ips.primary_is_fallback() {
+                        warn!(
+                            "can't determine this node's IP, assuming loopback; if this is \
+                             incorrect, please set the --bind-address flag"
+                        );
+                    }
+                }
+                node_tx.send_replace(node.cloned().map(Arc::new));
+            }
+        }
+        if tx.send(ev).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Upstream's `timeoutForNodePodCIDR`: how long `detectLocalMode: NodeCIDR` waits for the Node
+/// to get pod CIDRs before start-up fails.
+pub const NODE_POD_CIDR_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `detectLocalMode: NodeCIDR`: waits (polling every second, at most `timeout`) until the Node
+/// `node_name` has `spec.podCIDRs` (or the legacy `spec.podCIDR`), as upstream waits before it
+/// starts its proxier; returns them. From the API server (`spec`'s client) or, standalone,
+/// from the Node object in the manifests.
+pub async fn wait_for_pod_cidrs(
+    spec: &SourceConfig,
+    node_name: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<IpNet>> {
+    use kube::Api;
+    info!(
+        node = node_name,
+        "watching for the Node, awaiting podCIDR allocation"
+    );
+    let api: Option<Api<Node>> = match spec {
+        SourceConfig::Kube { kubeconfig, master } => Some(Api::all(
+            source::kube::client(kubeconfig.as_deref(), master.as_deref()).await?,
+        )),
+        SourceConfig::Manifests(_) => None,
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last_error = String::from("the Node has no podCIDRs");
+    loop {
+        let found = match (&api, spec) {
+            (Some(api), _) => match api.get_opt(node_name).await {
+                Ok(Some(n)) => Some(crate::model::tracker::node_info(&n, node_name).pod_cidrs),
+                Ok(None) => {
+                    last_error = format!("Node {node_name:?} does not exist");
+                    None
+                }
+                Err(e) => {
+                    last_error = format!("getting Node {node_name:?}: {e}");
+                    None
+                }
+            },
+            (None, SourceConfig::Manifests(path)) => match snapshot_from_manifests(path, node_name)
+            {
+                Ok((snap, _)) => Some(snap.node.pod_cidrs.clone()),
+                Err(e) => {
+                    last_error = e.to_string();
+                    None
+                }
+            },
+            (None, SourceConfig::Kube { .. }) => unreachable!("a kube source has a client"),
+        };
+        if let Some(cidrs) = found {
+            if !cidrs.is_empty() {
+                info!(node = node_name, pod_cidrs = ?cidrs, "NodeInfo");
+                return Ok(cidrs);
+            }
+            last_error = format!("Node {node_name:?} has no spec.podCIDRs yet");
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "timeout waiting for PodCIDR allocation to configure detect-local-mode NodeCIDR \
+                 ({last_error})"
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Lists Services and EndpointSlices (all namespaces, upstream's label selector
+/// [`source::PROXYABLE_LABEL_SELECTOR`]) and the Node `node_name` once from the API server,
+/// and builds the snapshot the agent's tracker would (for `kproxy inspect`). Returns the
+/// snapshot and the model's warnings.
+pub async fn snapshot_from_api(
+    kubeconfig: Option<&std::path::Path>,
+    master: Option<&str>,
+    node_name: &str,
+) -> anyhow::Result<(Arc<Snapshot>, Vec<String>)> {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::Api;
+    use kube::api::ListParams;
+    let client = source::kube::client(kubeconfig, master).await?;
+    let proxyable = ListParams::default().labels(source::PROXYABLE_LABEL_SELECTOR);
+    let services = Api::<Service>::all(client.clone())
+        .list(&proxyable)
+        .await
+        .map_err(|e| anyhow::anyhow!("listing Services: {e}"))?
+        .items;
+    let slices = Api::<EndpointSlice>::all(client.clone())
+        .list(&proxyable)
+        .await
+        .map_err(|e| anyhow::anyhow!("listing EndpointSlices: {e}"))?
+        .items;
+    let node = Api::<Node>::all(client)
+        .get_opt(node_name)
+        .await
+        .map_err(|e| anyhow::anyhow!("getting Node {node_name:?}: {e}"))?;
+    let mut tracker = Tracker::new(node_name);
+    let mut problems = vec![];
+    for ev in [
+        Event::Node(Delta::Replace(node.into_iter().collect())),
+        Event::Service(Delta::Replace(services)),
+        Event::EndpointSlice(Delta::Replace(slices)),
+    ] {
+        problems.extend(tracker.apply(ev).iter().map(ModelWarning::to_string));
+    }
+    let (snap, _) = tracker.snapshot();
+    Ok((snap, problems))
+}
+
+/// Reads manifests once and builds the snapshot they describe (for `kproxy render`).
+/// Returns the snapshot and every problem found (manifest documents and model warnings).
+pub fn snapshot_from_manifests(
+    path: &std::path::Path,
+    node_name: &str,
+) -> anyhow::Result<(Arc<Snapshot>, Vec<String>)> {
+    let (m, errors) = source::manifests::read(path)
+        .map_err(|e| anyhow::anyhow!("cannot read manifests {}: {e}", path.display()))?;
+    let mut problems: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    let mut tracker = Tracker::new(node_name);
+    for ev in source::manifests::events(m, node_name) {
+        problems.extend(tracker.apply(ev).iter().map(ModelWarning::to_string));
+    }
+    let (snap, _) = tracker.snapshot();
+    Ok((snap, problems))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(dir: &std::path::Path, spec: &str) -> std::path::PathBuf {
+        let path = dir.join("node.yaml");
+        std::fs::write(
+            &path,
+            format!("apiVersion: v1\nkind: Node\nmetadata: {{name: n1}}\nspec: {spec}\n"),
+        )
+        .unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn waiting_for_pod_cidrs_returns_them_or_times_out_naming_why() {
+        let dir = std::env::temp_dir().join(format!("kproxy-podcidr-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let with = manifest(&dir, "{podCIDRs: [10.244.1.0/24, \"fd00:244:1::/64\"]}");
+        let got = wait_for_pod_cidrs(&SourceConfig::Manifests(with), "n1", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                "10.244.1.0/24".parse::<IpNet>().unwrap(),
+                "fd00:244:1::/64".parse().unwrap()
+            ]
+        );
+        let without = manifest(&dir, "{}");
+        let err = wait_for_pod_cidrs(
+            &SourceConfig::Manifests(without),
+            "n1",
+            Duration::from_millis(1500),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("timeout waiting for PodCIDR allocation")
+                && err.contains("\"n1\" has no spec.podCIDRs"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

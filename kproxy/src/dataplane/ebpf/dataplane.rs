@@ -1,0 +1,287 @@
+//! `--proxy-mode ebpf` as the agent runs it: the eBPF service maps + socket LB
+//! ([`crate::dataplane::ebpf::service_maps::EbpfDataplane`]) and the TC service path ([`crate::dataplane::ebpf::node_path`]) on the node's
+//! devices, as one [`Dataplane`].
+//!
+//! - At construction: the socket-LB cgroup is checked ([`crate::dataplane::ebpf::socket_lb::cgroup`]: on cgroup2, and
+//!   showing the host's hierarchy rather than a private cgroup namespace's own), then the
+//!   socket-LB datapath loads (pinned maps under `<bpffs>/kproxy/`,
+//!   links on the cgroup), then a second object instance sharing those pinned maps loads the
+//!   TC programs and attaches them (pinned TCX links) to the devices `--bpf-devices` names or
+//!   the default rule picks ([`crate::dataplane::ebpf::node_path::devices::select`]); with `bpf.xdp` not off,
+//!   the XDP program (early drop, NodePort fast path) goes on the same devices
+//!   ([`crate::dataplane::ebpf::node_path::xdp`]).
+//! - A background watcher follows the node's addresses: it rewrites the per-device SNAT
+//!   sources (`KP_NODE_ADDR4`, `KP_NODE_ADDR6`) at once, and the NodePort frontends at the next sync
+//!   (NodePorts are programmed on every node address, or on those inside
+//!   `nodePortAddresses`).
+//! - After each sync: connection-table entries of removed backends are purged, idle flows
+//!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
+//! - SCTP service ports are not translated (neither socket LB nor the TC programs handle
+//!   SCTP; see `kproxy-ebpf/src/sock.rs`): each sync counts them in
+//!   `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` and logs a warning when the count
+//!   changes to a non-zero value. Upstream's iptables/ipvs modes do serve SCTP; run one of
+//!   them where SCTP services matter.
+//!
+//! Everything runs in the network namespace of the thread that calls [`EbpfMode::new`].
+
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aya::Ebpf;
+use ipnet::IpNet;
+
+use crate::dataplane::ebpf::node_path::TcConfig;
+use crate::dataplane::ebpf::node_path::TcPath;
+use crate::dataplane::ebpf::node_path::devices;
+use crate::dataplane::ebpf::node_path::flows as ct;
+use crate::dataplane::ebpf::node_path::tc::load_object;
+use crate::dataplane::ebpf::node_path::xdp::XdpPath;
+use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
+use crate::dataplane::ebpf::service_maps::EbpfConfig;
+use crate::dataplane::ebpf::service_maps::EbpfDataplane;
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
+use crate::kernel::addresses::AddressWatcher;
+use crate::kernel::addresses::NodeAddresses;
+use crate::kernel::addresses::scan;
+use crate::model::{ChangedSet, Protocol, Snapshot};
+
+/// How often the node's addresses are re-read.
+const ADDRESS_POLL: Duration = Duration::from_secs(2);
+
+/// What the ebpf mode needs beyond [`EbpfConfig`].
+#[derive(Debug, Clone)]
+pub struct EbpfModeConfig {
+    pub ebpf: EbpfConfig,
+    /// `--bpf-devices`; `None`: the default device rule.
+    pub devices: Option<Vec<String>>,
+    /// Attach the TC service path (NodePort/ExternalIP/LB from outside the node).
+    pub tc: bool,
+    /// `bpf.xdp`: where the XDP early-drop program goes beside TC (TC path only).
+    pub xdp: XdpPolicy,
+    /// Idle timeouts of the TC connection table.
+    pub ct_timeouts: ct::Timeouts,
+    /// `nodePortAddresses` as CIDRs; empty: every node address.
+    pub node_port_cidrs: Vec<IpNet>,
+}
+
+/// The errors of [`EbpfMode::new`].
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfModeError {
+    #[error("eBPF socket LB: {0}")]
+    Sock(#[from] crate::dataplane::ebpf::loader::LoaderError),
+    #[error("eBPF socket LB: {0}")]
+    Cgroup(#[from] crate::dataplane::ebpf::socket_lb::cgroup::CgroupCheckError),
+    #[error("eBPF TC path: {0}")]
+    Tc(#[from] crate::dataplane::ebpf::node_path::TcError),
+    #[error("eBPF TC path: {0}")]
+    Devices(#[from] crate::dataplane::ebpf::node_path::devices::DeviceError),
+    #[error("eBPF TC path: reading the node's interfaces: {0}")]
+    Interfaces(std::io::Error),
+}
+
+struct Tc {
+    // Drop order: watcher first (it holds a clone of `ebpf`).
+    _watcher: AddressWatcher,
+    path: TcPath,
+    xdp: XdpPath,
+    ebpf: Arc<Mutex<Ebpf>>,
+}
+
+/// The ebpf proxy mode (see the module docs).
+pub struct EbpfMode {
+    tc: Option<Tc>,
+    sock: EbpfDataplane,
+    /// The node addresses the watcher saw last (`None` before the first scan).
+    addresses: Arc<Mutex<Option<NodeAddresses>>>,
+    node_port_cidrs: Vec<IpNet>,
+    ct_entries: u32,
+    ct_timeouts: ct::Timeouts,
+    telemetry: Option<Arc<dyn Telemetry>>,
+    /// SCTP service ports counted by the last sync (to warn once per change).
+    skipped_sctp: usize,
+}
+
+/// Service ports of `snap` the eBPF datapath does not translate (SCTP ones).
+pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
+    snap.services
+        .values()
+        .filter(|s| s.protocol == Protocol::Sctp)
+        .count()
+}
+
+impl EbpfMode {
+    pub fn new(
+        cfg: EbpfModeConfig,
+        telemetry: Option<Arc<dyn Telemetry>>,
+    ) -> Result<Self, EbpfModeError> {
+        if cfg.ebpf.socket_lb {
+            // Refuse a cgroup where socket LB would silently cover nothing (a private cgroup
+            // namespace's own mount); see `crate::dataplane::ebpf::socket_lb::cgroup`.
+            if let Some(cg) = cfg
+                .ebpf
+                .cgroup
+                .clone()
+                .or_else(crate::dataplane::ebpf::loader::cgroup2_root)
+            {
+                crate::dataplane::ebpf::socket_lb::cgroup::check(&cg)?;
+            }
+        }
+        let sock = EbpfDataplane::new(cfg.ebpf.clone())?;
+        let addresses = Arc::new(Mutex::new(None));
+        let tc = if cfg.tc {
+            let pins = crate::dataplane::ebpf::loader::pin_dir(&cfg.ebpf);
+            let tc_cfg = TcConfig {
+                pin_dir: Some(pins.join("links")),
+                ct_entries: cfg.ebpf.map_sizes.ct,
+                ..TcConfig::default()
+            };
+            let mut ebpf = load_object(&pins, &tc_cfg)?;
+            let mut path = TcPath::load(&mut ebpf, tc_cfg)?;
+            let ifaces = scan().map_err(EbpfModeError::Interfaces)?;
+            let selected = devices::select(cfg.devices.as_deref(), &ifaces)?;
+            for dev in &selected {
+                path.attach(&mut ebpf, dev)?;
+            }
+            let mut xdp = XdpPath::load(&mut ebpf)?;
+            for dev in &selected {
+                xdp.attach(&mut ebpf, dev, cfg.xdp)?;
+            }
+            let now = NodeAddresses::from_interfaces(&ifaces, Some(&selected));
+            TcPath::set_node_addresses(&mut ebpf, &now.snat_v4())?;
+            TcPath::set_node_addresses6(&mut ebpf, &now.snat_v6())?;
+            *addresses.lock().expect("poisoned") = Some(now);
+            tracing::info!(devices = ?selected, "eBPF TC service path attached");
+            let ebpf = Arc::new(Mutex::new(ebpf));
+            let (ebpf2, addrs2) = (ebpf.clone(), addresses.clone());
+            let watcher = AddressWatcher::spawn(Some(selected), ADDRESS_POLL, move |a| {
+                let mut ebpf = ebpf2.lock().expect("poisoned");
+                if let Err(e) = TcPath::set_node_addresses(&mut ebpf, &a.snat_v4())
+                    .and_then(|()| TcPath::set_node_addresses6(&mut ebpf, &a.snat_v6()))
+                {
+                    tracing::warn!(error = %e, "cannot update the TC path's SNAT addresses");
+                }
+                drop(ebpf);
+                *addrs2.lock().expect("poisoned") = Some(a.clone());
+            });
+            Some(Tc {
+                _watcher: watcher,
+                path,
+                xdp,
+                ebpf,
+            })
+        } else {
+            None
+        };
+        Ok(EbpfMode {
+            tc,
+            sock,
+            addresses,
+            node_port_cidrs: cfg.node_port_cidrs,
+            ct_entries: cfg.ebpf.map_sizes.ct,
+            ct_timeouts: cfg.ct_timeouts,
+            telemetry,
+            skipped_sctp: 0,
+        })
+    }
+
+    /// The socket-LB / service-map datapath.
+    pub fn sock(&self) -> &EbpfDataplane {
+        &self.sock
+    }
+
+    /// Devices the XDP early-drop program is attached to.
+    pub fn xdp_devices(&self) -> Vec<String> {
+        self.tc
+            .as_ref()
+            .map(|t| t.xdp.attached())
+            .unwrap_or_default()
+    }
+
+    /// Devices the TC path is attached to.
+    pub fn tc_devices(&self) -> Vec<String> {
+        self.tc
+            .as_ref()
+            .map(|t| t.path.attached())
+            .unwrap_or_default()
+    }
+
+    fn node_port_addresses(&self) -> Option<Vec<IpAddr>> {
+        let a = self.addresses.lock().expect("poisoned");
+        let all = a.as_ref()?.all();
+        Some(
+            all.into_iter()
+                .filter(|ip| {
+                    self.node_port_cidrs.is_empty()
+                        || self.node_port_cidrs.iter().any(|c| c.contains(ip))
+                })
+                .collect(),
+        )
+    }
+
+    fn after_sync(&mut self) {
+        let removed = self.sock.removed_backends();
+        if let Some(tc) = &self.tc {
+            let mut ebpf = tc.ebpf.lock().expect("poisoned");
+            match ct::purge_backends(&mut ebpf, removed) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(entries = n, "purged CT entries of removed backends"),
+                Err(e) => tracing::warn!(error = %e, "purging CT entries of removed backends"),
+            }
+            match ct::expire(&mut ebpf, &self.ct_timeouts) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
+                Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
+            }
+            if let Some(m) = &self.telemetry
+                && let Ok(entries) = ct::entries(&ebpf)
+            {
+                m.bpf_map("ct", entries.len() as i64, i64::from(self.ct_entries));
+            }
+            if let Some(m) = &self.telemetry
+                && let Ok(entries) = ct::entries6(&ebpf)
+            {
+                m.bpf_map("ct6", entries.len() as i64, i64::from(self.ct_entries));
+            }
+        }
+        if let Some(m) = &self.telemetry {
+            for p in self.sock.map_pressure() {
+                m.bpf_map(p.map, p.entries as i64, i64::from(p.capacity));
+            }
+        }
+    }
+}
+
+impl Dataplane for EbpfMode {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ebpf
+    }
+
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        if let Some(addrs) = self.node_port_addresses() {
+            self.sock.set_node_addresses(addrs);
+        }
+        let report = self.sock.sync(snap, changed)?;
+        self.after_sync();
+        let sctp = skipped_sctp_ports(snap);
+        if sctp != self.skipped_sctp && sctp > 0 {
+            tracing::warn!(
+                service_ports = sctp,
+                "SCTP service ports are not translated by the eBPF datapath (no socket-LB or TC \
+                 translation for SCTP); use --proxy-mode iptables or ipvs for SCTP services"
+            );
+        }
+        self.skipped_sctp = sctp;
+        if let Some(m) = &self.telemetry {
+            m.skipped_service_ports("SCTP", sctp as i64);
+        }
+        Ok(report)
+    }
+
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        // Removing the pin directory unpins the TC and socket-LB links (detaching them) and
+        // the maps.
+        self.tc = None;
+        self.sock.cleanup()
+    }
+}

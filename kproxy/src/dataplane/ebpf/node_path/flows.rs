@@ -1,0 +1,312 @@
+//! Maintenance of the TC path's connection tables: `KP_CT` (IPv4, `kproxy_common::ct`) and
+//! `KP_CT6` (IPv6, `kproxy_common::ct6`), treated alike: [`purge_backends`] and [`expire`]
+//! cover both and report the sum.
+//!
+//! - [`purge_backends`]: after a sync removed backends, delete every entry of every flow to
+//!   them (the eBPF applier calls it with the removed backend ids), so the next packet of such
+//!   a flow is load-balanced afresh instead of being sent to an address that is gone.
+//! - [`expire`]: delete flows idle for longer than their protocol's timeout (the agent calls
+//!   it periodically; the LRU map also evicts under pressure).
+//!
+//! Entries of one flow are recognised by what the programs copy into all of them: service id,
+//! backend id, protocol and creation time. A flow's idle time is that of its most recently
+//! used entry, so a one-way UDP stream does not lose its reverse entries while it is alive.
+//! Planning ([`plan_purge`], [`plan_expiry`]) is pure; the map I/O is a dump and deletes.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use aya::Ebpf;
+use aya::Pod;
+use aya::maps::HashMap as BpfHashMap;
+use kproxy_common::ct::{
+    CT_F_CLOSING, CtEntry, CtKey, DEFAULT_TCP_TIMEOUT_SECS, DEFAULT_UDP_TIMEOUT_SECS, MAP_CT,
+};
+use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
+use kproxy_common::service::PROTO_TCP;
+
+use crate::dataplane::ebpf::node_path::TcError;
+
+/// Idle timeouts of [`expire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Established TCP (kube-proxy `--conntrack-tcp-timeout-established`).
+    pub tcp: Duration,
+    /// TCP after FIN/RST (kube-proxy `--conntrack-tcp-timeout-close-wait`).
+    pub tcp_closing: Duration,
+    /// UDP (and everything else).
+    pub udp: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            tcp: Duration::from_secs(DEFAULT_TCP_TIMEOUT_SECS.into()),
+            tcp_closing: Duration::from_secs(60),
+            udp: Duration::from_secs(DEFAULT_UDP_TIMEOUT_SECS.into()),
+        }
+    }
+}
+
+/// What maintenance reads of a connection-table key ([`CtKey`], [`CtKey6`]).
+pub trait FlowKey: Pod + std::hash::Hash + Eq {
+    fn proto(&self) -> u8;
+}
+
+/// What maintenance reads of a connection-table entry ([`CtEntry`], [`CtEntry6`]).
+pub trait FlowEntry: Pod {
+    fn backend_id(&self) -> u32;
+    fn svc_id(&self) -> u32;
+    fn flags(&self) -> u16;
+    fn created_ns(&self) -> u64;
+    fn last_seen_ns(&self) -> u64;
+}
+
+impl FlowKey for CtKey {
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+}
+
+impl FlowKey for CtKey6 {
+    fn proto(&self) -> u8 {
+        self.proto
+    }
+}
+
+macro_rules! flow_entry {
+    ($t:ty) => {
+        impl FlowEntry for $t {
+            fn backend_id(&self) -> u32 {
+                self.backend_id
+            }
+            fn svc_id(&self) -> u32 {
+                self.svc_id
+            }
+            fn flags(&self) -> u16 {
+                self.flags
+            }
+            fn created_ns(&self) -> u64 {
+                self.created_ns
+            }
+            fn last_seen_ns(&self) -> u64 {
+                self.last_seen_ns
+            }
+        }
+    };
+}
+flow_entry!(CtEntry);
+flow_entry!(CtEntry6);
+
+/// The key every entry of one flow shares.
+type FlowId = (u32, u32, u8, u64);
+
+fn flow_id<K: FlowKey, E: FlowEntry>(k: &K, e: &E) -> FlowId {
+    (e.svc_id(), e.backend_id(), k.proto(), e.created_ns())
+}
+
+/// The keys of entries whose backend is in `removed`.
+pub fn plan_purge<K: FlowKey, E: FlowEntry>(entries: &[(K, E)], removed: &HashSet<u32>) -> Vec<K> {
+    entries
+        .iter()
+        .filter(|(_, e)| removed.contains(&e.backend_id()))
+        .map(|(k, _)| *k)
+        .collect()
+}
+
+/// The keys of entries whose flow was idle longer than its timeout at `now_ns`
+/// (CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`).
+pub fn plan_expiry<K: FlowKey, E: FlowEntry>(
+    entries: &[(K, E)],
+    now_ns: u64,
+    t: &Timeouts,
+) -> Vec<K> {
+    let mut flows: HashMap<FlowId, (u64, bool)> = HashMap::new();
+    for (k, e) in entries {
+        let f = flows.entry(flow_id(k, e)).or_insert((0, false));
+        f.0 = f.0.max(e.last_seen_ns());
+        f.1 |= e.flags() & CT_F_CLOSING != 0;
+    }
+    entries
+        .iter()
+        .filter(|(k, e)| {
+            let (last, closing) = flows[&flow_id(k, e)];
+            let timeout = match (k.proto(), closing) {
+                (PROTO_TCP, true) => t.tcp_closing,
+                (PROTO_TCP, false) => t.tcp,
+                _ => t.udp,
+            };
+            now_ns.saturating_sub(last) > timeout.as_nanos() as u64
+        })
+        .map(|(k, _)| *k)
+        .collect()
+}
+
+fn entries_of<K: FlowKey, E: FlowEntry>(
+    ebpf: &Ebpf,
+    name: &'static str,
+) -> Result<Vec<(K, E)>, TcError> {
+    let map = ebpf.map(name).ok_or(TcError::MissingMap(name))?;
+    let table = BpfHashMap::<_, K, E>::try_from(map).map_err(TcError::map(name))?;
+    // Entries deleted while iterating end the walk early at worst; callers re-run later.
+    Ok(table.iter().filter_map(Result::ok).collect())
+}
+
+/// Every entry of the IPv4 table.
+pub fn entries(ebpf: &Ebpf) -> Result<Vec<(CtKey, CtEntry)>, TcError> {
+    entries_of(ebpf, MAP_CT)
+}
+
+/// Every entry of the IPv6 table.
+pub fn entries6(ebpf: &Ebpf) -> Result<Vec<(CtKey6, CtEntry6)>, TcError> {
+    entries_of(ebpf, MAP_CT6)
+}
+
+fn delete<K: FlowKey, E: FlowEntry>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    keys: &[K],
+) -> Result<usize, TcError> {
+    let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
+    let mut table = BpfHashMap::<_, K, E>::try_from(map).map_err(TcError::map(name))?;
+    // An entry the LRU evicted meanwhile is already gone: not an error.
+    Ok(keys.iter().filter(|k| table.remove(k).is_ok()).count())
+}
+
+/// Deletes every connection-table entry (IPv4 and IPv6) of flows to the backends `removed`;
+/// returns how many entries were deleted.
+pub fn purge_backends(ebpf: &mut Ebpf, removed: &[u32]) -> Result<usize, TcError> {
+    if removed.is_empty() {
+        return Ok(0);
+    }
+    let removed: HashSet<u32> = removed.iter().copied().collect();
+    let keys = plan_purge(&entries(ebpf)?, &removed);
+    let mut n = delete::<CtKey, CtEntry>(ebpf, MAP_CT, &keys)?;
+    let keys6 = plan_purge(&entries6(ebpf)?, &removed);
+    n += delete::<CtKey6, CtEntry6>(ebpf, MAP_CT6, &keys6)?;
+    Ok(n)
+}
+
+/// Deletes idle flows (IPv4 and IPv6); returns how many entries were deleted.
+pub fn expire(ebpf: &mut Ebpf, timeouts: &Timeouts) -> Result<usize, TcError> {
+    let now = monotonic_ns();
+    let keys = plan_expiry(&entries(ebpf)?, now, timeouts);
+    let mut n = delete::<CtKey, CtEntry>(ebpf, MAP_CT, &keys)?;
+    let keys6 = plan_expiry(&entries6(ebpf)?, now, timeouts);
+    n += delete::<CtKey6, CtEntry6>(ebpf, MAP_CT6, &keys6)?;
+    Ok(n)
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the clock the programs stamp entries with).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; CLOCK_MONOTONIC always exists.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC)");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kproxy_common::ct::CtKind;
+    use kproxy_common::service::PROTO_UDP;
+
+    const S: u64 = 1_000_000_000;
+
+    fn entry(kind: CtKind, proto: u8, backend: u32, created: u64, seen: u64) -> (CtKey, CtEntry) {
+        (
+            CtKey {
+                saddr: backend * 100 + kind as u32,
+                proto,
+                kind: kind as u8,
+                ..CtKey::default()
+            },
+            CtEntry {
+                backend_id: backend,
+                svc_id: 1,
+                created_ns: created,
+                last_seen_ns: seen,
+                ..CtEntry::default()
+            },
+        )
+    }
+
+    #[test]
+    fn purge_takes_every_entry_of_the_removed_backends_only() {
+        let entries = vec![
+            entry(CtKind::Service, PROTO_TCP, 1, 0, 0),
+            entry(CtKind::RevDnat, PROTO_TCP, 1, 0, 0),
+            entry(CtKind::Service, PROTO_TCP, 2, 0, 0),
+            entry(CtKind::SnatIn, PROTO_TCP, 3, 0, 0),
+        ];
+        let purged = plan_purge(&entries, &[1, 3].into_iter().collect());
+        assert_eq!(purged, vec![entries[0].0, entries[1].0, entries[3].0]);
+    }
+
+    #[test]
+    fn a_flow_lives_as_long_as_its_most_recent_entry() {
+        let t = Timeouts::default();
+        let now = 1000 * S;
+        // One UDP flow: the forward entry was used just now, the reverse one 200 s ago.
+        let entries = vec![
+            entry(CtKind::Service, PROTO_UDP, 1, 5, now - S),
+            entry(CtKind::RevDnat, PROTO_UDP, 1, 5, now - 200 * S),
+            // Another UDP flow idle 200 s: expired.
+            entry(CtKind::Service, PROTO_UDP, 2, 6, now - 200 * S),
+            // A TCP flow idle 200 s: alive (24 h), unless closing.
+            entry(CtKind::Service, PROTO_TCP, 3, 7, now - 200 * S),
+        ];
+        assert_eq!(plan_expiry(&entries, now, &t), vec![entries[2].0]);
+        let mut closing = entries.clone();
+        closing[3].1.flags |= CT_F_CLOSING;
+        assert_eq!(
+            plan_expiry(&closing, now, &t),
+            vec![closing[2].0, closing[3].0]
+        );
+    }
+
+    #[test]
+    fn ipv6_entries_are_planned_like_ipv4_ones() {
+        let e6 = |backend: u32, proto: u8, seen: u64| {
+            (
+                CtKey6 {
+                    saddr: [backend, 0, 0, 1],
+                    proto,
+                    kind: CtKind::Service as u8,
+                    ..CtKey6::default()
+                },
+                CtEntry6 {
+                    backend_id: backend,
+                    svc_id: 1,
+                    created_ns: u64::from(backend),
+                    last_seen_ns: seen,
+                    ..CtEntry6::default()
+                },
+            )
+        };
+        let now = 1000 * S;
+        let entries = vec![
+            e6(1, PROTO_UDP, now - 200 * S),
+            e6(2, PROTO_TCP, now - 200 * S),
+        ];
+        assert_eq!(
+            plan_purge(&entries, &[2].into_iter().collect()),
+            vec![entries[1].0]
+        );
+        assert_eq!(
+            plan_expiry(&entries, now, &Timeouts::default()),
+            vec![entries[0].0]
+        );
+    }
+
+    #[test]
+    fn monotonic_clock_moves_forward() {
+        let a = monotonic_ns();
+        let b = monotonic_ns();
+        assert!(b >= a && a > 0);
+    }
+}

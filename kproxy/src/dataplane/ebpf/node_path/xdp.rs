@@ -1,0 +1,308 @@
+//! [`XdpPath`]: the XDP program of the node-device service path (`kp_xdp`,
+//! `kproxy-ebpf/src/xdp.rs` + `xdp_fwd.rs`), attached beside the TC programs per `--bpf-xdp`
+//! ([`XdpPolicy`]).
+//!
+//! What it does, per packet (details in the BPF modules' docs):
+//! - **early drop** of new flows TC would drop anyway (loadBalancerSourceRanges denials,
+//!   frontends without endpoints that drop rather than reject);
+//! - **forwarding fast path** (IPv4 TCP/UDP) for flows whose backend is on another node:
+//!   client → backend (DNAT + SNAT) and the backend's replies (reverse SNAT + reverse DNAT),
+//!   with TTL − 1, checksums updated by hand, `bpf_fib_lookup` for the next hop and
+//!   `XDP_TX` / `XDP_REDIRECT`. New flows get TC's own backend choice (random, ClientIP
+//!   affinity, Maglev) and TC's own CT entries and SNAT port allocation (shared BPF code,
+//!   `kproxy-ebpf/src/flow.rs`), so a flow may start in XDP and continue in TC or the other way
+//!   round (attaching or detaching XDP never breaks a flow);
+//! - everything else is **passed** to the stack and TC unchanged: local backends, ICMP, IP
+//!   options, fragments, TTL ≤ 1, frames over the egress MTU, FIB misses (no route, neighbour
+//!   not yet resolved: the stack resolves it and later packets take the fast path), devices
+//!   not enabled for the fast path. Counters: [`XdpPath::stats`] (`kproxy_common::ct::XdpStat`).
+//!
+//! **Redirect choice.** Frames leave through `bpf_redirect(ifindex)` (or `XDP_TX` when the
+//! egress device is the ingress one), not a DEVMAP: the egress device comes from the FIB and
+//! can be any device, and no per-device map state has to follow devices coming and going.
+//! The cost is the per-packet redirect without DEVMAP bulking; a DEVMAP can replace it later
+//! without changing the CT side. Which devices the fast path may use (in and out) is the
+//! unpinned `KP_XDP_FWD_DEVS` array (by ifindex) this instance writes on [`XdpPath::attach`]; a frame whose
+//! ingress or FIB egress device is not in it is passed to TC.
+//!
+//! **veth.** A device is enabled for the fast path when its driver is not `veth`
+//! ([`fast_path_by_default`]); the early drop works everywhere. Two kernel facts make a veth a
+//! poor fast-path device unless its surroundings are prepared: a frame sent into a veth by
+//! `XDP_TX` / `XDP_REDIRECT` is only received when the veth's *peer* runs an XDP program (or
+//! has GRO on) — otherwise it is dropped; and frames a veth receives from a local sender carry
+//! CHECKSUM_PARTIAL (only the pseudo-header sum in the checksum field), which XDP cannot see
+//! and would forward incomplete. Physical NICs hand XDP complete frames. Tests that use veth
+//! prepare the peers (a passing XDP program, transmit checksum offload off) and opt in with
+//! [`XdpPath::set_fast_path`].
+//!
+//! Differences from upstream kube-proxy: upstream has no XDP path; the fast path translates
+//! like the TC path (see `super` for TC's own differences), with one addition: packets it
+//! forwards skip the node's netfilter (like Cilium's XDP NodePort acceleration), so host
+//! firewall rules on FORWARD/POSTROUTING do not see them.
+//!
+//! Links are not pinned: they live as long as the agent's object instance. A restarted agent
+//! attaches again (between the two, TC alone handles the traffic, with the same result).
+
+use std::collections::BTreeMap;
+
+use aya::Ebpf;
+use aya::maps::{Array, PerCpuArray};
+use aya::programs::{Xdp, XdpMode, xdp::XdpLinkId};
+use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_MAX, XdpStat};
+
+use crate::dataplane::ebpf::node_path::TcError;
+
+/// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XdpPolicy {
+    /// TC only.
+    Off,
+    /// Native (driver) XDP where the driver supports it; elsewhere TC alone, with a warning.
+    BestEffort,
+    /// Native XDP on every device; a device that cannot take it is an error.
+    Native,
+}
+
+/// The XDP program of one loaded object and the devices it is attached to.
+pub struct XdpPath {
+    attached: BTreeMap<String, XdpLinkId>,
+}
+
+/// The XDP program of `ebpf` (`kproxy_common::ct::PROG_XDP`).
+pub fn program(ebpf: &mut Ebpf) -> Result<&mut Xdp, TcError> {
+    ebpf.program_mut(PROG_XDP)
+        .ok_or(TcError::MissingProgram(PROG_XDP))?
+        .try_into()
+        .map_err(|error| TcError::Program {
+            name: PROG_XDP,
+            error,
+        })
+}
+
+impl XdpPath {
+    /// Loads `kp_xdp` from `ebpf` (the TC path's object instance, sharing its pinned maps).
+    pub fn load(ebpf: &mut Ebpf) -> Result<XdpPath, TcError> {
+        let prog = program(ebpf)?;
+        if prog.fd().is_err() {
+            prog.load().map_err(|error| TcError::Program {
+                name: PROG_XDP,
+                error,
+            })?;
+        }
+        Ok(XdpPath {
+            attached: BTreeMap::new(),
+        })
+    }
+
+    /// Attaches to `device` (in the calling thread's network namespace) as `policy` says.
+    /// Returns whether the program is attached there.
+    pub fn attach(
+        &mut self,
+        ebpf: &mut Ebpf,
+        device: &str,
+        policy: XdpPolicy,
+    ) -> Result<bool, TcError> {
+        if policy == XdpPolicy::Off {
+            return Ok(false);
+        }
+        if self.attached.contains_key(device) {
+            return Ok(true);
+        }
+        match program(ebpf)?.attach(device, XdpMode::Driver) {
+            Ok(id) => {
+                self.attached.insert(device.to_string(), id);
+                // A driver that cannot be read is not trusted with the fast path.
+                let driver = driver(device).unwrap_or_else(|e| {
+                    tracing::warn!(device, error = %e, "reading the device's driver");
+                    String::new()
+                });
+                let fast = !driver.is_empty() && fast_path_by_default(&driver);
+                Self::set_fast_path(ebpf, device, fast)?;
+                tracing::info!(
+                    device,
+                    driver,
+                    fast_path = fast,
+                    "XDP attached (native): early drop{}",
+                    if fast {
+                        " and forwarding fast path"
+                    } else {
+                        ""
+                    }
+                );
+                Ok(true)
+            }
+            Err(e) if policy == XdpPolicy::BestEffort => {
+                tracing::warn!(device, error = %e, "no native XDP on this device: TC only");
+                Ok(false)
+            }
+            Err(e) => Err(TcError::Attach {
+                name: PROG_XDP,
+                device: device.to_string(),
+                error: format!("native XDP (bpf.xdp native): {e}"),
+            }),
+        }
+    }
+
+    /// Enables (or disables) `device` (in the calling thread's network namespace) as a
+    /// fast-path device: frames arriving on it may be forwarded by XDP, and forwarded frames
+    /// may leave through it. See the module docs for veth.
+    pub fn set_fast_path(ebpf: &mut Ebpf, device: &str, on: bool) -> Result<(), TcError> {
+        let ifindex = nix::net::if_::if_nametoindex(device).map_err(|e| TcError::Attach {
+            name: PROG_XDP,
+            device: device.to_string(),
+            error: format!("no such device: {e}"),
+        })?;
+        if ifindex >= XDP_FWD_DEVS_MAX {
+            if on {
+                tracing::warn!(
+                    device,
+                    ifindex,
+                    "ifindex beyond the fast-path device table ({XDP_FWD_DEVS_MAX}): XDP \
+                     early drop only on this device"
+                );
+            }
+            return Ok(());
+        }
+        let name = MAP_XDP_FWD_DEVS;
+        let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
+        let mut set = Array::<_, u32>::try_from(map).map_err(TcError::map(name))?;
+        set.set(ifindex, u32::from(on), 0)
+            .map_err(TcError::map(name))?;
+        Ok(())
+    }
+
+    /// Detaches from `device`.
+    pub fn detach(&mut self, ebpf: &mut Ebpf, device: &str) -> Result<(), TcError> {
+        if self.attached.contains_key(device) {
+            // Best effort: the device may be gone already.
+            let _ = Self::set_fast_path(ebpf, device, false);
+        }
+        if let Some(id) = self.attached.remove(device) {
+            program(ebpf)?
+                .detach(id)
+                .map_err(|error| TcError::Program {
+                    name: PROG_XDP,
+                    error,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Devices the program is attached to.
+    pub fn attached(&self) -> Vec<String> {
+        self.attached.keys().cloned().collect()
+    }
+
+    /// The program's counters, summed over CPUs.
+    pub fn stats(ebpf: &Ebpf) -> Result<BTreeMap<&'static str, u64>, TcError> {
+        let name = MAP_XDP_STATS;
+        let map = ebpf.map(name).ok_or(TcError::MissingMap(name))?;
+        let array = PerCpuArray::<_, u64>::try_from(map).map_err(TcError::map(name))?;
+        let mut out = BTreeMap::new();
+        for s in XdpStat::ALL {
+            let v = array.get(&s.index(), 0).map_err(TcError::map(name))?;
+            out.insert(stat_name(s), v.iter().sum());
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a device driven by `driver` is a fast-path device unless told otherwise: every
+/// driver but `veth` (module docs).
+pub fn fast_path_by_default(driver: &str) -> bool {
+    driver != "veth"
+}
+
+/// The driver of `device` (in the calling thread's network namespace), as `ethtool -i`
+/// reports it (`SIOCETHTOOL` / `ETHTOOL_GDRVINFO`).
+pub fn driver(device: &str) -> std::io::Result<String> {
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 32 * 4 + 12 + 4 * 5],
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IFNAMSIZ],
+        data: *mut DrvInfo,
+        _pad: [u8; 16],
+    }
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_GDRVINFO: u32 = 0x03;
+    if device.len() >= libc::IFNAMSIZ {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("device name {device:?} is too long"),
+        ));
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 32 * 4 + 12 + 4 * 5],
+    };
+    let mut req = IfReq {
+        name: [0; libc::IFNAMSIZ],
+        data: &mut info,
+        _pad: [0; 16],
+    };
+    req.name[..device.len()].copy_from_slice(device.as_bytes());
+    // SAFETY: a datagram socket for the ioctl, closed by `OwnedFd`; `req` and `info` outlive
+    // the call and have the layout the kernel expects.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let _fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        if libc::ioctl(fd, SIOCETHTOOL, &mut req) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let end = info.driver.iter().position(|b| *b == 0).unwrap_or(32);
+    Ok(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
+/// The metric-style name of a counter.
+pub fn stat_name(s: XdpStat) -> &'static str {
+    match s {
+        XdpStat::SourceRangeDrop => "source_range_drop",
+        XdpStat::NoEndpointsDrop => "no_endpoints_drop",
+        XdpStat::NewFlow => "new_flow",
+        XdpStat::Forward => "forward",
+        XdpStat::Reply => "reply",
+        XdpStat::PassLocal => "pass_local",
+        XdpStat::PassFib => "pass_fib",
+        XdpStat::PassMtu => "pass_mtu",
+        XdpStat::PassHeader => "pass_header",
+        XdpStat::PassState => "pass_state",
+        XdpStat::PassDevice => "pass_device",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_counter_has_a_distinct_name() {
+        let names: std::collections::BTreeSet<_> =
+            XdpStat::ALL.iter().map(|s| stat_name(*s)).collect();
+        assert_eq!(names.len(), XdpStat::ALL.len());
+    }
+
+    #[test]
+    fn veth_is_not_a_fast_path_device_by_default() {
+        assert!(!fast_path_by_default("veth"));
+        for d in ["mlx5_core", "ixgbe", "virtio_net", "ena"] {
+            assert!(fast_path_by_default(d), "{d}");
+        }
+    }
+
+    #[test]
+    fn driver_of_a_missing_device_is_an_error() {
+        // (A veth's driver is read in tests/tests/ebpf_xdp_fastpath.rs, inside a test netns.)
+        assert!(driver("no-such-dev-kp").is_err());
+        assert!(driver("a-device-name-longer-than-ifnamsiz").is_err());
+    }
+}

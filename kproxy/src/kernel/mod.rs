@@ -1,0 +1,6 @@
+//! Kernel interfaces more than one datapath uses: [`netlink`] (one socket type and one message
+//! splitter for conntrack, sock_diag, IPVS generic netlink and rtnetlink) and the node's
+//! [`addresses`].
+
+pub mod addresses;
+pub mod netlink;

@@ -1,0 +1,10 @@
+//! What the agent tells the outside world: Prometheus [`metrics`], proxy [`health`] (`/healthz`,
+//! `/livez`), per-service health (`healthCheckNodePort`s, [`service_health`]), Kubernetes
+//! [`events`], and the HTTP [`server`] plumbing they share. Observers read snapshots and sync
+//! outcomes; they never import a datapath (only the `dataplane` root's vocabulary).
+
+pub mod events;
+pub mod health;
+pub mod metrics;
+pub mod server;
+pub mod service_health;
