@@ -106,7 +106,10 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
     match l.command {
         Command::Render => render(l),
         Command::Inspect => {
-            print!("{}", kproxy::app::inspect::run(&l.config, l.output)?);
+            print!(
+                "{}",
+                kproxy::app::inspect::run(&l.config, l.output, l.service.as_deref())?
+            );
             Ok(())
         }
         Command::Cleanup => {

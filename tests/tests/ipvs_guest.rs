@@ -466,6 +466,66 @@ fn removed_endpoint_drains_then_disappears() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The bench's `change/ipvs` pattern: one service's single backend alternates between two
+/// pods while a connection to the old one stays open (it drains), among many unchanged
+/// services. Each change-driven sync lists the real servers of the changed service only
+/// (one netlink dump, not one per virtual service), and new connections reach the new
+/// backend every time.
+#[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
+fn alternating_one_backend_lists_only_the_changed_services_real_servers() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    const FILLERS: usize = 40;
+    let t = Topo::new("ipvs-flip")?;
+    let mut dp = t.dataplane()?;
+    let build = |target: usize| -> Snapshot {
+        let mut b = testing::snapshot("node")
+            .node_addresses([NODE_IP])
+            .service(service("web", 0, None), vec![endpoint(target)]);
+        for i in 0..FILLERS {
+            let svc = testing::service_port("default", &format!("f{i}"), "http")
+                .cluster_ip(&format!("10.96.1.{}", i + 1))
+                .build();
+            b = b.service(svc, vec![endpoint(1), endpoint(2)]);
+        }
+        b.build()
+    };
+    let started = Instant::now();
+    dp.sync(&build(1), &ChangedSet::default())?;
+    let (mut held, first) = t.connect(vip())?;
+    assert_eq!(first, "pod1");
+    let mut checked = 0;
+    for (k, to) in [2, 1, 2, 1].into_iter().enumerate() {
+        let before = dp.destination_listings();
+        dp.sync(&build(to), &ChangedSet::default())?;
+        let listed = dp.destination_listings() - before;
+        // A full reconcile (every RECONCILE_EVERY) lists everything, on purpose.
+        if started.elapsed() < kproxy::dataplane::ipvs::RECONCILE_EVERY {
+            assert!(
+                listed <= 1,
+                "change {k}: {listed} real-server listings for one changed service"
+            );
+            checked += 1;
+        }
+        let counts = t.tally(vip(), 4)?;
+        assert_eq!(
+            counts,
+            BTreeMap::from([(format!("pod{to}"), 4)]),
+            "change {k}"
+        );
+    }
+    assert!(
+        checked >= 1,
+        "no change was synced within the reconcile interval"
+    );
+    // The drained connection still works.
+    echo(&mut held)?;
+    dp.cleanup()?;
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn restart_reconciles_without_disturbing_live_connections() -> anyhow::Result<()> {

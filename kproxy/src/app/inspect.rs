@@ -4,8 +4,15 @@
 //! - ebpf: the frontends' entries of the pinned service map, the backends behind their slots,
 //!   session-affinity and TC connection-table entries of the service, and every pinned map's
 //!   fill level (entries / capacity);
-//! - iptables: the nat-table rules carrying the service port's comment (`ns/name:port`);
+//! - iptables: the nat-table rules of the service port's chains, found by name (the hashed
+//!   `KUBE-SVC-`/`SVL-`/`EXT-`/`FW-` names computed from the port, as the proxier does), the
+//!   rules jumping to them and the `KUBE-SEP-` chains they jump to — not by comment, since
+//!   upstream's large-cluster mode (> 1000 endpoints) drops the comments;
 //! - ipvs: the virtual servers on the service's addresses and their real servers.
+//!
+//! Each kernel table is read once (one dump per pinned map, one `iptables-save`, one IPVS
+//! listing) and joined to the services through hash indexes, so the cost is linear in the
+//! number of services and entries. `--service ns/name` reports one service's ports.
 //!
 //! The services come from `--manifests`, or else from the API server like the agent's
 //! (`--kubeconfig` / `--master`, else in-cluster): Services and EndpointSlices listed once,
@@ -13,11 +20,12 @@
 //! snapshot the agent's tracker builds. The mode is `--proxy-mode`, else the one whose kernel
 //! objects exist (pins, then `kube-ipvs0`, then the iptables `KUBE-SERVICES` chain).
 
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::path::Path;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
@@ -32,7 +40,11 @@ use crate::cli::RenderOutput;
 use crate::config::{ModeChoice, ProxyConfig, SourceConfig};
 use crate::dataplane::ProxyMode;
 use crate::dataplane::ebpf::service_maps::plan::decode_addr;
-use crate::model::{Protocol, ServicePort, Snapshot};
+use crate::dataplane::iptables::names::ServiceChains;
+use crate::model::{Protocol, ServicePort, ServicePortName, Snapshot};
+
+/// The service ports a report covers, in snapshot order; `reports[i]` is `selected[i]`'s.
+type Selected<'a> = [(&'a ServicePortName, &'a ServicePort)];
 
 /// One endpoint and its state.
 #[derive(Debug, Clone, Serialize)]
@@ -219,46 +231,90 @@ fn count_keys(data: &MapData) -> Option<usize> {
     Some(n)
 }
 
-fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Result<()> {
+/// The service-map entries by frontend: `(proto, addr, port)`, and `(proto, port)` for
+/// NodePorts (any address), each a list of indexes into the dumped entries.
+#[derive(Default)]
+struct FrontendIndex {
+    by_addr: HashMap<(u8, IpAddr, u16), Vec<usize>>,
+    by_port: HashMap<(u8, u16), Vec<usize>>,
+}
+
+impl FrontendIndex {
+    fn new(entries: &[(ServiceKey, ServiceValue)]) -> Self {
+        let mut ix = FrontendIndex::default();
+        for (i, (k, _)) in entries.iter().enumerate() {
+            let (ip, port) = (decode_addr(k.addr), u16::from_be(k.port));
+            ix.by_addr.entry((k.proto, ip, port)).or_default().push(i);
+            ix.by_port.entry((k.proto, port)).or_default().push(i);
+        }
+        ix
+    }
+
+    /// Indexes of the entries [`matches_frontend`] accepts for `sp`, in dump order.
+    fn of(&self, sp: &ServicePort) -> BTreeSet<usize> {
+        let proto = proto_num(sp.protocol);
+        let ips = sp
+            .cluster_ips
+            .iter()
+            .chain(&sp.external_ips)
+            .chain(sp.load_balancer_ingress.iter().map(|i| &i.ip));
+        let mut out: BTreeSet<usize> = ips
+            .filter_map(|ip| self.by_addr.get(&(proto, *ip, sp.port)))
+            .flatten()
+            .copied()
+            .collect();
+        if sp.node_port != 0
+            && let Some(v) = self.by_port.get(&(proto, sp.node_port))
+        {
+            out.extend(v);
+        }
+        out
+    }
+}
+
+/// Entries per service id of a dumped map.
+fn count_by_id(ids: impl Iterator<Item = u32>) -> HashMap<u32, usize> {
+    let mut m = HashMap::new();
+    for id in ids {
+        *m.entry(id).or_default() += 1;
+    }
+    m
+}
+
+fn ebpf_view(
+    cfg: &ProxyConfig,
+    selected: &Selected,
+    reports: &mut [ServiceReport],
+    maps: &mut Vec<MapFill>,
+) -> anyhow::Result<()> {
     let dir = cfg.bpf.bpffs.join("kproxy");
     let (services, _) = open_hash::<ServiceKey, ServiceValue>(&dir, MAP_SERVICES)?;
     let (slots, _) = open_hash::<BackendSlotKey, SlotValue>(&dir, MAP_BACKEND_SLOTS)?;
-    let affinity: Vec<AffinityKey> = any_hash::<AffinityKey, AffinityValue>(&dir, MAP_AFFINITY)
-        .map(|(m, _)| m.keys().filter_map(Result::ok).collect())
+    // One dump per map, then joins by service id.
+    let slots: HashMap<(u32, u32), SlotValue> = slots
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| ((k.svc_id, k.slot), v))
+        .collect();
+    let affinity = any_hash::<AffinityKey, AffinityValue>(&dir, MAP_AFFINITY)
+        .map(|(m, _)| count_by_id(m.keys().filter_map(Result::ok).map(|k| k.svc_id)))
         .unwrap_or_default();
-    // Flows of both families: (svc_id) of every KP_CT and KP_CT6 entry.
-    let mut ct: Vec<u32> = any_hash::<CtKey, CtEntry>(&dir, MAP_CT)
-        .map(|(m, _)| {
-            m.iter()
-                .filter_map(Result::ok)
-                .map(|(_, v)| v.svc_id)
-                .collect()
-        })
+    // Flows of both families: the svc_id of every KP_CT and KP_CT6 entry.
+    let mut ct = any_hash::<CtKey, CtEntry>(&dir, MAP_CT)
+        .map(|(m, _)| count_by_id(m.iter().filter_map(Result::ok).map(|(_, v)| v.svc_id)))
         .unwrap_or_default();
-    ct.extend(
-        any_hash::<CtKey6, CtEntry6>(&dir, MAP_CT6)
-            .map(|(m, _)| {
-                m.iter()
-                    .filter_map(Result::ok)
-                    .map(|(_, v)| v.svc_id)
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default(),
-    );
+    if let Ok((m, _)) = any_hash::<CtKey6, CtEntry6>(&dir, MAP_CT6) {
+        for (id, n) in count_by_id(m.iter().filter_map(Result::ok).map(|(_, v)| v.svc_id)) {
+            *ct.entry(id).or_default() += n;
+        }
+    }
     let entries: Vec<(ServiceKey, ServiceValue)> = services.iter().filter_map(Result::ok).collect();
-    for (name, sp) in &snap.services {
-        let r = out
-            .services
-            .iter_mut()
-            .find(|r| r.name == name.to_string())
-            .expect("every service port has a report");
-        let mut ids = std::collections::BTreeSet::new();
-        for (k, v) in &entries {
-            let ip = decode_addr(k.addr);
-            let port = u16::from_be(k.port);
-            if k.proto != proto_num(sp.protocol) || !matches_frontend(sp, ip, port) {
-                continue;
-            }
+    let index = FrontendIndex::new(&entries);
+    for ((_, sp), r) in selected.iter().zip(reports.iter_mut()) {
+        let mut ids = BTreeSet::new();
+        for i in index.of(sp) {
+            let (k, v) = &entries[i];
+            let (ip, port) = (decode_addr(k.addr), u16::from_be(k.port));
             r.kernel.push(format!(
                 "frontend {} scope={} set={} slots={} flags={:#x}",
                 sock(ip, port),
@@ -270,13 +326,7 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
             if ids.insert(v.svc_id) {
                 for slot in 0..v.count {
                     // The backend as the programs read it: the slot's copy.
-                    if let Ok(SlotValue { backend: b, .. }) = slots.get(
-                        &BackendSlotKey {
-                            svc_id: v.svc_id,
-                            slot,
-                        },
-                        0,
-                    ) {
+                    if let Some(SlotValue { backend: b, .. }) = slots.get(&(v.svc_id, slot)) {
                         let a = sock(decode_addr(b.addr), u16::from_be(b.port));
                         if !r.kernel_backends.contains(&a) {
                             r.kernel_backends.push(a);
@@ -285,55 +335,129 @@ fn ebpf_view(cfg: &ProxyConfig, snap: &Snapshot, out: &mut Report) -> anyhow::Re
                 }
             }
         }
-        r.affinity_entries = Some(affinity.iter().filter(|k| ids.contains(&k.svc_id)).count());
-        r.ct_entries = Some(ct.iter().filter(|id| ids.contains(id)).count());
+        let sum = |m: &HashMap<u32, usize>| ids.iter().filter_map(|id| m.get(id)).sum();
+        r.affinity_entries = Some(sum(&affinity));
+        r.ct_entries = Some(sum(&ct));
     }
     for name in LAYOUTS.iter().filter(|l| l.is_keyed()).map(|l| l.name) {
         if let Some(f) = pinned_count(&dir, name) {
-            out.maps.push(f);
+            maps.push(f);
         }
     }
     Ok(())
 }
 
-fn iptables_view(snap: &Snapshot, out: &mut Report) {
-    let nat = iptables_nat();
-    for name in snap.services.keys() {
-        let r = out
-            .services
-            .iter_mut()
-            .find(|r| r.name == name.to_string())
-            .expect("every service port has a report");
-        let comment = name.to_string();
-        for line in nat.lines().filter(|l| l.starts_with("-A ")) {
-            let tagged = line.contains(&format!("--comment \"{comment}\""))
-                || line.contains(&format!("--comment {comment} "))
-                || line.contains(&format!("--comment \"{comment} "));
-            if !tagged {
-                continue;
+/// `iptables-save -t nat` text indexed by chain and by jump target.
+#[derive(Default)]
+struct NatRules<'a> {
+    /// `-A` lines per chain, in order.
+    by_chain: HashMap<&'a str, Vec<&'a str>>,
+    /// `-A` lines per chain they jump (`-j`/`-g`) to.
+    by_target: HashMap<&'a str, Vec<&'a str>>,
+}
+
+impl<'a> NatRules<'a> {
+    fn parse(text: &'a str) -> Self {
+        let mut r = NatRules::default();
+        for line in text.lines().filter(|l| l.starts_with("-A ")) {
+            let mut words = line.split_whitespace().skip(1);
+            let Some(chain) = words.next() else { continue };
+            r.by_chain.entry(chain).or_default().push(line);
+            if let Some(target) = jump_target(line) {
+                r.by_target.entry(target).or_default().push(line);
             }
-            r.kernel.push(line.to_string());
-            if let Some(dst) = line.split("--to-destination ").nth(1) {
-                let dst = dst.split_whitespace().next().unwrap_or("").to_string();
-                if !r.kernel_backends.contains(&dst) {
-                    r.kernel_backends.push(dst);
+        }
+        r
+    }
+
+    fn chain(&self, name: &str) -> &[&'a str] {
+        self.by_chain.get(name).map_or(&[], Vec::as_slice)
+    }
+
+    /// The rules of a service port: those jumping to its chains, its chains' own, and those
+    /// of the endpoint chains its chains jump to (each once, in that order); and the DNAT
+    /// destinations of the endpoint chains.
+    fn of(&self, name: &ServicePortName) -> (Vec<&'a str>, Vec<String>) {
+        let c = ServiceChains::of(name);
+        let own = [&c.firewall, &c.external, &c.cluster, &c.local];
+        let mut seen = HashSet::new();
+        let mut lines = vec![];
+        let mut add = |l: &'a str, lines: &mut Vec<&'a str>| {
+            if seen.insert(l) {
+                lines.push(l);
+            }
+        };
+        for chain in own {
+            for l in self.by_target.get(chain.as_str()).into_iter().flatten() {
+                add(l, &mut lines);
+            }
+        }
+        let mut endpoints = vec![];
+        for chain in own {
+            for l in self.chain(chain) {
+                add(l, &mut lines);
+                if let Some(t) = jump_target(l).filter(|t| t.starts_with("KUBE-SEP-"))
+                    && !endpoints.contains(&t)
+                {
+                    endpoints.push(t);
                 }
             }
         }
+        let mut backends = vec![];
+        for sep in endpoints {
+            for l in self.chain(sep) {
+                add(l, &mut lines);
+                if let Some(dst) = l.split("--to-destination ").nth(1) {
+                    let dst = dst.split_whitespace().next().unwrap_or("").to_string();
+                    if !backends.contains(&dst) {
+                        backends.push(dst);
+                    }
+                }
+            }
+        }
+        (lines, backends)
     }
 }
 
-fn ipvs_view(snap: &Snapshot, out: &mut Report) -> anyhow::Result<()> {
+/// The chain an `-A` rule jumps or goes to.
+fn jump_target(line: &str) -> Option<&str> {
+    let mut words = line.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "-j" || w == "-g" {
+            return words.next();
+        }
+    }
+    None
+}
+
+fn iptables_view(selected: &Selected, reports: &mut [ServiceReport]) {
+    let nat = iptables_nat();
+    let rules = NatRules::parse(&nat);
+    for ((name, _), r) in selected.iter().zip(reports.iter_mut()) {
+        let (lines, backends) = rules.of(name);
+        r.kernel = lines.into_iter().map(String::from).collect();
+        r.kernel_backends = backends;
+    }
+}
+
+fn ipvs_view(selected: &Selected, reports: &mut [ServiceReport]) -> anyhow::Result<()> {
     use crate::dataplane::ipvs::genl::IpvsHandle;
     let mut h = IpvsHandle::open().context("opening IPVS generic netlink")?;
     let services = h.services().context("listing IPVS virtual servers")?;
-    for (name, sp) in &snap.services {
-        let r = out
-            .services
-            .iter_mut()
-            .find(|r| r.name == name.to_string())
-            .expect("every service port has a report");
-        for vs in services.iter().filter(|vs| {
+    // Virtual servers by (protocol, port); each service looks at its ports' only.
+    let mut by_port: HashMap<(Protocol, u16), Vec<usize>> = HashMap::new();
+    for (i, vs) in services.iter().enumerate() {
+        by_port
+            .entry((vs.key.protocol, vs.key.port))
+            .or_default()
+            .push(i);
+    }
+    for ((_, sp), r) in selected.iter().zip(reports.iter_mut()) {
+        let mut mine: BTreeSet<usize> = BTreeSet::new();
+        for port in [sp.port, sp.node_port].into_iter().filter(|p| *p != 0) {
+            mine.extend(by_port.get(&(sp.protocol, port)).into_iter().flatten());
+        }
+        for vs in mine.into_iter().map(|i| &services[i]).filter(|vs| {
             vs.key.protocol == sp.protocol && matches_frontend(sp, vs.key.addr, vs.key.port)
         }) {
             r.kernel.push(format!(
@@ -360,8 +484,9 @@ fn ipvs_view(snap: &Snapshot, out: &mut Report) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Builds the report (see the module docs).
-pub fn report(cfg: &ProxyConfig) -> anyhow::Result<Report> {
+/// Builds the report (see the module docs); `service` (`namespace/name`) limits it to that
+/// service's ports.
+pub fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report> {
     let (snap, _) = match &cfg.source {
         SourceConfig::Manifests(path) => {
             crate::app::agent::snapshot_from_manifests(path, &cfg.node_name)?
@@ -377,6 +502,17 @@ pub fn report(cfg: &ProxyConfig) -> anyhow::Result<Report> {
             ))
             .context("reading the services from the API server")?,
     };
+    let selected: Vec<(&ServicePortName, &ServicePort)> = snap
+        .services
+        .iter()
+        .filter(|(name, _)| service.is_none_or(|s| name.service() == s))
+        .map(|(name, sp)| (name, &**sp))
+        .collect();
+    if let Some(s) = service
+        && selected.is_empty()
+    {
+        bail!("--service {s}: no such service is proxied (none of its ports is in the snapshot)");
+    }
     let mode = match cfg.mode {
         ModeChoice::Forced(m) => m,
         ModeChoice::Detect => super::modes::Evidence::here(cfg).programmed().ok_or_else(|| {
@@ -388,37 +524,42 @@ pub fn report(cfg: &ProxyConfig) -> anyhow::Result<Report> {
     };
     let mut out = Report {
         mode,
-        services: vec![],
+        services: selected
+            .iter()
+            .map(|(name, sp)| service_report(&snap, name, sp))
+            .collect(),
         maps: vec![],
     };
-    for (name, sp) in &snap.services {
-        out.services.push(ServiceReport {
-            name: name.to_string(),
-            protocol: sp.protocol.lower().to_string(),
-            frontends: frontends(sp),
-            backends: snap
-                .endpoints_of(name)
-                .iter()
-                .map(|e| BackendState {
-                    address: sock(e.ip, e.port),
-                    ready: e.ready,
-                    serving: e.serving,
-                    terminating: e.terminating,
-                    local: e.is_local,
-                })
-                .collect(),
-            kernel: vec![],
-            kernel_backends: vec![],
-            affinity_entries: None,
-            ct_entries: None,
-        });
-    }
     match mode {
-        ProxyMode::Ebpf => ebpf_view(cfg, &snap, &mut out)?,
-        ProxyMode::Iptables => iptables_view(&snap, &mut out),
-        ProxyMode::Ipvs => ipvs_view(&snap, &mut out)?,
+        ProxyMode::Ebpf => ebpf_view(cfg, &selected, &mut out.services, &mut out.maps)?,
+        ProxyMode::Iptables => iptables_view(&selected, &mut out.services),
+        ProxyMode::Ipvs => ipvs_view(&selected, &mut out.services)?,
     }
     Ok(out)
+}
+
+/// A service port's report before the kernel view.
+fn service_report(snap: &Snapshot, name: &ServicePortName, sp: &ServicePort) -> ServiceReport {
+    ServiceReport {
+        name: name.to_string(),
+        protocol: sp.protocol.lower().to_string(),
+        frontends: frontends(sp),
+        backends: snap
+            .endpoints_of(name)
+            .iter()
+            .map(|e| BackendState {
+                address: sock(e.ip, e.port),
+                ready: e.ready,
+                serving: e.serving,
+                terminating: e.terminating,
+                local: e.is_local,
+            })
+            .collect(),
+        kernel: vec![],
+        kernel_backends: vec![],
+        affinity_entries: None,
+        ct_entries: None,
+    }
 }
 
 /// The report as a table (one block per service port).
@@ -479,9 +620,13 @@ pub fn table(r: &Report) -> String {
     s
 }
 
-/// `kproxy inspect` output.
-pub fn run(cfg: &ProxyConfig, output: RenderOutput) -> anyhow::Result<String> {
-    let r = report(cfg)?;
+/// `kproxy inspect` output (`service`: `--service namespace/name`).
+pub fn run(
+    cfg: &ProxyConfig,
+    output: RenderOutput,
+    service: Option<&str>,
+) -> anyhow::Result<String> {
+    let r = report(cfg, service)?;
     Ok(match output {
         RenderOutput::Json => serde_json::to_string_pretty(&r)? + "\n",
         _ => table(&r),

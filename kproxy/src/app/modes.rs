@@ -356,13 +356,30 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     }
 }
 
-/// Both netfilter modes' leftovers. They share chains (`KUBE-SERVICES`, …) that each one's
-/// jump rules (with their own comments) keep in use, so: IPVS first (its errors ignored), then
-/// iptables, then IPVS again, whose errors count.
+/// Both netfilter modes' leftovers. They share chains (`KUBE-SERVICES`, `KUBE-MARK-MASQ`,
+/// `KUBE-PROXY-FIREWALL`, …) that each one's rules keep in use, so nothing is deleted while
+/// the other mode still jumps to it: the IPVS mode's rules are unhooked first (jumps deleted,
+/// chains flushed), then the iptables mode's objects go, then the IPVS mode's chains, sets,
+/// virtual services and device. A clean run logs no warning.
 fn cleanup_netfilter_modes(cfg: &ProxyConfig, errors: &mut Vec<String>) {
-    cleanup_ipvs(cfg, &mut vec![]);
+    unhook_ipvs_rules();
     cleanup_iptables(errors);
     cleanup_ipvs(cfg, errors);
+}
+
+/// [`ipvs_mod::netfilter::unhook`] for every family and iptables backend present.
+fn unhook_ipvs_rules() {
+    let Ok(tools) = ipvs_mod::netfilter::Tools::here() else {
+        return;
+    };
+    for family in [IpFamily::V4, IpFamily::V6] {
+        for flavor in [Flavor::Nft, Flavor::Legacy] {
+            let restore = restore_binary(family, flavor);
+            if have(&ipvs_mod::netfilter::iptables_binary(&restore)) {
+                ipvs_mod::netfilter::unhook(&tools, &restore);
+            }
+        }
+    }
 }
 
 /// Removes everything any mode (and upstream kube-proxy) left in the kernel: eBPF pins

@@ -856,6 +856,14 @@ pub const FLAGS: &[FlagSpec] = &[
         None,
         "render only: json (default) or table.",
     ),
+    f(
+        "service",
+        Value("NAMESPACE/NAME"),
+        Implemented,
+        Kproxy,
+        None,
+        "inspect only: report only this service's ports.",
+    ),
 ];
 
 /// The spec of `name` (dashes).

@@ -114,6 +114,8 @@ pub struct Loaded {
     pub write_config_to: Option<PathBuf>,
     pub init_only: bool,
     pub output: RenderOutput,
+    /// `kproxy inspect --service namespace/name`.
+    pub service: Option<String>,
 }
 
 /// The clap command for the flag table.
@@ -536,6 +538,7 @@ pub fn load(inv: &Invocation, hostname: Option<String>) -> Result<Loaded, CliErr
             "--output is only valid with `kproxy render` and `kproxy inspect`".into(),
         ));
     }
+    let service = inspect_service(inv, command)?;
     let resolved = resolve(&cfg, &extra)?;
     let output = match inv.get("output").map(Given::last) {
         None if command == Command::Inspect => RenderOutput::Table,
@@ -558,7 +561,26 @@ pub fn load(inv: &Invocation, hostname: Option<String>) -> Result<Loaded, CliErr
             .filter(|p| !p.as_os_str().is_empty()),
         init_only: inv.flag_bool("init-only")?,
         output,
+        service,
     })
+}
+
+/// `--service namespace/name` (inspect only).
+fn inspect_service(inv: &Invocation, command: Command) -> Result<Option<String>, CliError> {
+    let Some(v) = inv.get("service").map(Given::last) else {
+        return Ok(None);
+    };
+    if command != Command::Inspect {
+        return Err(CliError::Usage(
+            "--service is only valid with `kproxy inspect`".into(),
+        ));
+    }
+    match v.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok(Some(v.to_string()))
+        }
+        _ => Err(flag_err("service", v, "expected namespace/name")),
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,10 @@
 //! `Init, InitApply…, InitDone`; [`Relist`] buffers that sequence and emits it as ONE
 //! [`Delta::Replace`], so the tracker swaps the whole state at once — after the initial list
 //! and after every re-list (410 Gone, a watch that cannot be resumed). Watch events become
-//! [`Delta::Apply`] / [`Delta::Delete`]. Errors are logged and retried with kube-runtime's
-//! default backoff (800 ms doubling to 30 s, like client-go's reflector); none is fatal.
+//! [`Delta::Apply`] / [`Delta::Delete`]. Errors are logged and retried (none is fatal) by
+//! [`super::retry`]'s policy: a jittered backoff capped at 5 s, and a 410 Gone answered by an
+//! immediate re-list — so a returning API server is relisted within seconds (client-go's
+//! reflector and kube-runtime's default backoff wait up to 30 s, plus a backoff after the 410).
 //! The loops stop when the event channel is closed.
 
 use std::fmt::Debug;
@@ -15,10 +17,10 @@ use std::path::{Path, PathBuf};
 
 use ::kube::api::Api;
 use ::kube::config::{Config, KubeConfigOptions, Kubeconfig, KubeconfigError};
-use ::kube::runtime::WatchStreamExt;
 use ::kube::runtime::watcher::{self, watcher};
 use ::kube::{Client, Resource};
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::de::DeserializeOwned;
@@ -26,6 +28,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use super::PROXYABLE_LABEL_SELECTOR;
+use super::retry::{Next, Retry};
 use crate::model::input::{Delta, Event};
 
 /// Why no API client could be built.
@@ -167,13 +170,34 @@ async fn run<K>(
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + 'static,
 {
     let kind = K::kind(&());
-    let mut stream = std::pin::pin!(watcher(api, config).default_backoff());
+    let start = || -> BoxStream<'static, watcher::Result<watcher::Event<K>>> {
+        watcher(api.clone(), config.clone()).boxed()
+    };
+    let mut stream = start();
     let mut relist = Relist::new(lists);
+    let mut retry = Retry::new();
     while let Some(item) = stream.next().await {
         let deltas = match item {
-            Ok(ev) => relist.push(ev),
+            Ok(ev) => {
+                // `Init` comes before the list request: only data shows the server answered.
+                if !matches!(ev, watcher::Event::Init) {
+                    retry.succeeded();
+                }
+                relist.push(ev)
+            }
             Err(e) => {
-                log_watch_error(&kind, &e);
+                match retry.failed(is_gone(&e)) {
+                    Next::RelistNow => {
+                        info!(%kind, error = %e, "resource version gone (410), re-listing now");
+                        // A fresh watcher starts with a list (kube-runtime keeps re-watching
+                        // from the stale version when the watch request itself is answered 410).
+                        stream = start();
+                    }
+                    Next::Wait(d) => {
+                        warn!(%kind, error = %e, retry_in = ?d, "list/watch failed; retrying");
+                        tokio::time::sleep(d).await;
+                    }
+                }
                 continue;
             }
         };
@@ -192,20 +216,24 @@ async fn run<K>(
     }
 }
 
+/// A 410 Gone in any form: a watch `ERROR` event, or a list/watch request answered 410.
+fn is_gone(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::WatchError(status) => status.code == 410,
+        watcher::Error::InitialListFailed(err)
+        | watcher::Error::WatchStartFailed(err)
+        | watcher::Error::WatchFailed(err) => {
+            matches!(err, ::kube::Error::Api(status) if status.code == 410)
+        }
+        watcher::Error::NoResourceVersion => false,
+    }
+}
+
 fn display_name<K: Resource>(o: &K) -> String {
     let m = o.meta();
     match &m.namespace {
         Some(ns) => format!("{ns}/{}", m.name.as_deref().unwrap_or("")),
         None => m.name.clone().unwrap_or_default(),
-    }
-}
-
-fn log_watch_error(kind: &str, e: &watcher::Error) {
-    match e {
-        watcher::Error::WatchError(status) if status.code == 410 => {
-            info!(%kind, reason = %status.reason, "watch expired (410), re-listing");
-        }
-        _ => warn!(%kind, error = %e, "list/watch failed; retrying with backoff"),
     }
 }
 

@@ -310,7 +310,8 @@ mod tests {
     /// the first accepted event must be the write's.
     #[test]
     fn own_reads_are_not_changes_and_writes_are() {
-        let dir = std::env::temp_dir().join(format!("kproxy-manifests-watch-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("kproxy-manifests-watch-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("svc.yaml");
         std::fs::write(&file, "kind: Service\n").unwrap();
@@ -444,10 +445,8 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_nanos();
-        let dir = std::env::temp_dir().join(format!(
-            "kproxy-manifests-{}-{nanos}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("kproxy-manifests-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         std::fs::create_dir_all(dir.join("..data")).unwrap();
         std::fs::write(dir.join("b.yaml"), SVC.replace("web", "b")).unwrap();

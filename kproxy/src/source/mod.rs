@@ -14,6 +14,7 @@
 
 pub mod kube;
 pub mod manifests;
+pub mod retry;
 
 /// Label selector upstream kube-proxy uses for Services and EndpointSlices.
 pub const PROXYABLE_LABEL_SELECTOR: &str =

@@ -10,4 +10,5 @@ mod deploy_manifests;
 mod health_checknodeport;
 mod health_server;
 mod inspect_api;
+mod inspect_iptables;
 mod metrics_server;

@@ -507,6 +507,130 @@ async fn server_restart_without_history_relists() {
     );
 }
 
+/// How long the API server is away in the outage tests: long enough that a client-go-like
+/// backoff (800 ms doubling to 30 s) has grown past 10 s by the time it returns.
+const OUTAGE: Duration = Duration::from_secs(15);
+/// Liveness bound for seeing a returning API server and re-listing: the retry cap (5 s) with
+/// room for a loaded machine. The old 30 s-capped backoff plus a backoff after the 410 took
+/// 30–50 s here.
+const RETURN_BOUND: Duration = Duration::from_secs(15);
+
+/// Waits up to [`RETURN_BOUND`] for a Service Replace, skipping anything else.
+async fn relisted_within_bound(src: &mut Source) -> Option<BTreeSet<String>> {
+    let wait = async {
+        loop {
+            if let Some(names) = src.try_next().await.as_ref().and_then(service_replace) {
+                return names;
+            }
+        }
+    };
+    tokio::time::timeout(RETURN_BOUND, wait).await.ok()
+}
+
+#[tokio::test]
+async fn api_server_returning_after_an_outage_is_relisted_promptly() {
+    let api = FakeApi::start().await.unwrap();
+    populate(&api);
+    let mut src = Source::start(&api).await;
+    src.initial().await;
+
+    // Outage: the server is gone; the watches fail and the source backs off meanwhile.
+    api.stop().await;
+    tokio::time::sleep(OUTAGE).await;
+    api.create(&service("while-down", &[])).unwrap();
+    api.delete::<Service>("ns", "b").unwrap();
+    api.clear_requests();
+    // It returns with a fresh watch cache: resuming the old watches is 410.
+    api.restart_losing_history().await.unwrap();
+
+    let replaced = relisted_within_bound(&mut src).await.unwrap_or_else(|| {
+        panic!(
+            "no Service re-list within {RETURN_BOUND:?} of the API server's return; requests: {:?}",
+            api.requests()
+        )
+    });
+    assert_eq!(replaced, set(&["a", "while-down"]));
+    // The 410 came first and was answered by the re-list with nothing in between.
+    let svc: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.kind() == Some(Kind::Service))
+        .collect();
+    let first_list = svc.iter().position(|r| r.is_list()).expect("a list");
+    assert!(
+        first_list >= 1 && svc[..first_list].iter().all(|r| r.is_watch()),
+        "watch (answered 410) then list: {svc:?}"
+    );
+    // And it keeps watching afterwards.
+    api.create(&service("after", &[])).unwrap();
+    src.wait_for("Apply(after)", service_applied("after")).await;
+}
+
+#[tokio::test]
+async fn watch_answered_410_relists_at_once_even_after_backoff_has_grown() {
+    let api = FakeApi::start().await.unwrap();
+    populate(&api);
+    let mut src = Source::start(&api).await;
+    src.initial().await;
+
+    // Grow the backoff: the server is away long enough for several failed attempts.
+    api.stop().await;
+    tokio::time::sleep(OUTAGE).await;
+    api.create(&service("while-down", &[])).unwrap();
+    api.clear_requests();
+    // Back with its history, but the re-watch request itself is answered 410 (as an HTTP
+    // status, not an ERROR event): kube-runtime alone would keep re-watching from the stale
+    // version; the source must start over with a list.
+    api.fail_next(1, 410);
+    api.restart().await.unwrap();
+
+    // Whichever kind's request got the 410 re-lists (the others resume their watches).
+    let gone = loop {
+        if let Some(r) = api.requests().iter().find(|r| r.status == 410) {
+            break r.kind().expect("a kind's request");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let relisted = async {
+        loop {
+            match src.try_next().await {
+                Some(Event::Service(Delta::Replace(v))) if gone == Kind::Service => {
+                    return names(&v);
+                }
+                Some(Event::EndpointSlice(Delta::Replace(v))) if gone == Kind::EndpointSlice => {
+                    return names(&v);
+                }
+                Some(Event::Node(Delta::Replace(v))) if gone == Kind::Node => return names(&v),
+                _ => {}
+            }
+        }
+    };
+    let listed = tokio::time::timeout(RETURN_BOUND, relisted)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "no {gone:?} re-list within {RETURN_BOUND:?} after its watch got 410; requests: {:?}",
+                api.requests()
+            )
+        });
+    let expected = match gone {
+        Kind::Service => set(&["a", "b", "while-down"]),
+        Kind::EndpointSlice => set(&["a-1", "b-1"]),
+        _ => set(&[NODE]),
+    };
+    assert_eq!(listed, expected);
+    let after_410: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.kind() == Some(gone))
+        .skip_while(|r| r.status != 410)
+        .collect();
+    assert!(
+        after_410.get(1).is_some_and(|r| r.is_list()),
+        "the 410 was followed by a list: {after_410:?}"
+    );
+}
+
 #[tokio::test]
 async fn slow_watch_still_converges() {
     let api = FakeApi::start().await.unwrap();

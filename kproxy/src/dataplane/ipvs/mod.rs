@@ -17,8 +17,12 @@
 //!   they are deleted on a later sync once IPVS counts no connections for them (upstream does
 //!   this from a one-minute timer; here the runner's periodic syncs do it). UDP/SCTP ones go
 //!   at once, like upstream (`expire_nodest_conn` ends their flows). Each sync lists the
-//!   services and the destinations of every planned service (like upstream's
-//!   GetRealServers per service).
+//!   virtual services (one dump), but the real servers only of services whose planned real
+//!   servers differ from what this instance last wrote, that still hold draining ones, or
+//!   that failed — and of every service once per [`RECONCILE_EVERY`], which repairs real
+//!   servers changed behind kproxy's back. Upstream lists every service's real servers at
+//!   every sync (GetRealServers per service): one netlink dump per virtual service, which
+//!   made one endpoint change cost seconds at 1,000 services in the (emulated) guest.
 //!
 //! Kernel objects live in the network namespace of the thread that called
 //! [`IpvsDataplane::new`] (the netlink sockets and a namespace handle for the tools are opened
@@ -34,6 +38,7 @@ pub mod sysctl;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::time::{Duration, Instant};
 
 pub use config::IpvsConfig;
 pub use plan::{Plan, render};
@@ -88,7 +93,19 @@ pub struct IpvsDataplane {
     applied_sets: BTreeMap<String, BTreeSet<String>>,
     /// The iptables restore input last applied.
     applied_rules: Option<String>,
+    /// Per virtual service, the real servers (address, port → weight) last written when the
+    /// kernel then held exactly those (nothing draining): its real servers are not listed
+    /// again until the plan for it changes or the next full reconcile.
+    applied_dests: BTreeMap<ServiceKey, BTreeMap<(IpAddr, u16), u32>>,
+    /// When every service's real servers were last listed (`None`: never).
+    last_reconcile: Option<Instant>,
+    /// Real-server listings (one netlink dump each) done so far.
+    dest_listings: u64,
 }
+
+/// How often every virtual service's real servers are listed and repaired, whether or not
+/// its plan changed.
+pub const RECONCILE_EVERY: Duration = Duration::from_secs(60);
 
 impl IpvsDataplane {
     /// Validates `cfg`, opens the IPVS and rtnetlink sockets in the calling thread's network
@@ -113,11 +130,19 @@ impl IpvsDataplane {
             tools,
             applied_sets: BTreeMap::new(),
             applied_rules: None,
+            applied_dests: BTreeMap::new(),
+            last_reconcile: None,
+            dest_listings: 0,
         })
     }
 
     pub fn config(&self) -> &IpvsConfig {
         &self.cfg
+    }
+
+    /// Real-server listings (one netlink dump of one virtual service each) done so far.
+    pub fn destination_listings(&self) -> u64 {
+        self.dest_listings
     }
 
     fn ours(&self, key: &ServiceKey) -> bool {
@@ -126,17 +151,22 @@ impl IpvsDataplane {
     }
 
     /// Makes the real servers of `key` match `planned`; removed ones drain (see module docs).
+    /// `fresh`: the service was just created (nothing to list). Records in `applied_dests`
+    /// whether the kernel now holds exactly `planned`.
     fn sync_destinations(
         &mut self,
         key: &ServiceKey,
         planned: &BTreeMap<(IpAddr, u16), u32>,
         fresh: bool,
     ) -> Result<(), genl::IpvsError> {
+        self.applied_dests.remove(key);
         let current = if fresh {
             vec![]
         } else {
+            self.dest_listings += 1;
             self.ipvs.destinations(key)?
         };
+        let mut leftover = false;
         let by_addr: BTreeMap<(IpAddr, u16), &Destination> =
             current.iter().map(|d| ((d.addr, d.port), d)).collect();
         for (&(addr, port), &weight) in planned {
@@ -163,6 +193,7 @@ impl IpvsDataplane {
                 tracing::debug!(service = %key, dest = %d.addr, "removing real server");
                 self.ipvs.dest(key, d, DestCmd::Del)?;
             } else if d.weight != 0 {
+                leftover = true;
                 tracing::debug!(service = %key, dest = %d.addr, "draining removed real server");
                 let zero = Destination {
                     weight: 0,
@@ -172,7 +203,12 @@ impl IpvsDataplane {
             } else if d.active_conns + d.inactive_conns == 0 {
                 tracing::debug!(service = %key, dest = %d.addr, "removing drained real server");
                 self.ipvs.dest(key, d, DestCmd::Del)?;
+            } else {
+                leftover = true;
             }
+        }
+        if !leftover {
+            self.applied_dests.insert(*key, planned.clone());
         }
         Ok(())
     }
@@ -203,6 +239,12 @@ impl IpvsDataplane {
             .into_iter()
             .map(|s| (s.key, s))
             .collect();
+        let reconcile = self
+            .last_reconcile
+            .is_none_or(|t| t.elapsed() >= RECONCILE_EVERY);
+        if reconcile {
+            self.last_reconcile = Some(Instant::now());
+        }
         let mut failed = BTreeSet::new();
         for (key, ps) in &plan.services {
             let result = match current.get(key) {
@@ -216,7 +258,15 @@ impl IpvsDataplane {
                     } else {
                         Ok(())
                     };
-                    upd.and_then(|()| self.sync_destinations(key, &ps.real_servers, false))
+                    let unchanged =
+                        !reconcile && self.applied_dests.get(key) == Some(&ps.real_servers);
+                    upd.and_then(|()| {
+                        if unchanged {
+                            Ok(())
+                        } else {
+                            self.sync_destinations(key, &ps.real_servers, false)
+                        }
+                    })
                 }
             };
             if let Err(e) = result {
@@ -248,6 +298,7 @@ impl IpvsDataplane {
         for key in current.keys() {
             if !plan.services.contains_key(key) && self.ours(key) {
                 tracing::debug!(service = %key, "removing stale virtual service");
+                self.applied_dests.remove(key);
                 self.ipvs
                     .delete_service(key)
                     .map_err(|e| kernel(e.to_string()))?;
@@ -309,6 +360,8 @@ impl Dataplane for IpvsDataplane {
         }
         self.applied_sets.clear();
         self.applied_rules = None;
+        self.applied_dests.clear();
+        self.last_reconcile = None;
         Ok(())
     }
 }

@@ -191,20 +191,38 @@ pub fn apply_rules(tools: &Tools, rules: &Rules, restore: &str) -> Result<(), St
     Ok(())
 }
 
-/// Removes the jumps, our chains and our sets (missing ones are fine).
-pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
+/// Unhooks the IPVS mode's rules: deletes its jumps from the built-in chains and flushes its
+/// chains, so nothing of it references a chain any more (chains and sets stay). Run before
+/// another mode's cleanup that deletes chains both modes share (`KUBE-MARK-MASQ`, …).
+/// Missing rules and chains are fine; nothing here fails.
+pub fn unhook(tools: &Tools, restore: &str) {
     let ipt = iptables_binary(restore);
-    let mut errors = vec![];
+    delete_jumps(tools, &ipt);
+    for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
+        for chain in chains.iter() {
+            let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
+        }
+    }
+}
+
+fn delete_jumps(tools: &Tools, ipt: &str) {
     for (table, from, to, comment) in JUMPS {
         let spec = ["-m", "comment", "--comment", comment, "-j", to];
         loop {
             let mut del = vec!["-w", "-t", table, "-D", from];
             del.extend(spec);
-            if tools.run(&ipt, &del).is_err() {
+            if tools.run(ipt, &del).is_err() {
                 break;
             }
         }
     }
+}
+
+/// Removes the jumps, our chains and our sets (missing ones are fine).
+pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
+    let ipt = iptables_binary(restore);
+    let mut errors = vec![];
+    delete_jumps(tools, &ipt);
     for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
         for chain in chains.iter() {
             let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
