@@ -1,5 +1,5 @@
 //! The nftables proxier: upstream kube-proxy's nftables mode (pkg/proxy/nftables), object for
-//! object. Pure parts only so far (the applier that runs `nft` comes later):
+//! object. Everything but [`kernel`] is pure:
 //!
 //! - [`config`]: [`NftablesConfig`], the resolved per-family settings.
 //! - [`names`]: upstream's hashed chain and set names.
@@ -10,6 +10,8 @@
 //! - [`elements`]: element reconciliation (upstream `nftElementStorage`).
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
 //! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
+//! - [`kernel`]: the kernel backend (`nft -f -` transactions, `nft -j list` reads — JSON,
+//!   not netlink yet: a known gap, see its docs).
 //!
 //! The reference is upstream's test corpus at kubernetes/kubernetes 81810de6 (15 rulesets,
 //! operation counts, 207 packet flows; see tests/tests/nftables_corpus.rs), which kproxy
@@ -30,6 +32,7 @@
 pub mod config;
 pub mod elements;
 pub mod fake;
+pub mod kernel;
 pub mod names;
 pub mod proxier;
 pub mod service;
