@@ -9,6 +9,11 @@
 //!   each successful sync ([`WithConntrackCleanup`]), the conntrack sysctls of `conntrack:`.
 //! - **ipvs**: one [`IpvsDataplane`] per family (NodePorts on the node's addresses inside
 //!   `nodePortAddresses`), conntrack cleanup and sysctls as iptables.
+//! - **nftables**: one proxier per IP family ([`NftablesDataplane`], the `ip`/`ip6`
+//!   `kube-proxy` tables), settings from `nftables.*`, conntrack cleanup and sysctls as
+//!   iptables. No ServiceCIDRs are configured (kproxy has no `--service-cluster-ip-range`-like
+//!   setting and does not watch ServiceCIDR objects yet), so the "drop traffic to unallocated
+//!   ClusterIPs" rule is not written.
 //! - **ebpf**: [`EbpfMode`] (service maps + socket LB + the TC path on the node's devices).
 //!
 //! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
@@ -39,6 +44,8 @@ use crate::dataplane::iptables::{self as ipt, IptablesDataplane};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
 use crate::dataplane::netfilter::local_detect::LocalDetector;
 use crate::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
+use crate::dataplane::nftables::kernel::NftRunner;
+use crate::dataplane::nftables::{self as nft, NftablesDataplane};
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 use crate::observe::metrics::Metrics;
@@ -135,6 +142,28 @@ pub fn iptables_configs(
             c.localhost_node_ports = cfg.iptables.localhost_node_ports;
             c.node_port_addresses = node_port_cidrs(cfg);
             c.sync_period = cfg.iptables.sync.sync_period;
+            c
+        })
+        .collect()
+}
+
+/// The nftables proxiers' configurations (one per family in `families`); `node_pod_cidrs`
+/// as for [`local_detector`].
+pub fn nftables_configs(
+    cfg: &ProxyConfig,
+    families: &[IpFamily],
+    node_pod_cidrs: &[IpNet],
+) -> Vec<nft::NftablesConfig> {
+    families
+        .iter()
+        .map(|&family| {
+            let mut c =
+                nft::NftablesConfig::new(family, local_detector(cfg, family, node_pod_cidrs));
+            c.node_ip = (!cfg.bind_address.is_unspecified() && family.matches(&cfg.bind_address))
+                .then_some(cfg.bind_address);
+            c.masquerade_bit = cfg.nftables.masquerade_bit;
+            c.masquerade_all = cfg.nftables.masquerade_all;
+            c.node_port_addresses = node_port_cidrs(cfg);
             c
         })
         .collect()
@@ -320,6 +349,48 @@ impl Dataplane for IptablesWithMetrics {
     }
 }
 
+/// The nftables datapath reporting into upstream's nftables metrics: sync duration (full or
+/// partial) and sync failures per family.
+struct NftablesWithMetrics {
+    inner: NftablesDataplane,
+    metrics: Metrics,
+}
+
+impl Dataplane for NftablesWithMetrics {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Nftables
+    }
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        let before: Vec<_> = self
+            .inner
+            .families()
+            .iter()
+            .map(|f| (f.syncs, f.failures, f.proxier.cleanup_failures))
+            .collect();
+        let start = std::time::Instant::now();
+        let result = self.inner.sync(snap, changed);
+        let seconds = start.elapsed().as_secs_f64();
+        if let Some(m) = self.metrics.nftables() {
+            for (f, (syncs, failures, cleanups)) in self.inner.families().iter().zip(before) {
+                let family = f.proxier.cfg.family;
+                if f.syncs > syncs {
+                    m.observe_sync(family, f.proxier.stats.full, seconds);
+                }
+                if f.failures > failures {
+                    m.sync_failed(family);
+                }
+                for _ in cleanups..f.proxier.cleanup_failures {
+                    m.cleanup_failed(family);
+                }
+            }
+        }
+        result
+    }
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        self.inner.cleanup()
+    }
+}
+
 /// Several per-family datapaths as one (ipvs mode).
 struct PerFamily {
     mode: ProxyMode,
@@ -425,6 +496,26 @@ pub fn build_with_resync(
                 metrics.map(telemetry),
             )))
         }
+        ProxyMode::Nftables => {
+            apply_conntrack_sysctls(cfg);
+            let dp = NftablesDataplane::new(
+                nftables_configs(cfg, &families, node_pod_cidrs),
+                NftRunner::default(),
+                cfg.nftables.sync.sync_period,
+            )
+            .context("setting up the nftables proxier")?;
+            Ok(match metrics {
+                Some(m) => Box::new(WithConntrackCleanup::new(
+                    NftablesWithMetrics {
+                        inner: dp,
+                        metrics: m.clone(),
+                    },
+                    &families,
+                    Some(telemetry(m)),
+                )),
+                None => Box::new(WithConntrackCleanup::new(dp, &families, None)),
+            })
+        }
         ProxyMode::Ebpf => {
             let c = ebpf_config(cfg, &families)?;
             let dp =
@@ -465,6 +556,14 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
                 .iter()
                 .map(|c| format!("{}{}", header(c.family), ipvs_mod::render(snap, c)))
                 .collect()
+        }
+        ProxyMode::Nftables => {
+            let mut out = String::new();
+            for c in nftables_configs(cfg, &families, &snap.node.pod_cidrs) {
+                out.push_str(header(c.family));
+                out.push_str(&nft::render(snap, &c)?);
+            }
+            out
         }
         ProxyMode::Ebpf => {
             crate::dataplane::ebpf::service_maps::render(snap, &ebpf_config(cfg, &families)?.ebpf)
@@ -528,6 +627,43 @@ mod tests {
         let c = cfg(&["--cluster-cidr=10.0.0.0/8"]);
         let v = ipvs_configs(&c, &[IpFamily::V4], |_| vec![ip], Flavor::Nft, &pod_cidrs);
         assert_eq!(v[0].cluster_cidr, Some("10.0.0.0/8".parse().unwrap()));
+    }
+
+    #[test]
+    fn nftables_configs_follow_the_nftables_section() {
+        let c = cfg(&[
+            "--cluster-cidr=10.244.0.0/16,fd00:10::/64",
+            "--masquerade-all",
+        ]);
+        let v = nftables_configs(&c, &[IpFamily::V4, IpFamily::V6], &[]);
+        assert_eq!(v.len(), 2);
+        assert_eq!(
+            v[1].local_detector,
+            LocalDetector::Cidr("fd00:10::/64".parse().unwrap())
+        );
+        assert!(v.iter().all(|c| c.masquerade_all && c.masquerade_bit == 14));
+        let mut c = cfg(&[]);
+        c.nftables.masquerade_bit = 9;
+        let v = nftables_configs(&c, &[IpFamily::V4], &[]);
+        assert_eq!(v[0].masquerade_mark(), "0x200");
+        assert!(!v[0].masquerade_all);
+    }
+
+    #[test]
+    fn render_plan_prints_both_nftables_tables() {
+        use crate::model::testing::{endpoint, service_port, snapshot};
+        let snap = snapshot("n")
+            .service(
+                service_port("ns1", "svc1", "p80")
+                    .cluster_ip("172.30.0.41")
+                    .build(),
+                vec![endpoint("10.180.0.1", 8080).build()],
+            )
+            .build();
+        let out = render_plan(ProxyMode::Nftables, &cfg(&[]), &snap).unwrap();
+        assert!(out.starts_with("# IPv4\nadd table ip kube-proxy"), "{out}");
+        assert!(out.contains("# IPv6\nadd table ip6 kube-proxy"), "{out}");
+        assert!(out.contains("dnat to 10.180.0.1:8080"), "{out}");
     }
 
     #[test]

@@ -534,6 +534,10 @@ pub fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report
         ProxyMode::Ebpf => ebpf_view(cfg, &selected, &mut out.services, &mut out.maps)?,
         ProxyMode::Iptables => iptables_view(&selected, &mut out.services),
         ProxyMode::Ipvs => ipvs_view(&selected, &mut out.services)?,
+        ProxyMode::Nftables => bail!(
+            "kproxy inspect does not read the nftables mode's tables yet \
+             (see `nft list table ip kube-proxy` / `ip6 kube-proxy`)"
+        ),
     }
     Ok(out)
 }

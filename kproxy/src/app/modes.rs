@@ -12,7 +12,10 @@
 //!   that cgroup is on cgroup2 and shows the host's hierarchy, not a private cgroup
 //!   namespace's own ([`crate::dataplane::ebpf::socket_lb::cgroup`]).
 //!   Without CAP_BPF/CAP_SYS_ADMIN (or with an old kernel) one of these fails and says why.
+//! - **nftables**: the kernel is at least 5.13 (upstream's minimum for its nftables mode),
+//!   `nft` runs, and a throwaway table `ip kproxy-probe-<pid>` can be created and deleted.
 //! - **ipvs**: [`crate::dataplane::ipvs::usable`] (the IPVS generic-netlink family resolves, ipset ≥ 6).
+//!   Choosing it logs upstream's deprecation warning.
 //! - **iptables**: `iptables -t nat -S` works with one of the nft / legacy binaries (needs
 //!   CAP_NET_ADMIN).
 //!
@@ -38,6 +41,7 @@ use crate::dataplane::ebpf::object::{self, LoadOptions};
 use crate::dataplane::iptables::exec::{ExecIptables, Flavor, Runner};
 use crate::dataplane::iptables::{self as ipt};
 use crate::dataplane::ipvs as ipvs_mod;
+use crate::dataplane::nftables::kernel::NftRunner;
 use crate::dataplane::{Dataplane, ProxyMode};
 use crate::model::IpFamily;
 use crate::observe::metrics::Metrics;
@@ -49,12 +53,24 @@ pub fn probe(mode: ProxyMode, cfg: &ProxyConfig) -> Result<(), String> {
         ProxyMode::Ebpf => probe_ebpf(&cfg.bpf.bpffs, cfg.bpf.cgroup.as_deref()),
         ProxyMode::Ipvs => crate::dataplane::ipvs::usable(),
         ProxyMode::Iptables => probe_iptables(),
+        ProxyMode::Nftables => probe_nftables(),
     }
 }
 
 /// The order `mode: ""` tries the modes in (upstream's empty mode means iptables; kproxy
-/// prefers its eBPF datapath).
-pub const DETECT_ORDER: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, ProxyMode::Iptables];
+/// prefers its eBPF datapath, then nftables, upstream's recommended mode).
+pub const DETECT_ORDER: [ProxyMode; 4] = [
+    ProxyMode::Ebpf,
+    ProxyMode::Nftables,
+    ProxyMode::Ipvs,
+    ProxyMode::Iptables,
+];
+
+/// Upstream's minimum kernel for the nftables mode.
+pub const NFTABLES_MIN_KERNEL: (u32, u32) = (5, 13);
+
+/// Upstream's warning when the ipvs mode is used (kube-proxy ≥ 1.35).
+pub const IPVS_DEPRECATION: &str = "The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.";
 
 /// Builds the forced mode, or the first mode of [`DETECT_ORDER`] whose probe
 /// ([`probe`]) passes and that builds; logs why each earlier mode was
@@ -69,6 +85,10 @@ pub fn select(
     resync: &SyncRequester,
 ) -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
     let attempt = |mode: ProxyMode| -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
+        if mode == ProxyMode::Ipvs {
+            // Upstream logs it at error level (and records an `IPVSDeprecation` event).
+            tracing::error!("{IPVS_DEPRECATION}");
+        }
         cleanup_others(mode, cfg);
         let metrics = Metrics::new(mode);
         let dp = build_with_resync(mode, cfg, node_pod_cidrs, Some(&metrics), Some(resync))?;
@@ -158,32 +178,17 @@ fn cleanup_iptables(errors: &mut Vec<String>) {
             );
         }
     }
-    cleanup_nft(errors);
 }
 
-/// Upstream kube-proxy's nftables mode: the `ip kube-proxy` / `ip6 kube-proxy` tables.
+/// The nftables mode's (kproxy's or upstream kube-proxy's) `ip kube-proxy` / `ip6
+/// kube-proxy` tables.
 fn cleanup_nft(errors: &mut Vec<String>) {
     if have("nft") {
-        for fam in ["ip", "ip6"] {
-            let listed = std::process::Command::new("nft")
-                .args(["list", "table", fam, "kube-proxy"])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if listed {
-                let r = std::process::Command::new("nft")
-                    .args(["delete", "table", fam, "kube-proxy"])
-                    .output()
-                    .map_err(|e| e.to_string())
-                    .and_then(|o| {
-                        if o.status.success() {
-                            Ok(())
-                        } else {
-                            Err(String::from_utf8_lossy(&o.stderr).trim().to_string())
-                        }
-                    });
-                step(errors, &format!("nft table {fam} kube-proxy"), r);
-            }
-        }
+        step(
+            errors,
+            "nft tables ip/ip6 kube-proxy",
+            crate::dataplane::nftables::dataplane::cleanup_tables(&NftRunner::default()),
+        );
     }
 }
 
@@ -322,7 +327,8 @@ fn ipvs_mode_evidence() -> bool {
 }
 
 /// Removes what the modes other than `mode` (and upstream kube-proxy) left, as upstream's
-/// `CleanupLeftovers` at start-up. iptables and ipvs modes share chain names
+/// `CleanupLeftovers` at start-up. The `ip`/`ip6 kube-proxy` nftables tables are removed
+/// in every mode but nftables (whose tables they are). iptables and ipvs modes share chain names
 /// (`KUBE-SERVICES`, …), so one of them removes the other's rules only when that mode's own
 /// objects show it ran (per-service chains; `kube-ipvs0` or its ipsets): a restart in the same
 /// mode never flushes live rules. The IPVS mode's leftovers (virtual services, `kube-ipvs0`,
@@ -334,7 +340,10 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
         cleanup_ebpf(cfg, &mut errors);
     }
     let here = Evidence::here(cfg);
-    let iptables = mode != ProxyMode::Iptables && (mode == ProxyMode::Ebpf || here.iptables);
+    // The ebpf and nftables modes share no chain with iptables: its rules always go (as
+    // upstream's nftables mode removes the iptables mode's leftovers).
+    let iptables = mode != ProxyMode::Iptables
+        && (matches!(mode, ProxyMode::Ebpf | ProxyMode::Nftables) || here.iptables);
     // IPVS may serve others on this host: its services are flushed only when kube-proxy's
     // ipvs mode demonstrably ran here.
     let ipvs = mode != ProxyMode::Ipvs && here.ipvs;
@@ -350,9 +359,11 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
         (false, true) => {
             info!(%mode, "removing the ipvs mode's leftovers");
             cleanup_ipvs(cfg, &mut errors);
-            cleanup_nft(&mut errors);
         }
-        (false, false) => cleanup_nft(&mut errors),
+        (false, false) => {}
+    }
+    if mode != ProxyMode::Nftables {
+        cleanup_nft(&mut errors);
     }
 }
 
@@ -390,6 +401,7 @@ pub fn cleanup_all(cfg: &ProxyConfig) -> anyhow::Result<()> {
     let mut errors = vec![];
     cleanup_ebpf(cfg, &mut errors);
     cleanup_netfilter_modes(cfg, &mut errors);
+    cleanup_nft(&mut errors);
     if errors.is_empty() {
         info!("cleanup: removed what every mode and kube-proxy left");
         Ok(())
@@ -495,6 +507,38 @@ fn probe_iptables() -> Result<(), String> {
     Err(format!("no usable iptables ({})", reasons.join("; ")))
 }
 
+/// `major.minor` of a kernel release string (`6.1.0-18-amd64` → (6, 1)).
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut it = release.trim().split(['.', '-']);
+    let major = it.next()?.parse().ok()?;
+    let minor = it.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+fn probe_nftables() -> Result<(), String> {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_err(|e| format!("reading the kernel version: {e}"))?;
+    let version = kernel_version(&release)
+        .ok_or_else(|| format!("cannot parse the kernel version {:?}", release.trim()))?;
+    if version < NFTABLES_MIN_KERNEL {
+        return Err(format!(
+            "kernel {} is older than {}.{} (upstream's minimum for nftables mode)",
+            release.trim(),
+            NFTABLES_MIN_KERNEL.0,
+            NFTABLES_MIN_KERNEL.1
+        ));
+    }
+    let nft = NftRunner::default();
+    nft.run(&["--version"], None)
+        .map_err(|e| format!("nft is not usable: {e}"))?;
+    let table = format!("kproxy-probe-{}", std::process::id());
+    nft.run(&["add", "table", "ip", &table], None)
+        .map_err(|e| format!("cannot create an nftables table: {e}"))?;
+    nft.run(&["delete", "table", "ip", &table], None)
+        .map_err(|e| format!("cannot delete the probe nftables table ip {table}: {e}"))?;
+    Ok(())
+}
+
 /// An error with its sources (aya hides the errno in `source()`).
 fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -505,4 +549,32 @@ fn chain(e: &dyn std::error::Error) -> String {
         cur = inner.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_versions_parse_and_compare_with_the_nftables_minimum() {
+        assert_eq!(kernel_version("6.1.0-18-amd64\n"), Some((6, 1)));
+        assert_eq!(kernel_version("5.13"), Some((5, 13)));
+        assert_eq!(kernel_version("garbage"), None);
+        assert!(kernel_version("5.12.19").unwrap() < NFTABLES_MIN_KERNEL);
+        assert!(kernel_version("5.13.0").unwrap() >= NFTABLES_MIN_KERNEL);
+        assert!(kernel_version("6.0.1").unwrap() >= NFTABLES_MIN_KERNEL);
+    }
+
+    #[test]
+    fn detection_tries_nftables_after_ebpf_and_before_ipvs() {
+        assert_eq!(
+            DETECT_ORDER,
+            [
+                ProxyMode::Ebpf,
+                ProxyMode::Nftables,
+                ProxyMode::Ipvs,
+                ProxyMode::Iptables
+            ]
+        );
+    }
 }

@@ -238,7 +238,7 @@ pub const FLAGS: &[FlagSpec] = &[
         Implemented,
         Upstream,
         Some("mode"),
-        "ebpf, ipvs or iptables; empty (default) detects: ebpf, else ipvs, else iptables.",
+        "ebpf, nftables, ipvs or iptables; empty (default) detects: ebpf, else nftables, else ipvs, else iptables.",
     )
     .sets(Str(|c| &mut c.mode)),
     f(

@@ -666,9 +666,9 @@ mod tests {
         // Values valid as text but invalid for the field: the field and the flag are named.
         let e = load_err(&["--iptables-masquerade-bit=32"]);
         assert!(e.contains("iptables.masqueradeBit (--iptables-masquerade-bit): must be within the range [0, 31]"), "{e}");
-        let e = load_err(&["--proxy-mode=nftables"]);
+        let e = load_err(&["--proxy-mode=userspace"]);
         assert!(
-            e.contains("mode (--proxy-mode): \"nftables\" is not supported by kproxy yet"),
+            e.contains("mode (--proxy-mode): \"userspace\" is not a proxy mode"),
             "{e}"
         );
         let e = load_err(&["--nodeport-addresses=10.0.0.0/8,bogus"]);

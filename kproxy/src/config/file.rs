@@ -271,7 +271,7 @@ pub struct Ipvs {
     pub udp_timeout: Option<GoDuration>,
 }
 
-/// `nftables` (parsed and validated; kproxy has no nftables mode).
+/// `nftables`: the nftables mode's settings.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Nftables {

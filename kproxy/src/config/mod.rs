@@ -15,8 +15,8 @@
 //!   problem is reported at once, each naming its field (and the flag that set it, if any).
 //!
 //! Divergences from upstream, on purpose:
-//! - `mode: ""` means *detect* (ebpf, else ipvs, else iptables); upstream's empty mode means
-//!   iptables. `nftables` and `kernelspace` are rejected.
+//! - `mode: ""` means *detect* (ebpf, else nftables, else ipvs, else iptables); upstream's
+//!   empty mode means iptables. `kernelspace` is rejected.
 //! - Flags override the file. Upstream ignores most flags when `--config` is given; kproxy
 //!   applies every flag actually given on top of the file.
 //! - The periods of every section are validated, not only those of the chosen mode (the mode
@@ -99,6 +99,8 @@ pub struct ProxyConfig {
     pub iptables: IptablesConfig,
     /// The ipvs mode's settings.
     pub ipvs: IpvsConfig,
+    /// The nftables mode's settings (`nftables.*`).
+    pub nftables: NftablesModeConfig,
     /// The ebpf mode's sync periods (kproxy extension: top-level `syncPeriod`/`minSyncPeriod`,
     /// `--sync-period`/`--min-sync-period`).
     pub ebpf_sync: SyncPeriods,
@@ -210,6 +212,18 @@ pub struct IptablesConfig {
     pub localhost_node_ports: bool,
 }
 
+/// The nftables mode's settings (upstream's `nftables.*` section).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct NftablesModeConfig {
+    /// `nftables.syncPeriod` / `minSyncPeriod` (30s / 1s).
+    pub sync: SyncPeriods,
+    /// `nftables.masqueradeBit` (0..=31, default 14).
+    pub masquerade_bit: u8,
+    /// `nftables.masqueradeAll`, or `--masquerade-all` / `iptables.masqueradeAll` (upstream's
+    /// flag sets every mode's field).
+    pub masquerade_all: bool,
+}
+
 /// The ipvs mode's settings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct IpvsConfig {
@@ -316,11 +330,13 @@ fn ser_log_format<S: serde::Serializer>(f: &LogFormat, s: S) -> Result<S::Ok, S:
 }
 
 impl ProxyConfig {
-    /// The sync periods of `mode`: `iptables.*` for iptables, `ipvs.*` for ipvs, the top-level
+    /// The sync periods of `mode`: `iptables.*` for iptables, `ipvs.*` for ipvs, `nftables.*`
+    /// for nftables, the top-level
     /// (extension) periods for ebpf.
     pub fn sync_periods(&self, mode: ProxyMode) -> SyncPeriods {
         match mode {
             ProxyMode::Iptables => self.iptables.sync,
+            ProxyMode::Nftables => self.nftables.sync,
             ProxyMode::Ipvs => self.ipvs.sync,
             ProxyMode::Ebpf => self.ebpf_sync,
         }

@@ -15,7 +15,7 @@
 //! - conntrack values and IPVS timeouts ≥ 0; `clientConnection.burst` ≥ 0;
 //!   `ipvs.scheduler` a known scheduler; `portRange` empty or a port range;
 //!   `logging.format` `text` or `json`;
-//! - `mode` "", ebpf, ipvs or iptables (kproxy; see [`super`]);
+//! - `mode` "", ebpf, nftables, ipvs or iptables (kproxy; see [`super`]);
 //! - kproxy's `bpf:` values (absolute paths, known map names, xdp / lbAlgorithm values, a
 //!   prime maglevTableSize).
 //!
@@ -250,7 +250,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", cfg.iptables.masquerade_bit);
     let masquerade_all = cfg.iptables.masquerade_all.unwrap_or(false);
     let iptables = resolve_iptables(&mut cx, &cfg.iptables);
-    validate_nftables(&mut cx, &cfg.nftables);
+    let nftables = resolve_nftables(&mut cx, &cfg.nftables, masquerade_all);
     let ipvs = resolve_ipvs(&mut cx, &cfg.ipvs);
     let ebpf_sync = cx.periods("", cfg.sync_period, cfg.min_sync_period);
     let bpf = resolve_bpf(&mut cx, &cfg.bpf);
@@ -283,6 +283,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             masquerade_bit,
             iptables,
             ipvs,
+            nftables,
             ebpf_sync,
             bpf,
             conntrack,
@@ -515,12 +516,18 @@ fn resolve_iptables(cx: &mut Ctx<'_>, ipt: &super::file::Iptables) -> IptablesCo
     }
 }
 
-/// `nftables.*`: validated like upstream, otherwise unused (kproxy has no nftables mode yet).
-fn validate_nftables(cx: &mut Ctx<'_>, nft: &super::file::Nftables) {
-    cx.masquerade_bit("nftables.masqueradeBit", nft.masquerade_bit);
-    cx.periods("nftables", nft.sync_period, nft.min_sync_period);
-    if nft.masquerade_all == Some(true) {
-        cx.ignored("nftables.masqueradeAll", true);
+/// `nftables.*` (the nftables mode's settings): masqueradeBit in [0, 31], the sync periods
+/// like every mode's; `masqueradeAll` is also set by `--masquerade-all` /
+/// `iptables.masqueradeAll` (`masquerade_all`).
+fn resolve_nftables(
+    cx: &mut Ctx<'_>,
+    nft: &super::file::Nftables,
+    masquerade_all: bool,
+) -> NftablesModeConfig {
+    NftablesModeConfig {
+        masquerade_bit: cx.masquerade_bit("nftables.masqueradeBit", nft.masquerade_bit),
+        sync: cx.periods("nftables", nft.sync_period, nft.min_sync_period),
+        masquerade_all: masquerade_all || nft.masquerade_all == Some(true),
     }
 }
 
@@ -711,17 +718,14 @@ fn warn_windows_and_removed(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) {
     }
 }
 
-/// `mode`: "" = detect; ebpf / ipvs / iptables forced; anything else an error naming the field.
+/// `mode`: "" = detect; ebpf / nftables / ipvs / iptables forced; anything else an error naming the field.
 fn resolve_mode(cx: &mut Ctx<'_>, mode: &str) -> ModeChoice {
     match mode {
         "" => ModeChoice::Detect,
         "ebpf" => ModeChoice::Forced(ProxyMode::Ebpf),
         "ipvs" => ModeChoice::Forced(ProxyMode::Ipvs),
         "iptables" => ModeChoice::Forced(ProxyMode::Iptables),
-        "nftables" => {
-            cx.err("mode", "\"nftables\" is not supported by kproxy yet (use \"\" to detect, \"ebpf\", \"ipvs\" or \"iptables\")");
-            ModeChoice::Detect
-        }
+        "nftables" => ModeChoice::Forced(ProxyMode::Nftables),
         "kernelspace" => {
             cx.err(
                 "mode",
@@ -732,7 +736,7 @@ fn resolve_mode(cx: &mut Ctx<'_>, mode: &str) -> ModeChoice {
         other => {
             cx.err(
                 "mode",
-                format!("{other:?} is not a proxy mode: expected \"\" (detect), \"ebpf\", \"ipvs\" or \"iptables\""),
+                format!("{other:?} is not a proxy mode: expected \"\" (detect), \"ebpf\", \"nftables\", \"ipvs\" or \"iptables\""),
             );
             ModeChoice::Detect
         }
@@ -1012,6 +1016,7 @@ mod tests {
             ("ebpf", ModeChoice::Forced(ProxyMode::Ebpf)),
             ("ipvs", ModeChoice::Forced(ProxyMode::Ipvs)),
             ("iptables", ModeChoice::Forced(ProxyMode::Iptables)),
+            ("nftables", ModeChoice::Forced(ProxyMode::Nftables)),
             ("\"\"", ModeChoice::Detect),
         ] {
             assert_eq!(
@@ -1022,12 +1027,6 @@ mod tests {
                 want
             );
         }
-        assert_eq!(
-            errors("mode: nftables\n"),
-            vec![
-                "mode: \"nftables\" is not supported by kproxy yet (use \"\" to detect, \"ebpf\", \"ipvs\" or \"iptables\")"
-            ]
-        );
         assert!(errors("mode: kernelspace\n")[0].starts_with("mode: \"kernelspace\""));
         assert!(
             errors("mode: userspace\n")[0].starts_with("mode: \"userspace\" is not a proxy mode")

@@ -25,15 +25,22 @@ pub enum ProxyMode {
     Ebpf,
     Ipvs,
     Iptables,
+    Nftables,
 }
 
 impl ProxyMode {
-    pub const ALL: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, ProxyMode::Iptables];
+    pub const ALL: [ProxyMode; 4] = [
+        ProxyMode::Ebpf,
+        ProxyMode::Ipvs,
+        ProxyMode::Iptables,
+        ProxyMode::Nftables,
+    ];
     pub fn as_str(self) -> &'static str {
         match self {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Ipvs => "ipvs",
             ProxyMode::Iptables => "iptables",
+            ProxyMode::Nftables => "nftables",
         }
     }
 }
@@ -51,8 +58,9 @@ impl FromStr for ProxyMode {
             "ebpf" => Ok(ProxyMode::Ebpf),
             "ipvs" => Ok(ProxyMode::Ipvs),
             "iptables" => Ok(ProxyMode::Iptables),
+            "nftables" => Ok(ProxyMode::Nftables),
             other => Err(format!(
-                "unknown proxy mode {other:?}: expected \"\" (detect), \"ebpf\", \"ipvs\" or \"iptables\""
+                "unknown proxy mode {other:?}: expected \"\" (detect), \"ebpf\", \"nftables\", \"ipvs\" or \"iptables\""
             )),
         }
     }

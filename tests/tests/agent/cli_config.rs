@@ -299,7 +299,7 @@ fn bad_values_are_rejected_naming_each_field() {
     let f = dir.write(
         "c.yaml",
         &format!(
-            "{HEAD}iptables:\n  minSyncPeriod: -1s\n  masqueradeBit: 32\nmode: nftables\nclusterCIDR: 10.0.0.0/40\n\
+            "{HEAD}iptables:\n  minSyncPeriod: -1s\n  masqueradeBit: 32\nmode: userspace\nclusterCIDR: 10.0.0.0/40\n\
              metricsBindAddress: 127.0.0.1:0\nnodePortAddresses: [primary, 10.0.0.0/8]\ndetectLocalMode: Bridge\n\
              oomScoreAdj: -1001\nconntrack:\n  tcpCloseWaitTimeout: -1h\nipvs:\n  scheduler: fifo\n"
         ),
@@ -308,7 +308,7 @@ fn bad_values_are_rejected_naming_each_field() {
     let want = [
         "iptables.minSyncPeriod: must be >= 0",
         "iptables.masqueradeBit: must be within the range [0, 31]",
-        "mode: \"nftables\" is not supported by kproxy yet",
+        "mode: \"userspace\" is not a proxy mode",
         "clusterCIDR: \"10.0.0.0/40\" must be a valid CIDR",
         "metricsBindAddress: \"127.0.0.1:0\": must be a valid port",
         "nodePortAddresses[0]: can't use both 'primary' and CIDRs",
@@ -707,7 +707,7 @@ fn version_prints_and_exits_zero() {
 #[test]
 fn mode_values() {
     let dir = Scratch::new("cli-mode");
-    for mode in ["\"\"", "ebpf", "ipvs", "iptables"] {
+    for mode in ["\"\"", "ebpf", "ipvs", "iptables", "nftables"] {
         let f = dir.write("c.yaml", &format!("{HEAD}mode: {mode}\n"));
         ok(&["--config", f.to_str().unwrap(), "--init-only"]);
         ok(&[
@@ -716,7 +716,6 @@ fn mode_values() {
         ]);
     }
     for (mode, reason) in [
-        ("nftables", "is not supported by kproxy yet"),
         ("kernelspace", "is the Windows proxy mode"),
         ("userspace", "is not a proxy mode"),
         ("IPTABLES", "is not a proxy mode"),

@@ -1,5 +1,5 @@
 //! The nftables proxier: upstream kube-proxy's nftables mode (pkg/proxy/nftables), object for
-//! object. Everything but [`kernel`] is pure:
+//! object. Everything but [`kernel`] and [`dataplane`] is pure:
 //!
 //! - [`config`]: [`NftablesConfig`], the resolved per-family settings.
 //! - [`names`]: upstream's hashed chain and set names.
@@ -10,6 +10,7 @@
 //! - [`elements`]: element reconciliation (upstream `nftElementStorage`).
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
 //! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
+//! - [`dataplane`]: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
 //! - [`kernel`]: the kernel backend (`nft -f -` transactions, `nft -j list` reads — JSON,
 //!   not netlink yet: a known gap, see its docs).
 //!
@@ -30,6 +31,7 @@
 //!   proxier writes `%#08x` (`0x004000`), which nft reads the same.
 
 pub mod config;
+pub mod dataplane;
 pub mod elements;
 pub mod fake;
 pub mod kernel;
@@ -40,6 +42,7 @@ pub mod setup;
 pub mod transaction;
 
 pub use config::NftablesConfig;
+pub use dataplane::NftablesDataplane;
 pub use fake::FakeTable;
 pub use proxier::{NftBackend, NftSyncError, NftSyncStats, Proxier, render};
 pub use transaction::{Transaction, canonical_sort};

@@ -77,6 +77,8 @@ pub struct Proxier {
     pub stats: NftSyncStats,
     /// The main transaction of the last sync attempt.
     pub last_transaction: Option<Transaction>,
+    /// Stale-chain deletions that failed so far (upstream's nftables cleanup failures).
+    pub cleanup_failures: u64,
 }
 
 impl Proxier {
@@ -89,6 +91,7 @@ impl Proxier {
             storages: Storages::default(),
             stats: NftSyncStats::default(),
             last_transaction: None,
+            cleanup_failures: 0,
         }
     }
 
@@ -133,6 +136,7 @@ impl Proxier {
         if let Err(e) = backend.run(&tx) {
             // Still existing chains are found stale again at the end of this sync.
             tracing::error!(error = %e, "unable to delete stale nftables chains; will retry later");
+            self.cleanup_failures += 1;
             return 0;
         }
         due.len()

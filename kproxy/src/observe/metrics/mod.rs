@@ -218,6 +218,79 @@ impl IptablesMetrics {
     }
 }
 
+/// Metrics of the nftables datapath (upstream's `RegisterMetrics` for nftables mode: the
+/// full/partial sync durations and the nftables sync / cleanup failure counters). Obtain with
+/// [`Metrics::nftables`].
+pub struct NftablesMetrics {
+    full_duration: FamilyHistogram,
+    partial_duration: FamilyHistogram,
+    sync_failures: Family<FamilyLabels, Counter>,
+    cleanup_failures: Family<FamilyLabels, Counter>,
+}
+
+impl NftablesMetrics {
+    fn new() -> NftablesMetrics {
+        NftablesMetrics {
+            full_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+            partial_duration: Family::new_with_constructor(sync_buckets as fn() -> Histogram),
+            sync_failures: Family::default(),
+            cleanup_failures: Family::default(),
+        }
+    }
+
+    fn register(&self, kp: &mut Registry) {
+        kp.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            self.full_duration.clone(),
+        );
+        kp.register(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            self.partial_duration.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_nftables_sync_failures",
+            "Cumulative proxy nftables sync failures",
+            self.sync_failures.clone(),
+        );
+        kp.register(
+            "sync_proxy_rules_nftables_cleanup_failures",
+            "Cumulative proxy nftables cleanup failures",
+            self.cleanup_failures.clone(),
+        );
+    }
+
+    fn create_series(&self, f: IpFamily) {
+        let l = fam(f);
+        drop(self.full_duration.get_or_create(&l));
+        drop(self.partial_duration.get_or_create(&l));
+        drop(self.sync_failures.get_or_create(&l));
+        drop(self.cleanup_failures.get_or_create(&l));
+    }
+
+    /// `kubeproxy_sync_{full,partial}_proxy_rules_duration_seconds{ip_family}`.
+    pub fn observe_sync(&self, family: IpFamily, full: bool, seconds: f64) {
+        let h = if full {
+            &self.full_duration
+        } else {
+            &self.partial_duration
+        };
+        h.get_or_create(&fam(family)).observe(seconds);
+    }
+
+    /// `kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family}`.
+    pub fn sync_failed(&self, family: IpFamily) {
+        self.sync_failures.get_or_create(&fam(family)).inc();
+    }
+
+    /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}` (a failed
+    /// stale-chain deletion).
+    pub fn cleanup_failed(&self, family: IpFamily) {
+        self.cleanup_failures.get_or_create(&fam(family)).inc();
+    }
+}
+
 /// Metrics of the conntrack reconciler (every mode). Obtain with [`Metrics::conntrack`].
 pub struct ConntrackMetrics {
     deleted: Family<FamilyLabels, Counter>,
@@ -565,6 +638,7 @@ struct Inner {
     generic: Generic,
     conntrack: ConntrackMetrics,
     iptables: Option<IptablesMetrics>,
+    nftables: Option<NftablesMetrics>,
 }
 
 /// A cheap-to-clone handle on the registry and every metric in it.
@@ -604,11 +678,19 @@ impl Metrics {
             m.register(kp, mode);
             m
         });
+        let nftables = (mode == ProxyMode::Nftables).then(|| {
+            let m = NftablesMetrics::new();
+            m.register(kp);
+            m
+        });
         generic.register_kproxy(registry.sub_registry_with_prefix("kproxy"));
         generic.create_series(mode, families);
         for f in families {
             conntrack.create_series(*f);
             if let Some(m) = &iptables {
+                m.create_series(*f);
+            }
+            if let Some(m) = &nftables {
                 m.create_series(*f);
             }
         }
@@ -622,6 +704,7 @@ impl Metrics {
                 generic,
                 conntrack,
                 iptables,
+                nftables,
             }),
         }
     }
@@ -640,6 +723,11 @@ impl Metrics {
     /// restore-failure counter, as upstream does).
     pub fn iptables(&self) -> Option<&IptablesMetrics> {
         self.inner.iptables.as_ref()
+    }
+
+    /// The nftables-mode metrics (`Some` in nftables mode only).
+    pub fn nftables(&self) -> Option<&NftablesMetrics> {
+        self.inner.nftables.as_ref()
     }
 
     /// The conntrack reconciler's metrics.
@@ -853,6 +941,66 @@ mod tests {
             Some("counter")
         );
         assert!(type_line(&text, "kubeproxy_sync_proxy_rules_iptables_total").is_none());
+    }
+
+    #[test]
+    fn nftables_mode_registers_upstreams_nftables_metrics() {
+        let m = Metrics::new(ProxyMode::Nftables);
+        assert!(m.iptables().is_none() && m.nftables().is_some());
+        let text = m.encode();
+        for (name, kind) in [
+            (
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+                "counter",
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+                "counter",
+            ),
+            (
+                "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                "histogram",
+            ),
+            (
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                "histogram",
+            ),
+            ("kubeproxy_sync_proxy_rules_duration_seconds", "histogram"),
+            (
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "gauge",
+            ),
+            ("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "gauge"),
+            (
+                "kubeproxy_network_programming_duration_seconds",
+                "histogram",
+            ),
+        ] {
+            assert_eq!(type_line(&text, name).as_deref(), Some(kind), "{name}");
+        }
+        for absent in [
+            "kubeproxy_sync_proxy_rules_iptables_total",
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+        ] {
+            assert!(type_line(&text, absent).is_none(), "{absent}");
+        }
+        let n = m.nftables().unwrap();
+        n.sync_failed(IpFamily::V6);
+        n.observe_sync(IpFamily::V4, true, 0.01);
+        let text = m.encode();
+        assert!(
+            text.contains(
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv6\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(Metrics::new(ProxyMode::Iptables).nftables().is_none());
     }
 
     #[test]
