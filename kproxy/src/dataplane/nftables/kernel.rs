@@ -169,8 +169,15 @@ impl NftBackend for KernelTable {
         Ok(self.listing()?.chains.clone())
     }
 
+    /// Sets only, not maps (knftables `List("sets")`, like [`super::FakeTable::list_sets`]).
     fn list_sets(&mut self) -> Result<Vec<String>, String> {
-        Ok(self.listing()?.sets.keys().cloned().collect())
+        Ok(self
+            .listing()?
+            .sets
+            .iter()
+            .filter(|(_, is_map)| !**is_map)
+            .map(|(n, _)| n.clone())
+            .collect())
     }
 
     fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String> {

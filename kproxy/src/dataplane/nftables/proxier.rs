@@ -13,7 +13,7 @@ use super::config::NftablesConfig;
 use super::fake::FakeTable;
 use super::names::{is_affinity_set, is_service_chain};
 use super::service::{Storages, SyncContext};
-use super::setup::{TABLE, setup};
+use super::setup::{BASE_CHAINS, CLUSTER_IPS, SERVICES, TABLE, setup};
 use super::transaction::{Object, Transaction};
 
 /// How long a flushed chain waits before it is deleted (kernels before 6.2 notice a map
@@ -150,10 +150,17 @@ impl Proxier {
         now: Duration,
         backend: &mut dyn NftBackend,
     ) -> Result<NftSyncStats, NftSyncError> {
-        let full = self.need_full_sync || changed.node;
+        let mut full = self.need_full_sync || changed.node;
         // Until this sync succeeds, the next one must be full.
         self.need_full_sync = true;
         let stale_deleted = self.delete_stale_chains(now, backend);
+        if !full && !self.static_part_intact(backend).map_err(NftSyncError)? {
+            tracing::info!(
+                family = self.cfg.table_family(),
+                "the kube-proxy nftables table was changed from outside (base chains or maps missing); doing a full sync"
+            );
+            full = true;
+        }
         let err = |e: String| NftSyncError(e);
         let mut tx = self.new_tx();
         let existing = if full {
@@ -229,6 +236,24 @@ impl Proxier {
             no_local_external,
         };
         Ok(self.stats.clone())
+    }
+
+    /// Whether the table still has its static part: every base chain, the `services` chain
+    /// and the `cluster-ips` set. A partial sync only writes changed services, so without
+    /// this check a table deleted from outside (`nft delete table ip kube-proxy`) would stay
+    /// missing until the next full sync. Knowingly beyond upstream, whose partial syncs
+    /// trust the table; the listing is the one a partial sync reads anyway
+    /// ([`Self::stale_objects`]), so the check costs no extra kernel read with a caching
+    /// backend. Flushed rules are not detected.
+    fn static_part_intact(&self, backend: &mut dyn NftBackend) -> Result<bool, String> {
+        let chains: BTreeSet<String> = backend.list_chains()?.into_iter().collect();
+        let sets: BTreeSet<String> = backend.list_sets()?.into_iter().collect();
+        Ok(BASE_CHAINS
+            .iter()
+            .map(|(name, ..)| *name)
+            .chain([SERVICES])
+            .all(|c| chains.contains(c))
+            && sets.contains(CLUSTER_IPS))
     }
 
     /// Flushes service chains no longer in use (recording them stale) and deletes affinity
@@ -517,6 +542,29 @@ mod tests {
             !tx.contains("delete chain ip kube-proxy nat-prerouting"),
             "{tx}"
         );
+    }
+
+    #[test]
+    fn a_table_deleted_from_outside_makes_the_next_sync_full() {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        let want = canonical(&t);
+        // Nothing changed: a partial sync that writes nothing.
+        let s = p
+            .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("partial");
+        assert!(!s.full && s.operations == 0, "{s:?}");
+        // `nft delete table ip kube-proxy`.
+        t.load("delete table ip kube-proxy\n").expect("delete");
+        assert!(FakeTable::list_chains(&t).is_empty());
+        let s = p
+            .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("repair");
+        assert!(s.full, "{s:?}");
+        assert_eq!(canonical(&t), want);
     }
 
     #[test]
