@@ -1,8 +1,10 @@
 //! The real `kproxy` binary in a node namespace of the shared topology, end to end:
 //!
 //! - mode detection: without CAP_BPF/CAP_SYS_ADMIN (`capsh --drop`) and without
-//!   `--proxy-mode` it runs iptables (GET /proxyMode) and serves a ClusterIP and a NodePort;
+//!   `--proxy-mode` it runs nftables (GET /proxyMode) and serves a ClusterIP and a NodePort;
 //!   with full capabilities it detects ebpf;
+//! - `--proxy-mode=nftables`: serves, removes the other modes' leftovers but keeps (adopts)
+//!   the `ip kube-proxy` table across restarts; `kproxy cleanup` deletes the table;
 //! - at start, the leftovers of other modes and of upstream kube-proxy are removed (KUBE-*
 //!   chains of both iptables backends, `ip kube-proxy` nft table, ipsets, `kube-ipvs0`);
 //! - `kproxy inspect --output json` shows the service and its programmed backends;
@@ -251,7 +253,7 @@ fn assert_inspect_web(v: &serde_json::Value, mode: &str, topo: &Topology) {
 }
 
 #[test]
-fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
+fn without_bpf_capabilities_detection_picks_nftables_and_serves() {
     if !require_root() {
         return;
     }
@@ -279,8 +281,8 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
     let mut agent = AgentProcess::spawn(cmd, scratch.0.join("kproxy.log"));
     let pod0 = &topo.local_pods().next().unwrap().ns;
     wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
-    assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "iptables");
-    // The iptables datapath reports its syncs into upstream's metrics.
+    assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "nftables");
+    // The nftables datapath reports its syncs into upstream's metrics.
     let metrics = metrics_get(&topo.node, "/metrics");
     let full_syncs = metrics
         .lines()
@@ -306,13 +308,118 @@ fn without_bpf_capabilities_detection_picks_iptables_and_serves() {
         .run(&topo.client, None)
         .unwrap();
     assert_spread(&r, &names);
-    // Leftovers of upstream's nftables and ipvs modes that need no CAP_SYS_ADMIN to remove.
+    // The ipvs mode's leftovers are removed; the nftables mode's table is its own (upstream
+    // kube-proxy's empty table was adopted and now holds the services).
+    assert!(ok(
+        &topo.node,
+        "nft",
+        &["list", "chain", "ip", "kube-proxy", "services"]
+    ));
+    assert!(!ok(&topo.node, "ip", &["link", "show", "kube-ipvs0"]));
+}
+
+/// The chain names of the `family kube-proxy` table (empty when the table does not exist).
+fn nft_chains(ns: &Netns, family: &str) -> Vec<String> {
+    let v: serde_json::Value =
+        serde_json::from_str(&out(ns, "nft", &["-j", "list", "chains", family]))
+            .unwrap_or_default();
+    v["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o.get("chain"))
+        .filter(|c| c["table"] == "kube-proxy")
+        .filter_map(|c| c["name"].as_str().map(String::from))
+        .collect()
+}
+
+#[test]
+fn nftables_forced_serves_keeps_its_table_on_restart_and_cleanup_removes_it() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("am-nft");
+    let scratch = ScratchDir::new("am-nft").unwrap();
+    let m = manifests(&topo, &scratch.0);
+    seed_upstream_leftovers(&topo.node, true);
+    let common = vec![
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        "--proxy-mode=nftables".to_string(),
+        "--metrics-bind-address=127.0.0.1:10249".to_string(),
+    ];
+    let mut agent = AgentProcess::spawn(
+        kproxy_cmd(&topo.node, &common),
+        scratch.0.join("kproxy.log"),
+    );
+    let pod0 = &topo.local_pods().next().unwrap().ns;
+    wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
+    assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "nftables");
+    let metrics = metrics_get(&topo.node, "/metrics");
+    assert!(
+        metrics.contains(
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 0"
+        ),
+        "{metrics}"
+    );
+    let names: Vec<String> = topo.local_pods().map(|p| p.name.clone()).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let r = Probe::tcp(format!("{NODE_IP}:{NODE_PORT}"), 40)
+        .run(&topo.client, None)
+        .unwrap();
+    assert_spread(&r, &names);
+    // The iptables and ipvs modes' leftovers are gone; the nftables table is kproxy's.
+    assert_eq!(
+        kube_rules(&topo.node),
+        Vec::<String>::new(),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(ipsets(&topo.node), Vec::<String>::new());
+    assert!(!ok(&topo.node, "ip", &["link", "show", "kube-ipvs0"]));
+    let chains = nft_chains(&topo.node, "ip");
+    assert!(
+        chains.iter().any(|c| c == "services") && chains.iter().any(|c| c.starts_with("service-")),
+        "{chains:?}"
+    );
+
+    // A restart in nftables mode keeps the table (start-up cleanup no longer deletes it): a
+    // chain kproxy does not own survives, and the services are served again.
+    agent.kill();
+    topo.node
+        .exec("nft", &["add", "chain", "ip", "kube-proxy", "kp-marker"])
+        .unwrap();
+    let mut agent = AgentProcess::spawn(
+        kproxy_cmd(&topo.node, &common),
+        scratch.0.join("kproxy2.log"),
+    );
+    wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
+    assert!(
+        nft_chains(&topo.node, "ip")
+            .iter()
+            .any(|c| c == "kp-marker"),
+        "the table was deleted at start-up:\n{}",
+        agent.log()
+    );
+    agent.kill();
+
+    let o = kproxy_cmd(&topo.node, &common)
+        .arg("cleanup")
+        .output()
+        .unwrap();
+    let log = strip_ansi(&format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    ));
+    assert!(o.status.success(), "kproxy cleanup failed: {log}");
+    assert_eq!(nft_chains(&topo.node, "ip"), Vec::<String>::new(), "{log}");
+    assert_eq!(nft_chains(&topo.node, "ip6"), Vec::<String>::new(), "{log}");
     assert!(!ok(
         &topo.node,
         "nft",
         &["list", "table", "ip", "kube-proxy"]
     ));
-    assert!(!ok(&topo.node, "ip", &["link", "show", "kube-ipvs0"]));
 }
 
 #[test]

@@ -779,6 +779,21 @@ fn render_with_a_mode_prints_that_datapaths_plan() {
         ebpf.contains("10.96.0.10") && ebpf.contains("10.244.1.2"),
         "{ebpf}"
     );
+    let nft = render("nftables");
+    assert!(
+        nft.contains("# IPv4\nadd table ip kube-proxy") && nft.contains("add table ip6 kube-proxy"),
+        "{nft}"
+    );
+    for ep in ["10.244.1.2:8080", "10.244.1.3:8080"] {
+        assert!(nft.contains(&format!("dnat to {ep}")), "{ep} in {nft}");
+    }
+    assert!(
+        nft.contains(
+            "add element ip kube-proxy service-ips { 10.96.0.10 . tcp . 80 : goto service-"
+        ) && nft
+            .contains("add element ip kube-proxy service-nodeports { tcp . 30080 : goto external-"),
+        "{nft}"
+    );
 }
 
 #[test]
