@@ -393,6 +393,17 @@ fn nftables_forced_serves_keeps_its_table_on_restart_and_cleanup_removes_it() {
         kproxy_cmd(&topo.node, &common),
         scratch.0.join("kproxy2.log"),
     );
+    // The old rules answer before the new agent ran its start-up cleanup: wait for its
+    // first full sync (which comes after the cleanup), then for the service.
+    agent.wait_for("the first full sync", || {
+        http_get(&topo.node, 10249, "/metrics").filter(|(_, body)| {
+            body.lines().any(|l| {
+                l.starts_with("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+                    && l.contains("IPv4")
+                    && !l.ends_with(" 0")
+            })
+        })
+    });
     wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
     assert!(
         nft_chains(&topo.node, "ip")
