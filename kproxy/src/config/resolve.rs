@@ -1011,6 +1011,58 @@ mod tests {
     }
 
     #[test]
+    fn nftables_section_sets_the_modes_periods_and_masquerading() {
+        let c = resolve(&cfg(""), &extra()).unwrap().config;
+        // Upstream's defaults: 30s / 1s, bit 14, no masquerade-all.
+        assert_eq!(
+            c.runner_config(ProxyMode::Nftables).max_interval.as_secs(),
+            30
+        );
+        assert_eq!(
+            c.runner_config(ProxyMode::Nftables).min_interval.as_secs(),
+            1
+        );
+        assert_eq!(c.nftables.masquerade_bit, 14);
+        assert!(!c.nftables.masquerade_all);
+        let c = resolve(
+            &cfg("nftables:\n  syncPeriod: 50s\n  minSyncPeriod: 4s\n  masqueradeBit: 7\n  masqueradeAll: true\n"),
+            &extra(),
+        )
+        .unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let c = c.config;
+        assert_eq!(
+            c.runner_config(ProxyMode::Nftables).max_interval.as_secs(),
+            50
+        );
+        assert_eq!(
+            c.runner_config(ProxyMode::Nftables).min_interval.as_secs(),
+            4
+        );
+        assert_eq!(
+            (c.nftables.masquerade_bit, c.nftables.masquerade_all),
+            (7, true)
+        );
+        // The iptables section's masquerading does not leak into the bit, but masqueradeAll
+        // (set by --masquerade-all) applies to every mode.
+        let c = resolve(
+            &cfg("iptables:\n  masqueradeAll: true\n  masqueradeBit: 3\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            (c.nftables.masquerade_bit, c.nftables.masquerade_all),
+            (14, true)
+        );
+        assert_eq!(
+            errors("nftables:\n  syncPeriod: 1s\n  minSyncPeriod: 2s\n").len(),
+            1,
+            "minSyncPeriod > syncPeriod is an error"
+        );
+    }
+
+    #[test]
     fn modes() {
         for (m, want) in [
             ("ebpf", ModeChoice::Forced(ProxyMode::Ebpf)),
