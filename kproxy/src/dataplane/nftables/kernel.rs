@@ -5,10 +5,10 @@
 //! **Known gap (issue #19):** the kernel state is read by parsing `nft -j` (JSON) output, not
 //! through netlink. Upstream moved away from `nft list table` because it took 40 s at 44k
 //! services; kproxy never lists the whole table (no rules are printed): a sync reads
-//! `nft -j list chains <family>`, `list sets` and `list maps` once (cached until the next
-//! transaction), and a full sync additionally one `nft -j list set|map` per element storage
-//! (six sets/maps), like knftables' `List` and `ListElements`. The netlink reader is left
-//! for later.
+//! `nft -t -j list chains <family>`, `list sets` and `list maps` once (terse: names without
+//! elements; cached until the next transaction), and a full sync additionally one
+//! `nft -j list set|map` per element storage (six sets/maps), like knftables' `List` and
+//! `ListElements`. The netlink reader is left for later.
 //!
 //! The JSON → element text conversion ([`element_text`]) is pure and gives exactly the text
 //! the planner writes (`172.30.0.41 . tcp . 80`, `goto service-…`, `drop`), so the element
@@ -104,10 +104,12 @@ impl KernelTable {
         self.runner.run(args, stdin)
     }
 
+    /// `nft -t -j list <what> <family>`: terse (`-t`), so sets and maps come without their
+    /// elements (names are all a listing needs).
     fn list_json(&mut self, what: &str) -> Result<Value, String> {
         let fam = self.family.clone();
         let out = self
-            .nft(&["-j", "list", what, &fam], None)
+            .nft(&["-t", "-j", "list", what, &fam], None)
             .map_err(|e| format!("nft list {what} {fam}: {e}"))?;
         serde_json::from_str(&out).map_err(|e| format!("nft list {what} {fam}: bad JSON: {e}"))
     }
@@ -140,12 +142,6 @@ impl KernelTable {
             Err(e) if is_not_found(&e) => Ok(()),
             Err(e) => Err(format!("nft delete table {fam} {TABLE}: {e}")),
         }
-    }
-
-    /// Whether the table exists.
-    pub fn exists(&mut self) -> Result<bool, String> {
-        let out = self.list_json("tables")?;
-        Ok(objects_of(&out, "table").next().is_some())
     }
 }
 
