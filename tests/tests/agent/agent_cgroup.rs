@@ -4,7 +4,8 @@
 //! - inside a new cgroup namespace rooted at a test cgroup with its **own** cgroup2 mount (what
 //!   a container runtime gives a container: `unshare --cgroup --mount` + `mount -t cgroup2`),
 //!   `--proxy-mode=ebpf` exits 1 naming the cgroup and the reason; without `--proxy-mode` the
-//!   agent rejects ebpf with that reason in its log and runs iptables (`/proxyMode`);
+//!   agent rejects ebpf with that reason in its log and runs the next mode, nftables
+//!   (`/proxyMode`);
 //! - inside a new cgroup namespace that still sees the host's hierarchy (`unshare --cgroup`
 //!   alone: the inherited mount's root is above the namespace root), ebpf runs: the rule is
 //!   about what the mount shows, not about the namespace alone.
@@ -112,8 +113,15 @@ fn detection_in_a_private_cgroup_namespace_falls_back_and_logs_why() {
     );
     let mode = proxy_mode(&mut agent, &ns);
     let log = agent.log();
-    // IPVS cannot run on this host kernel; the next mode is iptables.
-    let want = if kproxy::dataplane::ipvs::usable().is_ok() {
+    // The next mode is nftables where `nft` runs (kernel >= 5.13 here), else ipvs, which
+    // this host kernel cannot run, else iptables.
+    let nft = Command::new("nft")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let want = if nft {
+        "nftables"
+    } else if kproxy::dataplane::ipvs::usable().is_ok() {
         "ipvs"
     } else {
         "iptables"
