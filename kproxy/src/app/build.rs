@@ -1,7 +1,7 @@
-//! Builds a datapath from the resolved configuration, and cleans up after every mode.
+//! Builds a datapath from the resolved configuration.
 //!
-//! This is the one place that knows every [`ProxyMode`]'s constructor: `main.rs` calls
-//! [`select`] for the agent and [`cleanup_all`] for `kproxy cleanup` / `--cleanup`; the
+//! This is the one place that knows every [`ProxyMode`]'s constructor; [`super::modes::select`]
+//! calls it for the agent (and [`super::modes::cleanup_all`] cleans up after every mode); the
 //! `*_configs` functions map [`ProxyConfig`] onto each datapath's own configuration (also used
 //! by `kproxy render --proxy-mode`).
 //!
@@ -9,7 +9,7 @@
 //!   each successful sync ([`WithConntrackCleanup`]), the conntrack sysctls of `conntrack:`.
 //! - **ipvs**: one [`IpvsDataplane`] per family (NodePorts on the node's addresses inside
 //!   `nodePortAddresses`), conntrack cleanup and sysctls as iptables.
-//! - **ebpf**: [`EbpfMode`] (service maps + socket LB + the TC path on the node's devices).
+//! - **ebpf**: [`EbpfDataplane`] (service maps + socket LB + the TC path on the node's devices).
 //!
 //! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
 //! for them before building the datapath, as upstream waits before starting its proxier); the
@@ -29,11 +29,11 @@ use tracing::{info, warn};
 
 use super::modes::have;
 use crate::config::{DetectLocal, LbAlgorithm, NodePortAddresses, ProxyConfig, XdpMode};
-use crate::dataplane::ebpf::dataplane::EbpfMode;
-use crate::dataplane::ebpf::dataplane::EbpfModeConfig;
+use crate::dataplane::ebpf::EbpfConfig;
+use crate::dataplane::ebpf::EbpfDataplane;
 use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
-use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::MapSizes;
+use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::iptables::exec::{Flavor, Runner, detect_flavor};
 use crate::dataplane::iptables::{self as ipt, IptablesDataplane};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
@@ -208,7 +208,7 @@ pub(super) fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
 }
 
 /// The eBPF mode's configuration.
-pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfModeConfig> {
+pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfConfig> {
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
     let map_sizes = MapSizes {
@@ -236,8 +236,8 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
     timeouts.tcp_time_wait = cfg.bpf.ct_tcp_time_wait;
     timeouts.tcp_close = cfg.bpf.ct_tcp_close;
     timeouts.interval = cfg.bpf.ct_expiry_interval;
-    Ok(EbpfModeConfig {
-        ebpf: EbpfConfig {
+    Ok(EbpfConfig {
+        ebpf: ServiceMapsConfig {
             families: families.to_vec(),
             map_sizes,
             bpffs: cfg.bpf.bpffs.clone(),
@@ -248,7 +248,7 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
             },
             maglev_table_size: cfg.bpf.maglev_table_size,
             full_sync_period: cfg.sync_periods(ProxyMode::Ebpf).sync_period,
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
         tc: true,
@@ -427,8 +427,8 @@ pub fn build_with_resync(
         }
         ProxyMode::Ebpf => {
             let c = ebpf_config(cfg, &families)?;
-            let dp =
-                EbpfMode::new(c, metrics.map(telemetry)).context("setting up the eBPF datapath")?;
+            let dp = EbpfDataplane::new(c, metrics.map(telemetry))
+                .context("setting up the eBPF datapath")?;
             Ok(Box::new(dp))
         }
     }

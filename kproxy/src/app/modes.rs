@@ -61,7 +61,7 @@ pub const DETECT_ORDER: [ProxyMode; 3] = [ProxyMode::Ebpf, ProxyMode::Ipvs, Prox
 /// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
 /// ([`cleanup_others`]). Returns the datapath and the metrics it reports into; the datapath
 /// asks `resync` for syncs it needs on its own (hand it to the sync loop too).
-/// `node_pod_cidrs` as for [`build`].
+/// `node_pod_cidrs` as for [`super::build::build`].
 pub fn select(
     choice: ModeChoice,
     cfg: &ProxyConfig,
