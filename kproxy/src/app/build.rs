@@ -28,10 +28,9 @@ use ipnet::IpNet;
 use tracing::{info, warn};
 
 use super::modes::have;
-use crate::config::{DetectLocal, LbAlgorithm, NodePortAddresses, ProxyConfig, XdpMode};
+use crate::config::{DetectLocal, NodePortAddresses, ProxyConfig};
 use crate::dataplane::ebpf::EbpfConfig;
 use crate::dataplane::ebpf::EbpfDataplane;
-use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
 use crate::dataplane::ebpf::service_maps::MapSizes;
 use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::iptables::exec::{Flavor, Runner, detect_flavor};
@@ -67,26 +66,13 @@ pub fn local_detector(
     family: IpFamily,
     node_pod_cidrs: &[IpNet],
 ) -> LocalDetector {
-    use crate::dataplane::netfilter::local_detect::DetectLocalConfig;
-    use crate::dataplane::netfilter::local_detect::DetectLocalMode;
     use crate::dataplane::netfilter::local_detect::detectors;
-    let mut dc = DetectLocalConfig {
-        cluster_cidrs: cfg.cluster_cidrs.clone(),
-        ..DetectLocalConfig::default()
-    };
-    dc.mode = match &cfg.detect_local {
-        DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr,
-        DetectLocal::NodeCidr => DetectLocalMode::NodeCidr,
-        DetectLocal::BridgeInterface(b) => {
-            dc.bridge_interface = b.clone();
-            DetectLocalMode::BridgeInterface
-        }
-        DetectLocal::InterfaceNamePrefix(p) => {
-            dc.interface_name_prefix = p.clone();
-            DetectLocalMode::InterfaceNamePrefix
-        }
-    };
-    match detectors(&dc, IpFamily::V4, node_pod_cidrs) {
+    match detectors(
+        &cfg.detect_local,
+        &cfg.cluster_cidrs,
+        IpFamily::V4,
+        node_pod_cidrs,
+    ) {
         Ok((d, warnings)) => {
             for w in warnings {
                 info!("{w}");
@@ -242,21 +228,14 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
             map_sizes,
             bpffs: cfg.bpf.bpffs.clone(),
             cgroup: cfg.bpf.cgroup.clone(),
-            lb_algorithm: match cfg.bpf.lb_algorithm {
-                LbAlgorithm::Random => crate::dataplane::ebpf::service_maps::LbAlgorithm::Random,
-                LbAlgorithm::Maglev => crate::dataplane::ebpf::service_maps::LbAlgorithm::Maglev,
-            },
+            lb_algorithm: cfg.bpf.lb_algorithm,
             maglev_table_size: cfg.bpf.maglev_table_size,
             full_sync_period: cfg.sync_periods(ProxyMode::Ebpf).sync_period,
             ..ServiceMapsConfig::default()
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
         tc: true,
-        xdp: match cfg.bpf.xdp {
-            XdpMode::Off => XdpPolicy::Off,
-            XdpMode::BestEffort => XdpPolicy::BestEffort,
-            XdpMode::Native => XdpPolicy::Native,
-        },
+        xdp: cfg.bpf.xdp,
         ct_timeouts: timeouts,
         node_port_cidrs: node_port_cidrs(cfg),
     })
@@ -570,7 +549,7 @@ mod tests {
         assert_eq!(e.ebpf.map_sizes.maglev, 8);
         let c = cfg(&["--bpf-xdp=native"]);
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
-        assert_eq!(e.xdp, XdpPolicy::Native);
+        assert_eq!(e.xdp, crate::config::XdpPolicy::Native);
     }
 
     #[test]

@@ -107,7 +107,8 @@ impl Default for MapSizes {
 }
 
 /// Backend selection (`--bpf-lb-algorithm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LbAlgorithm {
     /// A uniformly random slot per new connection (or UDP datagram without affinity).
     #[default]
