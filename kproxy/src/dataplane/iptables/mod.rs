@@ -27,7 +27,7 @@ pub mod render;
 pub mod written;
 
 #[cfg(test)]
-mod scale_tests;
+mod tests;
 
 pub use config::{IptablesBackend as BackendChoice, IptablesConfig, NfacctCounters};
 pub use dataplane::IptablesDataplane;
