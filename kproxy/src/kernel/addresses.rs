@@ -218,7 +218,7 @@ impl Drop for AddressWatcher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -239,7 +239,8 @@ mod tests {
         }
     }
 
-    fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
+    /// An up interface named `name` with `addrs` (tests of this module and of device selection).
+    pub(crate) fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
         Interface {
             name: name.into(),
             index,

@@ -46,7 +46,7 @@ use super::service_maps::tables::{
     KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError,
 };
 use super::service_maps::{LbAlgorithm, ServiceMapsConfig};
-use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions};
+use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions, error_chain};
 
 /// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -321,7 +321,7 @@ fn attach_sock(
         if program.fd().is_err() {
             program
                 .load()
-                .map_err(|e| perr(format!("loading: {}", chain(&e))))?;
+                .map_err(|e| perr(format!("loading: {}", error_chain(&e))))?;
         }
         let link_id = program
             // bpf_link_create takes no flags for cgroups (links always coexist with others).
@@ -330,7 +330,7 @@ fn attach_sock(
                 perr(format!(
                     "attaching to {}: {}",
                     cgroup_path.display(),
-                    chain(&e)
+                    error_chain(&e)
                 ))
             })?;
         let link = program
@@ -346,18 +346,6 @@ fn attach_sock(
         links.push((name, id));
     }
     Ok(links)
-}
-
-/// An error with its sources (aya's program errors hide the errno in `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 impl Kernel {
