@@ -70,10 +70,7 @@ pub fn to_prometheus_text(openmetrics: &str) -> String {
             }
         }
         let sample = line.split(" # ").next().unwrap_or(line);
-        let name = sample
-            .split(|c: char| c == '{' || c == ' ')
-            .next()
-            .unwrap_or("");
+        let name = sample.split(['{', ' ']).next().unwrap_or("");
         if counter.is_some_and(|f| name.strip_prefix(f) == Some("_created")) {
             continue;
         }
