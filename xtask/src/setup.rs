@@ -4,7 +4,8 @@
 //! second.
 //!
 //! 1. apt: the packages of [`APT_PACKAGES`] whose `dpkg-query -W -f='${Status}'` is not
-//!    `install ok installed` (`apt-get update` first, only then).
+//!    `install ok installed` (`apt-get update` first, only then), except those whose command
+//!    another package already put on `PATH` ([`SATISFIED_BY_COMMAND`]: `kubectl`).
 //! 2. `bpf-linker` 0.13.0 built against LLVM 22 (`cargo install`), unless the one on `PATH`
 //!    already is (Debian 12's `llvm-config` on PATH is LLVM 14, so the build is pointed at
 //!    `/usr/lib/llvm-22` explicitly).
