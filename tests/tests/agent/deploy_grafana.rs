@@ -59,6 +59,27 @@ fn queries(d: &Value) -> Vec<(String, String)> {
     out
 }
 
+/// The metrics each panel queries, with the title of the row the panel is in (rows are
+/// separator panels of type `row` in the flat panel list).
+pub(crate) fn metrics_by_row() -> Vec<(String, String, BTreeSet<String>)> {
+    let d = dashboard();
+    let mut row = String::new();
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().unwrap() {
+        let title = p["title"].as_str().unwrap_or("?").to_owned();
+        if p["type"] == "row" {
+            row = title;
+            continue;
+        }
+        let mut names = BTreeSet::new();
+        for t in p["targets"].as_array().into_iter().flatten() {
+            names.extend(metric_names(&expand(t["expr"].as_str().unwrap())));
+        }
+        out.push((row.clone(), title, names));
+    }
+    out
+}
+
 /// Grafana's variables replaced by values Prometheus accepts.
 fn expand(expr: &str) -> String {
     expr.replace("$__rate_interval", "5m")

@@ -5,7 +5,8 @@
 //! `prometheus` package): no lint problem, with the mode's own metrics in the scrape — apart
 //! from the one promtool raises about upstream's own names (two gauges upstream named
 //! `…_total`; kproxy keeps upstream's names), accepted only for names upstream's metric list
-//! gives as gauges.
+//! gives as gauges. Every metric the Grafana dashboard queries (apart from the other modes'
+//! rows) is in the scrape.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -168,10 +169,40 @@ fn check_mode(mode: &str, body: &str, own_metric: &str) {
         "{mode}: promtool check metrics found problems:\n{}\nin the scrape:\n{body}",
         problems.join("\n")
     );
+    check_dashboard(mode, body);
     eprintln!(
         "{mode}: promtool check metrics clean ({families} families; upstream's names kept: {})",
         said.lines().count()
     );
+}
+
+/// Every metric the Grafana dashboard (deploy/grafana/kproxy.json) queries outside the rows
+/// of other modes has samples in this mode's real scrape.
+fn check_dashboard(mode: &str, body: &str) {
+    let scraped: BTreeSet<&str> = body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let mut checked = 0;
+    for (row, panel, names) in crate::deploy_grafana::metrics_by_row() {
+        let other_mode = match row.as_str() {
+            "eBPF mode" => mode != "ebpf",
+            "iptables mode" => mode != "iptables",
+            _ => false,
+        };
+        if other_mode {
+            continue;
+        }
+        for n in &names {
+            assert!(
+                scraped.contains(n.as_str()),
+                "{mode}: dashboard panel {panel:?} (row {row:?}) queries {n}, not in the scrape:\n{body}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 15, "{mode}: {checked} dashboard metrics checked");
 }
 
 #[test]
