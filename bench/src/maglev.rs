@@ -14,8 +14,8 @@ use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
 use kproxy::dataplane::ebpf::service_maps::maglev;
 use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::DEFAULT_TABLE_SIZE;
@@ -49,9 +49,9 @@ fn ms(start: Instant) -> f64 {
 fn sync_samples(algorithm: LbAlgorithm, samples: usize) -> anyhow::Result<Vec<f64>> {
     let bpffs = Bpffs::new("bench-maglev")?;
     let cfg = config(bpffs.path(), algorithm, DEFAULT_TABLE_SIZE);
-    let mut dp = EbpfDataplane::new(cfg).context("loading the eBPF datapath")?;
+    let mut dp = ServiceMaps::new(cfg).context("loading the eBPF datapath")?;
     let (full, less) = (snapshot(BACKENDS), snapshot(BACKENDS - 1));
-    let sync = |dp: &mut EbpfDataplane, s: &Snapshot| -> anyhow::Result<()> {
+    let sync = |dp: &mut ServiceMaps, s: &Snapshot| -> anyhow::Result<()> {
         let r = dp
             .sync(s, &ChangedSet::default())
             .map_err(|e| anyhow::anyhow!("sync: {e}"))?;

@@ -1,6 +1,6 @@
 //! Per-packet cost of the eBPF TC service path (`kp_tc_in` / `kp_tc_eg`) through
 //! `BPF_PROG_TEST_RUN`, with N services programmed by the real eBPF planner + applier
-//! ([`EbpfDataplane`], socket LB off) on a private bpffs.
+//! ([`ServiceMaps`], socket LB off) on a private bpffs.
 //!
 //! Services: `bench/sI`, ClusterIP `10.96.0.0 + I`, externalIP `100.64.0.0 + I`, two TCP
 //! ports whose single (remote) endpoints are each other's frontends: port `a` (80) → the
@@ -64,9 +64,9 @@ use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::tc::load_object;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
 use kproxy::dataplane::ebpf::object::LoadOptions;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use kproxy_common::counter::{
     FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_NEW_FLOW,
@@ -238,7 +238,7 @@ pub struct TcBench {
     ebpf: Ebpf,
     floor: Ebpf,
     _tc: TcPath,
-    _dp: EbpfDataplane,
+    _dp: ServiceMaps,
     _bpffs: Bpffs,
     /// Where XDP test runs happen (default route via [`NEXT_HOP`] on [`XDP_EGRESS`]).
     xdp_ns: Netns,
@@ -298,7 +298,7 @@ impl TcBench {
     pub fn new(services: u32, ct_entries: u32) -> anyhow::Result<TcBench> {
         let bpffs = Bpffs::new(&format!("bench-tc-{services}"))?;
         let n = services.max(1);
-        let cfg = EbpfConfig {
+        let cfg = ServiceMapsConfig {
             bpffs: bpffs.path().to_path_buf(),
             families: vec![IpFamily::V4],
             socket_lb: false,
@@ -314,9 +314,9 @@ impl TcBench {
                 ct: ct_entries,
                 ..MapSizes::default()
             },
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         };
-        let mut dp = EbpfDataplane::new(cfg).context("loading the eBPF datapath")?;
+        let mut dp = ServiceMaps::new(cfg).context("loading the eBPF datapath")?;
         let report = dp
             .sync(&snapshot(services), &ChangedSet::default())
             .map_err(|e| anyhow::anyhow!("programming {services} services: {e}"))?;

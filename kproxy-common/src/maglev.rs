@@ -117,6 +117,24 @@ pub const fn flow_hash(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8
     h
 }
 
+/// Whether `n` is prime (table sizes).
+pub const fn is_prime(n: u32) -> bool {
+    if n < 2 {
+        return false;
+    }
+    if n.is_multiple_of(2) {
+        return n == 2;
+    }
+    let mut d = 3u32;
+    while d.saturating_mul(d) <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 2;
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,22 +171,4 @@ mod tests {
             assert!(b.abs_diff(mean) < mean * 2 / 100, "{buckets:?}");
         }
     }
-}
-
-/// Whether `n` is prime (table sizes).
-pub const fn is_prime(n: u32) -> bool {
-    if n < 2 {
-        return false;
-    }
-    if n.is_multiple_of(2) {
-        return n == 2;
-    }
-    let mut d = 3u32;
-    while d.saturating_mul(d) <= n {
-        if n.is_multiple_of(d) {
-            return false;
-        }
-        d += 2;
-    }
-    true
 }

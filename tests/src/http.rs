@@ -34,10 +34,19 @@ impl Response {
 
 /// `GET path` from `addr` (`Connection: close`).
 pub async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<Response> {
+    request(addr, path, "").await
+}
+
+/// `GET path` from `addr` with `Accept: accept`.
+pub async fn get_accepting(addr: SocketAddr, path: &str, accept: &str) -> anyhow::Result<Response> {
+    request(addr, path, &format!("Accept: {accept}\r\n")).await
+}
+
+async fn request(addr: SocketAddr, path: &str, headers: &str) -> anyhow::Result<Response> {
     let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
         .await
         .with_context(|| format!("connecting to {addr} timed out"))??;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut raw))

@@ -17,6 +17,7 @@
 //! - [`nftables_corpus`] / [`nftables_tracer`]: the same for upstream's nftables corpus.
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
+//! - [`tools`]: external tools a test runs (`kubectl`, `promtool`), skipped or required.
 //! - [`tc`]: the TC-program kit of the eBPF tests (object loading, service maps, crafted
 //!   frames, the traffic rig).
 
@@ -36,4 +37,5 @@ pub mod recording;
 #[cfg(test)]
 mod selftest;
 pub mod tc;
+pub mod tools;
 pub mod topology;

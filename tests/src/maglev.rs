@@ -5,9 +5,9 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
 use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{Snapshot, testing};
 
 /// The node's address (the destination of NodePort flows).
@@ -37,8 +37,8 @@ pub fn node_port_snapshot(backends: impl IntoIterator<Item = Ipv4Addr>) -> Snaps
 
 /// The eBPF datapath configuration over the private bpffs `bpffs`: IPv4, node address
 /// [`NODE`], no socket LB, `algorithm` with Maglev tables of `table_size` (room for 4).
-pub fn config(bpffs: &Path, algorithm: LbAlgorithm, table_size: u32) -> EbpfConfig {
-    EbpfConfig {
+pub fn config(bpffs: &Path, algorithm: LbAlgorithm, table_size: u32) -> ServiceMapsConfig {
+    ServiceMapsConfig {
         bpffs: bpffs.to_path_buf(),
         families: vec![kproxy::model::IpFamily::V4],
         socket_lb: false,
@@ -49,6 +49,6 @@ pub fn config(bpffs: &Path, algorithm: LbAlgorithm, table_size: u32) -> EbpfConf
             maglev: 4,
             ..MapSizes::default()
         },
-        ..EbpfConfig::default()
+        ..ServiceMapsConfig::default()
     }
 }

@@ -3,7 +3,7 @@
 //! and is removed on `Drop`, so also when the test panics; objects a killed test process left
 //! behind (its pid is gone) are swept when the next test creates a namespace or cgroup.
 //!
-//! - [`require_root`]: gate for kernel tests ("skipped: <why>" when they cannot run; a panic
+//! - [`require_root`]: gate for kernel tests (`"skipped: <why>"` when they cannot run; a panic
 //!   instead when `KPROXY_TESTS_REQUIRE_KERNEL=1`, which `cargo xtask test` sets).
 //! - [`Netns`]: `ip netns add`; run a closure inside it ([`Netns::run`]: `setns` on a dedicated
 //!   thread, e.g. to attach BPF or open sockets, which stay in the namespace) or a command

@@ -4,10 +4,10 @@
 //! |---|---|
 //! | `setup` | [`setup`]: install what a fresh Debian 12 machine lacks (idempotent) |
 //! | `build-ebpf` | [`build_ebpf`]: build the BPF object alone and print its path |
-//! | `test [ARGS…]` | [`test`]: setup, then `cargo test --workspace` (kernel tests included) |
+//! | `test [ARGS…]` | [`test`](mod@test): setup, then `cargo test --workspace` (kernel tests included) |
 //! | `guest [ARGS…]` | [`guest`]: the IPVS suite in a QEMU guest booting Debian's kernel |
 //! | `demo` | [`demo`] |
-//! | `bench` | [`bench`] |
+//! | `bench` | [`bench`](mod@bench) |
 //!
 //! [`bpf_toolchain`] is shared with `kproxy/build.rs` (one definition of the BPF build).
 

@@ -4,7 +4,8 @@
 //! second.
 //!
 //! 1. apt: the packages of [`APT_PACKAGES`] whose `dpkg-query -W -f='${Status}'` is not
-//!    `install ok installed` (`apt-get update` first, only then).
+//!    `install ok installed` (`apt-get update` first, only then), except those whose command
+//!    another package already put on `PATH` ([`SATISFIED_BY_COMMAND`]: `kubectl`).
 //! 2. `bpf-linker` 0.13.0 built against LLVM 22 (`cargo install`), unless the one on `PATH`
 //!    already is (Debian 12's `llvm-config` on PATH is LLVM 14, so the build is pointed at
 //!    `/usr/lib/llvm-22` explicitly).
@@ -71,7 +72,21 @@ pub const APT_PACKAGES: &[(&str, &str)] = &[
         "inspecting IPVS state (copied into the IPVS guest)",
     ),
     ("cpio", "building the IPVS guest's initramfs"),
+    (
+        "kubernetes-client",
+        "kubectl 1.20 (kustomize 2.0.3): the deploy tests render deploy/base and the overlays",
+    ),
+    (
+        "prometheus",
+        "promtool (19 MB download; no smaller Debian package ships it): `promtool check \
+         metrics` on the agent's /metrics",
+    ),
 ];
+
+/// Packages whose command, when already on `PATH` from elsewhere, is enough: another
+/// package's `kubectl` (e.g. a cloud SDK's) owns /usr/bin/kubectl, so installing
+/// kubernetes-client over it would fail with a file conflict.
+const SATISFIED_BY_COMMAND: &[(&str, &str)] = &[("kubernetes-client", "kubectl")];
 
 /// Installs what is missing; returns the installs it performed (empty: nothing to do).
 pub fn run() -> anyhow::Result<Vec<String>> {
@@ -144,6 +159,10 @@ fn missing_apt_packages() -> anyhow::Result<Vec<&'static str>> {
     }
     let mut missing = Vec::new();
     for &(package, _why) in APT_PACKAGES {
+        let command = SATISFIED_BY_COMMAND.iter().find(|(p, _)| *p == package);
+        if command.is_some_and(|(_, c)| bpf_toolchain::find_on_path(c).is_some()) {
+            continue;
+        }
         // Exits non-zero for packages dpkg has never heard of: that is "missing" too.
         let status = output(Command::new("dpkg-query").args(["-W", "-f=${Status}", package]));
         if !status.as_deref().is_some_and(is_installed_status) {
@@ -252,5 +271,8 @@ mod tests {
             assert!(names.contains(&needed), "{needed}");
         }
         assert!(names.contains(&format!("llvm-{LLVM_MAJOR}-dev").as_str()));
+        for (package, _) in SATISFIED_BY_COMMAND {
+            assert!(names.contains(package), "{package}");
+        }
     }
 }

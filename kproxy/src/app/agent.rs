@@ -144,7 +144,7 @@ impl Agent {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Agent> {
         if let Some(adj) = opts.oom_score_adj
-            && let Err(e) = crate::observe::events::apply_oom_score_adj(adj)
+            && let Err(e) = super::process::apply_oom_score_adj(adj)
         {
             warn!(oom_score_adj = adj, error = %e, "cannot set the OOM score adjustment");
         }

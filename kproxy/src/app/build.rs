@@ -1,7 +1,7 @@
-//! Builds a datapath from the resolved configuration, and cleans up after every mode.
+//! Builds a datapath from the resolved configuration.
 //!
-//! This is the one place that knows every [`ProxyMode`]'s constructor: `main.rs` calls
-//! [`select`] for the agent and [`cleanup_all`] for `kproxy cleanup` / `--cleanup`; the
+//! This is the one place that knows every [`ProxyMode`]'s constructor; [`super::modes::select`]
+//! calls it for the agent (and [`super::modes::cleanup_all`] cleans up after every mode); the
 //! `*_configs` functions map [`ProxyConfig`] onto each datapath's own configuration (also used
 //! by `kproxy render --proxy-mode`).
 //!
@@ -14,7 +14,7 @@
 //!   iptables. No ServiceCIDRs are configured (kproxy has no `--service-cluster-ip-range`-like
 //!   setting and does not watch ServiceCIDR objects yet), so the "drop traffic to unallocated
 //!   ClusterIPs" rule is not written.
-//! - **ebpf**: [`EbpfMode`] (service maps + socket LB + the TC path on the node's devices).
+//! - **ebpf**: [`EbpfDataplane`] (service maps + socket LB + the TC path on the node's devices).
 //!
 //! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
 //! for them before building the datapath, as upstream waits before starting its proxier); the
@@ -33,12 +33,11 @@ use ipnet::IpNet;
 use tracing::{info, warn};
 
 use super::modes::have;
-use crate::config::{DetectLocal, LbAlgorithm, NodePortAddresses, ProxyConfig, XdpMode};
-use crate::dataplane::ebpf::dataplane::EbpfMode;
-use crate::dataplane::ebpf::dataplane::EbpfModeConfig;
-use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
-use crate::dataplane::ebpf::service_maps::EbpfConfig;
+use crate::config::{DetectLocal, NodePortAddresses, ProxyConfig};
+use crate::dataplane::ebpf::EbpfConfig;
+use crate::dataplane::ebpf::EbpfDataplane;
 use crate::dataplane::ebpf::service_maps::MapSizes;
+use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::iptables::exec::{Flavor, Runner, detect_flavor};
 use crate::dataplane::iptables::{self as ipt, IptablesDataplane};
 use crate::dataplane::ipvs::{self as ipvs_mod, IpvsDataplane};
@@ -74,26 +73,13 @@ pub fn local_detector(
     family: IpFamily,
     node_pod_cidrs: &[IpNet],
 ) -> LocalDetector {
-    use crate::dataplane::netfilter::local_detect::DetectLocalConfig;
-    use crate::dataplane::netfilter::local_detect::DetectLocalMode;
     use crate::dataplane::netfilter::local_detect::detectors;
-    let mut dc = DetectLocalConfig {
-        cluster_cidrs: cfg.cluster_cidrs.clone(),
-        ..DetectLocalConfig::default()
-    };
-    dc.mode = match &cfg.detect_local {
-        DetectLocal::ClusterCidr => DetectLocalMode::ClusterCidr,
-        DetectLocal::NodeCidr => DetectLocalMode::NodeCidr,
-        DetectLocal::BridgeInterface(b) => {
-            dc.bridge_interface = b.clone();
-            DetectLocalMode::BridgeInterface
-        }
-        DetectLocal::InterfaceNamePrefix(p) => {
-            dc.interface_name_prefix = p.clone();
-            DetectLocalMode::InterfaceNamePrefix
-        }
-    };
-    match detectors(&dc, IpFamily::V4, node_pod_cidrs) {
+    match detectors(
+        &cfg.detect_local,
+        &cfg.cluster_cidrs,
+        IpFamily::V4,
+        node_pod_cidrs,
+    ) {
         Ok((d, warnings)) => {
             for w in warnings {
                 info!("{w}");
@@ -237,7 +223,7 @@ pub(super) fn restore_binary(family: IpFamily, flavor: Flavor) -> String {
 }
 
 /// The eBPF mode's configuration.
-pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfModeConfig> {
+pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<EbpfConfig> {
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
     let map_sizes = MapSizes {
@@ -265,27 +251,20 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
     timeouts.tcp_time_wait = cfg.bpf.ct_tcp_time_wait;
     timeouts.tcp_close = cfg.bpf.ct_tcp_close;
     timeouts.interval = cfg.bpf.ct_expiry_interval;
-    Ok(EbpfModeConfig {
-        ebpf: EbpfConfig {
+    Ok(EbpfConfig {
+        ebpf: ServiceMapsConfig {
             families: families.to_vec(),
             map_sizes,
             bpffs: cfg.bpf.bpffs.clone(),
             cgroup: cfg.bpf.cgroup.clone(),
-            lb_algorithm: match cfg.bpf.lb_algorithm {
-                LbAlgorithm::Random => crate::dataplane::ebpf::service_maps::LbAlgorithm::Random,
-                LbAlgorithm::Maglev => crate::dataplane::ebpf::service_maps::LbAlgorithm::Maglev,
-            },
+            lb_algorithm: cfg.bpf.lb_algorithm,
             maglev_table_size: cfg.bpf.maglev_table_size,
             full_sync_period: cfg.sync_periods(ProxyMode::Ebpf).sync_period,
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         },
         devices: (!cfg.bpf.devices.is_empty()).then(|| cfg.bpf.devices.clone()),
         tc: true,
-        xdp: match cfg.bpf.xdp {
-            XdpMode::Off => XdpPolicy::Off,
-            XdpMode::BestEffort => XdpPolicy::BestEffort,
-            XdpMode::Native => XdpPolicy::Native,
-        },
+        xdp: cfg.bpf.xdp,
         ct_timeouts: timeouts,
         node_port_cidrs: node_port_cidrs(cfg),
     })
@@ -518,8 +497,8 @@ pub fn build_with_resync(
         }
         ProxyMode::Ebpf => {
             let c = ebpf_config(cfg, &families)?;
-            let dp =
-                EbpfMode::new(c, metrics.map(telemetry)).context("setting up the eBPF datapath")?;
+            let dp = EbpfDataplane::new(c, metrics.map(telemetry))
+                .context("setting up the eBPF datapath")?;
             Ok(Box::new(dp))
         }
     }
@@ -645,7 +624,10 @@ mod tests {
         let mut c = cfg(&[]);
         c.nftables.masquerade_bit = 9;
         let v = nftables_configs(&c, &[IpFamily::V4], &[]);
-        assert_eq!(v[0].masquerade_mark(), "0x200");
+        assert_eq!(
+            crate::dataplane::netfilter::node_ports::masquerade_mark(v[0].masquerade_bit),
+            "0x200"
+        );
         assert!(!v[0].masquerade_all);
     }
 
@@ -706,7 +688,7 @@ mod tests {
         assert_eq!(e.ebpf.map_sizes.maglev, 8);
         let c = cfg(&["--bpf-xdp=native"]);
         let e = ebpf_config(&c, &[IpFamily::V4]).unwrap();
-        assert_eq!(e.xdp, XdpPolicy::Native);
+        assert_eq!(e.xdp, crate::config::XdpPolicy::Native);
     }
 
     #[test]

@@ -40,7 +40,7 @@ use crate::cli::RenderOutput;
 use crate::config::{ModeChoice, ProxyConfig, SourceConfig};
 use crate::dataplane::ProxyMode;
 use crate::dataplane::ebpf::service_maps::plan::decode_addr;
-use crate::dataplane::iptables::names::ServiceChains;
+use crate::dataplane::iptables::names::service_chains;
 use crate::model::{Protocol, ServicePort, ServicePortName, Snapshot};
 
 /// The service ports a report covers, in snapshot order; `reports[i]` is `selected[i]`'s.
@@ -378,7 +378,7 @@ impl<'a> NatRules<'a> {
     /// of the endpoint chains its chains jump to (each once, in that order); and the DNAT
     /// destinations of the endpoint chains.
     fn of(&self, name: &ServicePortName) -> (Vec<&'a str>, Vec<String>) {
-        let c = ServiceChains::of(name);
+        let c = service_chains(name);
         let own = [&c.firewall, &c.external, &c.cluster, &c.local];
         let mut seen = HashSet::new();
         let mut lines = vec![];

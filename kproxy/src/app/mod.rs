@@ -8,7 +8,7 @@
 //! - [`modes`]: which mode can run here (probe), which one's state is here, choosing one,
 //!   removing the others' leftovers (cleanup).
 //! - [`inspect`]: `kproxy inspect`, what the kernel holds per service port.
-//! - [`sysctl`], [`nodeip`], [`logging`]: process and node settings.
+//! - [`process`] (oom score), [`sysctl`], [`nodeip`], [`logging`]: process and node settings.
 
 pub mod agent;
 pub mod build;
@@ -16,4 +16,5 @@ pub mod inspect;
 pub mod logging;
 pub mod modes;
 pub mod nodeip;
+pub mod process;
 pub mod sysctl;

@@ -77,7 +77,7 @@ pub const IPVS_DEPRECATION: &str = "The ipvs proxier is now deprecated and may b
 /// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
 /// ([`cleanup_others`]). Returns the datapath and the metrics it reports into; the datapath
 /// asks `resync` for syncs it needs on its own (hand it to the sync loop too).
-/// `node_pod_cidrs` as for [`build`].
+/// `node_pod_cidrs` as for [`super::build::build`].
 pub fn select(
     choice: ModeChoice,
     cfg: &ProxyConfig,
@@ -455,7 +455,7 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         pin_dir: Some(&pins.path),
         max_entries: small.collect(),
     })
-    .map_err(|e| format!("loading the BPF object: {}", chain(&e)))?;
+    .map_err(|e| format!("loading the BPF object: {}", object::error_chain(&e)))?;
     for name in [PROG_TC_INGRESS, PROG_TC6_INGRESS] {
         let tc: &mut SchedClassifier = ebpf
             .program_mut(name)
@@ -463,15 +463,19 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
             .try_into()
             .map_err(|e: aya::programs::ProgramError| e.to_string())?;
         tc.load()
-            .map_err(|e| format!("the verifier rejected {name}: {}", chain(&e)))?;
+            .map_err(|e| format!("the verifier rejected {name}: {}", object::error_chain(&e)))?;
     }
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(PROG_SOCK_CONNECT4)
         .ok_or("the BPF object has no socket-LB program")?
         .try_into()
         .map_err(|e: aya::programs::ProgramError| e.to_string())?;
-    prog.load()
-        .map_err(|e| format!("the verifier rejected {PROG_SOCK_CONNECT4}: {}", chain(&e)))?;
+    prog.load().map_err(|e| {
+        format!(
+            "the verifier rejected {PROG_SOCK_CONNECT4}: {}",
+            object::error_chain(&e)
+        )
+    })?;
     let cg = TempDir {
         path: cg_root.join(&tag),
         recursive: false,
@@ -479,9 +483,12 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
     fs::create_dir_all(&cg.path)
         .map_err(|e| format!("creating a probe cgroup {}: {e}", cg.path.display()))?;
     let file = fs::File::open(&cg.path).map_err(|e| e.to_string())?;
-    let link = prog
-        .attach(&file, CgroupAttachMode::Single)
-        .map_err(|e| format!("attaching socket LB to a cgroup: {}", chain(&e)))?;
+    let link = prog.attach(&file, CgroupAttachMode::Single).map_err(|e| {
+        format!(
+            "attaching socket LB to a cgroup: {}",
+            object::error_chain(&e)
+        )
+    })?;
     prog.detach(link).map_err(|e| e.to_string())?;
     drop(ebpf);
     drop(cg);
@@ -537,18 +544,6 @@ fn probe_nftables() -> Result<(), String> {
     nft.run(&["delete", "table", "ip", &table], None)
         .map_err(|e| format!("cannot delete the probe nftables table ip {table}: {e}"))?;
     Ok(())
-}
-
-/// An error with its sources (aya hides the errno in `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]

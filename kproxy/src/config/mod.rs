@@ -31,6 +31,9 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::dataplane::ProxyMode;
+pub use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
+pub use crate::dataplane::ebpf::service_maps::LbAlgorithm;
+pub use crate::dataplane::netfilter::local_detect::DetectLocal;
 use crate::sync::RunnerConfig;
 
 pub mod duration;
@@ -160,21 +163,6 @@ pub struct ClientConfig {
     pub burst: i32,
 }
 
-/// `detectLocalMode` and its parameters.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub enum DetectLocal {
-    /// Source in [`ProxyConfig::cluster_cidrs`] (of the packet's family) is local; a family
-    /// without a cluster CIDR detects nothing as local.
-    ClusterCidr,
-    /// Source in the Node object's `spec.podCIDRs` is local.
-    NodeCidr,
-    /// Traffic entering from this bridge is local (`detectLocal.bridgeInterface`).
-    BridgeInterface(String),
-    /// Traffic entering from interfaces with this prefix is local
-    /// (`detectLocal.interfaceNamePrefix`).
-    InterfaceNamePrefix(String),
-}
-
 /// `nodePortAddresses`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum NodePortAddresses {
@@ -257,7 +245,7 @@ pub struct BpfConfig {
     /// maps not named keep the datapath's default.
     pub map_sizes: BTreeMap<String, u32>,
     /// `bpf.xdp` / `--bpf-xdp`.
-    pub xdp: XdpMode,
+    pub xdp: XdpPolicy,
     /// `bpf.lbAlgorithm` / `--bpf-lb-algorithm`.
     pub lb_algorithm: LbAlgorithm,
     /// `bpf.maglevTableSize` / `--bpf-lb-maglev-table-size`: entries per Maglev table, a
@@ -270,28 +258,6 @@ pub struct BpfConfig {
     pub ct_tcp_close: Duration,
     /// `bpf.conntrack.expiryInterval`: period of the connection table's expiry (> 0).
     pub ct_expiry_interval: Duration,
-}
-
-/// XDP attachment policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum XdpMode {
-    /// TC only.
-    Off,
-    /// Native XDP where the driver supports it, else TC (default).
-    BestEffort,
-    /// Native XDP on every device; failing to attach is an error.
-    Native,
-}
-
-/// Backend selection of the eBPF datapath.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LbAlgorithm {
-    /// Uniformly random backend per new connection (default; upstream-like).
-    Random,
-    /// Maglev consistent hashing.
-    Maglev,
 }
 
 /// `conntrack` (upstream semantics: a zero means "leave the kernel's value").

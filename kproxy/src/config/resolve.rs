@@ -815,9 +815,9 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
         }
     }
     let xdp = match b.xdp.as_deref().unwrap_or(defaults::BPF_XDP) {
-        "off" => XdpMode::Off,
-        "" | "best-effort" => XdpMode::BestEffort,
-        "native" => XdpMode::Native,
+        "off" => XdpPolicy::Off,
+        "" | "best-effort" => XdpPolicy::BestEffort,
+        "native" => XdpPolicy::Native,
         other => {
             cx.err(
                 "bpf.xdp",
@@ -825,7 +825,7 @@ fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
                     "{other:?} is not supported: expected \"off\", \"best-effort\" or \"native\""
                 ),
             );
-            XdpMode::BestEffort
+            XdpPolicy::BestEffort
         }
     };
     let lb_algorithm = match b
@@ -976,7 +976,7 @@ mod tests {
         assert_eq!(c.ipvs.scheduler, "rr");
         assert_eq!(c.ipvs.tcp_timeout, None);
         assert_eq!(c.bpf.bpffs, PathBuf::from("/sys/fs/bpf"));
-        assert_eq!(c.bpf.xdp, XdpMode::BestEffort);
+        assert_eq!(c.bpf.xdp, XdpPolicy::BestEffort);
         assert_eq!(c.conntrack.max_per_core, 32768);
         assert!(r.warnings.is_empty(), "{:?}", r.warnings);
         assert_eq!(

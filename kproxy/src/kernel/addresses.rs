@@ -96,7 +96,7 @@ pub fn scan() -> std::io::Result<Vec<Interface>> {
     Ok(by_name.into_values().collect())
 }
 
-/// The node addresses of a set of devices (see [`crate::dataplane::ebpf::node_path::devices::is_node_addr`]).
+/// The node addresses of a set of devices (see [`is_node_addr`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeAddresses {
     /// Device name → (ifindex, node addresses in kernel order).
@@ -144,7 +144,7 @@ impl NodeAddresses {
 impl NodeAddresses {
     /// The IPv6 SNAT source of each device: ifindex → its first global-scope IPv6 node address
     /// (link-local addresses are never node addresses, see
-    /// [`crate::dataplane::ebpf::node_path::devices::is_node_addr`]).
+    /// [`is_node_addr`]).
     pub fn snat_v6(&self) -> Vec<(u32, Ipv6Addr)> {
         self.devices
             .values()
@@ -218,7 +218,7 @@ impl Drop for AddressWatcher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -239,7 +239,8 @@ mod tests {
         }
     }
 
-    fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
+    /// An up interface named `name` with `addrs` (tests of this module and of device selection).
+    pub(crate) fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
         Interface {
             name: name.into(),
             index,

@@ -169,6 +169,29 @@ pub struct ServicePort {
 }
 
 impl ServicePort {
+    /// The endpoints of `family` among `eps`, sorted by "IP:port" as upstream's rule writers
+    /// order them.
+    pub fn family_endpoints(eps: &[Endpoint], family: IpFamily) -> Vec<Endpoint> {
+        let mut out: Vec<Endpoint> = eps
+            .iter()
+            .filter(|e| family.matches(&e.ip))
+            .cloned()
+            .collect();
+        out.sort_by_cached_key(|e| e.addr());
+        out
+    }
+
+    /// The view of one IP family (upstream's per-family service maps): only this family's
+    /// external IPs, LB ingress IPs and source ranges.
+    pub fn for_family(&self, family: IpFamily) -> ServicePort {
+        let mut s = self.clone();
+        s.external_ips.retain(|ip| family.matches(ip));
+        s.load_balancer_ingress.retain(|i| family.matches(&i.ip));
+        s.load_balancer_source_ranges
+            .retain(|n| family.matches(&n.addr()));
+        s
+    }
+
     /// The cluster IP of `family`, if the service has one.
     pub fn cluster_ip(&self, family: IpFamily) -> Option<IpAddr> {
         self.cluster_ips

@@ -1,6 +1,12 @@
 //! Sources turn the outside world into [`Event`]s (the model's input vocabulary,
 //! [`crate::model::input`]) for the tracker.
 //!
+//! [`Event`]: crate::model::input::Event
+//! [`Delta::Replace`]: crate::model::input::Delta::Replace
+//! [`Delta::ListStart`]: crate::model::input::Delta::ListStart
+//! [`Delta::Listed`]: crate::model::input::Delta::Listed
+//! [`Delta::ListDone`]: crate::model::input::Delta::ListDone
+//!
 //! - [`kube`]: Services, EndpointSlices and the node's own Node from the API server (kube-rs).
 //! - [`manifests`]: the same kinds from a file or directory of YAML (standalone mode).
 //!

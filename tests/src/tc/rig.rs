@@ -17,9 +17,9 @@ use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::devices;
 use kproxy::dataplane::ebpf::node_path::tc::load_object;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::kernel::addresses::NodeAddresses;
 use kproxy::kernel::addresses::scan;
 use kproxy::model::{
@@ -34,7 +34,7 @@ pub struct Rig {
     // Drop order: programs, dataplane, namespaces (devices and their links), bpffs.
     pub tc: TcPath,
     pub tc_ebpf: Arc<Mutex<Ebpf>>,
-    pub dp: Arc<Mutex<EbpfDataplane>>,
+    pub dp: Arc<Mutex<ServiceMaps>>,
     pub topo: Topology,
     pub bpffs: Bpffs,
 }
@@ -128,7 +128,7 @@ impl Rig {
             .unwrap();
         topo.serve_all().unwrap();
         let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
-        let cfg = EbpfConfig {
+        let cfg = ServiceMapsConfig {
             bpffs: bpffs.path().to_path_buf(),
             families: if ipv6 {
                 vec![IpFamily::V4, IpFamily::V6]
@@ -145,9 +145,9 @@ impl Rig {
                 sock_rev_nat: 256,
                 ..MapSizes::default()
             },
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         };
-        let dp = EbpfDataplane::new(cfg).unwrap();
+        let dp = ServiceMaps::new(cfg).unwrap();
         // Default device selection, inside the node's namespace.
         let ifaces = topo.node.run(scan).unwrap().unwrap();
         let selected = devices::select(None, &ifaces).unwrap();
@@ -259,7 +259,7 @@ impl Rig {
         self.assert_both_backends(addr, remote_peer, local_peer);
     }
 
-    /// Returns the distinct flows the probes opened ([`ProbeResult::distinct_peers`]).
+    /// Returns the distinct flows the probes opened ([`crate::topology::ProbeResult::distinct_peers`]).
     pub fn assert_both_backends(&self, addr: &str, remote_peer: IpAddr, local_peer: IpAddr) -> u64 {
         let mut flows = 0;
         for proto in ["tcp", "udp"] {

@@ -115,6 +115,26 @@ async fn metrics_server_exposes_upstream_metrics_and_follows_syncs() {
         sample(&r.body, "kproxy_programmed_services") == Some(1.0)
     })
     .await;
+    // Like upstream: Prometheus' text format unless the client asks for OpenMetrics.
+    assert!(
+        m.header("content-type")
+            .is_some_and(|c| c.starts_with("text/plain; version=0.0.4")),
+        "{:?}",
+        m.headers
+    );
+    assert!(
+        m.body
+            .contains("# TYPE kubeproxy_sync_proxy_rules_service_changes_total counter\n"),
+        "a 0.0.4 counter family is named with _total:\n{}",
+        m.body
+    );
+    let m = http::get_accepting(
+        addr,
+        "/metrics",
+        "application/openmetrics-text;version=1.0.0",
+    )
+    .await
+    .unwrap();
     assert!(
         m.header("content-type")
             .is_some_and(|c| c.starts_with("application/openmetrics-text")),

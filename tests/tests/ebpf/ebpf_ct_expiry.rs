@@ -1,5 +1,5 @@
 //! Expiry of the eBPF connection tables (`KP_CT`, `KP_CT6`) with real traffic (issue #22):
-//! the agent's ebpf mode (`EbpfMode`, TC programs on the node devices of the shared topology,
+//! the agent's ebpf mode (`EbpfDataplane`, TC programs on the node devices of the shared topology,
 //! socket LB off, XDP off) with timeouts of seconds, so the tests take seconds:
 //!
 //! - closed flows leave the tables after the TIME_WAIT timeout, by the expiry timer alone (no
@@ -20,14 +20,14 @@ use std::time::{Duration, Instant};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::dataplane::EbpfMode;
-use kproxy::dataplane::ebpf::dataplane::EbpfModeConfig;
+use kproxy::dataplane::ebpf::EbpfConfig;
+use kproxy::dataplane::ebpf::EbpfDataplane;
 use kproxy::dataplane::ebpf::node_path::CtEntry;
 use kproxy::dataplane::ebpf::node_path::CtKey;
 use kproxy::dataplane::ebpf::node_path::MAP_CT;
 use kproxy::dataplane::ebpf::node_path::flows;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, testing};
 use kproxy_common::ct6::{CtEntry6, CtKey6, MAP_CT6};
 use kproxy_common::service::PROTO_TCP;
@@ -114,7 +114,7 @@ fn snapshot(topo: &Topology) -> Snapshot {
 struct Setup {
     topo: Topology,
     bpffs: Bpffs,
-    mode: EbpfMode,
+    mode: EbpfDataplane,
 }
 
 fn setup(hint: &str, ct_entries: u32) -> Setup {
@@ -129,8 +129,8 @@ fn setup(hint: &str, ct_entries: u32) -> Setup {
         .ip(&["route", "add", SERVICE_CIDR, "via", &NODE_IP.to_string()])
         .unwrap();
     let bpffs = Bpffs::new(&format!("{hint}-fs")).unwrap();
-    let cfg = EbpfModeConfig {
-        ebpf: EbpfConfig {
+    let cfg = EbpfConfig {
+        ebpf: ServiceMapsConfig {
             bpffs: bpffs.path().to_path_buf(),
             families: vec![IpFamily::V4, IpFamily::V6],
             socket_lb: false,
@@ -144,7 +144,7 @@ fn setup(hint: &str, ct_entries: u32) -> Setup {
                 ct: ct_entries,
                 ..MapSizes::default()
             },
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         },
         devices: None,
         tc: true,
@@ -152,7 +152,11 @@ fn setup(hint: &str, ct_entries: u32) -> Setup {
         node_port_cidrs: vec![],
         xdp: kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy::Off,
     };
-    let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
+    let mut mode = topo
+        .node
+        .run(|| EbpfDataplane::new(cfg, None))
+        .unwrap()
+        .unwrap();
     let report = mode.sync(&snapshot(&topo), &ChangedSet::default()).unwrap();
     assert_eq!(report.failed_services, 0, "{report:?}");
     Setup { topo, bpffs, mode }

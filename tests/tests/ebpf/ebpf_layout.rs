@@ -1,6 +1,6 @@
 //! Map layout migration on this kernel (`kproxy::dataplane::ebpf::layout`): pins left by a
 //! "previous build" — maps of another shape created with bpftool or rewritten layout records —
-//! then the real `EbpfDataplane` started over them. It carries over what the layout table
+//! then the real `ServiceMaps` started over them. It carries over what the layout table
 //! allows (connection-table entries whose value only grew), replaces what it cannot reuse
 //! (another key size, a layout from a newer kproxy), records this build's layouts, re-attaches
 //! socket LB so no program of the old layout keeps running, and traffic through socket LB works
@@ -13,9 +13,9 @@ use std::time::Duration;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::layout::Action;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{ChangedSet, IpFamily, testing};
 use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::layout::{LAYOUT_NAME_LEN, LAYOUTS, LayoutRecord, MAP_LAYOUT, layout_key};
@@ -101,8 +101,8 @@ impl Rig {
         self.bpffs.path().join("kproxy")
     }
 
-    fn start(&self) -> EbpfDataplane {
-        EbpfDataplane::new(EbpfConfig {
+    fn start(&self) -> ServiceMaps {
+        ServiceMaps::new(ServiceMapsConfig {
             bpffs: self.bpffs.path().to_path_buf(),
             cgroup: Some(self.cgroup.path().to_path_buf()),
             families: vec![IpFamily::V4],
@@ -115,13 +115,13 @@ impl Rig {
                 sock_rev_nat: 256,
                 ..MapSizes::default()
             },
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         })
         .unwrap()
     }
 
     /// Programs the service and checks that a pod in the cgroup reaches it.
-    fn check_traffic(&self, dp: &mut EbpfDataplane) {
+    fn check_traffic(&self, dp: &mut ServiceMaps) {
         let svc = testing::service_port("default", "web", "p")
             .cluster_ip(VIP)
             .port(PORT)
@@ -177,7 +177,7 @@ fn create_pinned(dir: &Path, name: &str, kind: &str, key: usize, value: usize) {
     .unwrap();
 }
 
-fn action(dp: &EbpfDataplane, name: &str) -> Action {
+fn action(dp: &ServiceMaps, name: &str) -> Action {
     dp.layout_report()
         .maps
         .iter()

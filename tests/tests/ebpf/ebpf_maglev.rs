@@ -19,9 +19,9 @@ use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::tc::load_object;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::LbAlgorithm;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::dataplane::ebpf::service_maps::maglev;
 use kproxy::model::{ChangedSet, Snapshot};
 use kproxy_common::maglev::flow_hash;
@@ -53,11 +53,11 @@ fn client(i: u32) -> (Ipv4Addr, u16) {
 
 /// The backend address the userspace table names for flow `i` (the plan's backends of the
 /// Maglev set, built with `maglev::build`, indexed by the shared flow hash).
-fn expected(dp: &EbpfDataplane, i: u32) -> Ipv4Addr {
+fn expected(dp: &ServiceMaps, i: u32) -> Ipv4Addr {
     expected_m(dp, i, M)
 }
 
-fn expected_m(dp: &EbpfDataplane, i: u32, m: u32) -> Ipv4Addr {
+fn expected_m(dp: &ServiceMaps, i: u32, m: u32) -> Ipv4Addr {
     let plan = dp.last_plan();
     let set = plan
         .services
@@ -110,7 +110,7 @@ fn tc_picks_the_userspace_table_backend_and_a_removal_moves_only_its_share() {
     }
     const N: usize = 10;
     let bpffs = Bpffs::new("mglv-tc").unwrap();
-    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, M)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, LbAlgorithm::Maglev, M)).unwrap();
     let all: Vec<usize> = (0..N).collect();
     let report = dp.sync(&snapshot(&all), &ChangedSet::default()).unwrap();
     assert_eq!(report.failed_services, 0);
@@ -157,7 +157,7 @@ fn tc_picks_the_userspace_table_backend_and_a_removal_moves_only_its_share() {
     );
 }
 
-fn config(bpffs: &Bpffs, algorithm: LbAlgorithm, m: u32) -> EbpfConfig {
+fn config(bpffs: &Bpffs, algorithm: LbAlgorithm, m: u32) -> ServiceMapsConfig {
     kproxy_tests::maglev::config(bpffs.path(), algorithm, m)
 }
 
@@ -197,7 +197,7 @@ fn a_restart_keeps_the_tables_and_a_new_size_recreates_them() {
     let backends: Vec<usize> = (0..5).collect();
     let snap = snapshot(&backends);
 
-    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
     dp.sync(&snap, &ChangedSet::default()).unwrap();
     let (id1, max1) = maglev_map_id(&bpffs);
     assert_eq!(max1, (4 * 1021u32).div_ceil(2));
@@ -209,7 +209,7 @@ fn a_restart_keeps_the_tables_and_a_new_size_recreates_them() {
     drop((ebpf, tc, dp));
 
     // Restart, same configuration: the same pinned array, the same choices.
-    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, LbAlgorithm::Maglev, 1021)).unwrap();
     assert_eq!(maglev_map_id(&bpffs).0, id1, "the pinned tables are reused");
     dp.sync(&snap, &ChangedSet::default()).unwrap();
     let pressure = dp.map_pressure();
@@ -223,7 +223,7 @@ fn a_restart_keeps_the_tables_and_a_new_size_recreates_them() {
     drop((ebpf, tc, dp));
 
     // Another table size: new maps, tables of the new size.
-    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Maglev, 251)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, LbAlgorithm::Maglev, 251)).unwrap();
     let (id2, max2) = maglev_map_id(&bpffs);
     assert_ne!(id2, id1);
     assert_eq!(max2, (4 * 251u32).div_ceil(2));
@@ -235,7 +235,7 @@ fn a_restart_keeps_the_tables_and_a_new_size_recreates_them() {
     drop((ebpf, tc, dp));
 
     // Random mode: the array shrinks to its compiled single element.
-    let mut dp = EbpfDataplane::new(config(&bpffs, LbAlgorithm::Random, 251)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, LbAlgorithm::Random, 251)).unwrap();
     assert_eq!(maglev_map_id(&bpffs).1, 1);
     dp.sync(&snap, &ChangedSet::default()).unwrap();
     assert!(

@@ -5,7 +5,7 @@
 //! connection table as NodePorts, and replies are translated back (source = the VIP), for local
 //! and remote backends. The same holds for a pod of the node outside the socket-LB cgroup.
 //!
-//! The agent's ebpf mode itself (`EbpfMode`: service maps, TC programs on the devices the
+//! The agent's ebpf mode itself (`EbpfDataplane`: service maps, TC programs on the devices the
 //! default rule selects, socket LB off) runs in the node namespace of the shared topology;
 //! `kp-probe` in the external client namespace uses connected sockets, so an answer only counts
 //! if it came back from the VIP.
@@ -14,15 +14,15 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::dataplane::EbpfMode;
-use kproxy::dataplane::ebpf::dataplane::EbpfModeConfig;
+use kproxy::dataplane::ebpf::EbpfConfig;
+use kproxy::dataplane::ebpf::EbpfDataplane;
 use kproxy::dataplane::ebpf::node_path::CtEntry;
 use kproxy::dataplane::ebpf::node_path::CtKey;
 use kproxy::dataplane::ebpf::node_path::CtKind;
 use kproxy::dataplane::ebpf::node_path::MAP_CT;
 use kproxy::dataplane::ebpf::node_path::flows;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePort, Snapshot, testing};
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_tests::netns::{Bpffs, require_root};
@@ -74,8 +74,8 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
         .ip(&["route", "add", SERVICE_CIDR, "via", &NODE_IP.to_string()])
         .unwrap();
     let bpffs = Bpffs::new("routed-fs").unwrap();
-    let cfg = EbpfModeConfig {
-        ebpf: EbpfConfig {
+    let cfg = EbpfConfig {
+        ebpf: ServiceMapsConfig {
             bpffs: bpffs.path().to_path_buf(),
             families: vec![IpFamily::V4],
             socket_lb: false,
@@ -89,7 +89,7 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
                 ct: 4096,
                 ..MapSizes::default()
             },
-            ..EbpfConfig::default()
+            ..ServiceMapsConfig::default()
         },
         devices: None,
         tc: true,
@@ -97,7 +97,11 @@ fn cluster_ip_routed_from_outside_reaches_local_and_remote_backends() {
         node_port_cidrs: vec![],
         xdp: kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy::Off,
     };
-    let mut mode = topo.node.run(|| EbpfMode::new(cfg, None)).unwrap().unwrap();
+    let mut mode = topo
+        .node
+        .run(|| EbpfDataplane::new(cfg, None))
+        .unwrap()
+        .unwrap();
     // `mapSizes.ct` sizes both connection tables (the socket-LB object creates their pins,
     // the TC object reuses them).
     for name in [MAP_CT, MAP_CT6] {

@@ -1,4 +1,4 @@
-//! Socket-level load balancing on this kernel: the real `EbpfDataplane` (pinned maps on a
+//! Socket-level load balancing on this kernel: the real `ServiceMaps` (pinned maps on a
 //! private bpffs, socket-LB programs on pinned links attached to a test cgroup) programmed from
 //! snapshots, and real clients in that cgroup connecting to service VIPs.
 //!
@@ -18,9 +18,9 @@ use std::time::Duration;
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::dataplane::ebpf::service_maps::plan::decode_addr;
 use kproxy::dataplane::ebpf::service_maps::plan::encode_addr;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Snapshot, testing};
@@ -85,7 +85,7 @@ impl Rig {
         }
     }
 
-    fn config(&self) -> EbpfConfig {
+    fn config(&self) -> ServiceMapsConfig {
         config(&self.bpffs, &self.cgroup)
     }
 
@@ -134,8 +134,8 @@ impl Rig {
     }
 }
 
-fn config(bpffs: &Bpffs, cgroup: &TestCgroup) -> EbpfConfig {
-    EbpfConfig {
+fn config(bpffs: &Bpffs, cgroup: &TestCgroup) -> ServiceMapsConfig {
+    ServiceMapsConfig {
         bpffs: bpffs.path().to_path_buf(),
         cgroup: Some(cgroup.path().to_path_buf()),
         map_sizes: MapSizes {
@@ -147,7 +147,7 @@ fn config(bpffs: &Bpffs, cgroup: &TestCgroup) -> EbpfConfig {
             sock_rev_nat: 4096,
             ..MapSizes::default()
         },
-        ..EbpfConfig::default()
+        ..ServiceMapsConfig::default()
     }
 }
 
@@ -198,7 +198,7 @@ fn snapshot(services: Vec<(ServicePort, Vec<Endpoint>)>) -> Snapshot {
     testing::snapshot("node").services(services).build()
 }
 
-fn sync(dp: &mut EbpfDataplane, snap: &Snapshot) {
+fn sync(dp: &mut ServiceMaps, snap: &Snapshot) {
     let report = dp.sync(snap, &ChangedSet::default()).unwrap();
     assert_eq!(report.failed_services, 0, "{report:?}");
 }
@@ -207,7 +207,7 @@ fn check_family(proto: Protocol, vip: &str) {
     let p = if proto == Protocol::Tcp { "tcp" } else { "udp" };
     let v = if vip.contains(':') { 6 } else { 4 };
     let rig = Rig::new(&format!("sock-{p}{v}"));
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let snap = snapshot(vec![(
         service("web", proto, &[VIP_V4, VIP_V6], None),
         rig.endpoints(),
@@ -261,7 +261,7 @@ fn getpeername_and_recvfrom_report_the_vip_and_a_udp_socket_stays_on_one_backend
         return;
     }
     let rig = Rig::new("sock-peer");
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let snap = snapshot(vec![
         (
             service("web", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
@@ -324,7 +324,7 @@ fn no_endpoints_refuses_connections_at_once() {
         return;
     }
     let rig = Rig::new("sock-noep");
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let snap = snapshot(vec![
         (
             service("empty", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
@@ -357,7 +357,7 @@ fn affinity_holds_a_client_until_the_timeout() {
         return;
     }
     let rig = Rig::new("sock-aff");
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let snap = snapshot(vec![(
         service("sticky", Protocol::Tcp, &[VIP_V4], Some(1)),
         rig.endpoints(),
@@ -407,7 +407,7 @@ fn removed_endpoint_gets_no_new_flows_and_loses_its_affinity_entries() {
         return;
     }
     let rig = Rig::new("sock-rm");
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let sticky = service("shrink", Protocol::Tcp, &[VIP_V4], Some(600));
     sync(&mut dp, &snapshot(vec![(sticky.clone(), rig.endpoints())]));
     let result = rig.probe(Probe::tcp(addr(VIP_V4), 5));
@@ -510,7 +510,7 @@ fn changing_one_of_1000_services_touches_only_its_entries() {
     // Maps only: no traffic, so no topology.
     let bpffs = Bpffs::new("sock-1000-fs").unwrap();
     let cgroup = TestCgroup::new("sock-1000-cg").unwrap();
-    let mut dp = EbpfDataplane::new(config(&bpffs, &cgroup)).unwrap();
+    let mut dp = ServiceMaps::new(config(&bpffs, &cgroup)).unwrap();
     let ip = |a: u8, i: u32| -> IpAddr {
         format!("10.{a}.{}.{}", i / 250, i % 250 + 1)
             .parse()
@@ -594,7 +594,7 @@ fn restarted_agent_reuses_pinned_links_and_keeps_connections() {
         service("web", Protocol::Tcp, &[VIP_V4], None),
         rig.endpoints(),
     )]);
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     sync(&mut dp, &snap);
     let links: Vec<(&str, u32)> = dp.link_ids().to_vec();
     assert_eq!(links.len(), kproxy_common::sock::PROGRAMS.len());
@@ -620,7 +620,7 @@ fn restarted_agent_reuses_pinned_links_and_keeps_connections() {
 
     // kill -9 of the agent: the object is dropped without cleanup; a new one starts.
     drop(dp);
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     assert_eq!(dp.link_ids(), links.as_slice(), "links were not reused");
     sync(&mut dp, &snap);
     assert_eq!(dump(&rig.bpffs), before, "the restart changed the maps");
@@ -645,7 +645,7 @@ fn node_port_from_a_pod_uses_the_cluster_set_even_with_etp_local() {
         return;
     }
     let rig = Rig::new("sock-np");
-    let mut dp = EbpfDataplane::new(EbpfConfig {
+    let mut dp = ServiceMaps::new(ServiceMapsConfig {
         node_addresses: rig.topo.node_ips(),
         ..rig.config()
     })
@@ -680,7 +680,7 @@ fn internal_traffic_policy_local_reaches_only_local_endpoints() {
         return;
     }
     let rig = Rig::new("sock-itp");
-    let mut dp = EbpfDataplane::new(rig.config()).unwrap();
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
     let mut port = service("itp", Protocol::Tcp, &[VIP_V4], None);
     port.internal_policy_local = true;
     sync(&mut dp, &snapshot(vec![(port, rig.endpoints())]));

@@ -5,7 +5,7 @@
 //! the client connected to the same pod address directly (not through a ClusterIP) is left
 //! alone.
 //!
-//! The real `EbpfDataplane` (pinned maps on a private bpffs, socket LB on a test cgroup) and
+//! The real `ServiceMaps` (pinned maps on a private bpffs, socket LB on a test cgroup) and
 //! the shared topology: `pod-l0` is the client, `pod-l1`, `pod-l2` the backends.
 
 use std::collections::BTreeMap;
@@ -14,9 +14,9 @@ use std::net::IpAddr;
 use std::process::Stdio;
 
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::ebpf::service_maps::EbpfConfig;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
 use kproxy::dataplane::ebpf::service_maps::MapSizes;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
+use kproxy::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, Snapshot, testing};
 use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
 use kproxy_tests::topology::{POD_PORT, Topology, TopologySpec};
@@ -101,7 +101,7 @@ fn check(family: &str) {
     }
     let cgroup = TestCgroup::new(&format!("{test}-cg")).unwrap();
     let bpffs = Bpffs::new(&format!("{test}-fs")).unwrap();
-    let cfg = EbpfConfig {
+    let cfg = ServiceMapsConfig {
         bpffs: bpffs.path().to_path_buf(),
         cgroup: Some(cgroup.path().to_path_buf()),
         map_sizes: MapSizes {
@@ -113,9 +113,9 @@ fn check(family: &str) {
             sock_rev_nat: 1024,
             ..MapSizes::default()
         },
-        ..EbpfConfig::default()
+        ..ServiceMapsConfig::default()
     };
-    let mut dp = EbpfDataplane::new(cfg).unwrap();
+    let mut dp = ServiceMaps::new(cfg).unwrap();
     let report = dp
         .sync(&snapshot(&topo, &backends), &ChangedSet::default())
         .unwrap();

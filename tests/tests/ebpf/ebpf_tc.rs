@@ -23,7 +23,7 @@ use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::flows;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPolicy;
-use kproxy::dataplane::ebpf::service_maps::EbpfDataplane;
+use kproxy::dataplane::ebpf::service_maps::ServiceMaps;
 use kproxy::kernel::addresses::AddressWatcher;
 use kproxy::model::{ChangedSet, Endpoint, Protocol, ServiceType};
 use kproxy_common::service::{BackendValue, MAP_BACKENDS};
@@ -331,7 +331,7 @@ fn endpoint_removal_deletes_its_ct_entries() {
     assert_eq!(r.total_answers(), 30, "{r:?}");
     assert_eq!(r.answers.len(), 2, "{r:?}");
 
-    let backends = |dp: &Arc<Mutex<EbpfDataplane>>, bpffs: &Bpffs| -> BTreeSet<u32> {
+    let backends = |dp: &Arc<Mutex<ServiceMaps>>, bpffs: &Bpffs| -> BTreeSet<u32> {
         let _ = dp;
         let map =
             aya::maps::MapData::from_pin(bpffs.path().join("kproxy").join(MAP_BACKENDS)).unwrap();

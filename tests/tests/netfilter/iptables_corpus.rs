@@ -462,7 +462,10 @@ fn settings_documents_parse() {
     )
     .expect("yaml");
     let (cfg, _, _): (IptablesConfig, _, _) = settings_to_config(&v);
-    assert_eq!(cfg.masquerade_mark(), "0x8");
+    assert_eq!(
+        kproxy::dataplane::netfilter::node_ports::masquerade_mark(cfg.masquerade_bit),
+        "0x8"
+    );
     assert!(cfg.masquerade_all);
     assert!(
         cfg.node_ip.is_none(),

@@ -94,7 +94,7 @@ fn kernel_accepts_every_transaction_of_the_corpus() {
         "overall-nftables-rules",
         "bad-ips",
         "node-ports/ipv6-multiple-nodeport-addresses",
-        "internal-external-masquerade/masqueradeAll-no-LocalDetector",
+        "internal-external-masquerade/masqueradeAll-no-LocalTrafficDetector",
         "terminating-endpoints-etp-local/only-terminating-endpoints-exist",
     ] {
         let ns = Netns::new("nft-case").expect("netns");

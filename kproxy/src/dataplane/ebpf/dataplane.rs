@@ -1,5 +1,5 @@
 //! `--proxy-mode ebpf` as the agent runs it: the eBPF service maps + socket LB
-//! ([`crate::dataplane::ebpf::service_maps::EbpfDataplane`]) and the TC service path ([`crate::dataplane::ebpf::node_path`]) on the node's
+//! ([`crate::dataplane::ebpf::service_maps::ServiceMaps`]) and the TC service path ([`crate::dataplane::ebpf::node_path`]) on the node's
 //! devices, as one [`Dataplane`].
 //!
 //! - At construction: the socket-LB cgroup is checked ([`crate::dataplane::ebpf::socket_lb::cgroup`]: on cgroup2, and
@@ -24,7 +24,7 @@
 //!   changes to a non-zero value. Upstream's iptables/ipvs modes do serve SCTP; run one of
 //!   them where SCTP services matter.
 //!
-//! Everything runs in the network namespace of the thread that calls [`EbpfMode::new`].
+//! Everything runs in the network namespace of the thread that calls [`EbpfDataplane::new`].
 
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
@@ -40,8 +40,8 @@ use crate::dataplane::ebpf::node_path::flows as ct;
 use crate::dataplane::ebpf::node_path::tc::{load_object, stat_name};
 use crate::dataplane::ebpf::node_path::xdp::XdpPath;
 use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
-use crate::dataplane::ebpf::service_maps::EbpfConfig;
-use crate::dataplane::ebpf::service_maps::EbpfDataplane;
+use crate::dataplane::ebpf::service_maps::ServiceMaps;
+use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
 use crate::kernel::addresses::AddressWatcher;
 use crate::kernel::addresses::NodeAddresses;
@@ -52,10 +52,10 @@ use kproxy_common::ct::TcStat;
 /// How often the node's addresses are re-read.
 const ADDRESS_POLL: Duration = Duration::from_secs(2);
 
-/// What the ebpf mode needs beyond [`EbpfConfig`].
+/// What the ebpf mode needs beyond [`ServiceMapsConfig`].
 #[derive(Debug, Clone)]
-pub struct EbpfModeConfig {
-    pub ebpf: EbpfConfig,
+pub struct EbpfConfig {
+    pub ebpf: ServiceMapsConfig,
     /// `--bpf-devices`; `None`: the default device rule.
     pub devices: Option<Vec<String>>,
     /// Attach the TC service path (NodePort/ExternalIP/LB from outside the node).
@@ -68,9 +68,9 @@ pub struct EbpfModeConfig {
     pub node_port_cidrs: Vec<IpNet>,
 }
 
-/// The errors of [`EbpfMode::new`].
+/// The errors of [`EbpfDataplane::new`].
 #[derive(Debug, thiserror::Error)]
-pub enum EbpfModeError {
+pub enum EbpfError {
     #[error("eBPF socket LB: {0}")]
     Sock(#[from] crate::dataplane::ebpf::loader::LoaderError),
     #[error("eBPF socket LB: {0}")]
@@ -93,9 +93,9 @@ struct Tc {
 }
 
 /// The ebpf proxy mode (see the module docs).
-pub struct EbpfMode {
+pub struct EbpfDataplane {
     tc: Option<Tc>,
-    sock: EbpfDataplane,
+    sock: ServiceMaps,
     /// The node addresses the watcher saw last (`None` before the first scan).
     addresses: Arc<Mutex<Option<NodeAddresses>>>,
     node_port_cidrs: Vec<IpNet>,
@@ -114,11 +114,8 @@ pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
         .count()
 }
 
-impl EbpfMode {
-    pub fn new(
-        cfg: EbpfModeConfig,
-        telemetry: Option<Arc<dyn Telemetry>>,
-    ) -> Result<Self, EbpfModeError> {
+impl EbpfDataplane {
+    pub fn new(cfg: EbpfConfig, telemetry: Option<Arc<dyn Telemetry>>) -> Result<Self, EbpfError> {
         if cfg.ebpf.socket_lb {
             // Refuse a cgroup where socket LB would silently cover nothing (a private cgroup
             // namespace's own mount); see `crate::dataplane::ebpf::socket_lb::cgroup`.
@@ -131,7 +128,7 @@ impl EbpfMode {
                 crate::dataplane::ebpf::socket_lb::cgroup::check(&cg)?;
             }
         }
-        let sock = EbpfDataplane::new(cfg.ebpf.clone())?;
+        let sock = ServiceMaps::new(cfg.ebpf.clone())?;
         let addresses = Arc::new(Mutex::new(None));
         let tc = if cfg.tc {
             let pins = crate::dataplane::ebpf::loader::pin_dir(&cfg.ebpf);
@@ -142,7 +139,7 @@ impl EbpfMode {
             };
             let mut ebpf = load_object(&pins, &tc_cfg)?;
             let mut path = TcPath::load(&mut ebpf, tc_cfg)?;
-            let ifaces = scan().map_err(EbpfModeError::Interfaces)?;
+            let ifaces = scan().map_err(EbpfError::Interfaces)?;
             let selected = devices::select(cfg.devices.as_deref(), &ifaces)?;
             for dev in &selected {
                 path.attach(&mut ebpf, dev)?;
@@ -184,7 +181,7 @@ impl EbpfMode {
         } else {
             None
         };
-        Ok(EbpfMode {
+        Ok(EbpfDataplane {
             tc,
             sock,
             addresses,
@@ -197,7 +194,7 @@ impl EbpfMode {
     }
 
     /// The socket-LB / service-map datapath.
-    pub fn sock(&self) -> &EbpfDataplane {
+    pub fn service_maps(&self) -> &ServiceMaps {
         &self.sock
     }
 
@@ -272,7 +269,7 @@ fn report_ct_fill(m: &dyn Telemetry, ebpf: &Ebpf, capacity: u32) {
     }
 }
 
-impl Dataplane for EbpfMode {
+impl Dataplane for EbpfDataplane {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ebpf
     }

@@ -45,8 +45,8 @@ use super::service_maps::apply::Tables;
 use super::service_maps::tables::{
     KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError,
 };
-use super::service_maps::{EbpfConfig, LbAlgorithm};
-use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions};
+use super::service_maps::{LbAlgorithm, ServiceMapsConfig};
+use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions, error_chain};
 
 /// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
@@ -112,7 +112,7 @@ pub struct Kernel {
 }
 
 /// `<bpffs>/kproxy`.
-pub fn pin_dir(cfg: &EbpfConfig) -> PathBuf {
+pub fn pin_dir(cfg: &ServiceMapsConfig) -> PathBuf {
     cfg.bpffs.join("kproxy")
 }
 
@@ -121,7 +121,7 @@ fn link_dir(pin_dir: &Path) -> PathBuf {
 }
 
 /// Loads the object (reusing pinned maps), returns the service tables and attaches socket LB.
-pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
+pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
     if !object::is_built() {
         return Err(BpfError::NotBuilt.into());
     }
@@ -237,7 +237,7 @@ pub fn load(cfg: &EbpfConfig) -> Result<(Kernel, Tables), LoaderError> {
 
 /// `max_entries` of `KP_MAGLEV` and `KP_MAGLEV_REF`: `⌈tables × M / 2⌉` and `tables` in maglev
 /// mode, the compiled defaults in random mode.
-pub fn maglev_sizes(cfg: &EbpfConfig) -> (u32, u32) {
+pub fn maglev_sizes(cfg: &ServiceMapsConfig) -> (u32, u32) {
     match cfg.lb_algorithm {
         LbAlgorithm::Maglev => (
             maglev_elems(cfg.map_sizes.maglev.saturating_mul(cfg.maglev_table_size)),
@@ -286,7 +286,7 @@ fn recreate_maglev_if_resized(dir: &Path, entries: u32) -> Result<(), LoaderErro
 
 fn attach_sock(
     ebpf: &mut Ebpf,
-    cfg: &EbpfConfig,
+    cfg: &ServiceMapsConfig,
     dir: &Path,
 ) -> Result<Vec<(&'static str, u32)>, LoaderError> {
     let cgroup_path = match &cfg.cgroup {
@@ -321,7 +321,7 @@ fn attach_sock(
         if program.fd().is_err() {
             program
                 .load()
-                .map_err(|e| perr(format!("loading: {}", chain(&e))))?;
+                .map_err(|e| perr(format!("loading: {}", error_chain(&e))))?;
         }
         let link_id = program
             // bpf_link_create takes no flags for cgroups (links always coexist with others).
@@ -330,7 +330,7 @@ fn attach_sock(
                 perr(format!(
                     "attaching to {}: {}",
                     cgroup_path.display(),
-                    chain(&e)
+                    error_chain(&e)
                 ))
             })?;
         let link = program
@@ -346,18 +346,6 @@ fn attach_sock(
         links.push((name, id));
     }
     Ok(links)
-}
-
-/// An error with its sources (aya's program errors hide the errno in `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 impl Kernel {

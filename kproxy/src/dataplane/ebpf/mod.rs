@@ -1,5 +1,5 @@
-//! `--proxy-mode ebpf`: one [`Dataplane`](crate::dataplane::Dataplane),
-//! [`EbpfDataplane`].
+//! `--proxy-mode ebpf`: one [`Dataplane`](crate::dataplane::Dataplane), [`EbpfDataplane`]
+//! (in [`dataplane`]), configured by an [`EbpfConfig`].
 //!
 //! - [`object`]: the embedded BPF object, completed for this kernel (BTF), and the only place
 //!   it is loaded from.
@@ -19,4 +19,4 @@ pub mod object;
 pub mod service_maps;
 pub mod socket_lb;
 
-pub use dataplane::{EbpfMode, EbpfModeConfig, EbpfModeError};
+pub use dataplane::{EbpfConfig, EbpfDataplane, EbpfError};

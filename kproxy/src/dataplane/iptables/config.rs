@@ -11,6 +11,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use crate::dataplane::netfilter::local_detect::LocalDetector;
+use crate::dataplane::netfilter::node_ports::NodePortAddresses;
 use crate::model::IpFamily;
 
 /// Upstream's `largeClusterEndpointsThreshold`.
@@ -103,50 +104,17 @@ impl IptablesConfig {
         }
     }
 
-    /// The masquerade mark as hex (`0x4000` for bit 14), as upstream's test proxier writes it.
-    /// (Upstream's real proxier formats with `%#08x`; iptables parses both the same.)
-    pub fn masquerade_mark(&self) -> String {
-        format!("{:#x}", 1u64 << self.masquerade_bit.min(31))
-    }
-
-    fn family_cidrs(&self) -> Vec<IpNet> {
-        self.node_port_addresses
-            .iter()
-            .copied()
-            .filter(|n| self.family.matches(&n.addr()))
-            .collect()
-    }
-
-    /// Upstream `NodePortAddresses.MatchAll()`: no CIDR of this family, or a zero CIDR.
-    pub fn node_ports_match_all(&self) -> bool {
-        let c = self.family_cidrs();
-        c.is_empty() || c.iter().any(|n| n.prefix_len() == 0)
-    }
-
-    /// Upstream `NodePortAddresses.ContainsIPv4Loopback()`.
-    fn contains_ipv4_loopback(&self) -> bool {
-        if self.family != IpFamily::V4 {
-            return false;
+    /// `--nodeport-addresses` of this proxier's family, with the node's addresses.
+    pub fn node_ports(&self) -> NodePortAddresses<'_> {
+        NodePortAddresses {
+            family: self.family,
+            cidrs: &self.node_port_addresses,
+            local_addresses: &self.local_addresses,
         }
-        let lo: IpAddr = std::net::Ipv4Addr::LOCALHOST.into();
-        self.node_ports_match_all() || self.family_cidrs().iter().any(|n| n.contains(&lo))
     }
 
     /// Whether localhost NodePorts are in effect (IPv4 only, needs route_localnet).
     pub fn effective_localhost_node_ports(&self) -> bool {
-        self.localhost_node_ports && self.contains_ipv4_loopback()
-    }
-
-    /// Upstream `NodePortAddresses.GetNodeIPs()`: local addresses inside the CIDRs.
-    pub fn node_port_ips(&self) -> Vec<IpAddr> {
-        let cidrs = self.family_cidrs();
-        let mut out: Vec<IpAddr> = vec![];
-        for ip in &self.local_addresses {
-            if self.family.matches(ip) && cidrs.iter().any(|c| c.contains(ip)) && !out.contains(ip)
-            {
-                out.push(*ip);
-            }
-        }
-        out
+        self.localhost_node_ports && self.node_ports().contains_ipv4_loopback()
     }
 }

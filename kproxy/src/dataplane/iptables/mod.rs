@@ -5,9 +5,9 @@
 //! - [`plan`](mod@plan): the pure planner, snapshot → filter + nat rules (structured by chain).
 //! - [`incremental`]: per-service-port plans cached between syncs (re-plans what changed).
 //! - [`render`](mod@render): iptables-restore text and upstream's canonical sort.
-//! - [`proxier`]: full/partial sync state machine over an [`backend::IptablesBackend`].
+//! - [`proxier`]: full/partial sync state machine over an [`kernel::IptablesBackend`].
 //! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
-//! - [`backend`]: the kernel interface and an in-memory fake with restore semantics.
+//! - [`kernel`]: the kernel interface and an in-memory fake with restore semantics.
 //! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock).
 //! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
 //! - [`cleanup`]: removal of our and upstream kube-proxy's leftovers.
@@ -27,7 +27,7 @@ pub mod render;
 pub mod written;
 
 #[cfg(test)]
-mod scale_tests;
+mod tests;
 
 pub use config::{IptablesBackend as BackendChoice, IptablesConfig, NfacctCounters};
 pub use dataplane::IptablesDataplane;

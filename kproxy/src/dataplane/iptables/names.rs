@@ -4,6 +4,7 @@
 
 use ring::digest::{SHA256, digest};
 
+pub use crate::dataplane::netfilter::ServiceChains;
 use crate::model::{Endpoint, ServicePortName};
 
 pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
@@ -51,29 +52,10 @@ pub fn port_proto_hash(name: &ServicePortName) -> String {
     hash16(&format!("{name}{}", name.protocol.lower()))
 }
 
-/// The per-service-port chain names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServiceChains {
-    /// `KUBE-SVC-…`: endpoints for Cluster traffic policy.
-    pub cluster: String,
-    /// `KUBE-SVL-…`: endpoints for Local traffic policy.
-    pub local: String,
-    /// `KUBE-EXT-…`: external destinations.
-    pub external: String,
-    /// `KUBE-FW-…`: loadBalancerSourceRanges.
-    pub firewall: String,
-}
-
-impl ServiceChains {
-    pub fn of(name: &ServicePortName) -> Self {
-        let h = port_proto_hash(name);
-        ServiceChains {
-            cluster: format!("KUBE-SVC-{h}"),
-            local: format!("KUBE-SVL-{h}"),
-            external: format!("KUBE-EXT-{h}"),
-            firewall: format!("KUBE-FW-{h}"),
-        }
-    }
+/// Upstream's `KUBE-SVC/SVL/EXT/FW-<hash>` chains of a service port.
+pub fn service_chains(name: &ServicePortName) -> ServiceChains {
+    let h = port_proto_hash(name);
+    ServiceChains::named(["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-"], &h)
 }
 
 /// Upstream `servicePortEndpointChainName`: `KUBE-SEP-…` of one endpoint of one service port.
@@ -88,14 +70,10 @@ pub fn endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
 mod tests {
     use super::*;
     use crate::model::Protocol;
+    use crate::model::testing::port_name;
 
     fn spn(ns: &str, n: &str, p: &str) -> ServicePortName {
-        ServicePortName {
-            namespace: ns.into(),
-            name: n.into(),
-            port: p.into(),
-            protocol: Protocol::Tcp,
-        }
+        port_name(ns, n, p, Protocol::Tcp)
     }
 
     #[test]
@@ -106,7 +84,7 @@ mod tests {
         );
         assert_eq!(hash16("ns1/svc1:p80tcp10.180.0.1:80"), "SXIVWICOYRO3J4NJ");
         assert_eq!(
-            ServiceChains::of(&spn("ns2", "svc2", "p8080")).cluster,
+            service_chains(&spn("ns2", "svc2", "p8080")).cluster,
             "KUBE-SVC-2VJB64SDSIJUP5T6"
         );
     }

@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use crate::dataplane::netfilter::node_ports::masquerade_mark;
 use crate::model::topology::categorize_endpoints;
 use crate::model::{Endpoint, IpFamily, ServicePort, ServicePortName, Snapshot};
 
@@ -229,17 +230,6 @@ fn quoted(s: &str) -> String {
     format!("\"{s}\"")
 }
 
-/// The family's view of a service port (upstream's per-family `BaseServicePortInfo`): only
-/// this family's external IPs, LB ingress IPs and source ranges.
-fn for_family(svc: &ServicePort, family: IpFamily) -> ServicePort {
-    let mut s = svc.clone();
-    s.external_ips.retain(|ip| family.matches(ip));
-    s.load_balancer_ingress.retain(|i| family.matches(&i.ip));
-    s.load_balancer_source_ranges
-        .retain(|n| family.matches(&n.addr()));
-    s
-}
-
 /// The planned pieces of one service port, independent of every other service port: its
 /// rules in the shared chains (filter KUBE-SERVICES & co., nat KUBE-SERVICES and
 /// KUBE-NODEPORTS) and its own SVC/SVL/EXT/FW/SEP chains. [`assemble`] concatenates them.
@@ -292,14 +282,8 @@ pub fn plan_port(
     eps: &[Endpoint],
 ) -> PortPlan {
     let family = ctx.cfg.family;
-    let mut eps: Vec<Endpoint> = eps
-        .iter()
-        .filter(|e| family.matches(&e.ip))
-        .cloned()
-        .collect();
-    // Sorted by "IP:port" like upstream.
-    eps.sort_by_cached_key(|e| e.addr());
-    let svc = for_family(svc, family);
+    let eps = ServicePort::family_endpoints(eps, family);
+    let svc = svc.for_family(family);
     let mut pp = PortPlan {
         endpoints: eps.len(),
         ..Default::default()
@@ -311,7 +295,7 @@ pub fn plan_port(
 /// The chains and rules that do not depend on any service port: declarations of the shared
 /// chains and the rules that come before every service port's.
 pub fn plan_head(cfg: &IptablesConfig) -> Plan {
-    let mark = cfg.masquerade_mark();
+    let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
     let mut p = Plan::default();
@@ -365,12 +349,12 @@ pub fn plan_head(cfg: &IptablesConfig) -> Plan {
 /// Appends the rules that come after every service port's (the KUBE-NODEPORTS tail call,
 /// KUBE-FORWARD).
 pub fn plan_tail(p: &mut Plan, cfg: &IptablesConfig) {
-    let mark = cfg.masquerade_mark();
+    let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
     // Tail call to KUBE-NODEPORTS; must stay the last rule of KUBE-SERVICES.
     let last = "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
-    if cfg.node_ports_match_all() {
+    if cfg.node_ports().match_all() {
         let extra = if is_v6 {
             " ! -d ::1/128"
         } else if !localhost_nps {
@@ -383,7 +367,7 @@ pub fn plan_tail(p: &mut Plan, cfg: &IptablesConfig) {
             format!("{last} -m addrtype --dst-type LOCAL{extra} -j {KUBE_NODEPORTS}"),
         );
     } else {
-        for ip in cfg.node_port_ips() {
+        for ip in cfg.node_ports().node_ips() {
             if ip.is_loopback() {
                 if is_v6 {
                     tracing::warn!(address = %ip, "--nodeport-addresses includes localhost but localhost NodePorts are not supported on IPv6");
@@ -528,7 +512,7 @@ impl<'a> PortRules<'a> {
     ) -> Self {
         let cfg = ctx.cfg;
         let name = svc.name.to_string();
-        let ch = ServiceChains::of(&svc.name);
+        let ch = service_chains(&svc.name);
         let cat = categorize_endpoints(eps, svc, ctx.node);
         let has_endpoints = cat.has_any_endpoints;
         let no_local = cat.local.as_ref().is_none_or(|l| l.is_empty());

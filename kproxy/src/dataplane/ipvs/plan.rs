@@ -1005,5 +1005,4 @@ pub fn render(snap: &Snapshot, cfg: &IpvsConfig) -> String {
 }
 
 #[cfg(test)]
-#[path = "plan_tests.rs"]
 mod tests;

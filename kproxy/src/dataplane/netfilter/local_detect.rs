@@ -17,64 +17,47 @@
 //!   agent waits for the Node to get podCIDRs before it builds the datapath
 //!   (`agent::wait_for_pod_cidrs`, at most 5 minutes), hands them to the iptables/ipvs
 //!   datapaths (`app::build`), and exits to restart when they change later
-//!   ([`DetectLocalMode::needs_node_pod_cidrs`]);
+//!   ([`DetectLocal::needs_node_pod_cidrs`]);
 //! - `BridgeInterface`: `--pod-bridge-interface` for both families;
 //! - `InterfaceNamePrefix`: `--pod-interface-name-prefix` for both families.
 
-use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
 use ipnet::IpNet;
 
 use crate::model::IpFamily;
 
-/// `--detect-local-mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DetectLocalMode {
+/// `detectLocalMode` and its parameters: how the user chose to recognise pod traffic.
+/// [`detectors`] turns it into one [`LocalDetector`] per family.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub enum DetectLocal {
+    /// Source in the cluster CIDRs (of the packet's family) is local; a family without a
+    /// cluster CIDR detects nothing as local.
     #[default]
     ClusterCidr,
+    /// Source in the Node object's `spec.podCIDRs` is local.
     NodeCidr,
-    BridgeInterface,
-    InterfaceNamePrefix,
+    /// Traffic entering from this bridge is local (`detectLocal.bridgeInterface`).
+    BridgeInterface(String),
+    /// Traffic entering from interfaces with this prefix is local
+    /// (`detectLocal.interfaceNamePrefix`).
+    InterfaceNamePrefix(String),
 }
 
-impl DetectLocalMode {
-    pub fn as_str(self) -> &'static str {
+impl DetectLocal {
+    /// Upstream's spelling of the mode.
+    pub fn as_str(&self) -> &'static str {
         match self {
-            DetectLocalMode::ClusterCidr => "ClusterCIDR",
-            DetectLocalMode::NodeCidr => "NodeCIDR",
-            DetectLocalMode::BridgeInterface => "BridgeInterface",
-            DetectLocalMode::InterfaceNamePrefix => "InterfaceNamePrefix",
+            DetectLocal::ClusterCidr => "ClusterCIDR",
+            DetectLocal::NodeCidr => "NodeCIDR",
+            DetectLocal::BridgeInterface(_) => "BridgeInterface",
+            DetectLocal::InterfaceNamePrefix(_) => "InterfaceNamePrefix",
         }
     }
 
     /// Whether the detectors depend on the Node's podCIDRs (wait for them before building).
-    pub fn needs_node_pod_cidrs(self) -> bool {
-        self == DetectLocalMode::NodeCidr
-    }
-}
-
-impl fmt::Display for DetectLocalMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for DetectLocalMode {
-    type Err = String;
-    /// Upstream's spellings; empty means the default (`ClusterCIDR`).
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "" | "ClusterCIDR" => Ok(DetectLocalMode::ClusterCidr),
-            "NodeCIDR" => Ok(DetectLocalMode::NodeCidr),
-            "BridgeInterface" => Ok(DetectLocalMode::BridgeInterface),
-            "InterfaceNamePrefix" => Ok(DetectLocalMode::InterfaceNamePrefix),
-            other => Err(format!(
-                "unknown detect-local-mode {other:?}: expected ClusterCIDR, NodeCIDR, \
-                 BridgeInterface or InterfaceNamePrefix"
-            )),
-        }
+    pub fn needs_node_pod_cidrs(&self) -> bool {
+        *self == DetectLocal::NodeCidr
     }
 }
 
@@ -161,18 +144,6 @@ impl LocalDetectors {
     }
 }
 
-/// Inputs of [`detectors`].
-#[derive(Debug, Clone, Default)]
-pub struct DetectLocalConfig {
-    pub mode: DetectLocalMode,
-    /// `--cluster-cidr` (comma-separated in the flag), any order of families.
-    pub cluster_cidrs: Vec<IpNet>,
-    /// `--pod-bridge-interface`.
-    pub bridge_interface: String,
-    /// `--pod-interface-name-prefix`.
-    pub interface_name_prefix: String,
-}
-
 /// A configuration that cannot give any detector.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DetectLocalError {
@@ -189,7 +160,8 @@ pub enum DetectLocalError {
 /// Upstream `getLocalDetectors`: one detector per family, plus warnings to log (upstream logs
 /// them at info level) when the primary family ends up without a detector.
 pub fn detectors(
-    cfg: &DetectLocalConfig,
+    mode: &DetectLocal,
+    cluster_cidrs: &[IpNet],
     primary: IpFamily,
     node_pod_cidrs: &[IpNet],
 ) -> Result<(LocalDetectors, Vec<String>), DetectLocalError> {
@@ -198,9 +170,9 @@ pub fn detectors(
         v6: first_of(cidrs, IpFamily::V6),
     };
     let mut warnings = vec![];
-    let d = match cfg.mode {
-        DetectLocalMode::ClusterCidr => {
-            let d = by_first_cidr(&cfg.cluster_cidrs);
+    let d = match mode {
+        DetectLocal::ClusterCidr => {
+            let d = by_first_cidr(cluster_cidrs);
             if !d.get(primary).is_implemented() {
                 warnings.push(format!(
                     "detect-local-mode set to ClusterCIDR, but no cluster CIDR specified for the \
@@ -210,7 +182,7 @@ pub fn detectors(
             }
             d
         }
-        DetectLocalMode::NodeCidr => {
+        DetectLocal::NodeCidr => {
             let d = by_first_cidr(node_pod_cidrs);
             if !d.get(primary).is_implemented() {
                 warnings.push(format!(
@@ -221,21 +193,21 @@ pub fn detectors(
             }
             d
         }
-        DetectLocalMode::BridgeInterface => {
-            if cfg.bridge_interface.is_empty() {
+        DetectLocal::BridgeInterface(bridge) => {
+            if bridge.is_empty() {
                 return Err(DetectLocalError::NoBridgeInterface);
             }
-            let d = LocalDetector::BridgeInterface(cfg.bridge_interface.clone());
+            let d = LocalDetector::BridgeInterface(bridge.clone());
             LocalDetectors {
                 v4: d.clone(),
                 v6: d,
             }
         }
-        DetectLocalMode::InterfaceNamePrefix => {
-            if cfg.interface_name_prefix.is_empty() {
+        DetectLocal::InterfaceNamePrefix(prefix) => {
+            if prefix.is_empty() {
                 return Err(DetectLocalError::NoInterfacePrefix);
             }
-            let d = LocalDetector::InterfaceNamePrefix(cfg.interface_name_prefix.clone());
+            let d = LocalDetector::InterfaceNamePrefix(prefix.clone());
             LocalDetectors {
                 v4: d.clone(),
                 v6: d,
@@ -342,79 +314,90 @@ mod tests {
 
     #[test]
     fn cluster_cidr_mode_uses_the_first_cidr_of_each_family() {
-        let cfg = DetectLocalConfig {
-            mode: DetectLocalMode::ClusterCidr,
-            cluster_cidrs: vec![
-                net("fd00:10::/48"),
-                net("10.244.0.0/16"),
-                net("10.96.0.0/16"),
-            ],
-            ..Default::default()
-        };
-        let (d, w) = detectors(&cfg, IpFamily::V4, &[]).unwrap();
+        let mode = DetectLocal::ClusterCidr;
+        let cidrs = [
+            net("fd00:10::/48"),
+            net("10.244.0.0/16"),
+            net("10.96.0.0/16"),
+        ];
+        let (d, w) = detectors(&mode, &cidrs, IpFamily::V4, &[]).unwrap();
         assert_eq!(d.v4, LocalDetector::Cidr(net("10.244.0.0/16")));
         assert_eq!(d.v6, LocalDetector::Cidr(net("fd00:10::/48")));
         assert!(w.is_empty());
-        let cfg = DetectLocalConfig {
-            cluster_cidrs: vec![net("10.244.0.0/16")],
-            ..cfg
-        };
-        let (d, w) = detectors(&cfg, IpFamily::V6, &[]).unwrap();
+        let (d, w) = detectors(&mode, &[net("10.244.0.0/16")], IpFamily::V6, &[]).unwrap();
         assert_eq!(d.v6, LocalDetector::None);
         assert_eq!(w.len(), 1, "primary family without a CIDR is warned about");
-        let (d, w) = detectors(&DetectLocalConfig::default(), IpFamily::V4, &[]).unwrap();
+        let (d, w) = detectors(&DetectLocal::default(), &[], IpFamily::V4, &[]).unwrap();
         assert_eq!(d, LocalDetectors::default());
         assert_eq!(w.len(), 1);
     }
 
     #[test]
     fn node_cidr_mode_uses_the_pod_cidrs() {
-        let cfg = DetectLocalConfig {
-            mode: DetectLocalMode::NodeCidr,
-            cluster_cidrs: vec![net("10.0.0.0/8")],
-            ..Default::default()
-        };
-        let (d, w) = detectors(&cfg, IpFamily::V4, &[net("10.244.1.0/24")]).unwrap();
+        let mode = DetectLocal::NodeCidr;
+        let (d, w) = detectors(
+            &mode,
+            &[net("10.0.0.0/8")],
+            IpFamily::V4,
+            &[net("10.244.1.0/24")],
+        )
+        .unwrap();
         assert_eq!(d.v4, LocalDetector::Cidr(net("10.244.1.0/24")));
         assert_eq!(d.v6, LocalDetector::None);
         assert!(w.is_empty());
-        assert!(DetectLocalMode::NodeCidr.needs_node_pod_cidrs());
+        assert!(mode.needs_node_pod_cidrs());
+        assert!(!DetectLocal::ClusterCidr.needs_node_pod_cidrs());
     }
 
     #[test]
     fn interface_modes_apply_to_both_families_and_need_their_flag() {
-        let cfg = DetectLocalConfig {
-            mode: DetectLocalMode::BridgeInterface,
-            bridge_interface: "cbr0".into(),
-            ..Default::default()
-        };
-        let (d, _) = detectors(&cfg, IpFamily::V4, &[]).unwrap();
+        let mode = DetectLocal::BridgeInterface("cbr0".into());
+        let (d, _) = detectors(&mode, &[], IpFamily::V4, &[]).unwrap();
         assert_eq!(d.v4, LocalDetector::BridgeInterface("cbr0".into()));
         assert_eq!(d.v6, d.v4);
-        let cfg = DetectLocalConfig {
-            mode: DetectLocalMode::InterfaceNamePrefix,
-            ..Default::default()
-        };
         assert_eq!(
-            detectors(&cfg, IpFamily::V4, &[]).unwrap_err(),
+            detectors(
+                &DetectLocal::InterfaceNamePrefix(String::new()),
+                &[],
+                IpFamily::V4,
+                &[]
+            )
+            .unwrap_err(),
             DetectLocalError::NoInterfacePrefix
+        );
+        assert_eq!(
+            detectors(
+                &DetectLocal::BridgeInterface(String::new()),
+                &[],
+                IpFamily::V4,
+                &[]
+            )
+            .unwrap_err(),
+            DetectLocalError::NoBridgeInterface
         );
     }
 
+    /// The spellings upstream's `detectLocalMode` uses (the config file parses them in
+    /// `config::resolve`; messages print them back).
     #[test]
     fn mode_spellings() {
-        for m in [
-            DetectLocalMode::ClusterCidr,
-            DetectLocalMode::NodeCidr,
-            DetectLocalMode::BridgeInterface,
-            DetectLocalMode::InterfaceNamePrefix,
-        ] {
-            assert_eq!(m.as_str().parse::<DetectLocalMode>().unwrap(), m);
-        }
+        let spelled: Vec<&str> = [
+            DetectLocal::ClusterCidr,
+            DetectLocal::NodeCidr,
+            DetectLocal::BridgeInterface("cbr0".into()),
+            DetectLocal::InterfaceNamePrefix("veth".into()),
+        ]
+        .iter()
+        .map(DetectLocal::as_str)
+        .collect();
         assert_eq!(
-            "".parse::<DetectLocalMode>().unwrap(),
-            DetectLocalMode::ClusterCidr
+            spelled,
+            [
+                "ClusterCIDR",
+                "NodeCIDR",
+                "BridgeInterface",
+                "InterfaceNamePrefix"
+            ]
         );
-        assert!("clustercidr".parse::<DetectLocalMode>().is_err());
     }
 }

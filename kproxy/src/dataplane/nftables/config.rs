@@ -6,6 +6,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use crate::dataplane::netfilter::local_detect::LocalDetector;
+use crate::dataplane::netfilter::node_ports::NodePortAddresses;
 use crate::model::IpFamily;
 
 /// Settings of one per-family nftables proxier.
@@ -64,37 +65,13 @@ impl NftablesConfig {
         self.ip_x()
     }
 
-    /// The masquerade mark as hex (`0x4000` for bit 14), as upstream's test proxier writes
-    /// it. Upstream's real proxier formats with `%#08x` (`0x004000`); nft reads both the same.
-    pub fn masquerade_mark(&self) -> String {
-        format!("{:#x}", 1u64 << self.masquerade_bit.min(31))
-    }
-
-    fn family_cidrs(&self) -> Vec<IpNet> {
-        self.node_port_addresses
-            .iter()
-            .copied()
-            .filter(|n| self.family.matches(&n.addr()))
-            .collect()
-    }
-
-    /// Upstream `NodePortAddresses.MatchAll()`.
-    pub fn node_ports_match_all(&self) -> bool {
-        let c = self.family_cidrs();
-        c.is_empty() || c.iter().any(|n| n.prefix_len() == 0)
-    }
-
-    /// Upstream `NodePortAddresses.GetNodeIPs()`: local addresses inside the CIDRs.
-    pub fn node_port_ips(&self) -> Vec<IpAddr> {
-        let cidrs = self.family_cidrs();
-        let mut out: Vec<IpAddr> = vec![];
-        for ip in &self.local_addresses {
-            if self.family.matches(ip) && cidrs.iter().any(|c| c.contains(ip)) && !out.contains(ip)
-            {
-                out.push(*ip);
-            }
+    /// `--nodeport-addresses` of this proxier's family, with the node's addresses.
+    pub fn node_ports(&self) -> NodePortAddresses<'_> {
+        NodePortAddresses {
+            family: self.family,
+            cidrs: &self.node_port_addresses,
+            local_addresses: &self.local_addresses,
         }
-        out
     }
 
     /// Upstream `OnServiceCIDRsChanged`: this family's CIDRs joined by `,`.
@@ -146,6 +123,9 @@ mod tests {
             LocalDetector::InterfaceNamePrefix("veth".into()),
         );
         assert_eq!(c.if_not_local().unwrap(), "iifname != veth*");
-        assert_eq!(c.masquerade_mark(), "0x4000");
+        assert_eq!(
+            crate::dataplane::netfilter::node_ports::masquerade_mark(c.masquerade_bit),
+            "0x4000"
+        );
     }
 }

@@ -5,6 +5,7 @@
 
 use ring::digest::{SHA256, digest};
 
+pub use crate::dataplane::netfilter::ServiceChains;
 use crate::model::{Endpoint, ServicePortName};
 
 /// knftables `NameLengthMax` minus upstream's prefix allowance (16).
@@ -81,25 +82,18 @@ pub fn affinity_set(name: &ServicePortName, ep: &Endpoint) -> String {
     format!("{AFFINITY_PREFIX}{}", endpoint_base(name, ep))
 }
 
-/// The per-service-port chain names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServiceChains {
-    pub cluster: String,
-    pub local: String,
-    pub external: String,
-    pub firewall: String,
-}
-
-impl ServiceChains {
-    pub fn of(name: &ServicePortName) -> Self {
-        let b = service_base(name);
-        ServiceChains {
-            cluster: format!("{SERVICE_PREFIX}{b}"),
-            local: format!("{LOCAL_PREFIX}{b}"),
-            external: format!("{EXTERNAL_PREFIX}{b}"),
-            firewall: format!("{FIREWALL_PREFIX}{b}"),
-        }
-    }
+/// Upstream's `service-/local-/external-/firewall-<base>` chains of a service port.
+pub fn service_chains(name: &ServicePortName) -> ServiceChains {
+    let b = service_base(name);
+    ServiceChains::named(
+        [
+            SERVICE_PREFIX,
+            LOCAL_PREFIX,
+            EXTERNAL_PREFIX,
+            FIREWALL_PREFIX,
+        ],
+        &b,
+    )
 }
 
 /// Upstream `isServiceChainName`: per-service chains always contain a `/`.
@@ -116,21 +110,17 @@ pub fn is_affinity_set(name: &str) -> bool {
 mod tests {
     use super::*;
     use crate::model::Protocol;
+    use crate::model::testing::port_name;
 
     fn spn(ns: &str, n: &str, p: &str) -> ServicePortName {
-        ServicePortName {
-            namespace: ns.into(),
-            name: n.into(),
-            port: p.into(),
-            protocol: Protocol::Tcp,
-        }
+        port_name(ns, n, p, Protocol::Tcp)
     }
 
     #[test]
     fn names_match_upstream_examples() {
         let s = spn("ns1", "svc1", "p80");
         assert_eq!(
-            ServiceChains::of(&s).cluster,
+            service_chains(&s).cluster,
             "service-ULMVA6XW-ns1/svc1/tcp/p80"
         );
         assert_eq!(

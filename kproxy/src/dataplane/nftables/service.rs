@@ -10,7 +10,7 @@ use crate::model::{Endpoint, IpFamily, NodeInfo, ServicePort};
 
 use super::config::NftablesConfig;
 use super::elements::ElementStorage;
-use super::names::{ServiceChains, affinity_set, endpoint_chain};
+use super::names::{ServiceChains, affinity_set, endpoint_chain, service_chains};
 use super::setup::{MARK_MASQ, REJECT_CHAIN, ensure_chain};
 use super::transaction::{Object, SetSpec, Transaction};
 
@@ -70,17 +70,6 @@ pub struct SyncContext<'a> {
     pub kept_chains: BTreeSet<String>,
 }
 
-/// The family's view of a service port: only this family's external IPs, LB ingress IPs and
-/// source ranges (upstream's per-family service maps).
-fn for_family(svc: &ServicePort, family: IpFamily) -> ServicePort {
-    let mut s = svc.clone();
-    s.external_ips.retain(|ip| family.matches(ip));
-    s.load_balancer_ingress.retain(|i| family.matches(&i.ip));
-    s.load_balancer_source_ranges
-        .retain(|n| family.matches(&n.addr()));
-    s
-}
-
 fn l3l4(ip: &IpAddr, proto: &str, port: u16) -> String {
     format!("{ip} . {proto} . {port}")
 }
@@ -105,7 +94,7 @@ struct PortShape {
 }
 
 fn shape(svc: &ServicePort, eps: &[Endpoint], node: &NodeInfo, family: IpFamily) -> PortShape {
-    let ch = ServiceChains::of(&svc.name);
+    let ch = service_chains(&svc.name);
     let cat = categorize_endpoints(eps, svc, node);
     let cluster_eps = cat.cluster.clone().unwrap_or_default();
     let local_eps = cat.local.clone().unwrap_or_default();
@@ -175,13 +164,8 @@ impl SyncContext<'_> {
         skip: bool,
     ) {
         let family = self.cfg.family;
-        let mut eps: Vec<Endpoint> = eps
-            .iter()
-            .filter(|e| family.matches(&e.ip))
-            .cloned()
-            .collect();
-        eps.sort_by_cached_key(|e| e.addr());
-        let svc = for_family(svc, family);
+        let eps = ServicePort::family_endpoints(eps, family);
+        let svc = svc.for_family(family);
         let s = shape(&svc, &eps, self.node, family);
         let affinity = svc.session_affinity_timeout.is_some();
         for ep in &s.all_reachable {

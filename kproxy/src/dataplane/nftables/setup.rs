@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use super::config::NftablesConfig;
 use super::transaction::{BaseChain, Object, SetSpec, Transaction};
+use crate::dataplane::netfilter::node_ports::masquerade_mark;
 
 pub const TABLE: &str = "kube-proxy";
 pub const SERVICES: &str = "services";
@@ -92,7 +93,7 @@ pub fn setup(cfg: &NftablesConfig, tx: &mut Transaction, recreate_base_chains: b
         crate::model::IpFamily::V4 => "ip daddr != 127.0.0.0/8",
         crate::model::IpFamily::V6 => "ip6 daddr != ::1",
     };
-    let mark = cfg.masquerade_mark();
+    let mark = masquerade_mark(cfg.masquerade_bit);
     tx.add(Object::Table {
         comment: Some("rules for kube-proxy".into()),
     });
@@ -166,12 +167,12 @@ fn setup_nodeport_ips(cfg: &NftablesConfig, tx: &mut Transaction) {
         spec: set_spec(cfg.addr_type().into(), "IPs that accept NodePort traffic"),
     };
     tx.add(set.clone());
-    if cfg.node_ports_match_all() {
+    if cfg.node_ports().match_all() {
         tx.delete(set);
         return;
     }
     tx.flush(set);
-    for ip in cfg.node_port_ips() {
+    for ip in cfg.node_ports().node_ips() {
         if ip.is_loopback() {
             tracing::error!(address = %ip, "--nodeport-addresses includes localhost but localhost NodePorts are not supported");
             continue;
@@ -215,7 +216,7 @@ fn setup_maps(cfg: &NftablesConfig, tx: &mut Transaction, no_localhost: &str) {
         SERVICE_ENDPOINTS_CHECK,
         format!("{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES}"),
     ));
-    let match_all = cfg.node_ports_match_all();
+    let match_all = cfg.node_ports().match_all();
     let np_dest = if match_all {
         no_localhost.to_string()
     } else {

@@ -16,10 +16,10 @@
 //!   translate: SCTP, see `kproxy-ebpf/src/sock.rs`).
 //!
 //! # Differences from upstream, on purpose
-//! - The exposition is OpenMetrics text (what `prometheus-client` writes): a counter's
+//! - None in the exposition format: like upstream, `/metrics` serves Prometheus' text format
+//!   0.0.4 unless the client asks for OpenMetrics ([`text`]). In OpenMetrics a counter's
 //!   `# TYPE` line names the family without `_total` (`# TYPE kubeproxy_proxy_healthz counter`)
 //!   while its samples keep the `_total` name upstream uses (`kubeproxy_proxy_healthz_total`).
-//!   Prometheus scrapes both formats alike.
 //! - One kproxy sync programs both IP families, so per-family sync metrics
 //!   (`ip_family="IPv4"|"IPv6"`) are recorded for every family the agent handles
 //!   ([`Metrics::families`]) with the same value.
@@ -51,6 +51,7 @@ use crate::model::IpFamily;
 
 pub mod server;
 mod sync;
+pub mod text;
 
 pub use sync::{SyncMetrics, no_local_endpoints};
 

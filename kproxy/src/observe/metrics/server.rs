@@ -1,5 +1,6 @@
 //! The metrics server (`--metrics-bind-address`, default `127.0.0.1:10249`), like upstream's:
-//! - `GET /metrics`: every metric, OpenMetrics text;
+//! - `GET /metrics`: every metric, Prometheus text 0.0.4, or OpenMetrics when the `Accept`
+//!   header lists it (as upstream negotiates, see [`super::text`]);
 //! - `GET /proxyMode`: the active proxy mode as plain text (`ebpf`, `ipvs` or `iptables`);
 //! - `GET /healthz`: `ok` (upstream installs the generic healthz handler here too; the proxy's
 //!   real health lives on the healthz server).
@@ -8,14 +9,13 @@ use std::net::SocketAddr;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{HeaderMap, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::observe::metrics::Metrics;
+use crate::observe::metrics::text::{self, OPENMETRICS, PROMETHEUS_TEXT};
 use crate::observe::server::Served;
-
-const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The metrics server's routes.
 pub fn router(metrics: Metrics) -> Router {
@@ -26,8 +26,20 @@ pub fn router(metrics: Metrics) -> Router {
         .with_state(metrics)
 }
 
-async fn metrics_handler(State(m): State<Metrics>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, OPENMETRICS)], m.encode())
+async fn metrics_handler(State(m): State<Metrics>, headers: HeaderMap) -> impl IntoResponse {
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(text::wants_openmetrics);
+    if openmetrics {
+        ([(header::CONTENT_TYPE, OPENMETRICS)], m.encode())
+    } else {
+        (
+            [(header::CONTENT_TYPE, PROMETHEUS_TEXT)],
+            text::to_prometheus_text(&m.encode()),
+        )
+    }
 }
 
 async fn proxy_mode(State(m): State<Metrics>) -> impl IntoResponse {

@@ -64,15 +64,7 @@ pub fn select(
 mod tests {
     use super::*;
 
-    fn iface(name: &str, index: u32, addrs: &[&str]) -> Interface {
-        Interface {
-            name: name.into(),
-            index,
-            up: true,
-            loopback: name == "lo",
-            addrs: addrs.iter().map(|a| a.parse().unwrap()).collect(),
-        }
-    }
+    use crate::kernel::addresses::tests::iface;
 
     fn node() -> Vec<Interface> {
         vec![

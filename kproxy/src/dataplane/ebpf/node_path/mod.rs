@@ -6,11 +6,11 @@
 //! IPv6 covers what IPv4 does — DNAT of NodePorts on the node's IPv6 addresses, ExternalIPs
 //! and LB VIPs to local and remote backends, BPF SNAT (eTP=Cluster, remote backend, hairpin)
 //! to the first global IPv6 address of the egress device (`KP_NODE_ADDR6`, from
-//! [`addresses::NodeAddresses::snat_v6`]) with the shared SNAT port range, reverse NAT from
+//! [`crate::kernel::addresses::NodeAddresses::snat_v6`]) with the shared SNAT port range, reverse NAT from
 //! `KP_CT6`, ICMPv6 errors about translated flows (destination unreachable, packet too big,
 //! time exceeded, parameter problem), TCP RST / ICMPv6 port unreachable without endpoints,
 //! eTP=Local, loadBalancerSourceRanges (IPv6 CIDRs in the shared LPM trie), session affinity,
-//! CT6 purge and idle expiry ([`ct`]) — except: packets with IPv6 extension headers (fragments
+//! CT6 purge and idle expiry ([`flows`]) — except: packets with IPv6 extension headers (fragments
 //! included) pass untranslated, and IPv6 sets have no Maglev table (random slot). The IPv6
 //! state lives in its own maps (`kproxy_common::ct6`); counters are shared with IPv4.
 //!
@@ -19,18 +19,19 @@
 //! at ingress and SNAT at egress). This module is the userspace half:
 //!
 //! - [`devices`]: which devices get the programs (`--bpf-devices`, or the default rule) — pure.
-//! - [`addresses`]: node addresses per device, read from the kernel and watched for changes;
-//!   feeds `KP_NODE_ADDR4` / `KP_NODE_ADDR6` (SNAT source per device) and the planner's NodePort frontends.
-//! - [`ct`]: connection-table maintenance: purge flows of removed backends, expire idle ones
+//! - [`crate::kernel::addresses`]: node addresses per device, read from the kernel and watched
+//!   for changes; feeds `KP_NODE_ADDR4` / `KP_NODE_ADDR6` (SNAT source per device) and the planner's NodePort frontends.
+//! - [`flows`]: connection-table maintenance: purge flows of removed backends, expire idle ones
 //!   (pure planners over a snapshot of the table, plus the map I/O).
-//! - [`attach`]: [`TcPath`], loading the programs, writing the NAT config and attaching to
+//! - [`tc`]: [`TcPath`], loading the programs, writing the NAT config and attaching to
 //!   devices through TCX links pinned under the bpffs, so a restarted agent replaces the
 //!   program in place instead of detaching (established flows survive).
 //! - [`xdp`]: [`xdp::XdpPath`], the XDP program (`--bpf-xdp`): early drop of new flows the TC
 //!   ingress program would drop (source ranges, no endpoints without reject), and the
 //!   forwarding fast path for flows to remote backends (same CT entries as TC).
-//! - [`testrun`]: `BPF_PROG_TEST_RUN` of the TC and XDP programs on a crafted frame (tests,
-//!   benches).
+//!
+//! `BPF_PROG_TEST_RUN` of these programs for tests and benches is in the tests crate
+//! (`kproxy_tests::bpf::testrun`).
 //!
 //! Differences from upstream kube-proxy, on purpose:
 //! - eTP=Cluster traffic to a *local* backend keeps the client address (upstream masquerades

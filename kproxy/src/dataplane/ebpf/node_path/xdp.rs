@@ -53,7 +53,8 @@ use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_
 use crate::dataplane::ebpf::node_path::TcError;
 
 /// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum XdpPolicy {
     /// TC only.
     Off,

@@ -154,6 +154,19 @@ pub fn is_built() -> bool {
     !OBJECT.is_empty()
 }
 
+/// An error with its sources: aya's errors hide the errno in `source()`, so a message without
+/// them does not say why the kernel refused.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
 /// How [`load`] creates the object's maps.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions<'a> {

@@ -1,23 +1,21 @@
-//! The eBPF datapath: service maps programmed from snapshots, socket-level load balancing.
+//! The service maps programmed from snapshots, and the socket-LB programs that read them.
 //!
-//! - [`planner`] (pure): [`Snapshot`] + [`EbpfConfig`] → [`planner::Plan`], the exact entries
+//! - [`plan`](mod@plan) (pure): [`Snapshot`] + [`ServiceMapsConfig`] → [`plan::Plan`], the exact entries
 //!   of the service maps (`kproxy_common::service` documents the layout and who reads what);
 //!   [`render`] prints it (`kproxy render --proxy-mode ebpf`).
 //! - [`ids`]: stable backend and set ids across syncs and restarts.
 //! - [`maglev`] (pure): the Maglev table of a set (`--bpf-lb-algorithm maglev`).
-//! - [`applier`]: diffs a plan against the maps and writes backends → slots → frontends →
+//! - [`apply`]: diffs a plan against the maps and writes backends → slots → frontends →
 //!   deletes stale, failing only the service port whose write failed.
 //! - [`filter`] (pure): the frontend filter's bits, kept in step with the frontends so the
 //!   node-device programs skip service-map lookups that would miss.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
-//! - [`loader`]: bpffs, the object with pinned maps, socket-LB programs on pinned links.
-//! - [`layout`]: maps pinned by another kproxy version are reused, carried over or replaced
-//!   deliberately before the object loads.
-//! - [`sockdestroy`] (with [`sockdiag`]): after a sync, UDP sockets socket LB connected to a
-//!   backend that left every UDP service are destroyed, so clients re-resolve at once.
 //!
-//! [`EbpfDataplane`] ties them together as a [`Dataplane`]. The TC programs
-//! (NodePort/ExternalIP/LB from outside) read the same maps.
+//! [`ServiceMaps`] ties them together with the loaded object ([`super::loader`]: pins, the
+//! socket-LB links) and UDP socket destruction ([`super::socket_lb::sock_destroy`]). It is a
+//! [`Dataplane`] of its own (socket LB without the node path, as some tests run it); the mode's
+//! `Dataplane` is [`super::EbpfDataplane`], which adds the TC/XDP node path reading the same
+//! maps.
 //!
 //! ## Incremental syncs
 //!
@@ -25,7 +23,7 @@
 //! change re-plans and writes one service port.
 //!
 //! - What is cached: the [`Planner`] keeps the current [`Plan`] per service port (each
-//!   [`planner::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
+//!   [`plan::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
 //!   claims which frontend, and how many slots reference each backend; the [`Applier`] keeps
 //!   what it believes the agent-written maps hold (it is their only writer) and the plan each
 //!   service port has in them.
@@ -39,7 +37,7 @@
 //!   found by scanning the cache): the first sync, the sync after a failed one (the cache is
 //!   first re-read from the maps), a change of the node (labels, addresses) or of the
 //!   NodePort addresses or configuration, and at least once per `syncPeriod`
-//!   ([`EbpfConfig::full_sync_period`]), as upstream's proxiers resync periodically. The maps
+//!   ([`ServiceMapsConfig::full_sync_period`]), as upstream's proxiers resync periodically. The maps
 //!   are also re-read before a full sync when the last read is older than
 //!   [`MAP_REREAD_PERIOD`].
 //! - Why readers never see a half-programmed service: an incremental apply writes the changed
@@ -109,7 +107,8 @@ impl Default for MapSizes {
 }
 
 /// Backend selection (`--bpf-lb-algorithm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum LbAlgorithm {
     /// A uniformly random slot per new connection (or UDP datagram without affinity).
     #[default]
@@ -124,7 +123,7 @@ pub enum LbAlgorithm {
 
 /// What the eBPF datapath needs from the resolved configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EbpfConfig {
+pub struct ServiceMapsConfig {
     /// Addresses NodePorts are programmed on (`--nodeport-addresses` resolved to this node's
     /// addresses). Empty: the Node object's addresses from the snapshot.
     pub node_addresses: Vec<IpAddr>,
@@ -146,9 +145,9 @@ pub struct EbpfConfig {
     pub full_sync_period: std::time::Duration,
 }
 
-impl Default for EbpfConfig {
+impl Default for ServiceMapsConfig {
     fn default() -> Self {
-        EbpfConfig {
+        ServiceMapsConfig {
             node_addresses: Vec::new(),
             families: vec![IpFamily::V4, IpFamily::V6],
             map_sizes: MapSizes::default(),
@@ -188,9 +187,9 @@ pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
     })
 }
 
-/// The eBPF [`Dataplane`].
-pub struct EbpfDataplane {
-    cfg: EbpfConfig,
+/// The service maps and socket LB as a [`Dataplane`] (see the module docs).
+pub struct ServiceMaps {
+    cfg: ServiceMapsConfig,
     planner: Planner,
     applier: Applier,
     kernel: loader::Kernel,
@@ -208,10 +207,10 @@ pub struct EbpfDataplane {
     removed_backends: Vec<u32>,
 }
 
-impl EbpfDataplane {
+impl ServiceMaps {
     /// Mounts bpffs if needed, loads the object reusing pinned maps and links, attaches socket
     /// LB and reads the maps' current content (a restart reconciles, nothing is flushed).
-    pub fn new(cfg: EbpfConfig) -> Result<Self, loader::LoaderError> {
+    pub fn new(cfg: ServiceMapsConfig) -> Result<Self, loader::LoaderError> {
         let (kernel, tables) = loader::load(&cfg)?;
         let applier = Applier::new(tables)?;
         let mut ids = ids::IdAllocator::new();
@@ -225,7 +224,7 @@ impl EbpfDataplane {
         let sock_destroyer = sock_destroy::SockDestroyer::new(
             &loader::pin_dir(&cfg).join(kproxy_common::service::MAP_SOCK_REV_NAT),
         );
-        Ok(EbpfDataplane {
+        Ok(ServiceMaps {
             cfg,
             planner: Planner::new(ids),
             applier,
@@ -266,7 +265,7 @@ impl EbpfDataplane {
     }
 
     /// The configuration this datapath runs with.
-    pub fn config(&self) -> &EbpfConfig {
+    pub fn config(&self) -> &ServiceMapsConfig {
         &self.cfg
     }
 
@@ -277,7 +276,7 @@ impl EbpfDataplane {
     }
 }
 
-impl EbpfDataplane {
+impl ServiceMaps {
     /// Re-plans everything and applies it comparing with every cached entry; first re-reads
     /// the maps when a failed sync left the cache in doubt.
     fn sync_full(&mut self, snap: &Snapshot) -> Result<ApplyOutcome, tables::TableError> {
@@ -291,7 +290,7 @@ impl EbpfDataplane {
     }
 }
 
-impl Dataplane for EbpfDataplane {
+impl Dataplane for ServiceMaps {
     fn mode(&self) -> ProxyMode {
         ProxyMode::Ebpf
     }

@@ -1,4 +1,4 @@
-//! The pure planner: a [`Snapshot`] and an [`EbpfConfig`] → the exact service-map entries
+//! The pure planner: a [`Snapshot`] and an [`ServiceMapsConfig`] → the exact service-map entries
 //! ([`Plan`]). No I/O; the applier writes what this returns.
 //!
 //! Per service port and IP family (endpoints are filtered to the family first, then
@@ -52,8 +52,8 @@ use kproxy_common::service::{
     ServiceValue, SourceRangeKey, is_v4_mapped,
 };
 
-use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::LbAlgorithm;
+use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::ebpf::service_maps::ids::BackendAddr;
 use crate::dataplane::ebpf::service_maps::ids::IdAllocator;
 use crate::dataplane::ebpf::service_maps::ids::SetKey;
@@ -201,7 +201,7 @@ fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
 
 /// Plans every service port of `snap` from scratch. `ids` keeps ids stable across calls (pass
 /// the same allocator every time; `render` uses a fresh one).
-pub fn plan(snap: &Snapshot, cfg: &EbpfConfig, ids: &mut IdAllocator) -> Plan {
+pub fn plan(snap: &Snapshot, cfg: &ServiceMapsConfig, ids: &mut IdAllocator) -> Plan {
     let mut planner = Planner::new(std::mem::take(ids));
     planner.full(snap, cfg);
     *ids = planner.ids;
@@ -219,7 +219,7 @@ struct Inputs {
 }
 
 impl Inputs {
-    fn of(snap: &Snapshot, cfg: &EbpfConfig) -> Inputs {
+    fn of(snap: &Snapshot, cfg: &ServiceMapsConfig) -> Inputs {
         Inputs {
             node: snap.node.clone(),
             node_addrs: if cfg.node_addresses.is_empty() {
@@ -277,7 +277,7 @@ impl Planner {
 
     /// Whether the next update must re-plan every service port: nothing planned yet, or the
     /// node, its addresses or the configuration changed.
-    pub fn needs_full(&self, snap: &Snapshot, cfg: &EbpfConfig) -> bool {
+    pub fn needs_full(&self, snap: &Snapshot, cfg: &ServiceMapsConfig) -> bool {
         self.inputs.as_ref() != Some(&Inputs::of(snap, cfg))
     }
 
@@ -316,7 +316,7 @@ impl Planner {
 
     /// Re-plans every service port of `snap` (ids stay stable). Returns the service ports
     /// whose plan was (re)made or removed: all of them.
-    pub fn full(&mut self, snap: &Snapshot, cfg: &EbpfConfig) -> BTreeSet<ServicePortName> {
+    pub fn full(&mut self, snap: &Snapshot, cfg: &ServiceMapsConfig) -> BTreeSet<ServicePortName> {
         let all: BTreeSet<ServicePortName> = snap
             .services
             .keys()
@@ -350,7 +350,7 @@ impl Planner {
     pub fn update(
         &mut self,
         snap: &Snapshot,
-        cfg: &EbpfConfig,
+        cfg: &ServiceMapsConfig,
         dirty: &BTreeSet<ServicePortName>,
     ) -> BTreeSet<ServicePortName> {
         if self.needs_full(snap, cfg) {
@@ -755,7 +755,7 @@ fn describe_flags(flags: u32) -> String {
 }
 
 /// The planned map entries as text (`kproxy render --proxy-mode ebpf`), per service port.
-pub fn render(snap: &Snapshot, cfg: &EbpfConfig) -> String {
+pub fn render(snap: &Snapshot, cfg: &ServiceMapsConfig) -> String {
     let plan = plan(snap, cfg, &mut IdAllocator::new());
     render_plan(&plan)
 }

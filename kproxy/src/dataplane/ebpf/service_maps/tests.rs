@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use kproxy_common::service::*;
 
-use crate::dataplane::ebpf::service_maps::EbpfConfig;
 use crate::dataplane::ebpf::service_maps::MapSizes;
+use crate::dataplane::ebpf::service_maps::ServiceMapsConfig;
 use crate::dataplane::ebpf::service_maps::apply::Applier;
 use crate::dataplane::ebpf::service_maps::apply::Tables;
 use crate::dataplane::ebpf::service_maps::ids::IdAllocator;
@@ -64,8 +64,8 @@ fn key(addr: &str, port: u16, scope: u8) -> ServiceKey {
     }
 }
 
-fn cfg() -> EbpfConfig {
-    EbpfConfig::default()
+fn cfg() -> ServiceMapsConfig {
+    ServiceMapsConfig::default()
 }
 
 /// Backend addresses of the set `value` points at.
@@ -764,7 +764,7 @@ fn a_restarted_applier_reconciles_without_rewriting() {
         .insert(key("10.96.9.9", 80, SCOPE_CLUSTER), ServiceValue::default());
     let writes_before = mem.services.lock().unwrap().writes + mem.slots.lock().unwrap().writes;
 
-    // A new agent: fresh allocator seeded from the maps, like EbpfDataplane::new does. It
+    // A new agent: fresh allocator seeded from the maps, like ServiceMaps::new does. It
     // rebuilds the filter from the pinned frontends, the stale one included.
     let mut applier = Applier::new(mem.tables()).unwrap();
     assert_eq!(mem.filter_maybe(), mem.frontend_bits());
@@ -844,12 +844,12 @@ fn affinity_entries_of_removed_backends_and_expired_ones_are_deleted() {
 
 // ---- Maglev ----
 
-fn maglev_cfg() -> EbpfConfig {
-    EbpfConfig {
+fn maglev_cfg() -> ServiceMapsConfig {
+    ServiceMapsConfig {
         families: vec![IpFamily::V4],
         lb_algorithm: crate::dataplane::ebpf::service_maps::LbAlgorithm::Maglev,
         maglev_table_size: MAGLEV_M,
-        ..EbpfConfig::default()
+        ..ServiceMapsConfig::default()
     }
 }
 

@@ -1,7 +1,7 @@
 //! CPU cost of the planner and the proxier's bookkeeping at scale (10,000 ClusterIP services
 //! × 5 endpoints by default, `KPROXY_IPT_SERVICES` to change), without any kernel: a backend
 //! that accepts everything. Prints figures, asserts nothing about time (ignored by default):
-//! `cargo test --release -p kproxy --lib iptables::scale_tests -- --ignored --nocapture`.
+//! `cargo test --release -p kproxy --lib iptables::tests -- --ignored --nocapture`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
