@@ -46,5 +46,10 @@ fn main() -> anyhow::Result<()> {
         bpf_toolchain::OBJECT_PATH_ENV,
         object.display()
     );
+    println!(
+        "cargo:rustc-env={}={}",
+        bpf_toolchain::TOOLS_OBJECT_PATH_ENV,
+        out_dir.join(bpf_toolchain::EBPF_TOOLS_BIN).display()
+    );
     Ok(())
 }

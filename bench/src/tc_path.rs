@@ -340,7 +340,7 @@ impl TcBench {
         XdpPath::load(&mut ebpf)?;
         // The floors run from an instance of their own, whose floor table gets the
         // connection table's size (the object declares it small, see `MAP_FLOOR_CT`).
-        let mut floor = kproxy::dataplane::ebpf::object::load(&LoadOptions {
+        let mut floor = kproxy::dataplane::ebpf::object::load_tools(&LoadOptions {
             pin_dir: Some(&pins),
             max_entries: vec![
                 (MAP_FLOOR_CT, ct_entries),

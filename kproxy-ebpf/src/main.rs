@@ -1,10 +1,11 @@
-//! kproxy's BPF programs (one ELF object, embedded into the agent by `kproxy/build.rs`).
+//! kproxy's BPF programs: this crate root is the agent's object (embedded by
+//! `kproxy/build.rs`); `bench.rs` builds a second object with the same programs plus the
+//! bench and test tools (the packet counter and the floors), which the agent never carries.
 //!
 //! Built with Debian's rustc-web for `bpfel-unknown-none` (see `TOOLCHAIN.md` / README); the
 //! target's panic strategy is `abort`, so no profile setting is needed for it. Names, map
 //! value types and constants come from `kproxy-common`, never from here.
 //!
-//! - [`counter`]: per-CPU packet counter (XDP and TC), the baseline program.
 //! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
 //!   SNAT, conntrack, reverse NAT, ICMP errors).
 //! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop, and
@@ -23,34 +24,7 @@
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
-mod counter;
-mod floor;
-mod flow;
-mod frontend;
-mod packet;
-mod packet6;
-mod service_maps;
-mod skb_csum;
-mod sock;
-mod tc;
-mod tc6;
-mod xdp;
-mod xdp_fwd;
-
-#[cfg(target_arch = "bpf")]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
-    // The verifier rejects any path that could reach here (there is no way to abort a BPF
-    // program), so this is never executed; loop instead of UB to keep it obviously safe.
-    #[allow(clippy::empty_loop)]
-    loop {}
-}
-
-/// The license the kernel sees; GPL-compatible so GPL-only helpers and kfuncs are allowed.
-#[cfg(target_arch = "bpf")]
-#[unsafe(link_section = "license")]
-#[unsafe(no_mangle)]
-static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+include!("programs.rs");
 
 /// Host stub: this crate is only meaningful as a BPF object.
 #[cfg(not(target_arch = "bpf"))]

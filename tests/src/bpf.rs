@@ -1,5 +1,6 @@
 //! BPF tools for tests and benchmarks, kept out of the agent: the per-CPU packet counter
-//! ([`PacketCounter`], programs `kproxy_common::counter`) and `BPF_PROG_TEST_RUN` of the node
+//! ([`PacketCounter`], programs `kproxy_common::counter`, from the tools' object
+//! `kproxy::dataplane::ebpf::object::load_tools`) and `BPF_PROG_TEST_RUN` of the node
 //! path's programs ([`testrun`]).
 //!
 //! Attaching resolves the interface in the calling thread's network namespace (tests switch a
@@ -20,12 +21,12 @@ pub struct PacketCounter {
 impl PacketCounter {
     /// Loads the object and the three counter programs into the kernel.
     pub fn load() -> Result<Self, BpfError> {
-        Self::from_ebpf(object::load(&LoadOptions::default())?)
+        Self::from_ebpf(object::load_tools(&LoadOptions::default())?)
     }
 
     /// Like [`PacketCounter::load`], with the object's pinned maps in `map_pin_dir`.
     pub fn load_with_pins(map_pin_dir: &std::path::Path) -> Result<Self, BpfError> {
-        Self::from_ebpf(object::load(&LoadOptions {
+        Self::from_ebpf(object::load_tools(&LoadOptions {
             pin_dir: Some(map_pin_dir),
             ..Default::default()
         })?)

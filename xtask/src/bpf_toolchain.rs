@@ -23,6 +23,11 @@ pub const EBPF_PACKAGE: &str = "kproxy-ebpf";
 pub const EBPF_BIN: &str = "kproxy-ebpf";
 /// Environment variable `kproxy/build.rs` sets (for `include_bytes!`) to the object's path.
 pub const OBJECT_PATH_ENV: &str = "KPROXY_EBPF_OBJECT";
+/// The bench and test tools' object (same programs plus the counter and the floors), never
+/// embedded in the agent.
+pub const EBPF_TOOLS_BIN: &str = "kproxy-ebpf-bench";
+/// Where `kproxy/build.rs` tells the crate the tools' object is.
+pub const TOOLS_OBJECT_PATH_ENV: &str = "KPROXY_EBPF_TOOLS_OBJECT";
 /// When `1`/`true`, no BPF object is built; an empty file stands in for it.
 pub const SKIP_ENV: &str = "AYA_BUILD_SKIP";
 
@@ -137,8 +142,10 @@ pub fn toolchain_problems() -> Vec<String> {
 pub fn build_object(ebpf_dir: &Path, out_dir: &Path) -> anyhow::Result<PathBuf> {
     let object = out_dir.join(EBPF_BIN);
     if skip_requested() {
-        fs::write(&object, [])
-            .with_context(|| format!("writing the empty stand-in {}", object.display()))?;
+        for path in [object.clone(), out_dir.join(EBPF_TOOLS_BIN)] {
+            fs::write(&path, [])
+                .with_context(|| format!("writing the empty stand-in {}", path.display()))?;
+        }
         return Ok(object);
     }
     let problems = toolchain_problems();
@@ -165,6 +172,8 @@ pub fn build_object(ebpf_dir: &Path, out_dir: &Path) -> anyhow::Result<PathBuf> 
     if len == 0 {
         bail!("aya-build produced an empty {}", object.display());
     }
+    let tools = out_dir.join(EBPF_TOOLS_BIN);
+    fs::metadata(&tools).with_context(|| format!("aya-build produced no {}", tools.display()))?;
     Ok(object)
 }
 

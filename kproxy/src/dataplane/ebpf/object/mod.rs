@@ -71,37 +71,66 @@ pub fn reads_checksum_state() -> bool {
 /// kernel (`kproxy_common::skb`; [`complete_object`]), computed once.
 pub fn object() -> &'static [u8] {
     let (words, len, _) = COMPLETED.get_or_init(|| {
-        let site = if HELPERS_ONLY.load(Ordering::SeqCst) {
-            None
-        } else {
-            match skb_site(Path::new(btf::VMLINUX)) {
-                Ok(site) => Some(site),
-                Err(reason) => {
-                    tracing::warn!(
-                        %reason,
-                        "the TC programs cannot read the packet's checksum state; they \
-                         update L4 checksums with kernel helpers (correct, slower)"
-                    );
-                    None
-                }
-            }
-        };
-        let mut bytes = OBJECT.to_vec();
-        if let Err(e) = complete_object(&mut bytes, site) {
-            // Cannot happen with the object built from this tree (a unit test checks it);
-            // loading then fails on the placeholders with the verifier's message.
-            tracing::error!(error = %e, "completing the BPF object");
-        }
-        let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            *w = u64::from_ne_bytes(b);
-        }
-        (words, bytes.len(), site.is_some())
+        let site = kernel_site();
+        let (words, len) = completed_words(OBJECT, site);
+        (words, len, site.is_some())
     });
     // SAFETY: `words` lives for the program's life and holds at least `len` bytes.
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *len) }
+}
+
+/// Where this kernel keeps the checksum state the programs read (`None`: helpers only).
+fn kernel_site() -> Option<(i32, i16, i32)> {
+    if HELPERS_ONLY.load(Ordering::SeqCst) {
+        return None;
+    }
+    match skb_site(Path::new(btf::VMLINUX)) {
+        Ok(site) => Some(site),
+        Err(reason) => {
+            tracing::warn!(
+                %reason,
+                "the TC programs cannot read the packet's checksum state; they \
+                 update L4 checksums with kernel helpers (correct, slower)"
+            );
+            None
+        }
+    }
+}
+
+/// `object` completed for `site`, in u64 words (the ELF parser wants it 8-byte aligned), and
+/// its length in bytes.
+fn completed_words(object: &[u8], site: Option<(i32, i16, i32)>) -> (Vec<u64>, usize) {
+    let mut bytes = object.to_vec();
+    if let Err(e) = complete_object(&mut bytes, site) {
+        // Cannot happen with the objects built from this tree (a unit test checks it);
+        // loading then fails on the placeholders with the verifier's message.
+        tracing::error!(error = %e, "completing the BPF object");
+    }
+    let mut words = vec![0u64; bytes.len().div_ceil(8)];
+    for (w, chunk) in words.iter_mut().zip(bytes.chunks(8)) {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        *w = u64::from_ne_bytes(b);
+    }
+    (words, bytes.len())
+}
+
+/// Where the build left the bench and test tools' object (`kproxy-ebpf/src/bench.rs`: the
+/// agent's programs plus the packet counter and the bench floors). The agent never loads it;
+/// it exists in the build tree only.
+pub const TOOLS_OBJECT_PATH: &str = env!("KPROXY_EBPF_TOOLS_OBJECT");
+
+/// Loads the bench and test tools' object ([`TOOLS_OBJECT_PATH`]) like [`load`] loads the
+/// agent's: completed for this kernel, maps created or reused from pins.
+pub fn load_tools(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
+    let bytes = std::fs::read(TOOLS_OBJECT_PATH).map_err(|_| BpfError::NotBuilt)?;
+    if bytes.is_empty() {
+        return Err(BpfError::NotBuilt);
+    }
+    let (words, len) = completed_words(&bytes, kernel_site());
+    // SAFETY: `words` holds at least `len` bytes and outlives the borrow.
+    let aligned = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
+    load_bytes(aligned, options)
 }
 
 /// The kfunc id and `ip_summed`'s byte offset and shift from the kernel BTF at `vmlinux`.
@@ -261,70 +290,28 @@ mod tests {
             "e_machine is not BPF"
         );
         let obj = aya_obj::Object::parse(OBJECT).expect("the embedded object parses");
-        assert!(
-            obj.maps.contains_key(MAP_PACKET_COUNT),
-            "maps: {:?}",
-            obj.maps.keys()
-        );
-        for name in PROGRAMS {
+        let programs = [
+            &kproxy_common::sock::PROGRAMS[..],
+            &kproxy_common::ct::PROGRAMS,
+            &kproxy_common::ct6::PROGRAMS,
+        ];
+        for name in programs.concat() {
             assert!(
                 obj.programs.contains_key(name),
                 "no program {name}: {:?}",
                 obj.programs.keys()
             );
         }
-        for name in kproxy_common::service::MAPS {
+        let maps = [
+            &kproxy_common::service::MAPS[..],
+            &kproxy_common::ct::MAPS,
+            &kproxy_common::ct6::MAPS,
+        ];
+        for name in maps.concat() {
             assert!(
                 obj.maps.contains_key(name),
                 "no map {name}: {:?}",
                 obj.maps.keys()
-            );
-        }
-        for name in kproxy_common::counter::FLOOR_PROGRAMS {
-            assert!(
-                obj.programs.contains_key(name),
-                "no program {name}: {:?}",
-                obj.programs.keys()
-            );
-        }
-        assert!(
-            obj.maps.contains_key(kproxy_common::counter::MAP_FLOOR_CT),
-            "{:?}",
-            obj.maps.keys()
-        );
-        for name in kproxy_common::sock::PROGRAMS {
-            assert!(
-                obj.programs.contains_key(name),
-                "no program {name}: {:?}",
-                obj.programs.keys()
-            );
-        }
-        for name in kproxy_common::ct::MAPS {
-            assert!(
-                obj.maps.contains_key(name),
-                "no map {name}: {:?}",
-                obj.maps.keys()
-            );
-        }
-        for name in kproxy_common::ct6::MAPS {
-            assert!(
-                obj.maps.contains_key(name),
-                "no map {name}: {:?}",
-                obj.maps.keys()
-            );
-        }
-        for name in kproxy_common::ct6::PROGRAMS {
-            assert!(
-                obj.programs.contains_key(name),
-                "no program {name}: {:?}",
-                obj.programs.keys()
-            );
-        }
-        for name in kproxy_common::ct::PROGRAMS {
-            assert!(
-                obj.programs.contains_key(name),
-                "no program {name}: {:?}",
-                obj.programs.keys()
             );
         }
         let ct = &obj.maps[kproxy_common::ct::MAP_CT];
@@ -336,7 +323,36 @@ mod tests {
             ct.value_size() as usize,
             size_of::<kproxy_common::ct::CtEntry>()
         );
-        let map = &obj.maps[MAP_PACKET_COUNT];
+    }
+
+    /// The bench and test tools (packet counter, floors) are in the tools' object and not in
+    /// the agent's.
+    #[test]
+    fn tools_live_in_their_own_object() {
+        if !is_built() {
+            eprintln!("skipped: built with AYA_BUILD_SKIP=1, there is no BPF object to inspect");
+            return;
+        }
+        let agent = aya_obj::Object::parse(OBJECT).expect("the embedded object parses");
+        let bytes = std::fs::read(TOOLS_OBJECT_PATH).expect("the tools' object is built");
+        let tools = aya_obj::Object::parse(&bytes).expect("the tools' object parses");
+        let tool_programs = [&PROGRAMS[..], &kproxy_common::counter::FLOOR_PROGRAMS].concat();
+        for name in &tool_programs {
+            assert!(tools.programs.contains_key(*name), "tools lack {name}");
+            assert!(
+                !agent.programs.contains_key(*name),
+                "the agent carries {name}"
+            );
+        }
+        for name in [MAP_PACKET_COUNT, kproxy_common::counter::MAP_FLOOR_CT] {
+            assert!(tools.maps.contains_key(name), "tools lack {name}");
+            assert!(!agent.maps.contains_key(name), "the agent carries {name}");
+        }
+        // Every program of the agent is in the tools' object too (the floors measure them).
+        for name in agent.programs.keys() {
+            assert!(tools.programs.contains_key(name), "tools lack {name}");
+        }
+        let map = &tools.maps[MAP_PACKET_COUNT];
         assert_eq!(map.max_entries(), COUNTER_SLOTS);
         assert_eq!(map.value_size() as usize, size_of::<PacketCount>());
     }
