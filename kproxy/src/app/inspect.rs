@@ -145,36 +145,23 @@ fn iptables_nat() -> String {
     out
 }
 
-fn open_hash<K: aya::Pod, V: aya::Pod>(
-    dir: &Path,
-    name: &str,
-) -> anyhow::Result<(BpfHashMap<MapData, K, V>, u32)> {
-    let data = MapData::from_pin(dir.join(name))
-        .with_context(|| format!("opening pinned map {}", dir.join(name).display()))?;
-    let cap = data.info().map(|i| i.max_entries()).unwrap_or(0);
-    let m = BpfHashMap::try_from(Map::HashMap(data))
-        .with_context(|| format!("map {name} is not a hash map"))?;
-    Ok((m, cap))
-}
-
-fn lru<K: aya::Pod, V: aya::Pod>(
-    dir: &Path,
-    name: &str,
-) -> anyhow::Result<(BpfHashMap<MapData, K, V>, u32)> {
-    let data = MapData::from_pin(dir.join(name))
-        .with_context(|| format!("opening pinned map {}", dir.join(name).display()))?;
-    let cap = data.info().map(|i| i.max_entries()).unwrap_or(0);
-    let m = BpfHashMap::try_from(Map::LruHashMap(data))
-        .with_context(|| format!("map {name} is not an LRU hash map"))?;
-    Ok((m, cap))
-}
-
-/// Opens a hash map whether it is plain or LRU.
+/// Opens the pinned hash map `name` (plain or LRU) with its capacity.
 fn any_hash<K: aya::Pod, V: aya::Pod>(
     dir: &Path,
     name: &str,
 ) -> anyhow::Result<(BpfHashMap<MapData, K, V>, u32)> {
-    open_hash(dir, name).or_else(|_| lru(dir, name))
+    let data = MapData::from_pin(dir.join(name))
+        .with_context(|| format!("opening pinned map {}", dir.join(name).display()))?;
+    let info = data.info().ok();
+    let cap = info.as_ref().map(|i| i.max_entries()).unwrap_or(0);
+    let lru = info.and_then(|i| i.map_type().ok()) == Some(aya::maps::MapType::LruHash);
+    let map = if lru {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    };
+    let m = BpfHashMap::try_from(map).with_context(|| format!("map {name} is not a hash map"))?;
+    Ok((m, cap))
 }
 
 fn pinned_count(dir: &Path, name: &str) -> Option<MapFill> {
@@ -288,8 +275,8 @@ fn ebpf_view(
     maps: &mut Vec<MapFill>,
 ) -> anyhow::Result<()> {
     let dir = cfg.bpf.bpffs.join("kproxy");
-    let (services, _) = open_hash::<ServiceKey, ServiceValue>(&dir, MAP_SERVICES)?;
-    let (slots, _) = open_hash::<BackendSlotKey, SlotValue>(&dir, MAP_BACKEND_SLOTS)?;
+    let (services, _) = any_hash::<ServiceKey, ServiceValue>(&dir, MAP_SERVICES)?;
+    let (slots, _) = any_hash::<BackendSlotKey, SlotValue>(&dir, MAP_BACKEND_SLOTS)?;
     // One dump per map, then joins by service id.
     let slots: HashMap<(u32, u32), SlotValue> = slots
         .iter()

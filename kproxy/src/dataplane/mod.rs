@@ -77,6 +77,23 @@ pub struct SyncReport {
     pub failed_services: usize,
 }
 
+impl SyncReport {
+    /// A complete sync of the service ports that have a ClusterIP in one of `families`, with
+    /// `endpoints` programmed.
+    pub fn of_families(snap: &Snapshot, families: &[IpFamily], endpoints: usize) -> Self {
+        let services = snap
+            .services
+            .values()
+            .filter(|s| families.iter().any(|f| s.cluster_ip(*f).is_some()))
+            .count();
+        SyncReport {
+            services,
+            endpoints,
+            failed_services: 0,
+        }
+    }
+}
+
 /// A sync that did not complete; the runner retries it with backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {

@@ -275,16 +275,7 @@ impl Dataplane for IptablesDataplane {
             return Err(SyncError::Kernel(errors.join("; ")));
         }
         let families: Vec<IpFamily> = self.proxiers.iter().map(|p| p.cfg.family).collect();
-        let services = snap
-            .services
-            .values()
-            .filter(|s| families.iter().any(|f| s.cluster_ip(*f).is_some()))
-            .count();
-        Ok(SyncReport {
-            services,
-            endpoints,
-            failed_services: 0,
-        })
+        Ok(SyncReport::of_families(snap, &families, endpoints))
     }
 
     fn cleanup(&mut self) -> Result<(), CleanupError> {

@@ -2,7 +2,6 @@
 //! (nf_tables or legacy), optionally inside a network namespace (`nsenter --net=PATH`).
 //! Every command takes the xtables lock with `-w` (waits up to [`LOCK_WAIT_SECONDS`]).
 
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
@@ -38,14 +37,7 @@ pub struct Runner {
 
 impl Runner {
     pub fn command(&self, program: &str) -> Command {
-        match &self.netns {
-            Some(ns) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net={}", ns.display())).arg(program);
-                c
-            }
-            None => Command::new(program),
-        }
+        crate::dataplane::netfilter::exec::command(self.netns.as_deref(), program)
     }
 
     /// Runs `program args` with optional stdin; returns (success, stdout, stderr).
@@ -56,26 +48,9 @@ impl Runner {
         stdin: Option<&str>,
     ) -> std::io::Result<(bool, String, String)> {
         let mut c = self.command(program);
-        c.args(args)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = c.spawn()?;
-        if let Some(input) = stdin {
-            let mut pipe = child.stdin.take().expect("piped stdin");
-            // A write error shows up as the command's failure below.
-            let _ = pipe.write_all(input.as_bytes());
-        }
-        let out = child.wait_with_output()?;
-        Ok((
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        ))
+        c.args(args);
+        let out = crate::dataplane::netfilter::exec::run(c, stdin)?;
+        Ok((out.success, out.stdout, out.stderr))
     }
 
     /// `sysctl -n key`, if readable.

@@ -2,6 +2,7 @@
 //! [`local_detect`]ion of pod traffic, upstream's [`node_ports`] addresses; [`with_conntrack`] runs the cleanup after each sync.
 
 pub mod conntrack;
+pub mod exec;
 pub mod local_detect;
 pub mod node_ports;
 pub mod with_conntrack;

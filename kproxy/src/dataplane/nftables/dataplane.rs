@@ -139,20 +139,8 @@ impl Dataplane for NftablesDataplane {
         if !errors.is_empty() {
             return Err(SyncError::Kernel(errors.join("; ")));
         }
-        let services = snap
-            .services
-            .values()
-            .filter(|s| {
-                self.families
-                    .iter()
-                    .any(|f| s.cluster_ip(f.proxier.cfg.family).is_some())
-            })
-            .count();
-        Ok(SyncReport {
-            services,
-            endpoints,
-            failed_services: 0,
-        })
+        let families: Vec<IpFamily> = self.families.iter().map(|f| f.proxier.cfg.family).collect();
+        Ok(SyncReport::of_families(snap, &families, endpoints))
     }
 
     /// Deletes both families' `kube-proxy` tables (upstream's nftables `CleanupLeftovers`).

@@ -15,9 +15,8 @@
 //! storages compare kernel content with planned content key by key.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -33,40 +32,19 @@ pub struct NftRunner {
 
 impl NftRunner {
     fn command(&self) -> Command {
-        match &self.netns {
-            Some(ns) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net={}", ns.display())).arg("nft");
-                c
-            }
-            None => Command::new("nft"),
-        }
+        crate::dataplane::netfilter::exec::command(self.netns.as_deref(), "nft")
     }
 
     /// Runs `nft args` with `stdin`; `Ok(stdout)` on success, `Err(stderr)` otherwise.
     pub fn run(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
         let mut c = self.command();
-        c.args(args)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = c.spawn().map_err(|e| format!("running nft: {e}"))?;
-        if let Some(input) = stdin {
-            let mut pipe = child.stdin.take().expect("piped stdin");
-            pipe.write_all(input.as_bytes())
-                .map_err(|e| format!("writing to nft: {e}"))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| format!("waiting for nft: {e}"))?;
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        c.args(args);
+        let out = crate::dataplane::netfilter::exec::run(c, stdin)
+            .map_err(|e| format!("running nft: {e}"))?;
+        if out.success {
+            Ok(out.stdout)
         } else {
-            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+            Err(out.stderr.trim().to_string())
         }
     }
 }
