@@ -201,6 +201,35 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// Asserts that TCP connects to `addr` (a service without endpoints) are REJECTed, not
+    /// dropped: from the node itself (OUTPUT) every connect is refused at once; through the
+    /// node (FORWARD) none is answered and at least one is refused (the kernel rate-limits the
+    /// ICMP errors of forwarded packets, so not every SYN gets its port-unreachable back).
+    pub fn assert_connects_refused(&self, addr: &str) {
+        let local = Probe::tcp(addr, 5)
+            .timeout(Duration::from_secs(5))
+            .run(&self.node, None)
+            .expect("probe");
+        assert_eq!(local.total_answers(), 0, "{local:?}");
+        assert_eq!(
+            local.errors.get("ConnectionRefused"),
+            Some(&5),
+            "REJECT answers at once (refused, not a timeout): {local:?}"
+        );
+        self.node
+            .sysctl("net.ipv4.icmp_ratelimit", "0")
+            .expect("sysctl");
+        let fwd = Probe::tcp(addr, 5)
+            .timeout(Duration::from_secs(3))
+            .run(&self.client, None)
+            .expect("probe");
+        assert_eq!(fwd.total_answers(), 0, "{fwd:?}");
+        assert!(
+            fwd.errors.get("ConnectionRefused").copied().unwrap_or(0) >= 1,
+            "forwarded connects are refused: {fwd:?}"
+        );
+    }
+
     fn build(spec: TopologySpec) -> anyhow::Result<Topology> {
         let h = &spec.hint;
         let node = Netns::new(&format!("{h}-node"))?;

@@ -276,33 +276,7 @@ fn no_endpoints_rejects_fast() {
         json!({}),
     );
     r.sync(&[svc], &[]);
-    // From the node itself (filter OUTPUT): every connect is refused at once.
-    let local = Probe::tcp("10.96.0.16:80", 5)
-        .timeout(Duration::from_secs(5))
-        .run(&r.topo.node, None)
-        .expect("probe");
-    assert_eq!(local.total_answers(), 0, "{local:?}");
-    assert_eq!(
-        local.errors.get("ConnectionRefused"),
-        Some(&5),
-        "REJECT answers at once (refused, not a timeout): {local:?}"
-    );
-    // Through the node (filter FORWARD): refused too. The kernel rate-limits the ICMP errors
-    // of forwarded packets (the REJECT rule counted every SYN, yet not every SYN got its
-    // port-unreachable back), so only "no answer, and refused rather than dropped" is checked.
-    r.topo
-        .node
-        .sysctl("net.ipv4.icmp_ratelimit", "0")
-        .expect("sysctl");
-    let fwd = Probe::tcp("10.96.0.16:80", 5)
-        .timeout(Duration::from_secs(3))
-        .run(&r.topo.client, None)
-        .expect("probe");
-    assert_eq!(fwd.total_answers(), 0, "{fwd:?}");
-    assert!(
-        fwd.errors.get("ConnectionRefused").copied().unwrap_or(0) >= 1,
-        "forwarded connects are refused: {fwd:?}"
-    );
+    r.topo.assert_connects_refused("10.96.0.16:80");
 }
 
 #[test]

@@ -181,32 +181,7 @@ fn no_endpoints_rejects() {
         json!({"clusterIP": "10.96.0.16", "ports": [tcp_port(80)]}),
     );
     r.sync(&[svc], &[]);
-    // From the node itself: every connect is refused at once (REJECT, not a drop).
-    let local = Probe::tcp("10.96.0.16:80", 5)
-        .timeout(Duration::from_secs(5))
-        .run(&r.topo.node, None)
-        .expect("probe");
-    assert_eq!(local.total_answers(), 0, "{local:?}");
-    assert_eq!(
-        local.errors.get("ConnectionRefused"),
-        Some(&5),
-        "REJECT answers at once (refused, not a timeout): {local:?}"
-    );
-    // Through the node: refused too (ICMP errors of forwarded packets are rate-limited, so
-    // at least one refusal and no answer).
-    r.topo
-        .node
-        .sysctl("net.ipv4.icmp_ratelimit", "0")
-        .expect("sysctl");
-    let fwd = Probe::tcp("10.96.0.16:80", 5)
-        .timeout(Duration::from_secs(3))
-        .run(&r.topo.client, None)
-        .expect("probe");
-    assert_eq!(fwd.total_answers(), 0, "{fwd:?}");
-    assert!(
-        fwd.errors.get("ConnectionRefused").copied().unwrap_or(0) >= 1,
-        "forwarded connects are refused: {fwd:?}"
-    );
+    r.topo.assert_connects_refused("10.96.0.16:80");
 }
 
 #[test]
