@@ -29,8 +29,9 @@ fn strip_prefix_len(s: &str) -> &str {
     s.split('/').next().unwrap_or(s)
 }
 
-/// Builds the proxier settings of a `ProxierTestSettings` document.
-pub fn settings_to_config(s: &Value) -> (IptablesConfig, Vec<IpAddr>, String) {
+/// The IP family and local-traffic detector of a `ProxierTestSettings` document (upstream's
+/// iptables and nftables corpora write them alike).
+pub fn family_and_detector(s: &Value) -> (IpFamily, LocalDetector) {
     let family = match s["ipFamily"].as_str() {
         Some("IPv6") => IpFamily::V6,
         _ => IpFamily::V4,
@@ -47,6 +48,12 @@ pub fn settings_to_config(s: &Value) -> (IptablesConfig, Vec<IpAddr>, String) {
         Some(m) if m.starts_with("NoOp") => LocalDetector::None,
         other => panic!("unknown localDetector mode {other:?}"),
     };
+    (family, detector)
+}
+
+/// Builds the proxier settings of a `ProxierTestSettings` document.
+pub fn settings_to_config(s: &Value) -> (IptablesConfig, Vec<IpAddr>, String) {
+    let (family, detector) = family_and_detector(s);
     let mut cfg = IptablesConfig::new(family, detector);
     cfg.node_ip = s["nodeIP"]
         .as_str()

@@ -7,9 +7,7 @@ use std::path::Path;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::dataplane::nftables::NftablesConfig;
-use kproxy::model::IpFamily;
 use serde::Deserialize;
 use serde_yaml::Value;
 
@@ -35,22 +33,7 @@ fn strs(v: &Value) -> Vec<String> {
 
 /// Builds the proxier settings of a `ProxierTestSettings` document.
 pub fn settings_to_config(s: &Value) -> (NftablesConfig, Vec<IpAddr>, String) {
-    let family = match s["ipFamily"].as_str() {
-        Some("IPv6") => IpFamily::V6,
-        _ => IpFamily::V4,
-    };
-    let det = &s["localDetector"];
-    let detector = match det["mode"].as_str() {
-        Some("ClusterCIDR") => LocalDetector::Cidr(
-            det["clusterCIDR"]
-                .as_str()
-                .expect("clusterCIDR")
-                .parse()
-                .expect("cidr"),
-        ),
-        Some(m) if m.starts_with("NoOp") => LocalDetector::None,
-        other => panic!("unknown localDetector mode {other:?}"),
-    };
+    let (family, detector) = crate::iptables_corpus::family_and_detector(s);
     let mut cfg = NftablesConfig::new(family, detector);
     cfg.node_ip = s["nodeIP"]
         .as_str()
