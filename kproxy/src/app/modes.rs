@@ -264,6 +264,11 @@ pub struct Evidence {
 impl Evidence {
     /// Reads the kernel (bpffs, rtnetlink, `ipset list -n`, `iptables-save -t nat`).
     pub fn here(cfg: &ProxyConfig) -> Self {
+        let nat = nat_tables();
+        let declares = |prefixes: &[&str]| {
+            nat.lines()
+                .any(|l| prefixes.iter().any(|p| l.starts_with(p)))
+        };
         Evidence {
             ebpf: cfg
                 .bpf
@@ -272,8 +277,8 @@ impl Evidence {
                 .join(kproxy_common::service::MAP_SERVICES)
                 .exists(),
             ipvs: ipvs_mode_evidence(),
-            iptables: nat_chain_exists(&[":KUBE-SVC-", ":KUBE-SEP-"]),
-            kube_services: nat_chain_exists(&[":KUBE-SERVICES "]),
+            iptables: declares(&[":KUBE-SVC-", ":KUBE-SEP-"]),
+            kube_services: declares(&[":KUBE-SERVICES "]),
         }
     }
 
@@ -299,9 +304,8 @@ fn output_of(bin: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-/// Whether `iptables-save -t nat` of either backend or family declares a chain starting with
-/// one of `prefixes`.
-fn nat_chain_exists(prefixes: &[&str]) -> bool {
+/// `iptables-save -t nat` of both backends and families, read once for every check.
+fn nat_tables() -> String {
     [
         "iptables-nft-save",
         "iptables-legacy-save",
@@ -309,11 +313,8 @@ fn nat_chain_exists(prefixes: &[&str]) -> bool {
         "ip6tables-legacy-save",
     ]
     .iter()
-    .any(|bin| {
-        output_of(bin, &["-t", "nat"])
-            .lines()
-            .any(|l| prefixes.iter().any(|p| l.starts_with(p)))
-    })
+    .map(|bin| output_of(bin, &["-t", "nat"]))
+    .collect()
 }
 
 fn ipvs_mode_evidence() -> bool {
