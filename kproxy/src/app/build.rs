@@ -155,6 +155,30 @@ pub fn nftables_configs(
         .collect()
 }
 
+/// Whether nftables mode serves NodePorts on 127.0.0.1 (feature gate
+/// `KubeProxyNFTablesLocalhostNodePorts`): the gate is on, the node runs IPv4, and
+/// `nodePortAddresses` does not exclude loopback (an explicit CIDR list must hold 127.0.0.1,
+/// e.g. the `localhost` keyword; unset and `primary` do not exclude it — the gate itself asks
+/// for localhost).
+fn localhost_node_ports(cfg: &ProxyConfig, families: &[IpFamily]) -> bool {
+    let gate = nft::localhost::FEATURE_GATE;
+    if !cfg.feature(gate) {
+        return false;
+    }
+    if !families.contains(&IpFamily::V4) {
+        tracing::warn!("{gate}: localhost NodePorts are IPv4-only; this node runs no IPv4");
+        return false;
+    }
+    let loopback = IpAddr::V4(nft::localhost::LOOPBACK);
+    match &cfg.node_port_addresses {
+        NodePortAddresses::Cidrs(c) if !c.iter().any(|n| n.contains(&loopback)) => {
+            tracing::warn!("{gate}: nodePortAddresses excludes 127.0.0.1; localhost NodePorts off");
+            false
+        }
+        _ => true,
+    }
+}
+
 /// The node's addresses NodePorts are served on in ipvs mode (non-loopback, non-link-local
 /// addresses of every device but the IPVS dummy, inside `nodePortAddresses`).
 fn ipvs_node_ips(cfg: &ProxyConfig, family: IpFamily) -> Vec<IpAddr> {
@@ -430,6 +454,12 @@ pub fn build_with_resync(
     resync: Option<&SyncRequester>,
 ) -> anyhow::Result<Box<dyn Dataplane>> {
     let families = host_families();
+    let gate = nft::localhost::FEATURE_GATE;
+    if mode != ProxyMode::Nftables && cfg.feature(gate) {
+        tracing::info!(
+            "feature gate {gate} applies to nftables mode only; {mode:?} mode ignores it"
+        );
+    }
     match mode {
         ProxyMode::Iptables => {
             apply_conntrack_sysctls(cfg);
@@ -483,6 +513,13 @@ pub fn build_with_resync(
                 cfg.nftables.sync.sync_period,
             )
             .context("setting up the nftables proxier")?;
+            let dp = match localhost_node_ports(cfg, &families) {
+                true => dp.with_localhost(
+                    nft::localhost::LocalhostNodePorts::new()
+                        .context("starting the localhost NodePort proxy")?,
+                ),
+                false => dp,
+            };
             Ok(match metrics {
                 Some(m) => Box::new(WithConntrackCleanup::new(
                     NftablesWithMetrics {

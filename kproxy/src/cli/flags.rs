@@ -271,10 +271,10 @@ pub const FLAGS: &[FlagSpec] = &[
     f(
         "feature-gates",
         Value("KEY=BOOL,..."),
-        Ignored,
+        Implemented,
         Upstream,
         Some("featureGates"),
-        "Upstream feature gates (kproxy has none).",
+        "Upstream feature gates; kproxy knows KubeProxyNFTablesLocalhostNodePorts (others are warned about and ignored).",
     )
     .sets(Custom(super::set_feature_gates)),
     f(

@@ -117,8 +117,40 @@ pub struct ProxyConfig {
     pub config_sync_period: Duration,
     /// `logging`.
     pub logging: LoggingConfig,
-    /// `featureGates` (accepted; kproxy has no feature gates, each is warned about).
+    /// `featureGates`: every gate given; those kproxy knows are in [`FEATURE_GATES`], the
+    /// others are warned about and ignored. Read with [`ProxyConfig::feature`].
     pub feature_gates: BTreeMap<String, bool>,
+}
+
+/// A feature gate kproxy implements: its upstream name and default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeatureGate {
+    pub name: &'static str,
+    pub default: bool,
+    pub what: &'static str,
+}
+
+/// The feature gates kproxy implements (upstream's names and defaults).
+pub const FEATURE_GATES: &[FeatureGate] = &[FeatureGate {
+    name: crate::dataplane::nftables::localhost::FEATURE_GATE,
+    default: false,
+    what: "nftables mode: serve TCP NodePorts on 127.0.0.1 through a userspace proxy (alpha)",
+}];
+
+impl ProxyConfig {
+    /// Whether feature gate `name` (one of [`FEATURE_GATES`]) is on: as given, else its default.
+    pub fn feature(&self, name: &str) -> bool {
+        let default = FEATURE_GATES
+            .iter()
+            .find(|g| g.name == name)
+            .map(|g| g.default);
+        debug_assert!(default.is_some(), "unknown feature gate {name}");
+        self.feature_gates
+            .get(name)
+            .copied()
+            .or(default)
+            .unwrap_or(false)
+    }
 }
 
 /// Which datapath to run.

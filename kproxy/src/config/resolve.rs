@@ -676,14 +676,20 @@ fn resolve_logging(cx: &mut Ctx<'_>, logging: &super::file::Logging) -> LoggingC
     }
 }
 
-/// `featureGates`: kept, each warned about (kproxy has none) unless a flag set them.
+/// `featureGates`: kept; a gate kproxy does not implement ([`super::FEATURE_GATES`]) is
+/// warned about and ignored. (Upstream refuses unknown gates; kproxy accepts upstream's whole
+/// list so an existing ConfigMap keeps loading.)
 fn resolve_feature_gates(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) -> BTreeMap<String, bool> {
     let feature_gates = cfg.feature_gates.clone().unwrap_or_default();
-    let gates_by_flag = cx.flag_for("featureGates").is_some();
-    for (gate, on) in feature_gates.iter().filter(|_| !gates_by_flag) {
-        cx.warnings.push(format!(
-            "feature gate {gate}={on} is accepted but kproxy has no feature gates; ignored"
-        ));
+    let source = cx
+        .flag_for("featureGates")
+        .unwrap_or_else(|| "featureGates".to_owned());
+    for (gate, on) in &feature_gates {
+        if !super::FEATURE_GATES.iter().any(|g| g.name == gate) {
+            cx.warnings.push(format!(
+                "{source} sets feature gate {gate}={on}, which kproxy does not implement; ignored"
+            ));
+        }
     }
     feature_gates
 }
@@ -1386,6 +1392,20 @@ mod tests {
         ] {
             assert!(w.contains(needle), "missing {needle} in {w}");
         }
+    }
+
+    #[test]
+    fn known_feature_gates_resolve_without_a_warning() {
+        let gate = crate::dataplane::nftables::localhost::FEATURE_GATE;
+        let r = resolve(&cfg(&format!("featureGates: {{{gate}: true}}\n")), &extra()).unwrap();
+        assert!(
+            r.warnings.iter().all(|w| !w.contains(gate)),
+            "{:?}",
+            r.warnings
+        );
+        assert!(r.config.feature(gate));
+        let off = resolve(&cfg(""), &extra()).unwrap().config;
+        assert!(!off.feature(gate), "alpha gates default to off");
     }
 
     #[test]

@@ -15,3 +15,4 @@ mod inspect_api;
 mod inspect_iptables;
 mod metrics_promtool;
 mod metrics_server;
+mod nftables_localhost;

@@ -9,9 +9,11 @@
 //!
 //! Not done (known gaps against upstream): ServiceCIDR objects are not watched (the
 //! "unallocated ClusterIPs" drop rule is written only for CIDRs given in the config, which
-//! kproxy does not have yet, so it is never written); NodePorts on localhost are not served
-//! (upstream's nftables mode does not either); the `nodePortAddresses` default is kproxy's
+//! kproxy does not have yet, so it is never written); the `nodePortAddresses` default is kproxy's
 //! (every local address), not upstream's nftables `primary`.
+//!
+//! With the feature gate `KubeProxyNFTablesLocalhostNodePorts`, TCP NodePorts are also served
+//! on 127.0.0.1 by [`LocalhostNodePorts`], updated after each sync ([`Self::with_localhost`]).
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,7 @@ use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 use super::config::NftablesConfig;
 use super::kernel::{KernelTable, NftRunner};
+use super::localhost::LocalhostNodePorts;
 use super::proxier::{NftSyncStats, Proxier};
 
 /// Start-up of the nftables dataplane failed.
@@ -46,6 +49,7 @@ pub struct NftablesDataplane {
     start: Instant,
     full_sync_period: Duration,
     last_full: Option<Duration>,
+    localhost: Option<LocalhostNodePorts>,
 }
 
 impl NftablesDataplane {
@@ -77,7 +81,20 @@ impl NftablesDataplane {
             start: Instant::now(),
             full_sync_period,
             last_full: None,
+            localhost: None,
         })
+    }
+
+    /// Also serves TCP NodePorts on 127.0.0.1 (the feature gate
+    /// `KubeProxyNFTablesLocalhostNodePorts`), following every sync's snapshot.
+    pub fn with_localhost(mut self, proxy: LocalhostNodePorts) -> Self {
+        self.localhost = Some(proxy);
+        self
+    }
+
+    /// The localhost NodePort proxy, when enabled.
+    pub fn localhost(&self) -> Option<&LocalhostNodePorts> {
+        self.localhost.as_ref()
     }
 
     /// The per-family proxiers, e.g. to read their stats.
@@ -136,6 +153,9 @@ impl Dataplane for NftablesDataplane {
                 .map(|s| snap.endpoints_of(&s.name).len())
                 .sum::<usize>();
         }
+        if let Some(lh) = &mut self.localhost {
+            lh.update(snap);
+        }
         if !errors.is_empty() {
             return Err(SyncError::Kernel(errors.join("; ")));
         }
@@ -145,6 +165,9 @@ impl Dataplane for NftablesDataplane {
 
     /// Deletes both families' `kube-proxy` tables (upstream's nftables `CleanupLeftovers`).
     fn cleanup(&mut self) -> Result<(), CleanupError> {
+        if let Some(lh) = &mut self.localhost {
+            lh.stop();
+        }
         for f in &mut self.families {
             f.table.delete_table().map_err(|reason| CleanupError {
                 mode: ProxyMode::Nftables,

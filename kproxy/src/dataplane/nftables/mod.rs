@@ -11,6 +11,8 @@
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
 //! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
 //! - [`dataplane`]: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
+//! - [`localhost`]: NodePorts on 127.0.0.1 through a userspace proxy (feature gate
+//!   `KubeProxyNFTablesLocalhostNodePorts`).
 //! - [`kernel`]: the kernel backend (`nft -f -` transactions, `nft -j list` reads — JSON,
 //!   not netlink yet: a known gap, see its docs).
 //!
@@ -35,6 +37,7 @@ pub mod dataplane;
 pub mod elements;
 pub mod fake;
 pub mod kernel;
+pub mod localhost;
 pub mod names;
 pub mod proxier;
 pub mod service;
