@@ -192,7 +192,7 @@ fn field_row(path: &str, defaults: &serde_yaml::Value) -> String {
     let flags: Vec<String> = FLAGS
         .iter()
         .filter(|f| f.field == Some(path))
-        .map(|f| flag_name(f))
+        .map(flag_name)
         .collect();
     let flags = if flags.is_empty() {
         "—".to_owned()
