@@ -55,9 +55,10 @@ line override the file** (upstream ignores most flags when `--config` is set). T
 decoded strictly: an unknown field or a bad value fails at start, naming the field (and the
 flag that set it). `--write-config-to FILE` writes the effective configuration and exits.
 
-In the *kproxy* column: **yes** = implemented; **ignored** = accepted and validated, one
-warning naming it, no effect; **removed** = removed from upstream, accepted so old command
-lines and files still work, one warning. A default of *unset* means the field stays absent
+In the *kproxy* column: **yes** = implemented; **ignored** = accepted and validated, without
+effect (a flag logs one warning naming it when given, most fields when they differ from their
+default); **removed** = removed from upstream, accepted so old command lines and files still
+work, with one warning. A default of *unset* means the field stays absent
 unless given (for lists: empty).
 ";
 
