@@ -465,40 +465,19 @@ fn series_of(results: &Results, group: &str) -> Series {
 }
 
 /// A short summary for README (`cargo xtask bench` splices it between README's
-/// `<!-- bench:start -->` / `<!-- bench:end -->` markers): every figure that has a baseline
-/// or a target, with its ratio and whether the target is met, plus the run's provenance.
+/// `<!-- bench:start -->` / `<!-- bench:end -->` markers): the modes side by side and the run's
+/// provenance. Every figure, with its baseline and target, is in REPORT.md.
 pub fn readme_section(results: &Results) -> String {
     let mut md = format!(
         "Measured by `cargo xtask bench{}` at commit `{}` on {} CPUs, kernel {} \
-         (full report: `bench/REPORT.md`).\n\n\
-         Modes side by side:\n\n{}\n\
-         | figure | median | vs baseline | target | vs target | met |\n|---|---|---|---|---|---|\n",
+         (every figure, with its baseline and target: `bench/REPORT.md`).\n\n\
+         Modes side by side:\n\n{}",
         if results.quick { " --quick" } else { "" },
         &results.commit[..results.commit.len().min(12)],
         results.machine.cpus,
         results.machine.kernel,
         summary(results),
     );
-    for f in &results.figures {
-        if f.baseline.is_none() && f.target.is_none() {
-            continue;
-        }
-        let median = Summary::of(&f.samples).median;
-        let r = ratio(results, f).map_or("—".into(), |r| format!("{r:.2}×"));
-        let t = f.target.as_ref().map_or("—".into(), |t| t.text.clone());
-        let of = of_target(results, f).map_or("—".into(), |x| format!("{x:.2}×"));
-        let met = match meets_target(results, f) {
-            Some(true) => "yes",
-            Some(false) => "no",
-            None => "—",
-        };
-        let _ = writeln!(
-            md,
-            "| {} | {median:.2} {} | {r} | {t} | {of} | {met} |",
-            shown_id(results, f),
-            f.unit
-        );
-    }
     if results.guest.is_some() {
         let _ = writeln!(md, "\n{GUEST_NOTE}");
     }
@@ -563,4 +542,21 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
     std::fs::write(dir.join("REPORT.md"), md)?;
     std::fs::write(dir.join("README-section.md"), readme_section(results))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The committed README section is what the committed run's results give (a run writes
+    /// both; a change to [`readme_section`] must regenerate the section).
+    #[test]
+    fn committed_readme_section_is_the_committed_results_summary() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let json = std::fs::read_to_string(dir.join("results.json")).expect("bench/results.json");
+        let results: Results = serde_json::from_str(&json).expect("results.json parses");
+        let committed =
+            std::fs::read_to_string(dir.join("README-section.md")).expect("README-section.md");
+        assert_eq!(readme_section(&results), committed);
+    }
 }

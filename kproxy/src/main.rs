@@ -21,6 +21,11 @@ use tracing::{info, warn};
 
 fn main() -> ExitCode {
     limit_malloc_arenas();
+    // Hidden: the user guide's configuration reference (`cargo xtask docs` writes it).
+    if std::env::args_os().nth(1).is_some_and(|a| a == "reference") {
+        print!("{}", cli::reference::markdown());
+        return ExitCode::SUCCESS;
+    }
     let inv = match cli::parse(std::env::args_os()) {
         Ok(inv) => inv,
         Err(e) => e.exit(),

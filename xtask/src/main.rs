@@ -8,6 +8,7 @@
 //! | `guest [ARGS…]` | [`guest`]: the IPVS suite in a QEMU guest booting Debian's kernel |
 //! | `demo` | [`demo`] |
 //! | `bench` | [`bench`](mod@bench) |
+//! | `docs` | [`docs`]: build the user guide (mdBook) |
 //!
 //! [`bpf_toolchain`] is shared with `kproxy/build.rs` (one definition of the BPF build).
 
@@ -15,6 +16,7 @@ mod bench;
 mod bpf_toolchain;
 mod build_ebpf;
 mod demo;
+mod docs;
 mod guest;
 mod process;
 mod setup;
@@ -32,6 +34,7 @@ commands:
   test [ARGS]  setup, then run every test (kernel tests included; needs root); ARGS go to cargo test
   guest [ARGS] run the IPVS test suite in a QEMU guest (Debian's kernel); ARGS go to the test binary
   demo         run the demo topology
+  docs         build the user guide (docs/, mdBook) into target/book/
   bench [--quick] [--out DIR] [--only packet,connect,control]
                build in release mode and run the benchmarks (needs root); report in bench/
   bench --ipvs-guest [--out DIR]
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         "guest" => guest::run(rest),
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
+        "docs" => docs::run(rest),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             Ok(ExitCode::SUCCESS)

@@ -10,6 +10,10 @@
 //!    already is (Debian 12's `llvm-config` on PATH is LLVM 14, so the build is pointed at
 //!    `/usr/lib/llvm-22` explicitly).
 //! 3. A final check of the whole BPF toolchain (the same check `kproxy/build.rs` makes).
+//! 4. `mdbook` [`MDBOOK_VERSION`] (builds the user guide, `cargo xtask docs`), unless that
+//!    version is on `PATH` or in cargo's bin directory: Debian 12 does not package it, so
+//!    `cargo install mdbook@… --locked --no-default-features --features search` (no `serve` /
+//!    `watch`: 130 crates to build instead of 191; the HTML and its search index are the same).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -122,6 +126,10 @@ pub fn run() -> anyhow::Result<Vec<String>> {
         ));
     }
 
+    if let Some(installed) = ensure_mdbook()? {
+        performed.push(installed);
+    }
+
     let problems = bpf_toolchain::toolchain_problems();
     if !problems.is_empty() {
         bail!(
@@ -131,8 +139,8 @@ pub fn run() -> anyhow::Result<Vec<String>> {
     }
     if performed.is_empty() {
         println!(
-            "setup: nothing to do: {} apt packages and bpf-linker {BPF_LINKER_VERSION} (LLVM \
-             {LLVM_MAJOR}) present (checked in {:.2} s)",
+            "setup: nothing to do: {} apt packages, bpf-linker {BPF_LINKER_VERSION} (LLVM \
+             {LLVM_MAJOR}) and mdbook {MDBOOK_VERSION} present (checked in {:.2} s)",
             APT_PACKAGES.len(),
             start.elapsed().as_secs_f64()
         );
@@ -248,6 +256,56 @@ fn install_bpf_linker() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The mdbook `cargo xtask docs` builds the user guide with. 0.5.4 builds with rustc ≥ 1.88.
+pub const MDBOOK_VERSION: &str = "0.5.4";
+
+/// The pinned mdbook: on `PATH`, else in cargo's bin directory (where `cargo install` puts it,
+/// which a fresh shell may not have on `PATH`). None when neither is that version.
+pub fn mdbook_path() -> Option<PathBuf> {
+    let candidates = [
+        bpf_toolchain::find_on_path("mdbook"),
+        Some(install_bin_dir().join("mdbook")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        output(Command::new(p).arg("--version"))
+            .is_some_and(|v| is_mdbook_version(&v, MDBOOK_VERSION))
+    })
+}
+
+/// Whether `mdbook --version` output (`mdbook v0.5.4`) is `version`.
+fn is_mdbook_version(output: &str, version: &str) -> bool {
+    output.split_whitespace().nth(1) == Some(&format!("v{version}"))
+}
+
+/// Installs mdbook [`MDBOOK_VERSION`] unless present; returns what it did (None: nothing).
+pub fn ensure_mdbook() -> anyhow::Result<Option<String>> {
+    if mdbook_path().is_some() {
+        return Ok(None);
+    }
+    println!("setup: mdbook {MDBOOK_VERSION} missing (it builds the user guide)");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "install",
+        &format!("mdbook@{MDBOOK_VERSION}"),
+        "--locked",
+        "--force",
+        "--no-default-features",
+        "--features",
+        "search",
+    ])
+    // Outside the workspace so its .cargo/config.toml does not apply.
+    .current_dir(std::env::temp_dir());
+    run_step("setup", &mut cmd)?;
+    if mdbook_path().is_none() {
+        bail!(
+            "mdbook {MDBOOK_VERSION} was installed into {} but does not run",
+            install_bin_dir().display()
+        );
+    }
+    Ok(Some(format!("cargo install mdbook@{MDBOOK_VERSION}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +317,14 @@ mod tests {
         assert!(!is_installed_status("deinstall ok config-files"));
         assert!(!is_installed_status("install ok half-configured"));
         assert!(!is_installed_status(""));
+    }
+
+    #[test]
+    fn mdbook_version_is_read_from_its_version_line() {
+        assert!(is_mdbook_version("mdbook v0.5.4\n", "0.5.4"));
+        assert!(!is_mdbook_version("mdbook v0.4.52\n", "0.5.4"));
+        assert!(!is_mdbook_version("mdbook v0.5.40\n", "0.5.4"));
+        assert!(!is_mdbook_version("", "0.5.4"));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
 //! "skipped", and one failing test binary does not hide the others' results. Then the IPVS
 //! suite in the QEMU guest ([`crate::guest`]; the host kernel has no IPVS), always, also when
-//! the host suite failed. Needs root. Fails when either fails.
+//! the host suite failed. Then the user guide ([`crate::docs`]: the reference page
+//! regenerated, the mdBook built). Needs root. Fails when any of them fails.
 
 use std::process::ExitCode;
 
@@ -70,7 +71,15 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             false
         }
     };
-    Ok(match (code, guest_passed) {
+    println!("test: the user guide");
+    let docs_built = match crate::docs::build() {
+        Ok(_) => true,
+        Err(err) => {
+            eprintln!("test: building the user guide failed: {err:#}");
+            false
+        }
+    };
+    Ok(match (code, guest_passed && docs_built) {
         (0, true) => ExitCode::SUCCESS,
         (0, false) => ExitCode::FAILURE,
         (c, _) => ExitCode::from(c),

@@ -27,6 +27,7 @@ use crate::config::resolve::Extra;
 use crate::config::{ConfigErrors, GoDuration, KubeProxyConfiguration, ProxyConfig, resolve};
 
 pub mod flags;
+pub mod reference;
 pub mod render;
 
 use flags::{Apply, FLAGS, FlagSpec, Kind, Support};

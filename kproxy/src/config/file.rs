@@ -12,7 +12,7 @@
 //! empty `healthzBindAddress`/`metricsBindAddress` came from a flag reads back with the
 //! defaults — upstream's files behave the same.
 //!
-//! kproxy extensions (not in upstream's v1alpha1; documented in README "Configuration"):
+//! kproxy extensions (not in upstream's v1alpha1; user guide: docs/src/configuration.md):
 //! - top-level `syncPeriod` / `minSyncPeriod` (as upstream's v1alpha2 has them): the ebpf mode's
 //!   sync periods, default 30s / 1s;
 //! - `bpf:` — the eBPF datapath's settings ([`Bpf`]).

@@ -37,6 +37,7 @@ pub use crate::dataplane::netfilter::local_detect::DetectLocal;
 use crate::sync::RunnerConfig;
 
 pub mod duration;
+pub mod fields;
 pub mod file;
 pub mod resolve;
 
