@@ -412,6 +412,70 @@ pub async fn wait_for_pod_cidrs(
     }
 }
 
+/// How long [`node_ips_at_start`] waits for the Node to exist and list an IP (upstream's
+/// `NodeManager` waits "some amount of time" for the node IPs, then goes on without them).
+pub const NODE_IPS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The node's IPs at start-up, for `nodePortAddresses: primary` (upstream `NewProxyServer`:
+/// `detectNodeIPs` over the Node object's IPs and `bindAddress`): polls the Node (from the API
+/// server, or the manifests) every second until it lists an IP, at most `timeout`; then goes
+/// on without it (loopback: [`NodeIps::known`] is empty), warning as upstream does.
+pub async fn node_ips_at_start(
+    spec: &SourceConfig,
+    node_name: &str,
+    bind_address: Option<IpAddr>,
+    timeout: Duration,
+) -> NodeIps {
+    use kube::Api;
+    let api: Option<Api<Node>> = match spec {
+        SourceConfig::Kube { kubeconfig, master } => {
+            match source::kube::client(kubeconfig.as_deref(), master.as_deref()).await {
+                Ok(c) => Some(Api::all(c)),
+                Err(e) => {
+                    warn!(error = %e, "cannot reach the API server for the node's IPs");
+                    None
+                }
+            }
+        }
+        SourceConfig::Manifests(_) => None,
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let raw = loop {
+        let raw = match (&api, spec) {
+            (Some(api), _) => api
+                .get_opt(node_name)
+                .await
+                .ok()
+                .flatten()
+                .map(|n| node_ips_of(&n))
+                .unwrap_or_default(),
+            (None, SourceConfig::Manifests(path)) => source::manifests::read(path)
+                .ok()
+                .and_then(|(m, _)| {
+                    m.nodes
+                        .into_iter()
+                        .find(|n| n.metadata.name.as_deref() == Some(node_name))
+                })
+                .map(|n| node_ips_of(&n))
+                .unwrap_or_default(),
+            (None, SourceConfig::Kube { .. }) => vec![],
+        };
+        if !raw.is_empty() || api.is_none() || tokio::time::Instant::now() >= deadline {
+            break raw;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let ips = detect_node_ips(&raw, bind_address);
+    if ips.primary_is_fallback() {
+        warn!(
+            node = node_name,
+            "can't determine this node's IP, assuming loopback; if this is incorrect, please \
+             set the --bind-address flag"
+        );
+    }
+    ips
+}
+
 /// Lists Services and EndpointSlices (all namespaces, upstream's label selector
 /// [`source::PROXYABLE_LABEL_SELECTOR`]) and the Node `node_name` once from the API server,
 /// and builds the snapshot the agent's tracker would (for `kproxy inspect`). Returns the

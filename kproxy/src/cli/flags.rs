@@ -356,7 +356,7 @@ pub const FLAGS: &[FlagSpec] = &[
         Implemented,
         Upstream,
         Some("nodePortAddresses"),
-        "Node IP ranges that accept NodePort traffic, or 'primary'; default all local IPs.",
+        "Node IP ranges that accept NodePort traffic, or 'primary' (the node's primary IPs); default 'primary' in nftables mode, all local IPs otherwise. kproxy also accepts 'all' and 'localhost'.",
     )
     .sets(List(|c| &mut c.node_port_addresses)),
     f(
