@@ -11,9 +11,9 @@
 //!   `nodePortAddresses`), conntrack cleanup and sysctls as iptables.
 //! - **nftables**: one proxier per IP family ([`NftablesDataplane`], the `ip`/`ip6`
 //!   `kube-proxy` tables), settings from `nftables.*`, conntrack cleanup and sysctls as
-//!   iptables. No ServiceCIDRs are configured (kproxy has no `--service-cluster-ip-range`-like
-//!   setting and does not watch ServiceCIDR objects yet), so the "drop traffic to unallocated
-//!   ClusterIPs" rule is not written.
+//!   iptables. The service CIDRs of the "drop traffic to unallocated ClusterIPs" rule come from
+//!   the `ServiceCIDR` objects when the API server serves them (the snapshot's), else from
+//!   kproxy's `serviceCIDRs` / `--service-cidrs` (none: no such rule).
 //! - **ebpf**: [`EbpfDataplane`] (service maps + socket LB + the TC path on the node's devices).
 //!
 //! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
@@ -146,6 +146,7 @@ pub fn nftables_configs(
             c.masquerade_bit = cfg.nftables.masquerade_bit;
             c.masquerade_all = cfg.nftables.masquerade_all;
             c.node_port_addresses = node_port_cidrs(cfg, ProxyMode::Nftables);
+            c.service_cidrs = cfg.service_cidrs.clone();
             c
         })
         .collect()

@@ -786,6 +786,15 @@ pub const FLAGS: &[FlagSpec] = &[
     )
     .sets(Duration(|c| &mut c.min_sync_period)),
     f(
+        "service-cidrs",
+        Value("CIDR,..."),
+        Implemented,
+        Kproxy,
+        Some("serviceCIDRs"),
+        "nftables mode: the cluster's service CIDRs, whose unallocated addresses are dropped, while the API server serves no networking.k8s.io/v1 ServiceCIDRs (those win when it does).",
+    )
+    .sets(List(|c| &mut c.service_cidrs)),
+    f(
         "bpf-cgroup",
         Value("PATH"),
         Implemented,

@@ -99,6 +99,10 @@ pub struct ProxyConfig {
     /// (`primary` then means every local address).
     #[serde(skip)]
     pub primary_node_ips: Vec<IpAddr>,
+    /// kproxy extension `serviceCIDRs` / `--service-cidrs`: the cluster's service CIDRs, for
+    /// the nftables mode's drop of unallocated ClusterIPs while the API server serves no
+    /// `ServiceCIDR` objects (when it does, those replace these).
+    pub service_cidrs: Vec<IpNet>,
     /// `iptables.masqueradeAll` / `--masquerade-all`: SNAT all traffic to service IPs.
     pub masquerade_all: bool,
     /// `iptables.masqueradeBit` (0..=31): the fwmark bit marking packets to SNAT (iptables and

@@ -247,6 +247,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     let detect_local = resolve_detect_local(&mut cx, cfg);
     let node_port_addresses =
         resolve_node_port_addresses(&mut cx, cfg.node_port_addresses.as_deref());
+    let service_cidrs = resolve_service_cidrs(&mut cx, cfg.service_cidrs.as_deref());
     let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", cfg.iptables.masquerade_bit);
     let masquerade_all = cfg.iptables.masquerade_all.unwrap_or(false);
     let iptables = resolve_iptables(&mut cx, &cfg.iptables);
@@ -280,6 +281,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             detect_local,
             node_port_addresses,
             primary_node_ips: vec![],
+            service_cidrs,
             masquerade_all,
             masquerade_bit,
             iptables,
@@ -776,6 +778,15 @@ fn resolve_node_port_addresses(cx: &mut Ctx<'_>, list: Option<&[String]>) -> Nod
         }
     }
     NodePortAddresses::Cidrs(cidrs)
+}
+
+/// kproxy extension `serviceCIDRs`: CIDRs, each named by its index when invalid.
+fn resolve_service_cidrs(cx: &mut Ctx<'_>, list: Option<&[String]>) -> Vec<IpNet> {
+    list.unwrap_or_default()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| cx.cidr(&format!("serviceCIDRs[{i}]"), t))
+        .collect()
 }
 
 fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
@@ -1380,6 +1391,36 @@ mod tests {
         assert_eq!(
             errs.0[0].to_string(),
             "nodePortAddresses[0] (--nodeport-addresses): can't use both 'primary' and CIDRs"
+        );
+    }
+
+    #[test]
+    fn service_cidrs_parse_and_errors_name_the_entry() {
+        let c = resolve(
+            &cfg("serviceCIDRs: [10.96.0.0/12, \"fd00:10:96::/112\"]\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            c.service_cidrs,
+            vec![
+                "10.96.0.0/12".parse::<IpNet>().unwrap(),
+                "fd00:10:96::/112".parse().unwrap()
+            ]
+        );
+        assert!(
+            resolve(&cfg(""), &extra())
+                .unwrap()
+                .config
+                .service_cidrs
+                .is_empty()
+        );
+        let e = errors("serviceCIDRs: [10.96.0.0/12, 10.96.0.1]\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with("serviceCIDRs[1]: \"10.96.0.1\" must be a valid CIDR"),
+            "{e:?}"
         );
     }
 
