@@ -856,9 +856,11 @@ async fn service_cidrs_are_not_watched_when_the_server_does_not_serve_them() {
         assert!(std::time::Instant::now() < deadline, "no ServiceCIDR probe");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The other kinds keep flowing; no ServiceCIDR event ever comes.
+    // The other kinds keep flowing; no ServiceCIDR event ever comes, and the probe is not
+    // retried (a retry would come within the source's longest backoff).
     api.create(&service("later", &[])).unwrap();
     src.wait_for("Apply(later)", service_applied("later")).await;
+    tokio::time::sleep(2 * kproxy::source::retry::MAX_DELAY).await;
     assert_eq!(src.cidr_events, 0);
     let cidr_requests: Vec<_> = api
         .requests()
