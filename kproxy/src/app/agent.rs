@@ -442,11 +442,14 @@ pub async fn node_ips_at_start(
     let deadline = tokio::time::Instant::now() + timeout;
     let raw = loop {
         let raw = match (&api, spec) {
+            // A list by name, not a get: the agent's role lists and watches Nodes only.
             (Some(api), _) => api
-                .get_opt(node_name)
+                .list(
+                    &kube::api::ListParams::default().fields(&format!("metadata.name={node_name}")),
+                )
                 .await
                 .ok()
-                .flatten()
+                .and_then(|l| l.items.into_iter().next())
                 .map(|n| node_ips_of(&n))
                 .unwrap_or_default(),
             (None, SourceConfig::Manifests(path)) => source::manifests::read(path)
