@@ -210,6 +210,9 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         opts.metrics_bind = cfg.metrics_bind_address;
         opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
         opts.node_port_addresses = build::node_port_cidrs(cfg, mode);
+        if cfg.node_port_addresses.for_mode(mode) == kproxy::config::NodePortAddresses::Primary {
+            opts.exit_on_node_ips_change = Some(cfg.primary_node_ips.clone());
+        }
         info!(
             %mode,
             node_port_addresses = ?opts.node_port_addresses,

@@ -58,6 +58,12 @@ pub struct AgentOptions {
     /// `spec.podCIDRs` later differ, the process exits 1 so that it restarts with the new ones
     /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
     pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
+    /// `nodePortAddresses: primary`: the node's IPs the datapath was built with
+    /// ([`NodeIps::known`] at start-up). When the Node lists other IPs, the process exits 1 so
+    /// that it restarts with them, as upstream's `NodeManager` does (upstream exits on a node
+    /// IP change in every mode; kproxy only where `primary` made the datapath depend on them,
+    /// its other uses of the node IPs follow the Node). `None`: not watched.
+    pub exit_on_node_ips_change: Option<Vec<IpAddr>>,
     /// The requester the datapath was built with (syncs it asks for on its own, e.g. the
     /// iptables canary monitor's); `None`: only source changes and the period trigger syncs.
     pub resync: Option<SyncRequester>,
@@ -78,6 +84,7 @@ impl AgentOptions {
             oom_score_adj: None,
             metrics: None,
             exit_on_pod_cidr_change: None,
+            exit_on_node_ips_change: None,
             resync: None,
         }
     }
@@ -196,6 +203,7 @@ impl Agent {
                 ips_tx,
                 node_tx,
                 pod_cidrs: opts.exit_on_pod_cidr_change.clone(),
+                primary_ips: opts.exit_on_node_ips_change.clone(),
             },
         ));
 
@@ -267,6 +275,7 @@ struct NodeTap {
     ips_tx: watch::Sender<NodeIps>,
     node_tx: watch::Sender<Option<Arc<Node>>>,
     pod_cidrs: Option<Vec<IpNet>>,
+    primary_ips: Option<Vec<IpAddr>>,
 }
 
 async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
@@ -278,6 +287,7 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
         ips_tx,
         node_tx,
         pod_cidrs,
+        primary_ips,
     } = tap;
     let mut announced = false;
     while let Some(ev) = rx.recv().await {
@@ -316,7 +326,20 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
                         std::process::exit(1);
                     }
                 }
-                let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
+                let raw = node.map(node_ips_of).unwrap_or_default();
+                let ips = detect_node_ips(&raw, bind_address);
+                if let Some(fixed) = &primary_ips
+                    && !raw.is_empty()
+                    && ips.known() != *fixed
+                {
+                    error!(
+                        previous = ?fixed,
+                        current = ?ips.known(),
+                        "NodeIPs changed for the node, and nodePortAddresses is 'primary'; \
+                         exiting so that kproxy restarts with the new ones"
+                    );
+                    std::process::exit(1);
+                }
                 let changed = ips_tx.send_if_modified(|old| {
                     let changed = *old != ips;
                     *old = ips;

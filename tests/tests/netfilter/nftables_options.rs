@@ -3,7 +3,8 @@
 //!
 //! - `nodePortAddresses` unset ⇒ `primary` (upstream's nftables default): a NodePort answers on
 //!   the Node object's primary IP and not on a secondary address of the same interface (which
-//!   answers once `--nodeport-addresses=0.0.0.0/0` is given);
+//!   answers once `--nodeport-addresses=0.0.0.0/0` is given); a change of the Node's IP makes
+//!   the agent exit to be restarted, as upstream's;
 //! - the service CIDRs of `cluster-ips-check`: an unallocated address of a service CIDR is
 //!   DROPped (connects time out, no RST) while an unused port of an active ClusterIP is
 //!   REJECTed — with the CIDRs from kproxy's `--service-cidrs` (standalone: no API server), and
@@ -173,6 +174,48 @@ fn node_port_defaults_to_the_primary_ip_in_nftables_mode() {
     wait_answering(&mut agent, &topo.client, &secondary);
     let all = tcp(&topo.client, &secondary, 20, Duration::from_secs(2));
     assert_eq!(all.total_answers(), 20, "{all:?}");
+}
+
+#[test]
+fn a_node_ip_change_restarts_the_agent_under_primary() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("nft-npip");
+    let scratch = ScratchDir::new("nft-npip").unwrap();
+    let m = write_manifests(&topo, &scratch.0);
+    let mut agent = AgentProcess::start(
+        &topo.node,
+        &agent_args(&[format!("--manifests={}", m.display())]),
+        scratch.0.join("kproxy.log"),
+    );
+    wait_answering(&mut agent, &topo.client, &format!("{NODE_IP}:{NODE_PORT}"));
+    // The Node now lists another IP: the NodePort addresses of `primary` are stale, so the
+    // agent exits to be restarted (upstream's NodeManager).
+    let moved = cluster_yaml(&topo).replace(
+        &format!("address: {NODE_IP}}}"),
+        &format!("address: {SECONDARY_IP}}}"),
+    );
+    assert_ne!(moved, cluster_yaml(&topo));
+    std::fs::write(&m, moved).unwrap();
+    let deadline = std::time::Instant::now() + kproxy_tests::agentproc::LIVENESS;
+    let status = loop {
+        if let Some(st) = agent.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kproxy kept running after the Node's IP changed:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(status.code(), Some(1), "{}", agent.log());
+    assert!(
+        agent.log().contains("NodeIPs changed for the node"),
+        "{}",
+        agent.log()
+    );
 }
 
 /// The unallocated address is dropped from the node (OUTPUT) and from a pod (FORWARD); an
