@@ -16,7 +16,7 @@ use kproxy::app::agent::AgentOptions;
 use kproxy::app::logging;
 use kproxy::app::{build, modes};
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
-use kproxy::config::{DetectLocal, LoggingConfig, NodePortAddresses, ProxyConfig, SourceConfig};
+use kproxy::config::{DetectLocal, LoggingConfig, ProxyConfig, SourceConfig};
 use tracing::{info, warn};
 
 fn main() -> ExitCode {
@@ -186,6 +186,19 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             info!(signal = sig, "stopping; the datapath stays programmed");
         };
         let resync = kproxy::sync::SyncRequester::default();
+        let bind = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+        let mut cfg = cfg.clone();
+        if cfg.node_port_addresses.may_be_primary(cfg.mode) {
+            let ips = kproxy::app::agent::node_ips_at_start(
+                &cfg.source,
+                &cfg.node_name,
+                bind,
+                kproxy::app::agent::NODE_IPS_TIMEOUT,
+            )
+            .await;
+            cfg.primary_node_ips = ips.known();
+        }
+        let cfg = &cfg;
         let (dataplane, metrics) = modes::select(
             cfg.mode,
             cfg,
@@ -201,12 +214,15 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
         opts.healthz_bind = cfg.healthz_bind_address;
         opts.metrics_bind = cfg.metrics_bind_address;
         opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
-        opts.node_port_addresses = match &cfg.node_port_addresses {
-            NodePortAddresses::Cidrs(cidrs) => cidrs.clone(),
-            // `primary` resolves per sync from the Node's IPs; health-check servers listen on
-            // every address meanwhile (the datapaths restrict NodePorts themselves).
-            NodePortAddresses::All | NodePortAddresses::Primary => vec![],
-        };
+        opts.node_port_addresses = build::node_port_cidrs(cfg, mode);
+        if cfg.node_port_addresses.for_mode(mode) == kproxy::config::NodePortAddresses::Primary {
+            opts.exit_on_node_ips_change = Some(cfg.primary_node_ips.clone());
+        }
+        info!(
+            %mode,
+            node_port_addresses = ?opts.node_port_addresses,
+            "NodePorts accepted on the node's addresses inside these CIDRs (none: every address)"
+        );
         opts.oom_score_adj = Some(cfg.oom_score_adj);
         opts.metrics = Some(metrics);
         opts.exit_on_pod_cidr_change = pod_cidrs;

@@ -349,14 +349,17 @@ impl Runner {
             Event::Service(_) => (None, Some(0)),
             Event::EndpointSlice(Delta::Apply(_) | Delta::Delete(_)) => (Some(0), Some(1)),
             Event::EndpointSlice(_) => (Some(0), None),
-            Event::Node(_) => (Some(0), Some(0)),
+            Event::Node(_) | Event::ServiceCidr(_) => (Some(0), Some(0)),
         };
         for w in self.tracker.apply(ev) {
             warn!(object = %w.object, field = %w.field, "skipped: {}", w.reason);
         }
         let pending = self.tracker.pending();
         let mut queued = false;
-        if pending.services + pending.endpoints > 0 || !self.tracker.is_synced() {
+        if pending.services + pending.endpoints > 0
+            || self.tracker.service_cidrs_pending()
+            || !self.tracker.is_synced()
+        {
             if !schedule.is_requested() {
                 queued = true;
                 self.status

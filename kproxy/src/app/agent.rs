@@ -58,6 +58,12 @@ pub struct AgentOptions {
     /// `spec.podCIDRs` later differ, the process exits 1 so that it restarts with the new ones
     /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
     pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
+    /// `nodePortAddresses: primary`: the node's IPs the datapath was built with
+    /// ([`NodeIps::known`] at start-up). When the Node lists other IPs, the process exits 1 so
+    /// that it restarts with them, as upstream's `NodeManager` does (upstream exits on a node
+    /// IP change in every mode; kproxy only where `primary` made the datapath depend on them,
+    /// its other uses of the node IPs follow the Node). `None`: not watched.
+    pub exit_on_node_ips_change: Option<Vec<IpAddr>>,
     /// The requester the datapath was built with (syncs it asks for on its own, e.g. the
     /// iptables canary monitor's); `None`: only source changes and the period trigger syncs.
     pub resync: Option<SyncRequester>,
@@ -78,6 +84,7 @@ impl AgentOptions {
             oom_score_adj: None,
             metrics: None,
             exit_on_pod_cidr_change: None,
+            exit_on_node_ips_change: None,
             resync: None,
         }
     }
@@ -196,6 +203,7 @@ impl Agent {
                 ips_tx,
                 node_tx,
                 pod_cidrs: opts.exit_on_pod_cidr_change.clone(),
+                primary_ips: opts.exit_on_node_ips_change.clone(),
             },
         ));
 
@@ -267,6 +275,7 @@ struct NodeTap {
     ips_tx: watch::Sender<NodeIps>,
     node_tx: watch::Sender<Option<Arc<Node>>>,
     pod_cidrs: Option<Vec<IpNet>>,
+    primary_ips: Option<Vec<IpAddr>>,
 }
 
 async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: NodeTap) {
@@ -278,6 +287,7 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
         ips_tx,
         node_tx,
         pod_cidrs,
+        primary_ips,
     } = tap;
     let mut announced = false;
     while let Some(ev) = rx.recv().await {
@@ -316,7 +326,20 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
                         std::process::exit(1);
                     }
                 }
-                let ips = detect_node_ips(&node.map(node_ips_of).unwrap_or_default(), bind_address);
+                let raw = node.map(node_ips_of).unwrap_or_default();
+                let ips = detect_node_ips(&raw, bind_address);
+                if let Some(fixed) = &primary_ips
+                    && !raw.is_empty()
+                    && ips.known() != *fixed
+                {
+                    error!(
+                        previous = ?fixed,
+                        current = ?ips.known(),
+                        "NodeIPs changed for the node, and nodePortAddresses is 'primary'; \
+                         exiting so that kproxy restarts with the new ones"
+                    );
+                    std::process::exit(1);
+                }
                 let changed = ips_tx.send_if_modified(|old| {
                     let changed = *old != ips;
                     *old = ips;
@@ -410,6 +433,73 @@ pub async fn wait_for_pod_cidrs(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// How long [`node_ips_at_start`] waits for the Node to exist and list an IP (upstream's
+/// `NodeManager` waits "some amount of time" for the node IPs, then goes on without them).
+pub const NODE_IPS_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The node's IPs at start-up, for `nodePortAddresses: primary` (upstream `NewProxyServer`:
+/// `detectNodeIPs` over the Node object's IPs and `bindAddress`): polls the Node (from the API
+/// server, or the manifests) every second until it lists an IP, at most `timeout`; then goes
+/// on without it (loopback: [`NodeIps::known`] is empty), warning as upstream does.
+pub async fn node_ips_at_start(
+    spec: &SourceConfig,
+    node_name: &str,
+    bind_address: Option<IpAddr>,
+    timeout: Duration,
+) -> NodeIps {
+    use kube::Api;
+    let api: Option<Api<Node>> = match spec {
+        SourceConfig::Kube { kubeconfig, master } => {
+            match source::kube::client(kubeconfig.as_deref(), master.as_deref()).await {
+                Ok(c) => Some(Api::all(c)),
+                Err(e) => {
+                    warn!(error = %e, "cannot reach the API server for the node's IPs");
+                    None
+                }
+            }
+        }
+        SourceConfig::Manifests(_) => None,
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    let raw = loop {
+        let raw = match (&api, spec) {
+            // A list by name, not a get: the agent's role lists and watches Nodes only.
+            (Some(api), _) => api
+                .list(
+                    &kube::api::ListParams::default().fields(&format!("metadata.name={node_name}")),
+                )
+                .await
+                .ok()
+                .and_then(|l| l.items.into_iter().next())
+                .map(|n| node_ips_of(&n))
+                .unwrap_or_default(),
+            (None, SourceConfig::Manifests(path)) => source::manifests::read(path)
+                .ok()
+                .and_then(|(m, _)| {
+                    m.nodes
+                        .into_iter()
+                        .find(|n| n.metadata.name.as_deref() == Some(node_name))
+                })
+                .map(|n| node_ips_of(&n))
+                .unwrap_or_default(),
+            (None, SourceConfig::Kube { .. }) => vec![],
+        };
+        if !raw.is_empty() || api.is_none() || tokio::time::Instant::now() >= deadline {
+            break raw;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let ips = detect_node_ips(&raw, bind_address);
+    if ips.primary_is_fallback() {
+        warn!(
+            node = node_name,
+            "can't determine this node's IP, assuming loopback; if this is incorrect, please \
+             set the --bind-address flag"
+        );
+    }
+    ips
 }
 
 /// Lists Services and EndpointSlices (all namespaces, upstream's label selector

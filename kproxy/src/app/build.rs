@@ -11,9 +11,9 @@
 //!   `nodePortAddresses`), conntrack cleanup and sysctls as iptables.
 //! - **nftables**: one proxier per IP family ([`NftablesDataplane`], the `ip`/`ip6`
 //!   `kube-proxy` tables), settings from `nftables.*`, conntrack cleanup and sysctls as
-//!   iptables. No ServiceCIDRs are configured (kproxy has no `--service-cluster-ip-range`-like
-//!   setting and does not watch ServiceCIDR objects yet), so the "drop traffic to unallocated
-//!   ClusterIPs" rule is not written.
+//!   iptables. The service CIDRs of the "drop traffic to unallocated ClusterIPs" rule come from
+//!   the `ServiceCIDR` objects when the API server serves them (the snapshot's), else from
+//!   kproxy's `serviceCIDRs` / `--service-cidrs` (none: no such rule).
 //! - **ebpf**: [`EbpfDataplane`] (service maps + socket LB + the TC path on the node's devices).
 //!
 //! `detectLocalMode: NodeCIDR`: the caller passes the Node's `spec.podCIDRs` (`main.rs` waits
@@ -93,19 +93,15 @@ pub fn local_detector(
     }
 }
 
-fn node_port_cidrs(cfg: &ProxyConfig) -> Vec<IpNet> {
-    match &cfg.node_port_addresses {
-        NodePortAddresses::All => vec![],
-        NodePortAddresses::Cidrs(c) => c.clone(),
-        // `primary`: the bind address when given (the Node's primary IP is only known per
-        // sync), else every address.
-        NodePortAddresses::Primary => {
-            if cfg.bind_address.is_unspecified() {
-                vec![]
-            } else {
-                vec![IpNet::from(cfg.bind_address)]
-            }
-        }
+/// The CIDRs NodePorts are accepted in, in `mode` (empty: every local address):
+/// `nodePortAddresses` with the mode's default ([`NodePortAddresses::for_mode`]: `primary` in
+/// nftables mode), `primary` as the node's primary IPs found at start-up
+/// ([`ProxyConfig::primary_node_ips`]).
+pub fn node_port_cidrs(cfg: &ProxyConfig, mode: ProxyMode) -> Vec<IpNet> {
+    match cfg.node_port_addresses.for_mode(mode) {
+        NodePortAddresses::Unset => vec![],
+        NodePortAddresses::Cidrs(c) => c,
+        NodePortAddresses::Primary => NodePortAddresses::primary_cidrs(&cfg.primary_node_ips),
     }
 }
 
@@ -126,7 +122,7 @@ pub fn iptables_configs(
             c.masquerade_bit = cfg.masquerade_bit;
             c.masquerade_all = cfg.masquerade_all;
             c.localhost_node_ports = cfg.iptables.localhost_node_ports;
-            c.node_port_addresses = node_port_cidrs(cfg);
+            c.node_port_addresses = node_port_cidrs(cfg, ProxyMode::Iptables);
             c.sync_period = cfg.iptables.sync.sync_period;
             c
         })
@@ -149,7 +145,8 @@ pub fn nftables_configs(
                 .then_some(cfg.bind_address);
             c.masquerade_bit = cfg.nftables.masquerade_bit;
             c.masquerade_all = cfg.nftables.masquerade_all;
-            c.node_port_addresses = node_port_cidrs(cfg);
+            c.node_port_addresses = node_port_cidrs(cfg, ProxyMode::Nftables);
+            c.service_cidrs = cfg.service_cidrs.clone();
             c
         })
         .collect()
@@ -182,7 +179,7 @@ fn localhost_node_ports(cfg: &ProxyConfig, families: &[IpFamily]) -> bool {
 /// The node's addresses NodePorts are served on in ipvs mode (non-loopback, non-link-local
 /// addresses of every device but the IPVS dummy, inside `nodePortAddresses`).
 fn ipvs_node_ips(cfg: &ProxyConfig, family: IpFamily) -> Vec<IpAddr> {
-    let cidrs = node_port_cidrs(cfg);
+    let cidrs = node_port_cidrs(cfg, ProxyMode::Ipvs);
     let ifaces = crate::kernel::addresses::scan().unwrap_or_default();
     let mut ips: Vec<IpAddr> = ifaces
         .iter()
@@ -290,7 +287,7 @@ pub fn ebpf_config(cfg: &ProxyConfig, families: &[IpFamily]) -> anyhow::Result<E
         tc: true,
         xdp: cfg.bpf.xdp,
         ct_timeouts: timeouts,
-        node_port_cidrs: node_port_cidrs(cfg),
+        node_port_cidrs: node_port_cidrs(cfg, ProxyMode::Ebpf),
     })
 }
 
@@ -547,9 +544,23 @@ fn telemetry(m: &Metrics) -> std::sync::Arc<dyn crate::dataplane::Telemetry> {
 }
 
 /// `kproxy render --proxy-mode MODE`: the kernel state `mode`'s planner gives for `snap`
-/// under `cfg` (both IP families; NodePorts of ipvs on the Node object's addresses).
+/// under `cfg` (both IP families; NodePorts of ipvs and nftables on the Node object's addresses).
 pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyhow::Result<String> {
     let families = [IpFamily::V4, IpFamily::V6];
+    // `primary` from the manifests' Node (its addresses as listed, then `bindAddress`).
+    let mut first_per_family: Vec<IpAddr> = vec![];
+    for ip in &snap.node.addresses {
+        if !first_per_family
+            .iter()
+            .any(|k| IpFamily::of(k) == IpFamily::of(ip))
+        {
+            first_per_family.push(*ip);
+        }
+    }
+    let bind = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+    let mut with_primary = cfg.clone();
+    with_primary.primary_node_ips = super::nodeip::detect_node_ips(&first_per_family, bind).known();
+    let cfg = &with_primary;
     let header = |f: IpFamily| match f {
         IpFamily::V4 => "# IPv4\n",
         IpFamily::V6 => "# IPv6\n",
@@ -575,7 +586,9 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
         }
         ProxyMode::Nftables => {
             let mut out = String::new();
-            for c in nftables_configs(cfg, &families, &snap.node.pod_cidrs) {
+            for mut c in nftables_configs(cfg, &families, &snap.node.pod_cidrs) {
+                // The node's addresses stand for the interfaces' (as ipvs' NodePorts above).
+                c.local_addresses = snap.node.addresses.clone();
                 out.push_str(header(c.family));
                 out.push_str(&nft::render(snap, &c)?);
             }
@@ -666,6 +679,53 @@ mod tests {
             "0x200"
         );
         assert!(!v[0].masquerade_all);
+    }
+
+    #[test]
+    fn node_port_addresses_default_to_the_primary_ips_in_nftables_mode_only() {
+        let mut c = cfg(&[]);
+        c.primary_node_ips = vec!["192.0.2.7".parse().unwrap(), "fd00::7".parse().unwrap()];
+        let primary: Vec<IpNet> = vec![
+            "192.0.2.7/32".parse().unwrap(),
+            "fd00::7/128".parse().unwrap(),
+        ];
+        let v = nftables_configs(&c, &[IpFamily::V4], &[]);
+        assert_eq!(v[0].node_port_addresses, primary);
+        assert_eq!(
+            iptables_configs(&c, &[IpFamily::V4], &[])[0].node_port_addresses,
+            vec![]
+        );
+        assert!(node_port_cidrs(&c, ProxyMode::Ipvs).is_empty());
+        assert!(node_port_cidrs(&c, ProxyMode::Ebpf).is_empty());
+        // `primary` given explicitly applies to every mode.
+        let mut p = cfg(&["--nodeport-addresses=primary"]);
+        p.primary_node_ips = c.primary_node_ips.clone();
+        assert_eq!(node_port_cidrs(&p, ProxyMode::Iptables), primary);
+        // Explicit CIDRs (and `all`) win over the nftables default.
+        let a = cfg(&["--nodeport-addresses=all"]);
+        assert_eq!(
+            nftables_configs(&a, &[IpFamily::V4], &[])[0].node_port_addresses,
+            vec![
+                "0.0.0.0/0".parse::<IpNet>().unwrap(),
+                "::/0".parse().unwrap()
+            ]
+        );
+        // The Node's IPs unknown: every local address, as upstream with loopback node IPs.
+        let unknown = cfg(&["--proxy-mode=nftables"]);
+        assert!(node_port_cidrs(&unknown, ProxyMode::Nftables).is_empty());
+    }
+
+    #[test]
+    fn render_plan_takes_the_primary_ips_from_the_node() {
+        use crate::model::testing::snapshot;
+        let mut snap = snapshot("n").build();
+        snap.node.addresses = vec!["192.0.2.7".parse().unwrap(), "192.0.2.8".parse().unwrap()];
+        let out = render_plan(ProxyMode::Nftables, &cfg(&[]), &snap).unwrap();
+        assert!(
+            out.contains("add element ip kube-proxy nodeport-ips { 192.0.2.7 }"),
+            "{out}"
+        );
+        assert!(!out.contains("192.0.2.8"), "{out}");
     }
 
     #[test]

@@ -42,6 +42,19 @@ impl NodeIps {
         self.ip(self.primary_family)
     }
 
+    /// The IPs that are known (not the loopback fallback), the primary one first: what
+    /// upstream turns `nodePortAddresses: primary` into.
+    pub fn known(&self) -> Vec<IpAddr> {
+        let other = match self.primary_family {
+            IpFamily::V4 => IpFamily::V6,
+            IpFamily::V6 => IpFamily::V4,
+        };
+        [self.primary(), self.ip(other)]
+            .into_iter()
+            .filter(|ip| !ip.is_loopback())
+            .collect()
+    }
+
     /// Whether the primary IP is only the loopback fallback (the caller should warn).
     pub fn primary_is_fallback(&self) -> bool {
         self.primary().is_loopback()
@@ -166,6 +179,7 @@ mod tests {
         let ips = detect_node_ips(&raw, Some(ip("fd00::99")));
         assert_eq!(ips.primary_family, IpFamily::V6);
         assert_eq!((ips.v4, ips.v6), (ip("10.0.0.5"), ip("fd00::99")));
+        assert_eq!(ips.known(), vec![ip("fd00::99"), ip("10.0.0.5")]);
     }
 
     #[test]
@@ -185,5 +199,6 @@ mod tests {
         assert_eq!(ips.primary_family, IpFamily::V4);
         assert_eq!((ips.v4, ips.v6), (ip("127.0.0.1"), ip("::1")));
         assert!(ips.primary_is_fallback());
+        assert!(ips.known().is_empty());
     }
 }

@@ -356,7 +356,7 @@ pub const FLAGS: &[FlagSpec] = &[
         Implemented,
         Upstream,
         Some("nodePortAddresses"),
-        "Node IP ranges that accept NodePort traffic, or 'primary'; default all local IPs.",
+        "Node IP ranges that accept NodePort traffic, or 'primary' (the node's primary IPs); default 'primary' in nftables mode, all local IPs otherwise. kproxy also accepts 'all' and 'localhost'.",
     )
     .sets(List(|c| &mut c.node_port_addresses)),
     f(
@@ -785,6 +785,15 @@ pub const FLAGS: &[FlagSpec] = &[
         "ebpf mode: minimum interval between syncs (default 1s).",
     )
     .sets(Duration(|c| &mut c.min_sync_period)),
+    f(
+        "service-cidrs",
+        Value("CIDR,..."),
+        Implemented,
+        Kproxy,
+        Some("serviceCIDRs"),
+        "nftables mode: the cluster's service CIDRs, whose unallocated addresses are dropped, while the API server serves no networking.k8s.io/v1 ServiceCIDRs (those win when it does).",
+    )
+    .sets(List(|c| &mut c.service_cidrs)),
     f(
         "bpf-cgroup",
         Value("PATH"),

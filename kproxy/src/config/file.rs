@@ -15,7 +15,10 @@
 //! kproxy extensions (not in upstream's v1alpha1; user guide: docs/src/configuration.md):
 //! - top-level `syncPeriod` / `minSyncPeriod` (as upstream's v1alpha2 has them): the ebpf mode's
 //!   sync periods, default 30s / 1s;
-//! - `bpf:` — the eBPF datapath's settings ([`Bpf`]).
+//! - `bpf:` — the eBPF datapath's settings ([`Bpf`]);
+//! - top-level `serviceCIDRs` (`--service-cidrs`): the cluster's service CIDRs for the nftables
+//!   mode's "drop traffic to unallocated ClusterIPs" rule when the API server serves no
+//!   `ServiceCIDR` objects (upstream has no such setting: it only watches ServiceCIDRs).
 //!
 //! Divergence: upstream falls back to lenient decoding (ignoring unknown fields with a log
 //! line) when strict decoding of a v1alpha1 file fails. kproxy rejects unknown fields, except
@@ -137,6 +140,9 @@ pub struct KubeProxyConfiguration {
     /// kproxy extension: the eBPF datapath's settings.
     #[serde(default)]
     pub bpf: Bpf,
+    /// kproxy extension: the service CIDRs when the API server serves no ServiceCIDRs.
+    #[serde(rename = "serviceCIDRs", skip_serializing_if = "Option::is_none")]
+    pub service_cidrs: Option<Vec<String>>,
     /// Removed upstream (old generated configs still carry it): accepted, ignored, warned.
     #[serde(default, skip_serializing)]
     pub udp_idle_timeout: Option<serde_yaml::Value>,

@@ -94,6 +94,16 @@ pub struct ProxyConfig {
     pub detect_local: DetectLocal,
     /// `nodePortAddresses`.
     pub node_port_addresses: NodePortAddresses,
+    /// The node's primary IP of each family (non-loopback), for `nodePortAddresses: primary`:
+    /// not configuration but what the agent found at start-up (`app::agent::node_ips_at_start`)
+    /// before it builds the datapath, as upstream rewrites its config there. Empty until then
+    /// (`primary` then means every local address).
+    #[serde(skip)]
+    pub primary_node_ips: Vec<IpAddr>,
+    /// kproxy extension `serviceCIDRs` / `--service-cidrs`: the cluster's service CIDRs, for
+    /// the nftables mode's drop of unallocated ClusterIPs while the API server serves no
+    /// `ServiceCIDR` objects (when it does, those replace these).
+    pub service_cidrs: Vec<IpNet>,
     /// `iptables.masqueradeAll` / `--masquerade-all`: SNAT all traffic to service IPs.
     pub masquerade_all: bool,
     /// `iptables.masqueradeBit` (0..=31): the fwmark bit marking packets to SNAT (iptables and
@@ -196,17 +206,61 @@ pub struct ClientConfig {
     pub burst: i32,
 }
 
-/// `nodePortAddresses`.
+/// `nodePortAddresses` / `--nodeport-addresses`.
+///
+/// Upstream (cmd/kube-proxy `validateKubeProxyNodePortAddress`, `options.go`) accepts a list of
+/// CIDRs or the single string `primary`. kproxy also accepts the keywords `all` and `localhost`
+/// that the Kubernetes documentation (concepts/services-networking/service.md) names but
+/// upstream's binary rejects ("must be a valid CIDR"): a kproxy extension, see
+/// [`resolve`](mod@resolve).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum NodePortAddresses {
-    /// Unset: NodePorts on every local address (upstream iptables/ipvs behaviour; kproxy uses
-    /// it in every mode).
-    All,
-    /// `primary`: only the Node object's primary IP of each family.
+    /// Unset: the mode's default ([`NodePortAddresses::for_mode`]): `primary` in nftables mode
+    /// (upstream's nftables `Backend.Init` / `platformApplyDefaults`), every local address in
+    /// iptables and ipvs mode (upstream) and in kproxy's ebpf mode.
+    Unset,
+    /// `primary`: only the node's primary IP of each family (the Node object's, or
+    /// `bindAddress`), resolved once at start-up as upstream's `NewProxyServer` does.
     Primary,
     /// Only local addresses inside these CIDRs (`localhost` ⇒ 127.0.0.0/8 and ::1/128,
-    /// `all` ⇒ 0.0.0.0/0 and ::/0 — upstream's keywords).
+    /// `all` ⇒ 0.0.0.0/0 and ::/0).
     Cidrs(Vec<IpNet>),
+}
+
+impl NodePortAddresses {
+    /// What `mode` runs with: [`NodePortAddresses::Unset`] becomes `primary` in nftables mode
+    /// (as upstream defaults it) and stays "every local address" elsewhere.
+    pub fn for_mode(&self, mode: ProxyMode) -> NodePortAddresses {
+        match self {
+            NodePortAddresses::Unset if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
+            other => other.clone(),
+        }
+    }
+
+    /// Whether the mode `choice` may run with `primary` (so the node's primary IPs are needed
+    /// before the datapath is built): always for `primary`; for an unset list when nftables is
+    /// forced or may be detected.
+    pub fn may_be_primary(&self, choice: ModeChoice) -> bool {
+        match self {
+            NodePortAddresses::Primary => true,
+            NodePortAddresses::Unset => matches!(
+                choice,
+                ModeChoice::Detect | ModeChoice::Forced(ProxyMode::Nftables)
+            ),
+            NodePortAddresses::Cidrs(_) => false,
+        }
+    }
+
+    /// Upstream's rewrite of `primary` (`NewProxyServer`): each family's node IP that is not
+    /// loopback as a /32 or /128. Empty (= every local address, as upstream when the node's
+    /// IPs are unknown and only loopback is assumed) when none is known.
+    pub fn primary_cidrs(node_ips: &[IpAddr]) -> Vec<IpNet> {
+        node_ips
+            .iter()
+            .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+            .map(|ip| IpNet::from(*ip))
+            .collect()
+    }
 }
 
 /// A mode's `syncPeriod` / `minSyncPeriod`.

@@ -247,6 +247,7 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
     let detect_local = resolve_detect_local(&mut cx, cfg);
     let node_port_addresses =
         resolve_node_port_addresses(&mut cx, cfg.node_port_addresses.as_deref());
+    let service_cidrs = resolve_service_cidrs(&mut cx, cfg.service_cidrs.as_deref());
     let masquerade_bit = cx.masquerade_bit("iptables.masqueradeBit", cfg.iptables.masquerade_bit);
     let masquerade_all = cfg.iptables.masquerade_all.unwrap_or(false);
     let iptables = resolve_iptables(&mut cx, &cfg.iptables);
@@ -279,6 +280,8 @@ pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, 
             cluster_cidrs,
             detect_local,
             node_port_addresses,
+            primary_node_ips: vec![],
+            service_cidrs,
             masquerade_all,
             masquerade_bit,
             iptables,
@@ -749,37 +752,47 @@ fn resolve_mode(cx: &mut Ctx<'_>, mode: &str) -> ModeChoice {
     }
 }
 
+/// Upstream `validateKubeProxyNodePortAddress`: `primary` must be the only entry (an error at
+/// the index where it appears; entries after it are not looked at), every other entry a CIDR.
+/// kproxy extension: the keywords `all` (0.0.0.0/0 and ::/0) and `localhost` (127.0.0.0/8 and
+/// ::1/128), which the Kubernetes documentation names and upstream's binary rejects.
 fn resolve_node_port_addresses(cx: &mut Ctx<'_>, list: Option<&[String]>) -> NodePortAddresses {
     let list = list.unwrap_or_default();
     if list.is_empty() {
-        return NodePortAddresses::All;
-    }
-    if list.iter().any(|a| a == "primary") {
-        if list.len() != 1 {
-            let i = list.iter().position(|a| a == "primary").unwrap_or(0);
-            cx.err(
-                &format!("nodePortAddresses[{i}]"),
-                "can't use both 'primary' and CIDRs",
-            );
-        }
-        return NodePortAddresses::Primary;
+        return NodePortAddresses::Unset;
     }
     let mut cidrs = Vec::new();
     for (i, a) in list.iter().enumerate() {
+        let field = format!("nodePortAddresses[{i}]");
         match a.as_str() {
+            "primary" => {
+                if i != 0 || list.len() != 1 {
+                    cx.err(&field, "can't use both 'primary' and CIDRs");
+                }
+                return NodePortAddresses::Primary;
+            }
             "localhost" => cidrs.extend(
                 ["127.0.0.0/8", "::1/128"].map(|c| c.parse::<IpNet>().expect("literal CIDR")),
             ),
             "all" => cidrs
                 .extend(["0.0.0.0/0", "::/0"].map(|c| c.parse::<IpNet>().expect("literal CIDR"))),
             _ => {
-                if let Some(n) = cx.cidr(&format!("nodePortAddresses[{i}]"), a) {
+                if let Some(n) = cx.cidr(&field, a) {
                     cidrs.push(n);
                 }
             }
         }
     }
     NodePortAddresses::Cidrs(cidrs)
+}
+
+/// kproxy extension `serviceCIDRs`: CIDRs, each named by its index when invalid.
+fn resolve_service_cidrs(cx: &mut Ctx<'_>, list: Option<&[String]>) -> Vec<IpNet> {
+    list.unwrap_or_default()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| cx.cidr(&format!("serviceCIDRs[{i}]"), t))
+        .collect()
 }
 
 fn resolve_bpf(cx: &mut Ctx<'_>, b: &super::file::Bpf) -> BpfConfig {
@@ -975,7 +988,7 @@ mod tests {
         assert_eq!(c.masquerade_bit, 14);
         assert_eq!(c.masquerade_mark(), 0x4000);
         assert_eq!(c.detect_local, DetectLocal::ClusterCidr);
-        assert_eq!(c.node_port_addresses, NodePortAddresses::All);
+        assert_eq!(c.node_port_addresses, NodePortAddresses::Unset);
         assert_eq!(c.oom_score_adj, -999);
         assert_eq!(c.ebpf_sync.sync_period.as_secs(), 30);
         assert_eq!(c.ebpf_sync.min_sync_period.as_secs(), 1);
@@ -1351,6 +1364,107 @@ mod tests {
                 "127.0.0.0/8".parse().unwrap(),
                 "::1/128".parse().unwrap()
             ])
+        );
+    }
+
+    #[test]
+    fn node_port_addresses_validate_as_upstream_naming_the_entry() {
+        // Upstream's validateKubeProxyNodePortAddress: `primary` only alone, the error at its
+        // index; every other entry a CIDR.
+        assert_eq!(
+            errors("nodePortAddresses: [10.0.0.0/8, primary]\n"),
+            vec!["nodePortAddresses[1]: can't use both 'primary' and CIDRs"]
+        );
+        assert_eq!(
+            errors("nodePortAddresses: [primary, 10.0.0.0/8]\n"),
+            vec!["nodePortAddresses[0]: can't use both 'primary' and CIDRs"]
+        );
+        assert_eq!(
+            errors("nodePortAddresses: [primary, primary]\n"),
+            vec!["nodePortAddresses[0]: can't use both 'primary' and CIDRs"]
+        );
+        let e = errors("nodePortAddresses: [10.0.0.0/8, foo, 1.2.3]\n");
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(
+            e[0].starts_with("nodePortAddresses[1]: \"foo\" must be a valid CIDR"),
+            "{e:?}"
+        );
+        assert!(e[1].starts_with("nodePortAddresses[2]: \"1.2.3\""), "{e:?}");
+        let mut x = extra();
+        x.flag_of
+            .insert("nodePortAddresses".into(), "--nodeport-addresses".into());
+        let errs = resolve(&cfg("nodePortAddresses: [primary, 10.0.0.0/8]\n"), &x).unwrap_err();
+        assert_eq!(
+            errs.0[0].to_string(),
+            "nodePortAddresses[0] (--nodeport-addresses): can't use both 'primary' and CIDRs"
+        );
+    }
+
+    #[test]
+    fn service_cidrs_parse_and_errors_name_the_entry() {
+        let c = resolve(
+            &cfg("serviceCIDRs: [10.96.0.0/12, \"fd00:10:96::/112\"]\n"),
+            &extra(),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            c.service_cidrs,
+            vec![
+                "10.96.0.0/12".parse::<IpNet>().unwrap(),
+                "fd00:10:96::/112".parse().unwrap()
+            ]
+        );
+        assert!(
+            resolve(&cfg(""), &extra())
+                .unwrap()
+                .config
+                .service_cidrs
+                .is_empty()
+        );
+        let e = errors("serviceCIDRs: [10.96.0.0/12, 10.96.0.1]\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with("serviceCIDRs[1]: \"10.96.0.1\" must be a valid CIDR"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn unset_node_port_addresses_default_to_primary_in_nftables_mode_only() {
+        let unset = resolve(&cfg(""), &extra())
+            .unwrap()
+            .config
+            .node_port_addresses;
+        assert_eq!(unset, NodePortAddresses::Unset);
+        assert_eq!(
+            unset.for_mode(ProxyMode::Nftables),
+            NodePortAddresses::Primary
+        );
+        for m in [ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Ebpf] {
+            assert_eq!(unset.for_mode(m), NodePortAddresses::Unset, "{m}");
+        }
+        assert!(unset.may_be_primary(ModeChoice::Detect));
+        assert!(unset.may_be_primary(ModeChoice::Forced(ProxyMode::Nftables)));
+        assert!(!unset.may_be_primary(ModeChoice::Forced(ProxyMode::Iptables)));
+        let cidrs = NodePortAddresses::Cidrs(vec!["10.0.0.0/8".parse().unwrap()]);
+        assert_eq!(cidrs.for_mode(ProxyMode::Nftables), cidrs);
+        assert!(!cidrs.may_be_primary(ModeChoice::Detect));
+        assert_eq!(
+            NodePortAddresses::Primary.for_mode(ProxyMode::Iptables),
+            NodePortAddresses::Primary
+        );
+        // Upstream's rewrite: /32 and /128 of the known IPs; loopback (unknown) is left out.
+        let ips: Vec<std::net::IpAddr> = ["192.0.2.7", "::1", "fd00::7"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        assert_eq!(
+            NodePortAddresses::primary_cidrs(&ips),
+            vec![
+                "192.0.2.7/32".parse::<IpNet>().unwrap(),
+                "fd00::7/128".parse().unwrap()
+            ]
         );
     }
 

@@ -4,6 +4,7 @@
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 
 /// A change to one kind of object.
 #[derive(Debug, Clone)]
@@ -33,4 +34,7 @@ pub enum Event {
     EndpointSlice(Delta<EndpointSlice>),
     /// The node's own Node object (`Replace(vec![])` when the source has none).
     Node(Delta<Node>),
+    /// `ServiceCIDR` objects (networking.k8s.io/v1), from an API server that serves them;
+    /// never sent otherwise (see [`crate::model::service_cidrs`]).
+    ServiceCidr(Delta<ServiceCIDR>),
 }

@@ -6,11 +6,13 @@
 //!   EndpointSliceCache.
 //! - [`topology`]: upstream's `CategorizeEndpoints`.
 //! - [`tracker`]: folds source events into state and builds snapshots + change sets.
+//! - [`service_cidrs`]: `ServiceCIDR` objects → the cluster's service CIDRs.
 //! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
 pub mod endpoints;
 pub mod input;
 pub mod service;
+pub mod service_cidrs;
 pub mod snapshot;
 #[doc(hidden)]
 pub mod testing;

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use ipnet::IpNet;
 use serde::Serialize;
 
 use super::topology::{CategorizedEndpoints, categorize_endpoints};
@@ -19,6 +20,10 @@ pub struct Snapshot {
     /// Merged endpoints per service port (all EndpointSlices of the service; duplicates
     /// removed). May hold entries for ports no service has (upstream keeps them too).
     pub endpoints: BTreeMap<ServicePortName, Arc<Vec<Endpoint>>>,
+    /// The cluster's service CIDRs from `ServiceCIDR` objects (both families, sorted); `None`
+    /// when the source delivers none (an API server without them, the manifests): datapaths
+    /// then use their configured CIDRs.
+    pub service_cidrs: Option<Vec<IpNet>>,
 }
 
 impl Snapshot {

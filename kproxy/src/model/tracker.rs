@@ -15,6 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::endpoints::{SliceData, merge, parse_slice};
 use super::service::{parse_cidr_sloppy, parse_ip_sloppy, service_ports};
+use super::service_cidrs::ServiceCidrTracker;
 use super::types::{NodeInfo, Protocol, ServicePort, ServicePortName};
 use super::{ChangedSet, ModelWarning, Snapshot};
 use crate::model::input::{Delta, Event};
@@ -48,6 +49,7 @@ pub struct Tracker {
     listing_services: Option<HashSet<SvcKey>>,
     listing_slices: Option<HashSet<SvcKey>>,
     listing_node: Option<Option<Node>>,
+    service_cidrs: ServiceCidrTracker,
     last: Arc<Snapshot>,
 }
 
@@ -148,6 +150,7 @@ impl Tracker {
             listing_services: None,
             listing_slices: None,
             listing_node: None,
+            service_cidrs: ServiceCidrTracker::default(),
         }
     }
 
@@ -201,6 +204,7 @@ impl Tracker {
                 }
                 Delta::ListDone => self.finish_slice_list(),
             },
+            Event::ServiceCidr(d) => warnings.extend(self.service_cidrs.apply(d)),
             Event::Node(d) => {
                 // `Some(state)`: the node's state is now known to be `state`.
                 let node = match d {
@@ -351,6 +355,11 @@ impl Tracker {
         self.synced.iter().all(|s| *s)
     }
 
+    /// The service CIDRs changed and no snapshot has them yet.
+    pub fn service_cidrs_pending(&self) -> bool {
+        self.service_cidrs.is_changed()
+    }
+
     /// Service/endpoint changes not yet in a snapshot.
     pub fn pending(&self) -> Pending {
         Pending {
@@ -370,6 +379,9 @@ impl Tracker {
         if self.node_dirty {
             next.node = self.node.clone();
             changed.node = true;
+        }
+        if self.service_cidrs.take_changed() {
+            next.service_cidrs = self.service_cidrs.cidrs();
         }
         let dirty: BTreeSet<SvcKey> = std::mem::take(&mut self.dirty_services)
             .into_iter()

@@ -1,6 +1,8 @@
 //! Kubernetes API source: Services and EndpointSlices (all namespaces, filtered by
-//! [`PROXYABLE_LABEL_SELECTOR`]) and the node's own Node (field selector `metadata.name`),
-//! watched with kube-runtime's [`watcher()`] and turned into [`Event`]s.
+//! [`PROXYABLE_LABEL_SELECTOR`]), the node's own Node (field selector `metadata.name`) and,
+//! when the API server serves them, `ServiceCIDR`s (networking.k8s.io/v1; upstream watches them
+//! while its `MultiCIDRServiceAllocator` gate is on, the default since they went GA), watched
+//! with kube-runtime's [`watcher()`] and turned into [`Event`]s.
 //!
 //! Each kind runs its own list+watch loop. kube-runtime reports a (re-)list as
 //! `Init, InitApply…, InitDone`; [`Relist`] buffers that sequence and emits it as ONE
@@ -14,6 +16,7 @@
 
 use std::fmt::Debug;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use ::kube::api::Api;
 use ::kube::config::{Config, KubeConfigOptions, Kubeconfig, KubeconfigError};
@@ -23,6 +26,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
@@ -140,13 +144,90 @@ pub fn spawn(
             Event::EndpointSlice,
             &tx,
         );
-        let node = run::<Node>(Api::all(client), this_node, Lists::Whole, Event::Node, &tx);
+        let node = run::<Node>(
+            Api::all(client.clone()),
+            this_node,
+            Lists::Whole,
+            Event::Node,
+            &tx,
+        );
+        let cidrs = service_cidrs(Api::all(client), &tx);
         tokio::select! {
-            _ = futures::future::join3(services, slices, node) => {}
+            _ = futures::future::join4(services, slices, node, cidrs) => {}
             _ = tx.closed() => {}
         }
         debug!("kube source stopped: event channel closed");
     })
+}
+
+/// What a probe list of ServiceCIDRs (`limit=1`) says about the API server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Served {
+    /// It serves them: watch them.
+    Yes,
+    /// It does not (404: an older API server, or the API disabled) or kproxy may not read them
+    /// (403: RBAC without `servicecidrs`); the reason, for the log.
+    No(String),
+    /// No answer (the server is unreachable, 5xx): ask again.
+    Unknown,
+}
+
+/// Classifies a probe's outcome (pure).
+pub fn served<T>(r: &Result<T, ::kube::Error>) -> Served {
+    match r {
+        Ok(_) => Served::Yes,
+        Err(::kube::Error::Api(s)) if s.code == 404 => {
+            Served::No("the API server does not serve networking.k8s.io/v1 ServiceCIDRs".into())
+        }
+        Err(::kube::Error::Api(s)) if s.code == 403 => Served::No(format!(
+            "not allowed to list networking.k8s.io/v1 ServiceCIDRs ({}); grant list/watch on \
+             servicecidrs as upstream's system:node-proxier role does",
+            s.message
+        )),
+        Err(_) => Served::Unknown,
+    }
+}
+
+/// Probes whether the API server serves ServiceCIDRs (retrying until it answers); if so,
+/// watches them (one [`Delta::Replace`] per list, they are few). If not, sends nothing: the
+/// datapaths keep their configured service CIDRs, and a log line says so.
+async fn service_cidrs(api: Api<ServiceCIDR>, tx: &mpsc::Sender<Event>) {
+    let mut retry = Retry::new();
+    loop {
+        let probe = api.list(&::kube::api::ListParams::default().limit(1)).await;
+        match served(&probe) {
+            Served::Yes => break,
+            Served::No(why) => {
+                info!(
+                    "{why}: the service CIDRs come from the configuration (serviceCIDRs / \
+                     --service-cidrs)"
+                );
+                return;
+            }
+            Served::Unknown => {
+                let wait = match retry.failed(false) {
+                    Next::Wait(d) => d,
+                    Next::RelistNow => Duration::ZERO,
+                };
+                if let Err(e) = &probe {
+                    debug!(error = %e, retry_in = ?wait, "probing ServiceCIDRs failed; retrying");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    }
+    info!("watching ServiceCIDRs (networking.k8s.io/v1): they give the service CIDRs");
+    run::<ServiceCIDR>(
+        api,
+        watcher::Config::default(),
+        Lists::Whole,
+        Event::ServiceCidr,
+        tx,
+    )
+    .await
 }
 
 /// How a kind's (re-)lists are delivered.
@@ -431,6 +512,24 @@ mod tests {
             LIST_BATCH + 2,
             "the restarted list's objects only"
         );
+    }
+
+    #[test]
+    fn service_cidr_probe_answers_are_classified() {
+        let status = |code: u16| -> Result<(), ::kube::Error> {
+            let s: ::kube::core::Status = serde_json::from_value(serde_json::json!({
+                "code": code, "message": "servicecidrs is forbidden"
+            }))
+            .unwrap();
+            Err(::kube::Error::Api(Box::new(s)))
+        };
+        assert_eq!(served(&Ok::<(), ::kube::Error>(())), Served::Yes);
+        assert!(matches!(served(&status(404)), Served::No(why) if why.contains("does not serve")),);
+        assert!(
+            matches!(served(&status(403)), Served::No(why) if why.contains("servicecidrs is forbidden")),
+        );
+        assert_eq!(served(&status(503)), Served::Unknown);
+        assert_eq!(served(&status(410)), Served::Unknown);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -14,10 +15,18 @@ pub enum Kind {
     Node,
     /// events.k8s.io/v1 Events (what kube-rs' event `Recorder` writes).
     Event,
+    /// networking.k8s.io/v1 ServiceCIDRs (cluster-scoped).
+    ServiceCidr,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [Kind::Service, Kind::EndpointSlice, Kind::Node, Kind::Event];
+    pub const ALL: [Kind; 5] = [
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::Node,
+        Kind::Event,
+        Kind::ServiceCidr,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -25,6 +34,7 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
             Kind::Event => "Event",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
 
@@ -33,6 +43,7 @@ impl Kind {
             Kind::Service | Kind::Node => "v1",
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::Event => "events.k8s.io/v1",
+            Kind::ServiceCidr => "networking.k8s.io/v1",
         }
     }
 
@@ -43,11 +54,12 @@ impl Kind {
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
             Kind::Event => "events",
+            Kind::ServiceCidr => "servicecidrs",
         }
     }
 
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node)
+        !matches!(self, Kind::Node | Kind::ServiceCidr)
     }
 
     /// `/api/v1` or `/apis/<group>/<version>`.
@@ -56,6 +68,7 @@ impl Kind {
             Kind::Service | Kind::Node => "/api/v1",
             Kind::EndpointSlice => "/apis/discovery.k8s.io/v1",
             Kind::Event => "/apis/events.k8s.io/v1",
+            Kind::ServiceCidr => "/apis/networking.k8s.io/v1",
         }
     }
 
@@ -136,6 +149,10 @@ impl FakeResource for Node {
 
 impl FakeResource for Event {
     const KIND: Kind = Kind::Event;
+}
+
+impl FakeResource for ServiceCIDR {
+    const KIND: Kind = Kind::ServiceCidr;
 }
 
 #[cfg(test)]

@@ -274,6 +274,11 @@ impl FakeApi {
             .extend(std::iter::repeat_n(code, n));
     }
 
+    /// Answers every request for `kind` with 404, as an API server that does not serve it.
+    pub fn set_unserved(&self, kind: Kind) {
+        self.inner.shared.knobs().unserved.push(kind);
+    }
+
     /// Every request answered so far, in order.
     pub fn requests(&self) -> Vec<RequestRecord> {
         self.inner.shared.log().clone()

@@ -105,6 +105,8 @@ pub struct Knobs {
     pub bookmark_interval: Duration,
     /// Requests still to fail, and with which status.
     pub fail: VecDeque<u16>,
+    /// Kinds answered 404 as by an API server without them (e.g. ServiceCIDRs before 1.33).
+    pub unserved: Vec<Kind>,
 }
 
 impl Default for Knobs {
@@ -113,6 +115,7 @@ impl Default for Knobs {
             watch_delay: Duration::ZERO,
             bookmark_interval: Duration::from_secs(5),
             fail: VecDeque::new(),
+            unserved: vec![],
         }
     }
 }
@@ -213,7 +216,8 @@ async fn handle(
 ) -> Response {
     let path = uri.path().to_owned();
     let query = uri.query().unwrap_or("").to_owned();
-    let failure = shared.knobs().fail.pop_front();
+    let unserved = route(&path).is_some_and(|t| shared.knobs().unserved.contains(&t.kind));
+    let failure = shared.knobs().fail.pop_front().or(unserved.then_some(404));
     let response = match failure {
         Some(code) => error_response(&ApiError::new(code, format!("injected failure ({code})"))),
         None => match answer(&shared, &method, &path, &query, body) {

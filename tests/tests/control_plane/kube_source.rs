@@ -1,7 +1,7 @@
 //! kproxy's Kubernetes source (`kproxy::source::kube::{client, spawn}`) against the fake API
 //! server: initial lists (streamed for Services and EndpointSlices, one Replace for the Node),
 //! selectors, watch events, re-lists after 410, server restarts, slow watches and injected
-//! failures.
+//! failures; ServiceCIDRs watched when the server serves them, left alone when it does not.
 //!
 //! [`Source`] reassembles a streamed list (`ListStart`, `Listed…`, `ListDone`) into one
 //! `Replace` so the tests read a list as one event; `lists_of_services_and_slices_stream`
@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kproxy::model::input::{Delta, Event};
 use kproxy::source::PROXYABLE_LABEL_SELECTOR;
@@ -80,6 +81,8 @@ struct Source {
     /// Objects of the Service / EndpointSlice list being streamed.
     services: Option<Vec<Service>>,
     slices: Option<Vec<EndpointSlice>>,
+    /// ServiceCIDR events seen so far (the other kinds' helpers skip them).
+    cidr_events: usize,
 }
 
 impl Source {
@@ -95,6 +98,7 @@ impl Source {
             task: spawn(c, NODE.into(), tx),
             services: None,
             slices: None,
+            cidr_events: 0,
         }
     }
 
@@ -135,10 +139,24 @@ impl Source {
                 Event::EndpointSlice(d) => {
                     fold(&mut self.slices, d, "EndpointSlice").map(Event::EndpointSlice)
                 }
+                Event::ServiceCidr(d) => {
+                    self.cidr_events += 1;
+                    Some(Event::ServiceCidr(d))
+                }
                 ev => Some(ev),
             };
             if let Some(ev) = ev {
                 return Some(ev);
+            }
+        }
+    }
+
+    /// The next ServiceCIDR delta (other events meanwhile are dropped); `None`: none came
+    /// within the liveness bound.
+    async fn next_cidr(&mut self) -> Option<Delta<ServiceCIDR>> {
+        loop {
+            if let Event::ServiceCidr(d) = self.try_next().await? {
+                return Some(d);
             }
         }
     }
@@ -174,6 +192,8 @@ impl Source {
                     slices = Some(names(&v))
                 }
                 Event::Node(Delta::Replace(v)) if nodes.is_none() => nodes = Some(names(&v)),
+                // Watched beside the others when served (see the service_cidrs_* tests).
+                Event::ServiceCidr(_) => {}
                 _ => panic!("expected the initial Replace of each kind first, got {s}"),
             }
         }
@@ -206,6 +226,7 @@ fn summary(ev: &Event) -> String {
         Event::Service(x) => d("Service", x),
         Event::EndpointSlice(x) => d("EndpointSlice", x),
         Event::Node(x) => d("Node", x),
+        Event::ServiceCidr(x) => d("ServiceCIDR", x),
     }
 }
 
@@ -324,6 +345,7 @@ async fn lists_of_services_and_slices_stream() {
             Event::Service(_) => svc.push(s),
             Event::EndpointSlice(_) => slc.push(s),
             Event::Node(_) => node.push(s),
+            Event::ServiceCidr(_) => {}
         }
     }
     assert_eq!(
@@ -601,6 +623,9 @@ async fn watch_answered_410_relists_at_once_even_after_backoff_has_grown() {
                     return names(&v);
                 }
                 Some(Event::Node(Delta::Replace(v))) if gone == Kind::Node => return names(&v),
+                Some(Event::ServiceCidr(Delta::Replace(v))) if gone == Kind::ServiceCidr => {
+                    return names(&v);
+                }
                 _ => {}
             }
         }
@@ -616,6 +641,7 @@ async fn watch_answered_410_relists_at_once_even_after_backoff_has_grown() {
     let expected = match gone {
         Kind::Service => set(&["a", "b", "while-down"]),
         Kind::EndpointSlice => set(&["a-1", "b-1"]),
+        Kind::ServiceCidr => set(&[]),
         _ => set(&[NODE]),
     };
     assert_eq!(listed, expected);
@@ -749,4 +775,103 @@ impl Drop for RemoveDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+fn service_cidr(name: &str, cidrs: &[&str]) -> ServiceCIDR {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": cidrs},
+    }))
+    .unwrap()
+}
+
+fn cidr_summary(d: &Delta<ServiceCIDR>) -> String {
+    let cidrs = |o: &ServiceCIDR| {
+        o.spec
+            .as_ref()
+            .and_then(|s| s.cidrs.clone())
+            .unwrap_or_default()
+            .join(",")
+    };
+    match d {
+        Delta::Replace(v) => format!(
+            "Replace[{}]",
+            v.iter()
+                .map(|o| format!(
+                    "{}={}",
+                    o.metadata.name.clone().unwrap_or_default(),
+                    cidrs(o)
+                ))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        Delta::Apply(o) => format!(
+            "Apply {}={}",
+            o.metadata.name.clone().unwrap_or_default(),
+            cidrs(o)
+        ),
+        Delta::Delete(o) => format!("Delete {}", o.metadata.name.clone().unwrap_or_default()),
+        other => format!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn service_cidrs_are_watched_when_the_server_serves_them() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(&service_cidr(
+        "kubernetes",
+        &["10.96.0.0/12", "fd00:10:96::/112"],
+    ))
+    .unwrap();
+    let mut src = Source::start(&api).await;
+    let first = src.next_cidr().await.expect("the ServiceCIDR list");
+    assert_eq!(
+        cidr_summary(&first),
+        "Replace[kubernetes=10.96.0.0/12,fd00:10:96::/112]"
+    );
+    api.create(&service_cidr("extra", &["172.30.0.0/16"]))
+        .unwrap();
+    let next = src.next_cidr().await.expect("the new ServiceCIDR");
+    assert_eq!(cidr_summary(&next), "Apply extra=172.30.0.0/16");
+    api.delete::<ServiceCIDR>("", "extra").unwrap();
+    let gone = src.next_cidr().await.expect("the deletion");
+    assert_eq!(cidr_summary(&gone), "Delete extra");
+}
+
+#[tokio::test]
+async fn service_cidrs_are_not_watched_when_the_server_does_not_serve_them() {
+    let api = FakeApi::start().await.unwrap();
+    api.set_unserved(Kind::ServiceCidr);
+    populate(&api);
+    let mut src = Source::start(&api).await;
+    src.initial().await;
+    let probed = |api: &FakeApi| {
+        api.requests()
+            .iter()
+            .any(|r| r.kind() == Some(Kind::ServiceCidr))
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    while !probed(&api) {
+        assert!(std::time::Instant::now() < deadline, "no ServiceCIDR probe");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The other kinds keep flowing; no ServiceCIDR event ever comes, and the probe is not
+    // retried (a retry would come within the source's longest backoff).
+    api.create(&service("later", &[])).unwrap();
+    src.wait_for("Apply(later)", service_applied("later")).await;
+    tokio::time::sleep(2 * kproxy::source::retry::MAX_DELAY).await;
+    assert_eq!(src.cidr_events, 0);
+    let cidr_requests: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.kind() == Some(Kind::ServiceCidr))
+        .collect();
+    assert_eq!(
+        cidr_requests.len(),
+        1,
+        "one probe, no watch: {cidr_requests:?}"
+    );
+    assert_eq!(cidr_requests[0].status, 404);
+    assert!(!cidr_requests[0].is_watch());
 }

@@ -25,7 +25,9 @@ pub struct NftablesConfig {
     pub node_port_addresses: Vec<IpNet>,
     /// The node's interface addresses (all families), for `node_port_addresses` matching.
     pub local_addresses: Vec<IpAddr>,
-    /// ServiceCIDRs (all families; filtered per family): unallocated addresses are dropped.
+    /// Service CIDRs (all families; filtered per family): unallocated addresses are dropped.
+    /// The configured ones (kproxy's `serviceCIDRs` / `--service-cidrs`); the `ServiceCIDR`
+    /// objects' replace them when the API server serves those (`Proxier::sync`).
     pub service_cidrs: Vec<IpNet>,
 }
 
@@ -76,7 +78,12 @@ impl NftablesConfig {
 
     /// Upstream `OnServiceCIDRsChanged`: this family's CIDRs joined by `,`.
     pub fn service_cidrs_text(&self) -> String {
-        self.service_cidrs
+        self.service_cidrs_text_of(&self.service_cidrs)
+    }
+
+    /// [`Self::service_cidrs_text`] of `cidrs`.
+    pub fn service_cidrs_text_of(&self, cidrs: &[IpNet]) -> String {
+        cidrs
             .iter()
             .filter(|n| self.family.matches(&n.addr()))
             .map(|n| n.to_string())

@@ -66,6 +66,21 @@ impl NftablesDataplane {
                 return Err(SetupError::DuplicateFamily(cfg.family));
             }
             tracing::info!(family = ?cfg.family, "nftables proxier ready");
+            // Which source the service CIDRs of `cluster-ips-check` come from (the proxier
+            // logs again when ServiceCIDR objects from the API server replace these).
+            match cfg.service_cidrs_text() {
+                t if t.is_empty() => tracing::info!(
+                    family = ?cfg.family,
+                    "no service CIDRs configured (serviceCIDRs / --service-cidrs): unallocated \
+                     ClusterIPs are dropped once the API server delivers ServiceCIDR objects"
+                ),
+                t => tracing::info!(
+                    family = ?cfg.family,
+                    service_cidrs = %t,
+                    "service CIDRs from the configuration (serviceCIDRs / --service-cidrs), \
+                     until the API server delivers ServiceCIDR objects"
+                ),
+            }
             families.push(FamilyProxier {
                 table: KernelTable::new(cfg.table_family(), runner.clone()),
                 proxier: Proxier::new(cfg),

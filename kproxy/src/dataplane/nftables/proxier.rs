@@ -108,6 +108,27 @@ impl Proxier {
         }
     }
 
+    /// Upstream `OnServiceCIDRsChanged`: the `ServiceCIDR` objects' CIDRs, when the snapshot has
+    /// them, replace the configured ones (`NftablesConfig::service_cidrs`, kproxy's
+    /// `serviceCIDRs` setting, which stays in use when the API server serves no ServiceCIDRs).
+    /// Knowingly different from upstream, which writes new CIDRs only at its next full sync: a
+    /// change makes this sync full, so the `cluster-ips-check` drop rule follows at once.
+    fn follow_service_cidrs(&mut self, snap: &Snapshot) {
+        let Some(cidrs) = &snap.service_cidrs else {
+            return;
+        };
+        if *cidrs != self.cfg.service_cidrs {
+            tracing::info!(
+                family = self.cfg.table_family(),
+                service_cidrs = %self.cfg.service_cidrs_text_of(cidrs),
+                "service CIDRs from the ServiceCIDR objects (networking.k8s.io/v1)"
+            );
+            let mut cfg = self.cfg.clone();
+            cfg.service_cidrs = cidrs.clone();
+            self.set_config(cfg);
+        }
+    }
+
     /// Forces the next sync to be full (e.g. upstream's hourly full resync).
     pub fn force_full_sync(&mut self) {
         self.need_full_sync = true;
@@ -150,6 +171,7 @@ impl Proxier {
         now: Duration,
         backend: &mut dyn NftBackend,
     ) -> Result<NftSyncStats, NftSyncError> {
+        self.follow_service_cidrs(snap);
         let mut full = self.need_full_sync || changed.node;
         // Until this sync succeeds, the next one must be full.
         self.need_full_sync = true;
@@ -565,6 +587,57 @@ mod tests {
             .expect("repair");
         assert!(s.full, "{s:?}");
         assert_eq!(canonical(&t), want);
+    }
+
+    #[test]
+    fn service_cidrs_of_the_snapshot_replace_the_configured_ones() {
+        let drop_rules = |t: &FakeTable| -> Vec<String> {
+            canonical(t)
+                .lines()
+                .filter(|l| l.contains("Drop traffic to unallocated ClusterIPs"))
+                .map(String::from)
+                .collect()
+        };
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut c = cfg(IpFamily::V4);
+        c.service_cidrs = vec!["172.30.0.0/16".parse().unwrap()];
+        let mut p = Proxier::new(c);
+        // No ServiceCIDRs delivered: the configured CIDRs.
+        let mut snap = two_services("10.0.2.1");
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        assert_eq!(
+            drop_rules(&t),
+            [
+                "add rule ip kube-proxy cluster-ips-check ip daddr { 172.30.0.0/16 } drop comment \"Drop traffic to unallocated ClusterIPs\""
+            ]
+        );
+        // The API's: this family's ones, at once (a full sync).
+        snap.service_cidrs = Some(vec![
+            "172.30.0.0/16".parse().unwrap(),
+            "172.31.0.0/16".parse().unwrap(),
+            "fd00:10:96::/112".parse().unwrap(),
+        ]);
+        let s = p
+            .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("sync");
+        assert!(s.full, "{s:?}");
+        assert_eq!(
+            drop_rules(&t),
+            [
+                "add rule ip kube-proxy cluster-ips-check ip daddr { 172.30.0.0/16,172.31.0.0/16 } drop comment \"Drop traffic to unallocated ClusterIPs\""
+            ]
+        );
+        // Unchanged: partial syncs again.
+        let s = p
+            .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("sync");
+        assert!(!s.full, "{s:?}");
+        // Served but none: no drop rule.
+        snap.service_cidrs = Some(vec![]);
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("sync");
+        assert!(drop_rules(&t).is_empty(), "{}", canonical(&t));
     }
 
     #[test]
