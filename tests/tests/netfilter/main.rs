@@ -14,3 +14,4 @@ mod nftables_corpus;
 mod nftables_kernel;
 mod nftables_traffic;
 mod sysctl_apply;
+mod nftables_netlink;
