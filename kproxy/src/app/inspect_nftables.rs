@@ -141,7 +141,9 @@ fn port_view(
         r.kernel
             .push(format!("{} chain {chain} ({rules} rules)", t.family));
     }
-    for ep in snap.endpoints_of(name).iter() {
+    // Endpoints of the table's family only (an `ip6` table never holds an IPv4 endpoint).
+    let family_v6 = t.family == "ip6";
+    for ep in snap.endpoints_of(name).iter().filter(|e| e.ip.is_ipv6() == family_v6) {
         if t.chains.contains(&endpoint_chain(name, ep)) {
             let a = match ep.ip {
                 IpAddr::V4(a) => format!("{a}:{}", ep.port),
