@@ -133,7 +133,10 @@ fn port_view(
             .and_then(|v| v.split_once(' '))
             .is_some_and(|(_, target)| chains.contains_key(target));
         if to_mine || keys.contains(key) {
-            let v = value.as_deref().map(|v| format!(" : {v}")).unwrap_or_default();
+            let v = value
+                .as_deref()
+                .map(|v| format!(" : {v}"))
+                .unwrap_or_default();
             r.kernel.push(format!("{} {storage}: {key}{v}", t.family));
         }
     }
@@ -143,7 +146,11 @@ fn port_view(
     }
     // Endpoints of the table's family only (an `ip6` table never holds an IPv4 endpoint).
     let family_v6 = t.family == "ip6";
-    for ep in snap.endpoints_of(name).iter().filter(|e| e.ip.is_ipv6() == family_v6) {
+    for ep in snap
+        .endpoints_of(name)
+        .iter()
+        .filter(|e| e.ip.is_ipv6() == family_v6)
+    {
         if t.chains.contains(&endpoint_chain(name, ep)) {
             let a = match ep.ip {
                 IpAddr::V4(a) => format!("{a}:{}", ep.port),

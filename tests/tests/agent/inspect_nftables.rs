@@ -25,7 +25,9 @@ fn expected() -> BTreeMap<String, BTreeSet<String>> {
     (0..SERVICES)
         .map(|i| {
             let n = if i == SERVICES - 1 { 0 } else { ENDPOINTS };
-            let eps = (0..n).map(|e| format!("10.244.{i}.{}:8080", e + 1)).collect();
+            let eps = (0..n)
+                .map(|e| format!("10.244.{i}.{}:8080", e + 1))
+                .collect();
             (format!("nft/svc-{i}:http"), eps)
         })
         .collect()
@@ -154,12 +156,24 @@ fn inspect_agrees_with_the_nftables_table() {
         if want[name].is_empty() {
             let e = format!("ip no-endpoint-services: {ip} . tcp . 80 : goto reject-chain");
             assert!(kernel.contains(&e), "{name}: {kernel:#?}");
-            assert!(!kernel.iter().any(|l| l.contains("service-ips:")), "{kernel:#?}");
+            assert!(
+                !kernel.iter().any(|l| l.contains("service-ips:")),
+                "{kernel:#?}"
+            );
         } else {
             let prefix = format!("ip service-ips: {ip} . tcp . 80 : goto service-");
-            assert!(kernel.iter().any(|l| l.starts_with(&prefix)), "{name}: {kernel:#?}");
-            assert!(kernel.contains(&format!("ip cluster-ips: {ip}")), "{kernel:#?}");
-            let eps = kernel.iter().filter(|l| l.starts_with("ip chain endpoint-")).count();
+            assert!(
+                kernel.iter().any(|l| l.starts_with(&prefix)),
+                "{name}: {kernel:#?}"
+            );
+            assert!(
+                kernel.contains(&format!("ip cluster-ips: {ip}")),
+                "{kernel:#?}"
+            );
+            let eps = kernel
+                .iter()
+                .filter(|l| l.starts_with("ip chain endpoint-"))
+                .count();
             assert_eq!(eps, ENDPOINTS, "{name}: {kernel:#?}");
         }
         if i == 0 {

@@ -63,7 +63,10 @@ fn json_elem(e: &Value) -> String {
     }
     match e.as_array() {
         Some(kv) => {
-            let (verb, arg) = kv[1].as_object().and_then(|o| o.iter().next()).expect("verdict");
+            let (verb, arg) = kv[1]
+                .as_object()
+                .and_then(|o| o.iter().next())
+                .expect("verdict");
             match arg.get("target").and_then(Value::as_str) {
                 Some(t) => format!("{} : {verb} {t}", key(&kv[0])),
                 None => format!("{} : {verb}", key(&kv[0])),
@@ -111,7 +114,12 @@ fn netlink_reads_what_nft_lists() {
         let ns = Netns::new("nft-nl").expect("netns");
         let input = load_input(&upstream("nftables/cases").join(case).join("input.yaml"));
         let family = input.cfg.table_family();
-        let mut kernel = KernelTable::new(family, NftRunner { netns: Some(ns.path()) });
+        let mut kernel = KernelTable::new(
+            family,
+            NftRunner {
+                netns: Some(ns.path()),
+            },
+        );
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
         Proxier::new(input.cfg.clone())
@@ -120,7 +128,10 @@ fn netlink_reads_what_nft_lists() {
         let want = nft_view(&ns, family);
         let got = netlink_view(kernel.netlink().expect("netlink"));
         assert_eq!(got, want, "{case}");
-        assert!(want.1.values().any(|e| !e.is_empty()), "{case}: some elements");
+        assert!(
+            want.1.values().any(|e| !e.is_empty()),
+            "{case}: some elements"
+        );
         compared += want.1.len();
         // A table that does not exist: nothing, not an error.
         let mut other = NftNetlink::open(NFPROTO_IPV4, Some(&ns.path())).expect("open");
@@ -139,16 +150,23 @@ fn cfg() -> NftablesConfig {
 
 /// `services` ClusterIP services (172.16.x.y:80) with `eps` endpoints each.
 fn services(services: u32, eps: u32) -> Snapshot {
-    snapshot("node").services((0..services).map(|i| {
-        let sp = service_port("ns", &format!("s{i}"), "p")
-            .cluster_ip(format!("172.16.{}.{}", i / 250, i % 250 + 1).as_str())
-            .build();
-        let e = (0..eps)
-            .map(|j| endpoint(format!("10.{}.{}.{}", j + 1, i / 250, i % 250 + 1).as_str(), 8080).build())
-            .collect();
-        (sp, e)
-    }))
-    .build()
+    snapshot("node")
+        .services((0..services).map(|i| {
+            let sp = service_port("ns", &format!("s{i}"), "p")
+                .cluster_ip(format!("172.16.{}.{}", i / 250, i % 250 + 1).as_str())
+                .build();
+            let e = (0..eps)
+                .map(|j| {
+                    endpoint(
+                        format!("10.{}.{}.{}", j + 1, i / 250, i % 250 + 1).as_str(),
+                        8080,
+                    )
+                    .build()
+                })
+                .collect();
+            (sp, e)
+        }))
+        .build()
 }
 
 /// The canary through the kernel: after `nft flush table ip kube-proxy` (every rule gone,
@@ -160,7 +178,12 @@ fn a_table_flushed_from_outside_is_restored_by_the_next_sync() {
         return;
     }
     let ns = Netns::new("nft-canary").expect("netns");
-    let mut kernel = KernelTable::new("ip", NftRunner { netns: Some(ns.path()) });
+    let mut kernel = KernelTable::new(
+        "ip",
+        NftRunner {
+            netns: Some(ns.path()),
+        },
+    );
     let mut p = Proxier::new(cfg());
     let snap = services(3, 2);
     p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut kernel)
@@ -202,10 +225,20 @@ fn readback_at_10k_services_nft_json_vs_netlink() {
         return;
     }
     let ns = Netns::new("nft-bench").expect("netns");
-    let mut kernel = KernelTable::new("ip", NftRunner { netns: Some(ns.path()) });
+    let mut kernel = KernelTable::new(
+        "ip",
+        NftRunner {
+            netns: Some(ns.path()),
+        },
+    );
     let t = Instant::now();
     Proxier::new(cfg())
-        .sync(&services(10_000, 5), &ChangedSet::default(), Duration::ZERO, &mut kernel)
+        .sync(
+            &services(10_000, 5),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut kernel,
+        )
         .expect("load 10k services");
     println!("loaded 10k services × 5 endpoints in {:?}", t.elapsed());
     let storages = [
@@ -229,7 +262,9 @@ fn readback_at_10k_services_nft_json_vs_netlink() {
         n_json = 0;
         for (kind, name) in storages {
             let v = json(&["-j", "list", kind, "ip", "kube-proxy", name]);
-            n_json += v["nftables"][1][kind]["elem"].as_array().map_or(0, Vec::len);
+            n_json += v["nftables"][1][kind]["elem"]
+                .as_array()
+                .map_or(0, Vec::len);
         }
         t_json.push(t.elapsed());
         chains = c["nftables"].as_array().map_or(0, |a| a.len() - 1);

@@ -641,9 +641,18 @@ mod tests {
     fn rules_changed_from_outside_make_the_next_sync_full() {
         let snap = two_services("10.0.2.1");
         for (outside, what) in [
-            ("flush table ip kube-proxy\n", "holds 0 rules, the last full sync wrote"),
-            ("flush chain ip kube-proxy nat-prerouting\n", "nat-prerouting holds 0"),
-            ("add rule ip kube-proxy services drop\n", "services holds 3 rules"),
+            (
+                "flush table ip kube-proxy\n",
+                "holds 0 rules, the last full sync wrote",
+            ),
+            (
+                "flush chain ip kube-proxy nat-prerouting\n",
+                "nat-prerouting holds 0",
+            ),
+            (
+                "add rule ip kube-proxy services drop\n",
+                "services holds 3 rules",
+            ),
         ] {
             let mut t = FakeTable::new("ip", TABLE);
             let mut p = Proxier::new(cfg(IpFamily::V4));
