@@ -8,7 +8,9 @@
 //!   `KUBE-SVC-`/`SVL-`/`EXT-`/`FW-` names computed from the port, as the proxier does), the
 //!   rules jumping to them and the `KUBE-SEP-` chains they jump to — not by comment, since
 //!   upstream's large-cluster mode (> 1000 endpoints) drops the comments;
-//! - ipvs: the virtual servers on the service's addresses and their real servers.
+//! - ipvs: the virtual servers on the service's addresses and their real servers;
+//! - nftables: the port's map/set elements and chains in the `ip`/`ip6 kube-proxy` tables,
+//!   read through netlink ([`super::inspect_nftables`]).
 //!
 //! Each kernel table is read once (one dump per pinned map, one `iptables-save`, one IPVS
 //! listing) and joined to the services through hash indexes, so the cost is linear in the
@@ -18,7 +20,8 @@
 //! (`--kubeconfig` / `--master`, else in-cluster): Services and EndpointSlices listed once,
 //! with upstream's label selector, and the Node of `--hostname-override`, built into the same
 //! snapshot the agent's tracker builds. The mode is `--proxy-mode`, else the one whose kernel
-//! objects exist (pins, then `kube-ipvs0`, then the iptables `KUBE-SERVICES` chain).
+//! objects exist (pins, then `kube-ipvs0`, then the iptables `KUBE-SERVICES` chain, then a
+//! `kube-proxy` nftables table).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -502,12 +505,15 @@ pub fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report
     }
     let mode = match cfg.mode {
         ModeChoice::Forced(m) => m,
-        ModeChoice::Detect => super::modes::Evidence::here(cfg).programmed().ok_or_else(|| {
-            anyhow::anyhow!(
-                "no datapath of kproxy is programmed here (no pins, no kube-ipvs0 or its ipsets, \
-                 no KUBE-SVC/KUBE-SEP chains)"
-            )
-        })?,
+        ModeChoice::Detect => super::modes::Evidence::here(cfg)
+            .programmed()
+            .or_else(|| super::inspect_nftables::programmed().then_some(ProxyMode::Nftables))
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "no datapath of kproxy is programmed here (no pins, no kube-ipvs0 or its \
+                     ipsets, no KUBE-SVC/KUBE-SEP chains, no kube-proxy nftables table)"
+                )
+            })?,
     };
     let mut out = Report {
         mode,
@@ -521,10 +527,9 @@ pub fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report
         ProxyMode::Ebpf => ebpf_view(cfg, &selected, &mut out.services, &mut out.maps)?,
         ProxyMode::Iptables => iptables_view(&selected, &mut out.services),
         ProxyMode::Ipvs => ipvs_view(&selected, &mut out.services)?,
-        ProxyMode::Nftables => bail!(
-            "kproxy inspect does not read the nftables mode's tables yet \
-             (see `nft list table ip kube-proxy` / `ip6 kube-proxy`)"
-        ),
+        ProxyMode::Nftables => {
+            super::inspect_nftables::nftables_view(&snap, &selected, &mut out.services)?
+        }
     }
     Ok(out)
 }

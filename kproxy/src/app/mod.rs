@@ -13,6 +13,7 @@
 pub mod agent;
 pub mod build;
 pub mod inspect;
+pub mod inspect_nftables;
 pub mod logging;
 pub mod modes;
 pub mod nodeip;

@@ -13,6 +13,7 @@ mod health_checknodeport;
 mod health_server;
 mod inspect_api;
 mod inspect_iptables;
+mod inspect_nftables;
 mod metrics_promtool;
 mod metrics_server;
 mod nftables_localhost;

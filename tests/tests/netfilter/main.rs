@@ -12,6 +12,7 @@ mod iptables_traffic;
 mod iptables_udp_flow;
 mod nftables_corpus;
 mod nftables_kernel;
+mod nftables_netlink;
 mod nftables_options;
 mod nftables_traffic;
 mod sysctl_apply;

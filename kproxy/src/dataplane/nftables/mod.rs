@@ -11,10 +11,15 @@
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
 //! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
 //! - [`dataplane`]: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
+<<<<<<< HEAD
 //! - [`localhost`]: NodePorts on 127.0.0.1 through a userspace proxy (feature gate
 //!   `KubeProxyNFTablesLocalhostNodePorts`).
 //! - [`kernel`]: the kernel backend (`nft -f -` transactions, `nft -j list` reads — JSON,
 //!   not netlink yet: a known gap, see its docs).
+=======
+//! - [`kernel`]: the kernel backend (`nft -f -` transactions; chains, sets, elements and
+//!   rule counts read through netlink, [`crate::kernel::nftables`]).
+>>>>>>> nftnetlink
 //!
 //! The reference is upstream's test corpus at kubernetes/kubernetes 81810de6 (15 rulesets,
 //! operation counts, 207 packet flows; see tests/tests/nftables_corpus.rs), which kproxy

@@ -14,7 +14,7 @@ use super::fake::FakeTable;
 use super::names::{is_affinity_set, is_service_chain};
 use super::service::{Storages, SyncContext};
 use super::setup::{BASE_CHAINS, CLUSTER_IPS, SERVICES, TABLE, setup};
-use super::transaction::{Object, Transaction};
+use super::transaction::{Object, Transaction, Verb};
 
 /// How long a flushed chain waits before it is deleted (kernels before 6.2 notice a map
 /// element's chain is unreferenced only a little after the element is gone).
@@ -28,6 +28,11 @@ pub trait NftBackend {
     fn list_sets(&mut self) -> Result<Vec<String>, String>;
     fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String>;
     fn run(&mut self, tx: &Transaction) -> Result<(), String>;
+    /// How many rules `chain` holds (0 when it does not exist), for the canary check;
+    /// `None`: this backend cannot tell (the check then only looks at chains and sets).
+    fn rule_count(&mut self, _chain: &str) -> Result<Option<usize>, String> {
+        Ok(None)
+    }
 }
 
 impl NftBackend for FakeTable {
@@ -42,6 +47,9 @@ impl NftBackend for FakeTable {
     }
     fn run(&mut self, tx: &Transaction) -> Result<(), String> {
         self.apply(tx).map_err(|e| e.to_string())
+    }
+    fn rule_count(&mut self, chain: &str) -> Result<Option<usize>, String> {
+        Ok(Some(self.chains.get(chain).map_or(0, |c| c.rules.len())))
     }
 }
 
@@ -79,6 +87,11 @@ pub struct Proxier {
     pub last_transaction: Option<Transaction>,
     /// Stale-chain deletions that failed so far (upstream's nftables cleanup failures).
     pub cleanup_failures: u64,
+    /// The canary: how many rules each static (non-service) chain got from the last
+    /// successful full sync; partial syncs check the kernel still holds exactly these.
+    static_rules: BTreeMap<String, usize>,
+    /// Partial syncs turned full because the table was changed from outside.
+    pub outside_changes: u64,
 }
 
 impl Proxier {
@@ -92,6 +105,8 @@ impl Proxier {
             stats: NftSyncStats::default(),
             last_transaction: None,
             cleanup_failures: 0,
+            static_rules: BTreeMap::new(),
+            outside_changes: 0,
         }
     }
 
@@ -176,12 +191,18 @@ impl Proxier {
         // Until this sync succeeds, the next one must be full.
         self.need_full_sync = true;
         let stale_deleted = self.delete_stale_chains(now, backend);
-        if !full && !self.static_part_intact(backend).map_err(NftSyncError)? {
+        // After an outside change no existing chain can be trusted to hold its rules (`nft
+        // flush table` empties every chain): the full sync rewrites every endpoint chain.
+        let mut distrust_chains = false;
+        if !full && let Some(what) = self.outside_change(backend).map_err(NftSyncError)? {
             tracing::info!(
                 family = self.cfg.table_family(),
-                "the kube-proxy nftables table was changed from outside (base chains or maps missing); doing a full sync"
+                change = %what,
+                "the kube-proxy nftables table was changed from outside; doing a full sync"
             );
+            self.outside_changes += 1;
             full = true;
+            distrust_chains = true;
         }
         let err = |e: String| NftSyncError(e);
         let mut tx = self.new_tx();
@@ -191,8 +212,11 @@ impl Proxier {
                 let content = backend.list_elements(&s.name).map_err(err)?;
                 s.reset(content);
             }
-            let chains: BTreeSet<String> =
-                backend.list_chains().map_err(err)?.into_iter().collect();
+            let chains: BTreeSet<String> = if distrust_chains {
+                BTreeSet::new()
+            } else {
+                backend.list_chains().map_err(err)?.into_iter().collect()
+            };
             let sets: BTreeSet<String> = backend.list_sets().map_err(err)?.into_iter().collect();
             Some((chains, sets))
         } else {
@@ -249,6 +273,9 @@ impl Proxier {
         }
         self.need_full_sync = false;
         self.base_chains_recreated = true;
+        if full {
+            self.static_rules = static_rule_counts(self.last_transaction.as_ref());
+        }
         self.stats = NftSyncStats {
             full,
             operations,
@@ -260,22 +287,44 @@ impl Proxier {
         Ok(self.stats.clone())
     }
 
-    /// Whether the table still has its static part: every base chain, the `services` chain
-    /// and the `cluster-ips` set. A partial sync only writes changed services, so without
-    /// this check a table deleted from outside (`nft delete table ip kube-proxy`) would stay
-    /// missing until the next full sync. Knowingly beyond upstream, whose partial syncs
-    /// trust the table; the listing is the one a partial sync reads anyway
-    /// ([`Self::stale_objects`]), so the check costs no extra kernel read with a caching
-    /// backend. Flushed rules are not detected.
-    fn static_part_intact(&self, backend: &mut dyn NftBackend) -> Result<bool, String> {
+    /// The canary/consistency check before a partial sync: `Some(what)` when the table was
+    /// changed from outside, so the sync must be full. Checked: every base chain, the
+    /// `services` chain and the `cluster-ips` set exist (`nft delete table`, a deleted
+    /// chain), and every static chain holds exactly the rules the last full sync wrote
+    /// (`nft flush table`, `nft flush chain`, a rule deleted or added by someone else).
+    ///
+    /// Upstream's nftables proxier has no such check (KEP-3866: every component owns its
+    /// table; a full resync runs every hour, here every `syncPeriod`); its iptables mode
+    /// polls a canary chain. kproxy's partial syncs only write changed services, so without
+    /// this an outside change would last until the next full sync. Costs a chain and set
+    /// listing (read anyway by [`Self::stale_objects`], cached by the kernel backend) and one
+    /// small rule dump per static chain; map elements are not compared (a flushed map is
+    /// repaired by the next full sync).
+    fn outside_change(&self, backend: &mut dyn NftBackend) -> Result<Option<String>, String> {
         let chains: BTreeSet<String> = backend.list_chains()?.into_iter().collect();
         let sets: BTreeSet<String> = backend.list_sets()?.into_iter().collect();
-        Ok(BASE_CHAINS
+        let missing = BASE_CHAINS
             .iter()
             .map(|(name, ..)| *name)
             .chain([SERVICES])
-            .all(|c| chains.contains(c))
-            && sets.contains(CLUSTER_IPS))
+            .find(|c| !chains.contains(*c));
+        if let Some(c) = missing {
+            return Ok(Some(format!("chain {c} is missing")));
+        }
+        if !sets.contains(CLUSTER_IPS) {
+            return Ok(Some(format!("set {CLUSTER_IPS} is missing")));
+        }
+        for (chain, want) in &self.static_rules {
+            match backend.rule_count(chain)? {
+                Some(n) if n != *want => {
+                    return Ok(Some(format!(
+                        "chain {chain} holds {n} rules, the last full sync wrote {want}"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(None)
     }
 
     /// Flushes service chains no longer in use (recording them stale) and deletes affinity
@@ -313,6 +362,24 @@ impl Proxier {
         }
         Ok(())
     }
+}
+
+/// Rules per static (non-service) chain that a full sync's transaction leaves: every static
+/// chain is flushed by the full sync before its rules are added, so the adds are the count.
+fn static_rule_counts(tx: Option<&Transaction>) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for op in tx.map(|t| t.ops.as_slice()).unwrap_or_default() {
+        match (&op.verb, &op.object) {
+            (Verb::Add, Object::Rule { chain, .. }) if !is_service_chain(chain) => {
+                *out.entry(chain.clone()).or_insert(0) += 1;
+            }
+            (Verb::Add, Object::Chain { name, .. }) if !is_service_chain(name) => {
+                out.entry(name.clone()).or_insert(0);
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The whole table `snap` gives under `cfg` (a full sync into an empty table), as `nft -f`
@@ -587,6 +654,48 @@ mod tests {
             .expect("repair");
         assert!(s.full, "{s:?}");
         assert_eq!(canonical(&t), want);
+    }
+
+    /// The canary beyond a deleted table: a flushed table (rules gone, chains kept), one
+    /// flushed base chain, a rule added to a static chain by someone else. Each makes the
+    /// next partial sync full and restores the table; an untouched table does not.
+    #[test]
+    fn rules_changed_from_outside_make_the_next_sync_full() {
+        let snap = two_services("10.0.2.1");
+        for (outside, what) in [
+            (
+                "flush table ip kube-proxy\n",
+                "holds 0 rules, the last full sync wrote",
+            ),
+            (
+                "flush chain ip kube-proxy nat-prerouting\n",
+                "nat-prerouting holds 0",
+            ),
+            (
+                "add rule ip kube-proxy services drop\n",
+                "services holds 3 rules",
+            ),
+        ] {
+            let mut t = FakeTable::new("ip", TABLE);
+            let mut p = Proxier::new(cfg(IpFamily::V4));
+            p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+                .expect("full");
+            let want = canonical(&t);
+            assert_eq!(p.outside_change(&mut t).unwrap(), None, "{outside}");
+            let s = p
+                .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+                .expect("partial");
+            assert!(!s.full, "untouched table: {s:?}");
+            t.load(outside).expect("outside change");
+            let change = p.outside_change(&mut t).unwrap().expect(outside);
+            assert!(change.contains(what), "{outside}: {change}");
+            let s = p
+                .sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
+                .expect("repair");
+            assert!(s.full, "{outside}: {s:?}");
+            assert_eq!(p.outside_changes, 1);
+            assert_eq!(canonical(&t), want, "{outside}");
+        }
     }
 
     #[test]
