@@ -17,6 +17,9 @@
 //! - [`nftables_corpus`] / [`nftables_tracer`]: the same for upstream's nftables corpus.
 //! - [`topology`]: the shared traffic-test topology (node, pods, second node, client) and the
 //!   `kp-probe` servers/clients (`src/bin/kp-probe.rs`).
+//! - [`traffic`]: what the netfilter traffic tests share on the topology: Service and
+//!   EndpointSlice objects of its pods, a rig syncing any `Dataplane` in the node namespace, a
+//!   long-lived UDP flow and its conntrack entries, long-lived TCP connections (`kp-probe hold`).
 //! - [`tools`]: external tools a test runs (`kubectl`, `promtool`), skipped or required.
 //! - [`tc`]: the TC-program kit of the eBPF tests (object loading, service maps, crafted
 //!   frames, the traffic rig).
@@ -39,3 +42,4 @@ mod selftest;
 pub mod tc;
 pub mod tools;
 pub mod topology;
+pub mod traffic;

@@ -219,6 +219,11 @@ impl Topology {
         self.node
             .sysctl("net.ipv4.icmp_ratelimit", "0")
             .expect("sysctl");
+        if self.spec.ipv6 {
+            self.node
+                .sysctl("net.ipv6.icmp.ratelimit", "0")
+                .expect("sysctl");
+        }
         let fwd = Probe::tcp(addr, 5)
             .timeout(Duration::from_secs(3))
             .run(&self.client, None)

@@ -37,7 +37,6 @@ pub const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("bindAddressHardFail", "not implemented"),
     ("enableProfiling", "kproxy has no pprof"),
     ("showHiddenMetricsForVersion", "kproxy hides no metrics"),
-    ("featureGates", "kproxy has no feature gates"),
     (
         "configSyncPeriod",
         "the watchers do not resync periodically",
@@ -54,7 +53,7 @@ pub const NOT_IMPLEMENTED: &[(&str, &str)] = &[
 pub const REMOVED: &[&str] = &["udpIdleTimeout", "resourceContainer"];
 
 /// kproxy's additions to the file (not in upstream's v1alpha1), by prefix.
-pub const EXTENSIONS: &[&str] = &["syncPeriod", "minSyncPeriod", "bpf"];
+pub const EXTENSIONS: &[&str] = &["syncPeriod", "minSyncPeriod", "bpf", "serviceCIDRs"];
 
 /// Whether `path` (`iptables.masqueradeBit`) is `prefix` or inside it.
 fn under(path: &str, prefix: &str) -> bool {

@@ -282,16 +282,27 @@ fn without_bpf_capabilities_detection_picks_nftables_and_serves() {
     let pod0 = &topo.local_pods().next().unwrap().ns;
     wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
     assert_eq!(metrics_get(&topo.node, "/proxyMode").trim(), "nftables");
-    // The nftables datapath reports its syncs into upstream's metrics.
-    let metrics = metrics_get(&topo.node, "/metrics");
-    let full_syncs = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
-                && l.contains("IPv4")
-        })
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-    assert!(full_syncs >= Some(1.0), "no full sync counted:\n{metrics}");
+    // The nftables datapath reports its syncs into upstream's metrics. The rules answer as
+    // soon as the transaction is committed, before the runner records the sync: poll.
+    let full_syncs = |metrics: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("kubeproxy_sync_full_proxy_rules_duration_seconds_count")
+                    && l.contains("IPv4")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut metrics = metrics_get(&topo.node, "/metrics");
+    while full_syncs(&metrics) < Some(1.0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        metrics = metrics_get(&topo.node, "/metrics");
+    }
+    assert!(
+        full_syncs(&metrics) >= Some(1.0),
+        "no full sync counted:\n{metrics}"
+    );
     let log = agent.log();
     assert!(
         log.lines()

@@ -15,9 +15,7 @@
 //! SCTP).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Stdio};
 use std::time::Duration;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
@@ -27,9 +25,8 @@ use kproxy_common::service::PROTO_TCP;
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get};
 use kproxy_tests::http::sample;
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
-use kproxy_tests::topology::{
-    CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, target_bin,
-};
+use kproxy_tests::topology::{CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec};
+use kproxy_tests::traffic::Hold;
 
 const NODE: &str = "kpt-node";
 const CLUSTER_IP: &str = "10.96.0.20";
@@ -127,73 +124,6 @@ fn wait_synced(agent: &mut AgentProcess, ns: &Netns) {
     );
 }
 
-/// A `kp-probe hold` connection running in the background.
-struct Hold {
-    child: Child,
-    lines: std::io::Lines<BufReader<ChildStdout>>,
-    /// The backend that answered the greeting.
-    backend: String,
-    what: &'static str,
-}
-
-impl Hold {
-    fn start(ns: &Netns, cg: Option<&TestCgroup>, addr: &str, what: &'static str) -> Hold {
-        let mut cmd = ns.command(target_bin("kp-probe").unwrap());
-        cmd.args([
-            "hold",
-            addr,
-            "--seconds",
-            &HOLD_SECONDS.to_string(),
-            "--interval-ms",
-            "100",
-        ]);
-        if let Some(cg) = cg {
-            cg.enter_on_spawn(&mut cmd).unwrap();
-        }
-        let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let connected = lines.next().unwrap().unwrap();
-        let v: serde_json::Value = serde_json::from_str(&connected).unwrap();
-        let backend = v["connected"].as_str().unwrap_or_default().to_string();
-        Hold {
-            backend,
-            child,
-            lines,
-            what,
-        }
-    }
-
-    fn assert_running(&mut self) {
-        if let Some(st) = self.child.try_wait().unwrap() {
-            let last = self.lines.next().and_then(Result::ok).unwrap_or_default();
-            panic!(
-                "{}: the connection ended ({st}) before the restart was over: {last}",
-                self.what
-            );
-        }
-    }
-
-    /// Waits for the end of the hold period; returns the number of echoed exchanges.
-    fn finish(mut self) -> u64 {
-        let st = self.child.wait().unwrap();
-        let last = self.lines.next().and_then(Result::ok).unwrap_or_default();
-        assert!(
-            st.success(),
-            "{}: the long-lived connection broke: {last}",
-            self.what
-        );
-        let v: serde_json::Value = serde_json::from_str(&last).unwrap();
-        v["exchanges"].as_u64().unwrap()
-    }
-}
-
-impl Drop for Hold {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Link id of every pin under `<bpffs>/kproxy/links`, by pin name.
 fn link_ids(bpffs: &Bpffs) -> BTreeMap<String, u32> {
     let dir = bpffs.path().join("kproxy/links");
@@ -282,8 +212,20 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
     let nodeport = format!("{NODE_IP}:{NODE_PORT}");
     let cluster_ip = format!("{CLUSTER_IP}:80");
     let pod0 = &topo.pod("pod-l0").ns;
-    let ext = Hold::start(&topo.client, None, &nodeport, "client → NodePort");
-    let int = Hold::start(pod0, Some(&cg), &cluster_ip, "pod → ClusterIP");
+    let ext = Hold::start(
+        &topo.client,
+        None,
+        &nodeport,
+        HOLD_SECONDS,
+        "client → NodePort",
+    );
+    let int = Hold::start(
+        pod0,
+        Some(&cg),
+        &cluster_ip,
+        HOLD_SECONDS,
+        "pod → ClusterIP",
+    );
     assert_eq!(ext.backend, "pod-r0");
     assert_eq!(int.backend, "pod-l1");
     // Let both exchange a few lines, so the CT entries are established ones.

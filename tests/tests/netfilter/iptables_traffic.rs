@@ -19,47 +19,14 @@ use kproxy::model::{ChangedSet, IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
 use kproxy_tests::netns::require_root;
 use kproxy_tests::topology::{
-    CLIENT_IP, NODE_IP, POD_PORT, Pod, PodNode, Probe, Topology, TopologySpec, assert_spread,
+    CLIENT_IP, NODE_IP, Pod, Probe, Topology, TopologySpec, assert_spread,
 };
-use serde::Deserialize;
-use serde_json::{Value, json};
+use kproxy_tests::traffic::{self, NODE_NAME, service, tcp_port};
+use serde_json::json;
 
-const NODE_NAME: &str = "node";
-
-fn service(name: &str, spec: Value, status: Value) -> Service {
-    Service::deserialize(json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": spec, "status": status,
-    }))
-    .expect("service")
-}
-
+/// The pods' IPv4 endpoints, TCP and UDP ports (tests/src/traffic.rs).
 fn slice(service: &str, pods: &[&Pod]) -> EndpointSlice {
-    let endpoints: Vec<Value> = pods
-        .iter()
-        .map(|p| {
-            json!({
-                "addresses": [p.ip.to_string()],
-                "conditions": {"ready": true},
-                "nodeName": if p.on == PodNode::Local { NODE_NAME } else { "node2" },
-            })
-        })
-        .collect();
-    EndpointSlice::deserialize(json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": format!("{service}-1"), "namespace": "default",
-                     "labels": {"kubernetes.io/service-name": service}},
-        "addressType": "IPv4",
-        "endpoints": endpoints,
-        "ports": [{"name": "", "port": POD_PORT, "protocol": "TCP"},
-                  {"name": "udp", "port": POD_PORT, "protocol": "UDP"}],
-    }))
-    .expect("slice")
-}
-
-fn tcp_port(port: u16) -> Value {
-    json!({"name": "", "port": port, "protocol": "TCP"})
+    traffic::slice(service, pods, IpFamily::V4)
 }
 
 struct Rig {

@@ -8,7 +8,6 @@
 //! - Without it (the bare `IptablesDataplane`): the entry stays and the flow keeps reaching the
 //!   removed endpoint — what the cleanup is for.
 
-use std::net::UdpSocket;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Service;
@@ -20,7 +19,8 @@ use kproxy::dataplane::netfilter::with_conntrack::WithConntrackCleanup;
 use kproxy::model::{IpFamily, Tracker};
 use kproxy_tests::iptables_corpus::feed;
 use kproxy_tests::netns::require_root;
-use kproxy_tests::topology::{NODE_IP, POD_PORT, Pod, Topology, TopologySpec};
+use kproxy_tests::topology::{NODE_IP, POD_PORT, Pod, TopologySpec};
+use kproxy_tests::traffic::UdpFlow;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -55,33 +55,6 @@ fn slice(pods: &[&Pod]) -> EndpointSlice {
         "ports": [{"name": "udp", "port": POD_PORT, "protocol": "UDP"}],
     }))
     .expect("slice")
-}
-
-/// One datagram on the flow; the name of the pod that answered.
-fn exchange(sock: &UdpSocket) -> String {
-    sock.send(b"hello\n").expect("send");
-    let mut buf = [0u8; 512];
-    let n = sock.recv(&mut buf).expect("an answer");
-    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
-    text.split_whitespace().next().unwrap_or("").to_string()
-}
-
-/// `conntrack -L` lines (node namespace) of the flow from source port `sport` whose reply
-/// comes from `backend`.
-fn entries(topo: &Topology, sport: u16, backend: &Pod) -> Vec<String> {
-    let out = topo
-        .node
-        .command("conntrack")
-        .args(["-L", "-p", "udp", "--orig-dst", CLUSTER_IP])
-        .output()
-        .expect("conntrack -L");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| {
-            l.contains(&format!("sport={sport} ")) && l.contains(&format!("src={} ", backend.ip))
-        })
-        .map(String::from)
-        .collect()
 }
 
 fn run(with_cleanup: bool) {
@@ -120,20 +93,10 @@ fn run(with_cleanup: bool) {
         .expect("first sync");
 
     // The client's flow: one connected socket, so one source port for every datagram.
-    let sock = topo
-        .client
-        .run(|| {
-            let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .expect("timeout");
-            s.connect(format!("{CLUSTER_IP}:{PORT}")).expect("connect");
-            s
-        })
-        .expect("netns");
-    let sport = sock.local_addr().expect("local addr").port();
-    let first = exchange(&sock);
+    let flow = UdpFlow::connect(&topo.client, &format!("{CLUSTER_IP}:{PORT}"));
+    let first = flow.exchange();
     for _ in 0..5 {
-        assert_eq!(exchange(&sock), first, "one flow, one backend (conntrack)");
+        assert_eq!(flow.exchange(), first, "one flow, one backend (conntrack)");
     }
     let removed = topo.pod(&first);
     let remaining: &Pod = both
@@ -142,7 +105,8 @@ fn run(with_cleanup: bool) {
         .find(|p| p.name != first)
         .expect("the other pod");
     assert_eq!(
-        entries(&topo, sport, removed).len(),
+        flow.entries(&topo.node, CLUSTER_IP, &removed.ip.to_string())
+            .len(),
         1,
         "the flow's conntrack entry to {first} before the removal"
     );
@@ -157,27 +121,32 @@ fn run(with_cleanup: bool) {
 
     if with_cleanup {
         assert_eq!(
-            entries(&topo, sport, removed),
+            flow.entries(&topo.node, CLUSTER_IP, &removed.ip.to_string()),
             Vec::<String>::new(),
             "the cleanup deleted the stale entry to {first}"
         );
         for _ in 0..5 {
             assert_eq!(
-                exchange(&sock),
+                flow.exchange(),
                 remaining.name,
                 "the flow moved to the remaining endpoint"
             );
         }
-        assert_eq!(entries(&topo, sport, remaining).len(), 1);
+        assert_eq!(
+            flow.entries(&topo.node, CLUSTER_IP, &remaining.ip.to_string())
+                .len(),
+            1
+        );
     } else {
         assert_eq!(
-            entries(&topo, sport, removed).len(),
+            flow.entries(&topo.node, CLUSTER_IP, &removed.ip.to_string())
+                .len(),
             1,
             "without the cleanup the entry to {first} stays"
         );
         for _ in 0..5 {
             assert_eq!(
-                exchange(&sock),
+                flow.exchange(),
                 first,
                 "without the cleanup the flow sticks to the removed endpoint"
             );

@@ -166,4 +166,18 @@ impl NftBackend for KernelTable {
         self.listing = None;
         self.nft(&["-f", "-"], Some(&tx.to_string())).map(|_| ())
     }
+
+    /// One netlink dump of the table's rules, counted per chain: the chains without any.
+    fn list_empty_chains(&mut self) -> Result<Option<Vec<String>>, String> {
+        let nl = self.netlink().map_err(|e| e.to_string())?;
+        let counts = nl.rule_counts(TABLE).map_err(|e| e.to_string())?;
+        let chains = nl.chains(TABLE).map_err(|e| e.to_string())?;
+        Ok(Some(
+            chains
+                .into_iter()
+                .map(|c| c.name)
+                .filter(|c| !counts.contains_key(c))
+                .collect(),
+        ))
+    }
 }

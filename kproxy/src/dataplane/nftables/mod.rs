@@ -11,15 +11,10 @@
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
 //! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
 //! - [`dataplane`]: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
-<<<<<<< HEAD
 //! - [`localhost`]: NodePorts on 127.0.0.1 through a userspace proxy (feature gate
 //!   `KubeProxyNFTablesLocalhostNodePorts`).
-//! - [`kernel`]: the kernel backend (`nft -f -` transactions, `nft -j list` reads — JSON,
-//!   not netlink yet: a known gap, see its docs).
-=======
 //! - [`kernel`]: the kernel backend (`nft -f -` transactions; chains, sets, elements and
 //!   rule counts read through netlink, [`crate::kernel::nftables`]).
->>>>>>> nftnetlink
 //!
 //! The reference is upstream's test corpus at kubernetes/kubernetes 81810de6 (15 rulesets,
 //! operation counts, 207 packet flows; see tests/tests/nftables_corpus.rs), which kproxy
@@ -29,8 +24,10 @@
 //!
 //! - A full sync does not flush the service sets and maps: it reads their elements from the
 //!   kernel and reconciles them, and keeps an existing endpoint chain whose affinity set
-//!   existence matches (its rules follow from its name). This reproduces the corpus' startup
-//!   count (`setupOps + 14`); how upstream's newest code reaches it may differ in detail.
+//!   existence matches (its rules follow from its name) unless it holds no rule (a stale chain
+//!   flushed but not yet deleted, by this proxier or — read once at start — an earlier one).
+//!   This reproduces the corpus' startup count (`setupOps + 14`); how upstream's newest code
+//!   reaches it may differ in detail.
 //! - An unused chain is flushed once and deleted once stale for more than a second; upstream
 //!   re-flushes it on every sync and restarts its clock, so with syncs less than a second
 //!   apart it would never be deleted.

@@ -101,6 +101,11 @@ pub fn is_service_chain(name: &str) -> bool {
     name.contains('/')
 }
 
+/// Whether `name` is an endpoint chain (`endpoint-<hash>-<service port>__<ip>/<port>`).
+pub fn is_endpoint_chain(name: &str) -> bool {
+    name.starts_with(ENDPOINT_PREFIX) && is_service_chain(name)
+}
+
 /// Upstream `isAffinitySetName`.
 pub fn is_affinity_set(name: &str) -> bool {
     name.starts_with(AFFINITY_PREFIX)

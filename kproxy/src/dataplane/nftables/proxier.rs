@@ -11,7 +11,7 @@ use crate::model::{ChangedSet, Snapshot};
 
 use super::config::NftablesConfig;
 use super::fake::FakeTable;
-use super::names::{is_affinity_set, is_service_chain};
+use super::names::{is_affinity_set, is_endpoint_chain, is_service_chain};
 use super::service::{Storages, SyncContext};
 use super::setup::{BASE_CHAINS, CLUSTER_IPS, SERVICES, TABLE, setup};
 use super::transaction::{Object, Transaction, Verb};
@@ -33,6 +33,12 @@ pub trait NftBackend {
     fn rule_count(&mut self, _chain: &str) -> Result<Option<usize>, String> {
         Ok(None)
     }
+    /// The chains of the table that hold no rule (e.g. stale chains an earlier process
+    /// flushed and did not get to delete), or `None` when the backend cannot tell. A
+    /// proxier's first full sync asks, before it keeps existing endpoint chains as they are.
+    fn list_empty_chains(&mut self) -> Result<Option<Vec<String>>, String> {
+        Ok(None)
+    }
 }
 
 impl NftBackend for FakeTable {
@@ -50,6 +56,15 @@ impl NftBackend for FakeTable {
     }
     fn rule_count(&mut self, chain: &str) -> Result<Option<usize>, String> {
         Ok(Some(self.chains.get(chain).map_or(0, |c| c.rules.len())))
+    }
+    fn list_empty_chains(&mut self) -> Result<Option<Vec<String>>, String> {
+        Ok(Some(
+            self.chains
+                .iter()
+                .filter(|(_, c)| c.rules.is_empty())
+                .map(|(n, _)| n.clone())
+                .collect(),
+        ))
     }
 }
 
@@ -212,11 +227,13 @@ impl Proxier {
                 let content = backend.list_elements(&s.name).map_err(err)?;
                 s.reset(content);
             }
-            let chains: BTreeSet<String> = if distrust_chains {
+            let mut chains: BTreeSet<String> = if distrust_chains {
                 BTreeSet::new()
             } else {
                 backend.list_chains().map_err(err)?.into_iter().collect()
             };
+            self.forget_empty_chains(&mut chains, backend)
+                .map_err(err)?;
             let sets: BTreeSet<String> = backend.list_sets().map_err(err)?.into_iter().collect();
             Some((chains, sets))
         } else {
@@ -285,6 +302,31 @@ impl Proxier {
             no_local_external,
         };
         Ok(self.stats.clone())
+    }
+
+    /// Removes the chains that hold no rule from `chains` (the existing chains a full sync
+    /// keeps as they are when they are endpoint chains): a kept empty endpoint chain would
+    /// let its share of the service's packets fall through, undNATed, for as long as the
+    /// endpoint lasts. Empty are the chains this proxier flushed as stale and — on its first
+    /// sync, which does not know what an earlier process flushed — those the backend
+    /// reports without rules (every endpoint chain when it cannot tell). Only endpoint chains
+    /// are kept, so the backend is asked only when the table has some.
+    fn forget_empty_chains(
+        &self,
+        chains: &mut BTreeSet<String>,
+        backend: &mut dyn NftBackend,
+    ) -> Result<(), String> {
+        chains.retain(|c| !self.stale_chains.contains_key(c));
+        if self.base_chains_recreated || !chains.iter().any(|c| is_endpoint_chain(c)) {
+            return Ok(());
+        }
+        match backend.list_empty_chains()? {
+            Some(empty) => empty.iter().for_each(|c| {
+                chains.remove(c);
+            }),
+            None => chains.retain(|c| !is_endpoint_chain(c)),
+        }
+        Ok(())
     }
 
     /// The canary/consistency check before a partial sync: `Some(what)` when the table was
@@ -767,5 +809,122 @@ mod tests {
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
         assert_eq!(t.list_elements("nodeport-ips").len(), 2);
+    }
+
+    /// The rules of every chain whose name contains `ip` (an endpoint's chain).
+    fn endpoint_rules(t: &FakeTable, ip: &str) -> Vec<Vec<String>> {
+        t.chains
+            .iter()
+            .filter(|(n, _)| n.starts_with("endpoint-") && n.contains(ip))
+            .map(|(_, c)| c.rules.iter().map(|(r, _)| r.clone()).collect())
+            .collect()
+    }
+
+    /// One service without affinity (a kept endpoint chain needs no affinity set).
+    fn one_service(ep: &str) -> Snapshot {
+        snapshot("n")
+            .service(
+                service_port("ns1", "a", "p")
+                    .cluster_ip("172.30.0.1")
+                    .build(),
+                vec![endpoint("10.0.1.1", 80).build(), endpoint(ep, 80).build()],
+            )
+            .build()
+    }
+
+    /// a's second endpoint moves from 10.0.2.1 to 10.0.2.2 in a partial sync: 10.0.2.1's
+    /// chain is flushed (stale, not yet deleted).
+    fn with_a_flushed_endpoint_chain() -> (Proxier, FakeTable) {
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(
+            &one_service("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("full");
+        p.sync(
+            &one_service("10.0.2.2"),
+            &changed(&[("ns1", "a")]),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("partial");
+        assert_eq!(endpoint_rules(&t, "10.0.2.1"), vec![Vec::<String>::new()]);
+        (p, t)
+    }
+
+    #[test]
+    fn a_full_sync_rewrites_an_endpoint_chain_it_flushed() {
+        let (mut p, mut t) = with_a_flushed_endpoint_chain();
+        p.force_full_sync();
+        p.sync(
+            &one_service("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("full");
+        let rules = endpoint_rules(&t, "10.0.2.1");
+        assert_eq!(rules.len(), 1);
+        assert!(
+            rules[0].iter().any(|r| r.contains("dnat to 10.0.2.1:80")),
+            "{rules:?}"
+        );
+    }
+
+    #[test]
+    fn a_new_proxier_rewrites_an_endpoint_chain_an_earlier_one_flushed() {
+        let (_, mut t) = with_a_flushed_endpoint_chain();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(
+            &one_service("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut t,
+        )
+        .expect("full");
+        let rules = endpoint_rules(&t, "10.0.2.1");
+        assert!(
+            rules[0].iter().any(|r| r.contains("dnat to 10.0.2.1:80")),
+            "{rules:?}"
+        );
+        // 10.0.1.1's endpoint chain held its rules: kept as it is (not in the transaction).
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(!tx.contains("dnat to 10.0.1.1:80"), "{tx}");
+    }
+
+    /// A backend that cannot tell which chains are empty (the trait's default).
+    struct Blind<'a>(&'a mut FakeTable);
+    impl NftBackend for Blind<'_> {
+        fn list_chains(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_chains(self.0))
+        }
+        fn list_sets(&mut self) -> Result<Vec<String>, String> {
+            Ok(FakeTable::list_sets(self.0))
+        }
+        fn list_elements(&mut self, s: &str) -> Result<Vec<(String, Option<String>)>, String> {
+            Ok(FakeTable::list_elements(self.0, s))
+        }
+        fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+            self.0.apply(tx).map_err(|e| e.to_string())
+        }
+    }
+
+    #[test]
+    fn a_new_proxier_over_a_backend_that_cannot_tell_rewrites_every_endpoint_chain() {
+        let (_, mut t) = with_a_flushed_endpoint_chain();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(
+            &one_service("10.0.2.1"),
+            &ChangedSet::default(),
+            Duration::ZERO,
+            &mut Blind(&mut t),
+        )
+        .expect("full");
+        let tx = p.last_transaction.as_ref().expect("tx").to_string();
+        assert!(tx.contains("dnat to 10.0.1.1:80"), "{tx}");
+        assert!(tx.contains("dnat to 10.0.2.1:80"), "{tx}");
     }
 }

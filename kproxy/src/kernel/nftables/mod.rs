@@ -195,6 +195,25 @@ impl NftNetlink {
         Ok(found.unwrap_or_default())
     }
 
+    /// How many rules each chain of `table` holds (chains without rules are absent), from
+    /// one dump of the whole table's rules.
+    pub fn rule_counts(
+        &mut self,
+        table: &str,
+    ) -> Result<std::collections::BTreeMap<String, usize>, NftNetlinkError> {
+        let fam = self.family_name;
+        let req = wire::dump(self.family, wire::NFT_MSG_GETRULE, table, None);
+        let what = || format!("the rules of {fam} {table}");
+        let found = self.run(&req, &what, |p| {
+            Ok(vec![wire::parse_rule_chain(p)?.to_owned()])
+        })?;
+        let mut counts = std::collections::BTreeMap::new();
+        for chain in found.unwrap_or_default() {
+            *counts.entry(chain).or_insert(0) += 1;
+        }
+        Ok(counts)
+    }
+
     /// How many rules `chain` of `table` holds (0 when either does not exist).
     pub fn rule_count(&mut self, table: &str, chain: &str) -> Result<usize, NftNetlinkError> {
         let fam = self.family_name;
