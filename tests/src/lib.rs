@@ -8,6 +8,8 @@
 //!   stay out of the agent).
 //! - [`fakeapi`]: a fake Kubernetes API server speaking real list/watch.
 //! - [`maglev`]: the Maglev NodePort scenario of the `ebpf_maglev` test and the maglev bench.
+//! - [`manifests`]: the Node, Services and EndpointSlices as YAML for the agent's
+//!   `--manifests` directory.
 //! - [`netns`]: network-namespace topologies, private bpffs and test cgroups.
 //! - [`recording`]: a `Dataplane` that records what it was asked to program.
 //! - [`fixtures`]: paths of the copied upstream data.
@@ -33,6 +35,7 @@ pub mod http;
 pub mod iptables_corpus;
 pub mod iptables_tracer;
 pub mod maglev;
+pub mod manifests;
 pub mod netns;
 pub mod nftables_corpus;
 pub mod nftables_tracer;

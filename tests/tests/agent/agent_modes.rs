@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get, strip_ansi};
+use kproxy_tests::manifests::{self as yaml, Port};
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::topology::{
     NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec, assert_spread, kproxy_bin,
@@ -29,48 +30,16 @@ const CLUSTER_IP: &str = "10.96.0.10";
 const NODE_PORT: u16 = 30080;
 
 fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
-    let eps: String = topo
-        .local_pods()
-        .map(|p| {
-            format!(
-                "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n    nodeName: {NODE}\n",
-                p.ip
-            )
-        })
-        .collect();
-    let yaml = format!(
-        r#"apiVersion: v1
-kind: Node
-metadata: {{name: {NODE}}}
-spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
-status:
-  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: NodePort
-  clusterIP: {CLUSTER_IP}
-  clusterIPs: ["{CLUSTER_IP}"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-{eps}"#
-    );
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    path
+    let http = [Port::tcp("http", 80, 8080).node_port(NODE_PORT)];
+    let eps: Vec<_> = topo.local_pods().map(|p| (p.ip, NODE)).collect();
+    yaml::write(
+        dir,
+        &[
+            yaml::node(NODE, NODE_IP, NODE_POD_CIDR),
+            yaml::service("web", CLUSTER_IP, &http),
+            yaml::slice("web", &http, &eps).yaml(),
+        ],
+    )
 }
 
 /// Waits until `addr` answers from `ns` (in `cg`); panics with the agent's log otherwise.

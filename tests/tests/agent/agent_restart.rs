@@ -24,6 +24,7 @@ use kproxy_common::ct::{CT_F_CLOSING, CtEntry, CtKey, CtKind, MAP_CT};
 use kproxy_common::service::PROTO_TCP;
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get};
 use kproxy_tests::http::sample;
+use kproxy_tests::manifests::{self as yaml, Port};
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::topology::{CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, Topology, TopologySpec};
 use kproxy_tests::traffic::Hold;
@@ -38,76 +39,20 @@ const HOLD_SECONDS: u64 = 25;
 fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
     let local = topo.pod("pod-l1").ip;
     let remote = topo.pod("pod-r0").ip;
-    let yaml = format!(
-        r#"apiVersion: v1
-kind: Node
-metadata: {{name: {NODE}}}
-spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
-status:
-  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.21
-  clusterIPs: ["10.96.0.21"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-  - addresses: ["{remote}"]
-    conditions: {{ready: true}}
-    nodeName: node2
----
-apiVersion: v1
-kind: Service
-metadata: {{name: api, namespace: default}}
-spec:
-  clusterIP: {CLUSTER_IP}
-  clusterIPs: ["{CLUSTER_IP}"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: api-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: api}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-  - addresses: ["{local}"]
-    conditions: {{ready: true}}
-    nodeName: {NODE}
----
-apiVersion: v1
-kind: Service
-metadata: {{name: signalling, namespace: default}}
-spec:
-  clusterIP: 10.96.0.22
-  clusterIPs: ["10.96.0.22"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: sctp, protocol: SCTP, port: 3868, targetPort: 3868}}
-    - {{name: tcp, protocol: TCP, port: 3869, targetPort: 3869}}
-"#
-    );
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    path
+    let web = [Port::tcp("http", 80, 8080).node_port(NODE_PORT)];
+    let api = [Port::tcp("http", 80, 8080)];
+    let signalling = [Port::sctp("sctp", 3868, 3868), Port::tcp("tcp", 3869, 3869)];
+    yaml::write(
+        dir,
+        &[
+            yaml::node(NODE, NODE_IP, NODE_POD_CIDR),
+            yaml::service("web", "10.96.0.21", &web),
+            yaml::slice("web", &web, &[(remote, "node2")]).yaml(),
+            yaml::service("api", CLUSTER_IP, &api),
+            yaml::slice("api", &api, &[(local, NODE)]).yaml(),
+            yaml::service("signalling", "10.96.0.22", &signalling),
+        ],
+    )
 }
 
 /// Waits until the agent reports a successful sync of every service port (the SCTP one

@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get};
 use kproxy_tests::fixtures;
+use kproxy_tests::manifests::{self as yaml, Port};
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, require_root};
 use kproxy_tests::tools::require_tool;
 use kproxy_tests::topology::{
@@ -26,49 +27,17 @@ const NODE: &str = "kpt-node";
 /// A Node, a ClusterIP + NodePort Service whose EndpointSlice (the topology's local pods)
 /// carries a change trigger time, so the network-programming histogram has a sample.
 fn manifests(topo: &Topology, dir: &Path) -> String {
-    let eps: String = topo
-        .local_pods()
-        .map(|p| {
-            format!(
-                "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n    nodeName: {NODE}\n",
-                p.ip
-            )
-        })
-        .collect();
+    let http = [Port::tcp("http", 80, POD_PORT).node_port(30080)];
+    let eps: Vec<_> = topo.local_pods().map(|p| (p.ip, NODE)).collect();
     let now = k8s_openapi::jiff::Timestamp::now();
-    let yaml = format!(
-        r#"apiVersion: v1
-kind: Node
-metadata: {{name: {NODE}}}
-spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
-status:
-  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.10
-  clusterIPs: ["10.96.0.10"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: {POD_PORT}, nodePort: 30080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-  annotations: {{endpoints.kubernetes.io/last-change-trigger-time: "{now}"}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: {POD_PORT}}}]
-endpoints:
-{eps}"#
+    let path = yaml::write(
+        dir,
+        &[
+            yaml::node(NODE, NODE_IP, NODE_POD_CIDR),
+            yaml::service("web", "10.96.0.10", &http),
+            yaml::slice("web", &http, &eps).trigger_time(now).yaml(),
+        ],
     );
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, yaml).unwrap();
     format!("--manifests={}", path.display())
 }
 

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir, http_get};
 use kproxy_tests::http::sample;
+use kproxy_tests::manifests::{self as yaml, Port};
 use kproxy_tests::netns::{Netns, require_root};
 use kproxy_tests::topology::{NODE_IP, NODE_POD_CIDR, Probe, Topology};
 use kproxy_tests::traffic::{Hold, UdpFlow, topology};
@@ -36,91 +37,21 @@ fn manifests(topo: &Topology, dir: &Path) -> PathBuf {
     let local = topo.pod("pod-l1").ip;
     let other = topo.pod("pod-l0").ip;
     let remote = topo.pod("pod-r0").ip;
-    let yaml = format!(
-        r#"apiVersion: v1
-kind: Node
-metadata: {{name: {NODE}}}
-spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
-status:
-  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.41
-  clusterIPs: ["10.96.0.41"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-  - addresses: ["{remote}"]
-    conditions: {{ready: true}}
-    nodeName: node2
----
-apiVersion: v1
-kind: Service
-metadata: {{name: api, namespace: default}}
-spec:
-  clusterIP: {CLUSTER_IP}
-  clusterIPs: ["{CLUSTER_IP}"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: api-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: api}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-  - addresses: ["{local}"]
-    conditions: {{ready: true}}
-    nodeName: {NODE}
----
-apiVersion: v1
-kind: Service
-metadata: {{name: dns, namespace: default}}
-spec:
-  clusterIP: {DNS_IP}
-  clusterIPs: ["{DNS_IP}"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: dns, protocol: UDP, port: 53, targetPort: 8080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: dns-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: dns}}
-addressType: IPv4
-ports: [{{name: dns, protocol: UDP, port: 8080}}]
-endpoints:
-  - addresses: ["{local}"]
-    conditions: {{ready: true}}
-    nodeName: {NODE}
-  - addresses: ["{other}"]
-    conditions: {{ready: true}}
-    nodeName: {NODE}
-"#
-    );
-    let path = dir.join("cluster.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    path
+    let web = [Port::tcp("http", 80, 8080).node_port(NODE_PORT)];
+    let api = [Port::tcp("http", 80, 8080)];
+    let dns = [Port::udp("dns", 53, 8080)];
+    yaml::write(
+        dir,
+        &[
+            yaml::node(NODE, NODE_IP, NODE_POD_CIDR),
+            yaml::service("web", "10.96.0.41", &web),
+            yaml::slice("web", &web, &[(remote, "node2")]).yaml(),
+            yaml::service("api", CLUSTER_IP, &api),
+            yaml::slice("api", &api, &[(local, NODE)]).yaml(),
+            yaml::service("dns", DNS_IP, &dns),
+            yaml::slice("dns", &dns, &[(local, NODE), (other, NODE)]).yaml(),
+        ],
+    )
 }
 
 /// Waits for the agent's first full nftables sync (its metrics server counts it).

@@ -22,6 +22,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kproxy_tests::agentns::NsFakeApi;
 use kproxy_tests::agentproc::{AgentProcess, ScratchDir};
+use kproxy_tests::manifests::{self as yaml, Port};
 use kproxy_tests::netns::{Netns, require_root};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_IP, NODE_POD_CIDR, Probe, ProbeResult, Topology, TopologySpec,
@@ -39,45 +40,13 @@ const SECONDARY_IP: &str = "192.168.77.50";
 /// The Node, a NodePort Service on [`CLUSTER_IP`] and its EndpointSlice (the local pods), as
 /// YAML documents.
 fn cluster_yaml(topo: &Topology) -> String {
-    let eps: String = topo
-        .local_pods()
-        .map(|p| {
-            format!(
-                "  - addresses: [\"{}\"]\n    conditions: {{ready: true}}\n    nodeName: {NODE}\n",
-                p.ip
-            )
-        })
-        .collect();
-    format!(
-        r#"apiVersion: v1
-kind: Node
-metadata: {{name: {NODE}}}
-spec: {{podCIDRs: ["{NODE_POD_CIDR}"]}}
-status:
-  addresses: [{{type: InternalIP, address: {NODE_IP}}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: NodePort
-  clusterIP: {CLUSTER_IP}
-  clusterIPs: ["{CLUSTER_IP}"]
-  ipFamilies: ["IPv4"]
-  ports:
-    - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {NODE_PORT}}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{{name: http, protocol: TCP, port: 8080}}]
-endpoints:
-{eps}"#
-    )
+    let http = [Port::tcp("http", 80, 8080).node_port(NODE_PORT)];
+    let eps: Vec<_> = topo.local_pods().map(|p| (p.ip, NODE)).collect();
+    yaml::documents(&[
+        yaml::node(NODE, NODE_IP, NODE_POD_CIDR),
+        yaml::service("web", CLUSTER_IP, &http),
+        yaml::slice("web", &http, &eps).yaml(),
+    ])
 }
 
 fn write_manifests(topo: &Topology, dir: &Path) -> PathBuf {
