@@ -639,8 +639,10 @@ fn make_layer(dir: &Path, stem: &Path, blobs: &Path, epoch: u64) -> anyhow::Resu
     let diff_id = sha256(&tar)?;
     let gz = stem.with_extension("tar.gz");
     let out = std::fs::File::create(&gz)?;
+    // Level 6 (gzip's default): -9 is 1 % smaller and 3–4× slower here (30 s for the dev
+    // binary's layer).
     let status = Command::new("gzip")
-        .args(["-n", "-9", "-c"])
+        .args(["-n", "-6", "-c"])
         .arg(&tar)
         .stdout(out)
         .status()
