@@ -22,6 +22,9 @@
 //! - [`traffic`]: what the netfilter traffic tests share on the topology: Service and
 //!   EndpointSlice objects of its pods, a rig syncing any `Dataplane` in the node namespace, a
 //!   long-lived UDP flow and its conntrack entries, long-lived TCP connections (`kp-probe hold`).
+//! - [`deploy`]: the deploy manifests, rendered (`kubectl kustomize`) and parsed.
+//! - [`podman`]: the container image under podman: the archive of `cargo xtask image`, a
+//!   DaemonSet's pod spec as `podman run` options, a running container.
 //! - [`tools`]: external tools a test runs (`kubectl`, `promtool`), skipped or required.
 //! - [`tc`]: the TC-program kit of the eBPF tests (object loading, service maps, crafted
 //!   frames, the traffic rig).
@@ -29,6 +32,7 @@
 pub mod agentns;
 pub mod agentproc;
 pub mod bpf;
+pub mod deploy;
 pub mod fakeapi;
 pub mod fixtures;
 pub mod http;
@@ -39,6 +43,7 @@ pub mod manifests;
 pub mod netns;
 pub mod nftables_corpus;
 pub mod nftables_tracer;
+pub mod podman;
 pub mod recording;
 #[cfg(test)]
 mod selftest;

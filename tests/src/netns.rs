@@ -105,11 +105,17 @@ fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Whether `name` is one of [`unique_name`]'s whose test process no longer exists (a leftover
+/// of a killed test run).
+pub fn is_stale_name(name: &str) -> bool {
+    owner_pid(name).is_some_and(|pid| !pid_alive(pid))
+}
+
 /// Removes namespaces and empty cgroups left by test processes that no longer exist.
 fn sweep_stale() {
     static SWEEP: Once = Once::new();
     SWEEP.call_once(|| {
-        let stale = |name: &str| owner_pid(name).is_some_and(|pid| !pid_alive(pid));
+        let stale = is_stale_name;
         for entry in fs::read_dir(NETNS_DIR).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if stale(&name) {

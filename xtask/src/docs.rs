@@ -39,7 +39,7 @@ pub fn build() -> anyhow::Result<PathBuf> {
     crate::setup::ensure_mdbook()?;
     let mdbook = crate::setup::mdbook_path().context("mdbook is not installed")?;
     write_reference(&root)?;
-    let out = target_dir(&root).join("book");
+    let out = crate::target_dir().join("book");
     run_step(
         "docs",
         Command::new(&mdbook)
@@ -59,11 +59,6 @@ pub fn build() -> anyhow::Result<PathBuf> {
         pages.join(" ")
     );
     Ok(out)
-}
-
-/// `<target>/`: `$CARGO_TARGET_DIR`, else the workspace's `target/`.
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// Writes `kproxy reference` into [`REFERENCE_PAGE`], saying whether it changed.

@@ -9,6 +9,7 @@
 //! | `demo` | [`demo`] |
 //! | `bench` | [`bench`](mod@bench) |
 //! | `docs` | [`docs`]: build the user guide (mdBook) |
+//! | `image [--profile dev] [--rootfs DIR]` | [`image`]: the container image from Debian packages, as an OCI archive |
 //!
 //! [`bpf_toolchain`] is shared with `kproxy/build.rs` (one definition of the BPF build).
 
@@ -18,6 +19,7 @@ mod build_ebpf;
 mod demo;
 mod docs;
 mod guest;
+mod image;
 mod process;
 mod setup;
 mod test;
@@ -35,6 +37,11 @@ commands:
   guest [ARGS] run the IPVS test suite in a QEMU guest (Debian's kernel); ARGS go to the test binary
   demo         run the demo topology
   docs         build the user guide (docs/, mdBook) into target/book/
+  image [--profile dev] [--rootfs DIR]
+               build the container image (Debian packages + release binary, no base image) into
+               target/image/kproxy-image.tar (OCI archive; podman/docker load); needs root.
+               --profile dev: the dev binary, into target/image/kproxy-image-dev.tar (what
+               `test` runs); --rootfs DIR: only the image's files, into DIR (deploy/Dockerfile)
   bench [--quick] [--out DIR] [--only packet,connect,control]
                build in release mode and run the benchmarks (needs root); report in bench/
   bench --ipvs-guest [--out DIR]
@@ -46,6 +53,12 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .expect("xtask/ is inside the workspace")
         .to_path_buf()
+}
+
+/// Cargo's target directory: `$CARGO_TARGET_DIR`, else the workspace's `target/`.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
 fn main() -> ExitCode {
@@ -64,6 +77,7 @@ fn main() -> ExitCode {
         "demo" => demo::run(rest),
         "bench" => bench::run(rest),
         "docs" => docs::run(rest),
+        "image" => image::run(rest),
         "help" | "-h" | "--help" => {
             println!("{USAGE}");
             Ok(ExitCode::SUCCESS)

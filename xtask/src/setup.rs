@@ -81,6 +81,20 @@ pub const APT_PACKAGES: &[(&str, &str)] = &[
         "kubectl 1.20 (kustomize 2.0.3): the deploy tests render deploy/base and the overlays",
     ),
     (
+        "mmdebstrap",
+        "unpacks the container image's Debian packages (`cargo xtask image`, deploy/image/packages.txt)",
+    ),
+    (
+        "podman",
+        "runs the image the way the DaemonSet does (tests/tests/agent/deploy_image.rs), as root; \
+         its recommends (uidmap, slirp4netns, fuse-overlayfs: rootless; catatonit: --init; \
+         buildah) are not needed",
+    ),
+    (
+        "runc",
+        "podman's OCI runtime here: crun (podman's default) fails on this machine's hybrid cgroups",
+    ),
+    (
         "prometheus",
         "promtool (19 MB download; no smaller Debian package ships it): `promtool check \
          metrics` on the agent's /metrics",

@@ -1,5 +1,8 @@
 //! `cargo xtask test [ARGS…]`: `setup`, then the whole test suite, kernel tests included:
-//! `cargo build -p kproxy --bins` (the agent binary the traffic tests run), then
+//! `cargo build -p kproxy --bins` (the agent binary the traffic tests run), the container
+//! image ([`crate::image::build`] with the dev binary just built, see
+//! [`crate::image::Profile`]: mmdebstrap and the archive that the `deploy_image` tests run
+//! with podman), then
 //! `cargo test --workspace --exclude kproxy-ebpf --no-fail-fast ARGS…` with
 //! `KPROXY_TESTS_REQUIRE_KERNEL=1`, so a kernel test that cannot run fails instead of printing
 //! "skipped", and one failing test binary does not hide the others' results. Then the IPVS
@@ -16,6 +19,9 @@ use crate::process::{display, is_root};
 
 /// Read by `kproxy_tests::netns::require_root` (tests/src/netns.rs, `REQUIRE_KERNEL_ENV`).
 const REQUIRE_KERNEL_ENV: &str = "KPROXY_TESTS_REQUIRE_KERNEL";
+/// Read by `kproxy_tests::podman` (tests/src/podman.rs, `IMAGE_ARCHIVE_ENV`): the archive
+/// [`crate::image::build`] wrote.
+const IMAGE_ARCHIVE_ENV: &str = "KPROXY_IMAGE_ARCHIVE";
 
 /// The packages the host suite tests. The guest suite ([`crate::guest`]) takes its binary
 /// from a `cargo test --no-run` with the same selection: features unify per selection, so
@@ -45,7 +51,29 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     {
         bail!("building the kproxy binary failed");
     }
+    // The container image the `deploy_image` tests run with podman, built fresh so they test
+    // this commit (tests/src/podman.rs finds it through IMAGE_ARCHIVE_ENV). A failed build
+    // does not stop the suite: those tests then fail, naming the missing archive.
+    println!("test: the container image");
+    let image = match crate::image::build(crate::image::Profile::Dev) {
+        Ok(built) => {
+            println!(
+                "test: image {} ({:.1} MiB compressed) in {}",
+                built.digest,
+                built.compressed_size as f64 / 1048576.0,
+                built.archive.display()
+            );
+            Some(built)
+        }
+        Err(err) => {
+            eprintln!("test: building the container image failed: {err:#}");
+            None
+        }
+    };
     let mut cmd = crate::process::cargo();
+    if let Some(built) = &image {
+        cmd.env(IMAGE_ARCHIVE_ENV, &built.archive);
+    }
     cmd.arg("test")
         .args(HOST_PACKAGES)
         .arg("--no-fail-fast")
@@ -79,9 +107,11 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
             false
         }
     };
-    Ok(match (code, guest_passed && docs_built) {
-        (0, true) => ExitCode::SUCCESS,
-        (0, false) => ExitCode::FAILURE,
-        (c, _) => ExitCode::from(c),
-    })
+    Ok(
+        match (code, guest_passed && docs_built && image.is_some()) {
+            (0, true) => ExitCode::SUCCESS,
+            (0, false) => ExitCode::FAILURE,
+            (c, _) => ExitCode::from(c),
+        },
+    )
 }

@@ -477,13 +477,29 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
             object::error_chain(&e)
         )
     })?;
+    // The attach is tried on a fresh sub-cgroup, which holds no process. Where the cgroup2
+    // mount is read-only (the DaemonSet mounts the host's hierarchy read-only) no sub-cgroup
+    // can be made: the probe then attaches to the cgroup itself, for as long as one attach and
+    // one detach take. Its maps are the probe's own, empty, so a connect() it sees meanwhile
+    // goes through untouched; cgroup links add to the programs already there (a running
+    // kproxy's during a rolling update) instead of replacing them.
     let cg = TempDir {
         path: cg_root.join(&tag),
         recursive: false,
     };
-    fs::create_dir_all(&cg.path)
-        .map_err(|e| format!("creating a probe cgroup {}: {e}", cg.path.display()))?;
-    let file = fs::File::open(&cg.path).map_err(|e| e.to_string())?;
+    let target = match fs::create_dir(&cg.path) {
+        // A container's agent is pid 1: a probe that died left its directory behind.
+        Ok(()) => cg.path.clone(),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => cg.path.clone(),
+        Err(e) if e.raw_os_error() == Some(libc::EROFS) => cg_root.clone(),
+        Err(e) => {
+            return Err(format!(
+                "creating a probe cgroup {}: {e}",
+                cg.path.display()
+            ));
+        }
+    };
+    let file = fs::File::open(&target).map_err(|e| format!("{}: {e}", target.display()))?;
     let link = prog.attach(&file, CgroupAttachMode::Single).map_err(|e| {
         format!(
             "attaching socket LB to a cgroup: {}",

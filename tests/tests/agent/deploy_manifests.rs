@@ -13,8 +13,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
@@ -28,10 +27,10 @@ use kproxy::config::{ModeChoice, SourceConfig};
 use kproxy::dataplane::ProxyMode;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::agentproc::ScratchDir;
+use kproxy_tests::deploy::{command_line, deploy_dir, kustomize, parse_documents};
 use kproxy_tests::fakeapi::FakeApi;
 use kproxy_tests::fixtures;
 use kproxy_tests::recording::RecordingDataplane;
-use kproxy_tests::tools::require_tool;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -45,40 +44,9 @@ const CONFIG_MAP: &str = "kproxy";
 /// Where Kubernetes mounts a pod's service-account token and CA.
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-fn deploy_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
-}
-
-/// Every document of a multi-document YAML text as JSON.
-fn parse_documents(text: &str) -> Vec<Value> {
-    serde_yaml::Deserializer::from_str(text)
-        .map(|d| {
-            let v: serde_yaml::Value = serde::Deserialize::deserialize(d).unwrap();
-            serde_json::to_value(v).unwrap()
-        })
-        .filter(|v| !v.is_null())
-        .collect()
-}
-
 /// Every document of deploy/kproxy.yaml.
 fn documents() -> Vec<Value> {
     parse_documents(&std::fs::read_to_string(deploy_dir().join("kproxy.yaml")).unwrap())
-}
-
-/// `kubectl kustomize deploy/<dir>`, or `None` (test skipped) without kubectl.
-fn kustomize(dir: &str) -> Option<Vec<Value>> {
-    let kubectl = require_tool("kubectl", "kubernetes-client")?;
-    let o = Command::new(kubectl)
-        .arg("kustomize")
-        .arg(deploy_dir().join(dir))
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "kubectl kustomize deploy/{dir}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Some(parse_documents(&String::from_utf8(o.stdout).unwrap()))
 }
 
 /// The kustomize overlays, with the flags each adds to the base's command.
@@ -93,6 +61,7 @@ const OVERLAYS: [(&str, &[&str]); 2] = [
             "--kubeconfig=/var/lib/kproxy-api/kubeconfig.conf",
             "--conntrack-max-per-core=0",
             "--proxy-mode=iptables",
+            "--iptables-localhost-nodeports=false",
         ],
     ),
 ];
@@ -312,13 +281,6 @@ fn check_fits(what: &str, d: &Deploy) {
         argv.contains(&format!("--config={}/{key}", config_mount.mount_path)),
         "{what}: --config points at the ConfigMap's file: {argv:?}"
     );
-}
-
-/// The container's command followed by its args, as the kubelet runs them.
-fn command_line(c: &k8s_openapi::api::core::v1::Container) -> Vec<String> {
-    let mut argv = c.command.clone().unwrap_or_default();
-    argv.extend(c.args.clone().unwrap_or_default());
-    argv
 }
 
 /// Documents keyed by kind/name, the generated names' hash suffix left as it is.

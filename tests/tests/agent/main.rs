@@ -1,6 +1,7 @@
 //! The agent as a whole: the real `kproxy` binary, its command line and configuration, its
-//! HTTP servers and metrics (checked by `promtool`), the deploy manifests and the Grafana
-//! dashboard. One test binary for these files (see tests/README.md).
+//! HTTP servers and metrics (checked by `promtool`), the deploy manifests, the container image
+//! run with podman as the DaemonSet describes it, and the Grafana dashboard. One test binary
+//! for these files (see tests/README.md).
 
 mod agent_cgroup;
 mod agent_modes;
@@ -8,6 +9,7 @@ mod agent_node_cidr;
 mod agent_restart;
 mod cli_config;
 mod deploy_grafana;
+mod deploy_image;
 mod deploy_manifests;
 mod health_checknodeport;
 mod health_server;

@@ -1,7 +1,8 @@
 //! The iptables applier against the real kernel, in a private network namespace, on both
 //! backends (nf_tables and legacy): full and partial syncs leave exactly the planned rules,
 //! other programs' nat rules survive, the whole-table fast path is used only when nat holds
-//! nothing but ours, and cleanup removes everything of ours.
+//! nothing but ours, and cleanup removes everything of ours. The runner's sysctls are read and
+//! written in its namespace.
 
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::iptables::config::IptablesBackend as Choice;
@@ -203,4 +204,38 @@ fn legacy_backend_keeps_foreign_nat_rules() {
         return;
     }
     run_backend(Choice::Legacy, "iptables-legacy-save", true);
+}
+
+/// The iptables datapath reads and writes sysctls through `/proc/sys` in process (the kproxy
+/// image ships no procps `sysctl`), in the runner's namespace and not the caller's: a
+/// `route_localnet` written through a runner for a fresh namespace is set there, and the test
+/// process' own namespace keeps its value.
+#[test]
+fn runner_sysctls_are_read_and_written_in_its_namespace() {
+    use kproxy::dataplane::iptables::exec::Runner;
+    if !require_root() {
+        return;
+    }
+    let key = "net.ipv4.conf.all.route_localnet";
+    let path = "/proc/sys/net/ipv4/conf/all/route_localnet";
+    let ns = Netns::new("ipt-kernel-sysctl").expect("netns");
+    let here = std::fs::read_to_string(path).unwrap();
+    let runner = Runner {
+        netns: Some(ns.path()),
+    };
+    assert_eq!(runner.sysctl_get(key).as_deref(), Some("0"));
+    runner.sysctl_set(key, "1").unwrap();
+    assert_eq!(runner.sysctl_get(key).as_deref(), Some("1"));
+    let inside = ns.run(|| std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(inside.trim(), "1", "set in the runner's namespace");
+    assert_eq!(
+        std::fs::read_to_string(path).unwrap(),
+        here,
+        "the caller's namespace is untouched"
+    );
+    assert_eq!(runner.sysctl_get("net.ipv4.no_such_sysctl"), None);
+    let err = runner
+        .sysctl_set("net.ipv4.no_such_sysctl", "1")
+        .unwrap_err();
+    assert!(err.contains("/proc/sys/net/ipv4/no_such_sysctl"), "{err}");
 }

@@ -41,6 +41,20 @@ pub enum SetupError {
     Sysctl { key: String, reason: String },
 }
 
+/// A failed `route_localnet` write, with what to do when `/proc/sys` is read-only (an
+/// unprivileged container, which is how the DaemonSet runs kproxy).
+fn route_localnet_hint(reason: String) -> String {
+    if reason.contains("Read-only file system") {
+        format!(
+            "{reason}: /proc/sys is read-only here (an unprivileged container); localhost \
+             NodePorts need route_localnet=1: set iptables.localhostNodePorts: false \
+             (--iptables-localhost-nodeports=false), or run the container privileged"
+        )
+    } else {
+        reason
+    }
+}
+
 /// The canary monitor checks at least this often.
 pub const MONITOR_INTERVAL_MAX: Duration = Duration::from_secs(5);
 
@@ -70,20 +84,16 @@ pub struct IptablesDataplane {
 
 const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
 
+/// Every address of every interface in the runner's network namespace (what `ip addr show`
+/// lists), read in process through `getifaddrs` (the kproxy image ships no iproute2).
 fn detect_local_addresses(runner: &Runner) -> Vec<std::net::IpAddr> {
-    let Ok((true, out, _)) = runner.run("ip", &["-j", "addr", "show"], None) else {
-        tracing::warn!(
-            "cannot list interface addresses (`ip -j addr show`); --nodeport-addresses matches none"
-        );
-        return vec![];
-    };
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|i| i["addr_info"].as_array().cloned().unwrap_or_default())
-        .filter_map(|a| a["local"].as_str().and_then(|s| s.parse().ok()))
-        .collect()
+    match runner.in_netns(crate::kernel::addresses::scan) {
+        Ok(Ok(interfaces)) => interfaces.into_iter().flat_map(|i| i.addrs).collect(),
+        Ok(Err(e)) | Err(e) => {
+            tracing::warn!(error = %e, "cannot list interface addresses; --nodeport-addresses matches none");
+            vec![]
+        }
+    }
 }
 
 impl IptablesDataplane {
@@ -120,7 +130,7 @@ impl IptablesDataplane {
                     .sysctl_set("net.ipv4.conf.all.route_localnet", "1")
                     .map_err(|reason| SetupError::Sysctl {
                         key: "net.ipv4.conf.all.route_localnet".into(),
-                        reason,
+                        reason: route_localnet_hint(reason),
                     })?;
             }
             match runner

@@ -53,22 +53,51 @@ impl Runner {
         Ok((out.success, out.stdout, out.stderr))
     }
 
-    /// `sysctl -n key`, if readable.
-    pub fn sysctl_get(&self, key: &str) -> Option<String> {
-        match self.run("sysctl", &["-n", key], None) {
-            Ok((true, out, _)) => Some(out.trim().to_string()),
-            _ => None,
-        }
+    /// Runs `f` in this runner's network namespace: on the calling thread when it has none,
+    /// else on a short-lived thread that joined it (`setns`), so the caller's namespace is
+    /// untouched. What depends on the namespace — `/proc/sys/net` files opened and netlink
+    /// dumps made inside `f` — is that namespace's.
+    pub fn in_netns<T: Send>(&self, f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+        let Some(path) = &self.netns else {
+            return Ok(f());
+        };
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> std::io::Result<T> {
+                    let ns = std::fs::File::open(path)?;
+                    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                        .map_err(std::io::Error::from)?;
+                    Ok(f())
+                })
+                .join()
+                .map_err(|_| std::io::Error::other("the namespace thread panicked"))?
+        })
     }
 
-    /// `sysctl -w key=value`.
+    /// A sysctl's value (`net.ipv4.ip_forward`), read from `/proc/sys`, if readable. Read in
+    /// process, not with procps' `sysctl`: the kproxy image ships no procps.
+    pub fn sysctl_get(&self, key: &str) -> Option<String> {
+        let path = sysctl_path(key);
+        self.in_netns(|| std::fs::read_to_string(&path))
+            .ok()?
+            .ok()
+            .map(|v| v.trim().to_string())
+    }
+
+    /// Writes a sysctl through `/proc/sys`. A read-only `/proc/sys` (an unprivileged
+    /// container's) fails with "Read-only file system".
     pub fn sysctl_set(&self, key: &str, value: &str) -> Result<(), String> {
-        match self.run("sysctl", &["-w", &format!("{key}={value}")], None) {
-            Ok((true, _, _)) => Ok(()),
-            Ok((false, _, err)) => Err(err.trim().to_string()),
-            Err(e) => Err(e.to_string()),
+        let path = sysctl_path(key);
+        match self.in_netns(|| std::fs::write(&path, value)) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) | Err(e) => Err(format!("writing {}: {e}", path.display())),
         }
     }
+}
+
+/// `/proc/sys/<key with dots as slashes>`.
+fn sysctl_path(key: &str) -> PathBuf {
+    PathBuf::from("/proc/sys").join(key.replace('.', "/"))
 }
 
 fn tool(family: IpFamily, flavor: Flavor, what: &str) -> String {
