@@ -6,8 +6,15 @@
 //!
 //! - `inspect/ebpf/N`: the whole report as a table (stdout to a file), wall seconds;
 //! - `inspect-cpu/ebpf/N`: its user + system CPU seconds;
-//! - `inspect-service/ebpf/N`: `--service bench/svc-0`, wall seconds (the API listing and
-//!   the map dumps are the same; only the output shrinks).
+//! - `inspect-service/ebpf/N`, `inspect-service-cpu/ebpf/N`: `--service bench/svc-0`, wall
+//!   and CPU seconds (the API listing and the map dumps are the same; only the output
+//!   shrinks).
+//!
+//! - `inspect-list-floor/ebpf/N` (the baseline of `inspect/…`): the two lists inspect makes
+//!   (Services and EndpointSlices with upstream's label selector), fetched over one plain
+//!   HTTP/1.1 connection each and read to the end, nothing parsed — what serving 100k
+//!   objects costs the fake API server (in this process, on a shared 2-core machine), which
+//!   inspect waits for too.
 //!
 //! Target: the whole report within 10 s. `--quick` (with `--only inspect`) uses 20k
 //! services; like the soak, a plain `--quick` run skips the group.
@@ -128,10 +135,18 @@ fn measure(n: u32, results: &mut Results) -> anyhow::Result<()> {
         wall.push(w);
         cpu.push(c);
     }
+    let mut single_cpu = vec![];
     for _ in 0..RUNS {
-        let (w, _, bytes) = one(Some("bench/svc-0"))?;
+        let (w, c, bytes) = one(Some("bench/svc-0"))?;
         anyhow::ensure!(bytes > 0, "inspect --service printed nothing");
+        eprintln!("kp-bench: inspect-service/ebpf/{n}: {w:.2} s wall, {c:.2} s CPU");
         single.push(w);
+        single_cpu.push(c);
+    }
+    let port = api.port();
+    let mut floor = vec![];
+    for _ in 0..RUNS {
+        floor.push(topo.node.run(move || list_floor(port))??);
     }
     agent.check_alive().map_err(anyhow::Error::msg)?;
     let target = Target {
@@ -139,10 +154,28 @@ fn measure(n: u32, results: &mut Results) -> anyhow::Result<()> {
         max_value: Some(10.0),
         text: "whole report ≤ 10 s".into(),
     };
-    for (id, samples, target) in [
-        (format!("inspect/ebpf/{n}"), wall, Some(target)),
-        (format!("inspect-cpu/ebpf/{n}"), cpu, None),
-        (format!("inspect-service/ebpf/{n}"), single, None),
+    let floor_id = format!("inspect-list-floor/ebpf/{n}");
+    for (id, samples, baseline, target) in [
+        (floor_id.clone(), floor, None, None),
+        (
+            format!("inspect/ebpf/{n}"),
+            wall,
+            Some(floor_id.clone()),
+            Some(target),
+        ),
+        (format!("inspect-cpu/ebpf/{n}"), cpu, None, None),
+        (
+            format!("inspect-service-cpu/ebpf/{n}"),
+            single_cpu,
+            None,
+            None,
+        ),
+        (
+            format!("inspect-service/ebpf/{n}"),
+            single,
+            Some(floor_id.clone()),
+            None,
+        ),
     ] {
         results.push(Figure {
             id,
@@ -151,9 +184,39 @@ fn measure(n: u32, results: &mut Results) -> anyhow::Result<()> {
             services: n,
             unit: "s".into(),
             samples,
-            baseline: None,
+            baseline,
             target,
         });
     }
     Ok(())
+}
+
+/// Seconds to fetch the Services and EndpointSlices lists inspect makes from the fake API
+/// server on 127.0.0.1:`port` (run inside its namespace), bodies read to the end.
+fn list_floor(port: u16) -> anyhow::Result<f64> {
+    use std::io::{Read as _, Write as _};
+    let selector = kproxy::source::PROXYABLE_LABEL_SELECTOR
+        .replace('!', "%21")
+        .replace(',', "%2C")
+        .replace(' ', "%20");
+    let t = Instant::now();
+    for path in [
+        "/api/v1/services",
+        "/apis/discovery.k8s.io/v1/endpointslices",
+    ] {
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        write!(
+            conn,
+            "GET {path}?labelSelector={selector} HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+             Accept: application/json\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut body = Vec::new();
+        conn.read_to_end(&mut body)?;
+        anyhow::ensure!(
+            body.starts_with(b"HTTP/1.1 200"),
+            "GET {path}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        );
+    }
+    Ok(t.elapsed().as_secs_f64())
 }

@@ -22,12 +22,15 @@
 //! 3. **Last change**: the flapping services are recreated and the sampled ones get their
 //!    first pods back, so the desired state has the cold start's shape again (same service
 //!    and endpoint counts, other addresses). `soak-converge` is the time from that last API
-//!    write until `kproxy inspect` (run back to back, each run listing the API and reading the
-//!    kernel) first shows every service's kernel backends equal to its endpoints and the
+//!    write until `kproxy inspect` (run back to back — 1 s apart in iptables modes, where each
+//!    run saves the whole nat table —, each run listing the API and reading the kernel) first
+//!    shows every service's kernel backends equal to its endpoints and the
 //!    endpoints equal to what the soak wrote: an upper bound, its resolution one inspect run.
 //! 4. **Settle**: traffic stops; the soak waits for the connection tables to expire closed
 //!    flows (ebpf: the agent runs with `bpf.conntrack` `tcpTimeWaitTimeout: 10s`,
-//!    `expiryInterval: 2s` so that takes 14 s instead of 135 s) and takes the *end* sample.
+//!    `expiryInterval: 2s` so that takes 14 s instead of 135 s; iptables: 45 s, for the
+//!    stale chains that large-cluster mode deletes once per 30 s sync period, like upstream)
+//!    and takes the *end* sample.
 //!
 //! Figures, each with samples `[start, peak, end]` (shown as such in the report's soak table;
 //! the generic table's median of the three is `max(start, end)`, which the target bounds):
@@ -71,7 +74,9 @@ const EBPF_CONFIG: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
     kind: KubeProxyConfiguration\n\
     bpf:\n  conntrack: {tcpTimeWaitTimeout: 10s, expiryInterval: 2s}\n";
 const EBPF_SETTLE: Duration = Duration::from_secs(20);
-const IPTABLES_SETTLE: Duration = Duration::from_secs(5);
+/// iptables: in large-cluster mode (> 1,000 endpoints) stale chains are deleted at most once
+/// per sync period (30 s by default, as upstream), so the end sample waits for one.
+const IPTABLES_SETTLE: Duration = Duration::from_secs(45);
 
 /// Desired backends (`ip:port`) per service port name (`ns/name:port`).
 type Desired = BTreeMap<String, BTreeSet<String>>;
@@ -392,6 +397,21 @@ impl Tracks {
     }
 }
 
+/// RSS (MB) and open fds of process `pid`.
+fn proc_rss_fds(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .context("no VmRSS")?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    Ok((kb / 1024.0, fds as f64))
+}
+
 /// What the prober counted.
 #[derive(Default)]
 struct ProbeTally {
@@ -469,6 +489,14 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
         }
     };
 
+    // Between inspect runs: an iptables-save of a 30k-rule table costs the machine (and the
+    // agent) seconds of CPU, so iptables modes are polled less often.
+    let pause = if ebpf {
+        Duration::from_millis(50)
+    } else {
+        Duration::from_secs(1)
+    };
+
     // 1. Cold start, then the start sample.
     let started = Instant::now();
     let cold = wait_converged(
@@ -476,6 +504,7 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
         &look,
         &model.desired(),
         Duration::from_secs(300),
+        pause,
     )
     .context("cold start")?;
     eprintln!(
@@ -488,13 +517,16 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
     for (k, v) in fill(&cold)? {
         tracks.start(&k, "entries", v);
     }
+    let tracks = Mutex::new(tracks);
+    let pid = agent.pid();
 
     // 2. Churn with traffic.
     let stop = AtomicBool::new(false);
+    let sampling = AtomicBool::new(true);
     let tally = Mutex::new(ProbeTally::default());
     let client_pod = &topo.pod("pod-l0").ns;
     let outside = &topo.client;
-    let churned = std::thread::scope(|scope| -> anyhow::Result<Instant> {
+    std::thread::scope(|scope| -> anyhow::Result<()> {
         let prober = scope.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
                 for i in 0..SAMPLED {
@@ -527,30 +559,48 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
                 }
             }
         });
+        // RSS and fds every second, the fill every 10 s, off the writer's thread (an inspect
+        // or iptables-save of a busy table takes seconds).
+        let sampler = scope.spawn(|| -> anyhow::Result<()> {
+            let mut next_fill = Instant::now();
+            while sampling.load(Ordering::Relaxed) {
+                let (rss, fds) = proc_rss_fds(pid)?;
+                let fill_now = (Instant::now() >= next_fill)
+                    .then(|| {
+                        next_fill = Instant::now() + Duration::from_secs(10);
+                        // Only the fill is used: the churn never lets the state settle.
+                        look(&Desired::new()).and_then(|i| fill(&i))
+                    })
+                    .transpose()?;
+                let mut t = tracks.lock().expect("poisoned");
+                t.see("rss", rss);
+                t.see("fds", fds);
+                for (k, v) in fill_now.into_iter().flatten() {
+                    t.see(&k, v);
+                }
+                drop(t);
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Ok(())
+        });
         let result = (|| -> anyhow::Result<Instant> {
             let begin = Instant::now();
-            let (mut writes, mut next_fill, mut next_proc) = (0u64, begin, begin);
+            let (mut writes, mut next_check) = (0u64, begin);
             while begin.elapsed() < sp.churn {
                 let due = begin + Duration::from_secs_f64(writes as f64 / WRITES_PER_SECOND);
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
                 model.step(api)?;
                 writes += 1;
-                let now = Instant::now();
-                if now >= next_proc {
+                if Instant::now() >= next_check {
                     agent.check_alive().map_err(anyhow::Error::msg)?;
-                    tracks.see("rss", agent.rss_mb()?);
-                    tracks.see("fds", agent.fds()? as f64);
-                    next_proc = now + Duration::from_secs(1);
-                }
-                if now >= next_fill {
-                    // Only the map fill is used here: the churn never lets the state settle.
-                    let i = look(&model.desired())?;
-                    for (k, v) in fill(&i)? {
-                        tracks.see(&k, v);
-                    }
-                    next_fill = now + Duration::from_secs(10);
+                    next_check = Instant::now() + Duration::from_secs(1);
                 }
             }
+            sampling.store(false, Ordering::Relaxed);
+            sampler
+                .join()
+                .expect("sampler panicked")
+                .context("sampling")?;
             // 3. The last change.
             model.restore(api)?;
             eprintln!(
@@ -559,12 +609,14 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
             );
             Ok(Instant::now())
         })();
+        sampling.store(false, Ordering::Relaxed);
         // Traffic goes on until convergence was measured below; stop it on failure here.
         if result.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
         let last_write = result?;
-        let converged = wait_converged(&mut agent, &look, &model.desired(), CONVERGE_TIMEOUT);
+        let converged =
+            wait_converged(&mut agent, &look, &model.desired(), CONVERGE_TIMEOUT, pause);
         stop.store(true, Ordering::Relaxed);
         prober.join().expect("prober panicked");
         let seconds = match &converged {
@@ -589,13 +641,13 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
             }),
         });
         if let Ok(i) = &converged {
+            let mut t = tracks.lock().expect("poisoned");
             for (k, v) in fill(i)? {
-                tracks.see(&k, v);
+                t.see(&k, v);
             }
         }
-        Ok(last_write)
+        Ok(())
     })?;
-    let _ = churned;
 
     // 4. Settle, then the end sample.
     std::thread::sleep(if ebpf { EBPF_SETTLE } else { IPTABLES_SETTLE });
@@ -607,10 +659,17 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
         last.mismatches,
         last.first_mismatch.unwrap_or_default()
     );
+    let mut tracks = tracks.into_inner().expect("poisoned");
     tracks.end("rss", agent.rss_mb()?);
     tracks.end("fds", agent.fds()? as f64);
     for (k, v) in fill(&last)? {
         tracks.end(&k, v);
+    }
+    if let Ok(dst) = std::env::var("KP_BENCH_KEEP_LOG") {
+        let to = format!("{dst}-soak-{mode}-{n}.log");
+        if let Err(e) = std::fs::copy(scratch.path().join("agent.log"), &to) {
+            eprintln!("kp-bench: KP_BENCH_KEEP_LOG: copying the agent log to {to}: {e}");
+        }
     }
     let t = tally.into_inner().expect("poisoned");
     eprintln!(
@@ -662,6 +721,7 @@ fn wait_converged(
     look: &dyn Fn(&Desired) -> anyhow::Result<Inspected>,
     desired: &Desired,
     timeout: Duration,
+    pause: Duration,
 ) -> anyhow::Result<Inspected> {
     let deadline = Instant::now() + timeout;
     loop {
@@ -675,7 +735,7 @@ fn wait_converged(
                 i.first_mismatch.unwrap_or_default()
             ),
             Err(e) if Instant::now() >= deadline => return Err(e),
-            _ => std::thread::sleep(Duration::from_millis(50)),
+            _ => std::thread::sleep(pause),
         }
     }
 }
