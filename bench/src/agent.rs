@@ -118,6 +118,11 @@ impl AgentSpec<'_> {
     }
 
     pub fn start(&self) -> anyhow::Result<RunningAgent> {
+        self.start_with(&[])
+    }
+
+    /// [`AgentSpec::start`] with `extra` arguments after [`AgentSpec::args`].
+    pub fn start_with(&self, extra: &[String]) -> anyhow::Result<RunningAgent> {
         if let Some(backend) = iptables_backend(self.mode) {
             plant_backend_hint(self.node, backend)?;
         }
@@ -125,6 +130,7 @@ impl AgentSpec<'_> {
             File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
         let mut cmd = self.node.command(kproxy_bin()?);
         cmd.args(self.args())
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("KP_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),
@@ -177,6 +183,25 @@ impl RunningAgent {
             .trim()
             .parse()?;
         Ok(kb / 1024.0)
+    }
+
+    /// Resident set size now (VmRSS) in MB.
+    pub fn rss_mb(&self) -> anyhow::Result<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .context("no VmRSS")?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()?;
+        Ok(kb / 1024.0)
+    }
+
+    /// Open file descriptors now.
+    pub fn fds(&self) -> anyhow::Result<usize> {
+        Ok(std::fs::read_dir(format!("/proc/{}/fd", self.pid()))?.count())
     }
 
     /// User + system CPU seconds so far.

@@ -13,6 +13,11 @@
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
+//! | [`soak`] | a few thousand services under minutes of endpoint churn with traffic (ebpf, iptables-nft): RSS, fds, map fill at start / peak / end, time to converge after the last change, failed probe connections | no growth that does not come back |
+//! | [`inspect`] | `kproxy inspect` wall and CPU seconds at 100k services (ebpf) | ≤ 10 s |
+//!
+//! `soak` and `inspect` run in a full run and when `--only` names them (with `--quick`, their
+//! shorter variants), not in a plain `--quick` run.
 //!
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
 //! "unavailable" with the agent's own error, never silently dropped. Output ([`report`]):
@@ -27,15 +32,18 @@
 //! | `KP_BENCH_AGENT_LOG` | the agents' `RUST_LOG` (default `warn`), e.g. `info` to see where the agent's cold start goes (initial list vs first sync) |
 //! | `KP_BENCH_PACKET_SCALES` | the [`packet`] group's service counts (comma-separated) instead of the plan's |
 //! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
+//! | `KP_BENCH_SOAK_SERVICES`, `KP_BENCH_SOAK_SECONDS` | the [`soak`] group's service count and churn duration instead of the plan's |
 //! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;
 pub mod connect;
 pub mod control;
+pub mod inspect;
 pub mod maglev;
 pub mod packet;
 pub mod report;
 pub mod services;
+pub mod soak;
 pub mod stats;
 pub mod tc_path;
 

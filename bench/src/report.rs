@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 7] = [
+const GROUPS: [(&str, &str); 8] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -26,6 +26,7 @@ const GROUPS: [(&str, &str); 7] = [
         "restore-floor",
         "iptables restore floors: one chain (`--noflush`), whole nat table",
     ),
+    ("inspect", "`kproxy inspect` at scale"),
 ];
 
 /// `median(figure) / median(baseline)` when the figure has a baseline in `results`.
@@ -327,6 +328,7 @@ pub fn markdown(results: &Results) -> String {
             md.push('\n');
         }
     }
+    md.push_str(&super::soak::markdown(results));
     md
 }
 

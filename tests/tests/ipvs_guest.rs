@@ -587,6 +587,61 @@ fn restart_reconciles_without_disturbing_live_connections() -> anyhow::Result<()
     Ok(())
 }
 
+/// The members of ipset `name` in the node namespace, sorted.
+fn set_members(t: &Topo, name: &str) -> anyhow::Result<Vec<String>> {
+    let text = t.node.exec("ipset", &["list", name])?;
+    let mut members: Vec<String> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Members:"))
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_string())
+        .collect();
+    members.sort();
+    Ok(members)
+}
+
+/// Endpoint changes reach the ipsets by their difference (`KUBE-LOOP-BACK` holds one entry
+/// per local endpoint): after each sync the sets hold exactly the planned entries, and
+/// traffic follows every change.
+#[test]
+#[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
+fn endpoint_changes_update_the_ipsets_by_their_difference() -> anyhow::Result<()> {
+    if !ipvs_available() {
+        return Ok(());
+    }
+    let t = Topo::new("ipvs-sets")?;
+    let mut dp = t.dataplane()?;
+    let loopback = |i: usize| format!("{ip},tcp:8080,{ip}", ip = pod_ip(i));
+    for (k, pods) in [vec![1], vec![2], vec![1, 2], vec![1], vec![]]
+        .into_iter()
+        .enumerate()
+    {
+        let eps = pods.iter().map(|&i| endpoint(i)).collect();
+        dp.sync(
+            &snapshot(service("web", 0, None), eps),
+            &ChangedSet::default(),
+        )?;
+        let want: Vec<String> = pods.iter().map(|&i| loopback(i)).collect();
+        assert_eq!(set_members(&t, "KUBE-LOOP-BACK")?, want, "change {k}");
+        assert_eq!(
+            set_members(&t, "KUBE-CLUSTER-IP")?,
+            [format!("{CLUSTER_IP},tcp:80")],
+            "change {k}"
+        );
+        if let Some(&last) = pods.last() {
+            let counts = t.tally(vip(), 2 * pods.len())?;
+            assert_eq!(
+                counts.get(&format!("pod{last}")).copied(),
+                Some(2),
+                "change {k}"
+            );
+        }
+    }
+    dp.cleanup()?;
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
 fn cleanup_removes_everything() -> anyhow::Result<()> {

@@ -9,15 +9,16 @@
 //!   [`GUEST_JSON_BEGIN`] / [`GUEST_JSON_END`] on stdout;
 //! - `kp-bench --merge-guest FILE --accel ACCEL --guest-seconds S [--out DIR]` (host) merges
 //!   that JSON (FILE is the guest's output) into DIR's `results.json` (replacing an earlier guest run's figures) and
-//!   rewrites the report.
+//!   rewrites the report (a DIR other than `bench` without a `results.json` gets the guest
+//!   figures alone).
 
 use std::path::PathBuf;
 use std::time::{Instant, SystemTime};
 
 use anyhow::Context as _;
 use kproxy_bench::{
-    GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json, maglev,
-    packet, report,
+    GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json,
+    inspect, maglev, packet, report, soak,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -117,6 +118,22 @@ fn main() -> anyhow::Result<()> {
     if !in_guest {
         group("maglev", &mut results, &maglev::run)?;
     }
+    // Minutes each: in a full run, or when named (a plain --quick run skips them).
+    let named = |g: &str| {
+        only.as_deref()
+            .is_some_and(|o| o.split(',').any(|x| x == g))
+    };
+    for (name, f) in [
+        (
+            "inspect",
+            &inspect::run as &dyn Fn(&Plan, &mut Results) -> anyhow::Result<()>,
+        ),
+        ("soak", &soak::run),
+    ] {
+        if !in_guest && (!quick || named(name)) {
+            group(name, &mut results, f)?;
+        }
+    }
     results.duration_s = start.elapsed().as_secs_f64();
     if in_guest {
         // The guest has no way back but its output port.
@@ -159,12 +176,26 @@ fn merge_guest(
     })?;
     let guest: Results = serde_json::from_str(json).context("parsing the guest's results")?;
     let path = out.join("results.json");
-    let mut results = read(&path).with_context(|| {
-        format!(
-            "no host run to merge into: run `cargo xtask bench` first ({})",
+    let mut results = if path.exists() || out == std::path::Path::new("bench") {
+        read(&path).with_context(|| {
+            format!(
+                "no host run to merge into: run `cargo xtask bench` first ({})",
+                path.display()
+            )
+        })?
+    } else {
+        // A scratch directory without a host run: the guest figures alone.
+        eprintln!(
+            "kp-bench: no {}: writing the guest figures alone",
             path.display()
-        )
-    })?;
+        );
+        Results {
+            commit: guest.commit.clone(),
+            started_unix: guest.started_unix,
+            machine: machine(),
+            ..Default::default()
+        }
+    };
     results.merge_guest(guest, accel, seconds);
     report::write(&results, out)?;
     eprintln!(

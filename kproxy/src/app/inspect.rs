@@ -167,14 +167,16 @@ fn any_hash<K: aya::Pod, V: aya::Pod>(
     Ok((m, cap))
 }
 
-fn pinned_count(dir: &Path, name: &str) -> Option<MapFill> {
+/// The fill of pinned map `name`: `dumped` entries when the view already dumped it (no second
+/// walk), else a key walk.
+fn pinned_count(dir: &Path, name: &str, dumped: Option<usize>) -> Option<MapFill> {
     let data = MapData::from_pin(dir.join(name)).ok()?;
     let info = data.info().ok()?;
     let capacity = info.max_entries();
-    // Count keys with the raw syscall-free way aya offers: iterate as a byte-keyed map.
-    let entries = match info.map_type() {
-        Ok(_) => count_keys(&data).unwrap_or(0),
-        Err(_) => 0,
+    let entries = match (dumped, info.map_type()) {
+        (Some(n), _) => n,
+        (None, Ok(_)) => count_keys(&data).unwrap_or(0),
+        (None, Err(_)) => 0,
     };
     Some(MapFill {
         map: name.to_string(),
@@ -280,25 +282,47 @@ fn ebpf_view(
     let dir = cfg.bpf.bpffs.join("kproxy");
     let (services, _) = any_hash::<ServiceKey, ServiceValue>(&dir, MAP_SERVICES)?;
     let (slots, _) = any_hash::<BackendSlotKey, SlotValue>(&dir, MAP_BACKEND_SLOTS)?;
-    // One dump per map, then joins by service id.
+    // One dump per map, then joins by service id; the dumps' lengths are the maps' fill.
+    let mut dumped: HashMap<&str, usize> = HashMap::new();
     let slots: HashMap<(u32, u32), SlotValue> = slots
         .iter()
         .filter_map(Result::ok)
         .map(|(k, v)| ((k.svc_id, k.slot), v))
         .collect();
+    dumped.insert(MAP_BACKEND_SLOTS, slots.len());
+    let mut by_id = |name: &'static str, ids: Vec<u32>| {
+        dumped.insert(name, ids.len());
+        count_by_id(ids.into_iter())
+    };
     let affinity = any_hash::<AffinityKey, AffinityValue>(&dir, MAP_AFFINITY)
-        .map(|(m, _)| count_by_id(m.keys().filter_map(Result::ok).map(|k| k.svc_id)))
+        .map(|(m, _)| {
+            let ids = m.keys().filter_map(Result::ok).map(|k| k.svc_id).collect();
+            by_id(MAP_AFFINITY, ids)
+        })
         .unwrap_or_default();
     // Flows of both families: the svc_id of every KP_CT and KP_CT6 entry.
     let mut ct = any_hash::<CtKey, CtEntry>(&dir, MAP_CT)
-        .map(|(m, _)| count_by_id(m.iter().filter_map(Result::ok).map(|(_, v)| v.svc_id)))
+        .map(|(m, _)| {
+            let ids = m
+                .iter()
+                .filter_map(Result::ok)
+                .map(|(_, v)| v.svc_id)
+                .collect();
+            by_id(MAP_CT, ids)
+        })
         .unwrap_or_default();
     if let Ok((m, _)) = any_hash::<CtKey6, CtEntry6>(&dir, MAP_CT6) {
-        for (id, n) in count_by_id(m.iter().filter_map(Result::ok).map(|(_, v)| v.svc_id)) {
+        let ids = m
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(_, v)| v.svc_id)
+            .collect();
+        for (id, n) in by_id(MAP_CT6, ids) {
             *ct.entry(id).or_default() += n;
         }
     }
     let entries: Vec<(ServiceKey, ServiceValue)> = services.iter().filter_map(Result::ok).collect();
+    dumped.insert(MAP_SERVICES, entries.len());
     let index = FrontendIndex::new(&entries);
     for ((_, sp), r) in selected.iter().zip(reports.iter_mut()) {
         let mut ids = BTreeSet::new();
@@ -330,7 +354,7 @@ fn ebpf_view(
         r.ct_entries = Some(sum(&ct));
     }
     for name in LAYOUTS.iter().filter(|l| l.is_keyed()).map(|l| l.name) {
-        if let Some(f) = pinned_count(&dir, name) {
+        if let Some(f) = pinned_count(&dir, name, dumped.get(name).copied()) {
             maps.push(f);
         }
     }

@@ -14,10 +14,12 @@
 //!   sources (`KP_NODE_ADDR4`, `KP_NODE_ADDR6`) at once, and the NodePort frontends at the next sync
 //!   (NodePorts are programmed on every node address, or on those inside
 //!   `nodePortAddresses`).
-//! - After each sync: connection-table entries of removed backends are purged, idle flows
-//!   expired, and map fill levels reported to the metrics (`kproxy_bpf_map_*`).
-//! - A background timer ([`ct::ExpiryTimer`]) expires idle and closed flows every
-//!   `bpf.conntrack.expiryInterval` between syncs too, and reports the tables' fill.
+//! - After each sync: connection-table entries of removed backends are purged (the tables
+//!   are dumped only when the sync removed backends), and map fill levels reported to the
+//!   metrics (`kproxy_bpf_map_*`).
+//! - A background timer ([`ct::ExpiryTimer`]) alone expires idle and closed flows, every
+//!   `bpf.conntrack.expiryInterval` (syncs do not: each pass dumps both tables), and reports
+//!   the tables' fill.
 //! - SCTP service ports are not translated (neither socket LB nor the TC programs handle
 //!   SCTP; see `kproxy-ebpf/src/sock.rs`): each sync counts them in
 //!   `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` and logs a warning when the count
@@ -100,7 +102,9 @@ pub struct EbpfDataplane {
     addresses: Arc<Mutex<Option<NodeAddresses>>>,
     node_port_cidrs: Vec<IpNet>,
     ct_entries: u32,
-    ct_timeouts: ct::Timeouts,
+    /// Whether a sync reported the connection tables' fill yet (the first one does; later
+    /// ones only after purging, the expiry timer every period).
+    ct_fill_reported: bool,
     telemetry: Option<Arc<dyn Telemetry>>,
     /// SCTP service ports counted by the last sync (to warn once per change).
     skipped_sctp: usize,
@@ -187,7 +191,7 @@ impl EbpfDataplane {
             addresses,
             node_port_cidrs: cfg.node_port_cidrs,
             ct_entries: cfg.ebpf.map_sizes.ct,
-            ct_timeouts: cfg.ct_timeouts,
+            ct_fill_reported: false,
             telemetry,
             skipped_sctp: 0,
         })
@@ -231,18 +235,28 @@ impl EbpfDataplane {
         let removed = self.sock.removed_backends();
         if let Some(tc) = &self.tc {
             let mut ebpf = tc.ebpf.lock().expect("poisoned");
-            match ct::purge_backends(&mut ebpf, removed) {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(entries = n, "purged CT entries of removed backends"),
-                Err(e) => tracing::warn!(error = %e, "purging CT entries of removed backends"),
-            }
-            match ct::expire(&mut ebpf, &self.ct_timeouts) {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(entries = n, "expired idle CT entries"),
-                Err(e) => tracing::warn!(error = %e, "expiring idle CT entries"),
-            }
+            // Idle and closed flows are the expiry timer's alone (each pass dumps both tables,
+            // ≈ 2 syscalls per entry); after a sync only the flows of removed backends go, and
+            // the tables are dumped only when there are some.
+            let purged = match ct::purge_backends(&mut ebpf, removed) {
+                Ok(n) => {
+                    if n > 0 {
+                        tracing::debug!(entries = n, "purged CT entries of removed backends");
+                    }
+                    n
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "purging CT entries of removed backends");
+                    0
+                }
+            };
             if let Some(m) = &self.telemetry {
-                report_ct_fill(m.as_ref(), &ebpf, self.ct_entries);
+                if purged > 0 || !self.ct_fill_reported {
+                    report_ct_fill(m.as_ref(), &ebpf, self.ct_entries);
+                    self.ct_fill_reported = true;
+                } else {
+                    report_snat_failures(m.as_ref(), &ebpf);
+                }
             }
         }
         if let Some(m) = &self.telemetry {
@@ -253,14 +267,19 @@ impl EbpfDataplane {
     }
 }
 
-/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`) and the new
-/// flows dropped for want of a SNAT port (`kproxy_bpf_snat_failures_total`).
-fn report_ct_fill(m: &dyn Telemetry, ebpf: &Ebpf, capacity: u32) {
+/// Reports the new flows dropped for want of a SNAT port (`kproxy_bpf_snat_failures_total`).
+fn report_snat_failures(m: &dyn Telemetry, ebpf: &Ebpf) {
     if let Ok(stats) = TcPath::stats(ebpf)
         && let Some(n) = stats.get(stat_name(TcStat::SnatExhausted))
     {
         m.snat_failures(*n);
     }
+}
+
+/// Reports the connection tables' fill (`kproxy_bpf_map_*{map="ct"|"ct6"}`) and the new
+/// flows dropped for want of a SNAT port (`kproxy_bpf_snat_failures_total`).
+fn report_ct_fill(m: &dyn Telemetry, ebpf: &Ebpf, capacity: u32) {
+    report_snat_failures(m, ebpf);
     if let Ok(entries) = ct::entries(ebpf) {
         m.bpf_map("ct", entries.len() as i64, i64::from(capacity));
     }

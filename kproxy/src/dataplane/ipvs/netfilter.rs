@@ -4,7 +4,7 @@
 //! declared, hence flushed and refilled, in one transaction per table), plus the jumps from
 //! the built-in chains (`-C` then `-I`). The restore texts are pure functions, unit-tested.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::os::fd::{AsRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
@@ -41,24 +41,38 @@ fn create_options(set: &PlannedSet, family: IpFamily) -> String {
 pub fn ipset_restore_input(
     sets: &BTreeMap<&'static str, PlannedSet>,
     family: IpFamily,
-    rebuild: impl Fn(&PlannedSet) -> bool,
+    applied: &BTreeMap<String, BTreeSet<String>>,
+    full: bool,
 ) -> String {
     let mut out = String::new();
     for (i, set) in sets.values().enumerate() {
-        let tmp = tmp_set(i, family);
-        let opts = create_options(set, family);
-        let t = set.set_type.as_str();
-        out.push_str(&format!("create {} {t} {opts}\n", set.name));
-        if !rebuild(set) {
-            continue;
+        let before = if full { None } else { applied.get(&set.name) };
+        match before {
+            Some(b) if *b == set.entries => {}
+            Some(b) => {
+                // Only the difference: one endpoint change touches a few entries of sets
+                // that hold one per endpoint (KUBE-LOOP-BACK).
+                for e in b.difference(&set.entries) {
+                    out.push_str(&format!("del {} {e}\n", set.name));
+                }
+                for e in set.entries.difference(b) {
+                    out.push_str(&format!("add {} {e}\n", set.name));
+                }
+            }
+            None => {
+                let tmp = tmp_set(i, family);
+                let opts = create_options(set, family);
+                let t = set.set_type.as_str();
+                out.push_str(&format!("create {} {t} {opts}\n", set.name));
+                out.push_str(&format!("create {tmp} {t} {opts}\n"));
+                out.push_str(&format!("flush {tmp}\n"));
+                for e in &set.entries {
+                    out.push_str(&format!("add {tmp} {e}\n"));
+                }
+                out.push_str(&format!("swap {tmp} {}\n", set.name));
+                out.push_str(&format!("destroy {tmp}\n"));
+            }
         }
-        out.push_str(&format!("create {tmp} {t} {opts}\n"));
-        out.push_str(&format!("flush {tmp}\n"));
-        for e in &set.entries {
-            out.push_str(&format!("add {tmp} {e}\n"));
-        }
-        out.push_str(&format!("swap {tmp} {}\n", set.name));
-        out.push_str(&format!("destroy {tmp}\n"));
     }
     out
 }
@@ -158,13 +172,21 @@ fn run(mut cmd: Command, program: &str, args: &[&str]) -> Result<String, String>
 }
 
 /// Applies the sets: every set exists; those `rebuild` selects get exactly their entries.
+/// Makes the kernel's sets hold `sets`' entries: with `full` (or for a set not in `applied`,
+/// the entries last written per set name), each set is created if missing and rebuilt whole
+/// (filled under a temporary name, then swapped in); otherwise only the entries that differ
+/// from `applied` are deleted and added. Runs `ipset` only when there is something to write.
 pub fn apply_sets(
     tools: &Tools,
     sets: &BTreeMap<&'static str, PlannedSet>,
     family: IpFamily,
-    rebuild: impl Fn(&PlannedSet) -> bool,
+    applied: &BTreeMap<String, BTreeSet<String>>,
+    full: bool,
 ) -> Result<(), String> {
-    let input = ipset_restore_input(sets, family, rebuild);
+    let input = ipset_restore_input(sets, family, applied, full);
+    if input.is_empty() {
+        return Ok(());
+    }
     tools.run_with_input("ipset", &["-exist", "restore"], &input)
 }
 
@@ -277,39 +299,73 @@ pub fn parse_ipset_version(s: &str) -> Option<(u32, u32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeSet;
 
     #[test]
-    fn changed_sets_are_rebuilt_and_swapped_unchanged_only_ensured() {
+    fn sets_are_rebuilt_when_new_or_full_else_changed_by_their_difference() {
+        let set = |name: &str, t, entries: &[&str]| PlannedSet {
+            name: name.into(),
+            set_type: t,
+            comment: "",
+            entries: entries.iter().map(|e| e.to_string()).collect(),
+        };
         let mut sets = BTreeMap::new();
         sets.insert(
             "KUBE-CLUSTER-IP",
-            PlannedSet {
-                name: "KUBE-CLUSTER-IP".into(),
-                set_type: SetType::HashIpPort,
-                comment: "",
-                entries: BTreeSet::from(["10.96.0.10,tcp:80".to_string()]),
-            },
+            set(
+                "KUBE-CLUSTER-IP",
+                SetType::HashIpPort,
+                &["10.96.0.10,tcp:80", "10.96.0.11,tcp:80"],
+            ),
         );
         sets.insert(
             "KUBE-NODE-PORT-TCP",
-            PlannedSet {
-                name: "KUBE-NODE-PORT-TCP".into(),
-                set_type: SetType::BitmapPort,
-                comment: "",
-                entries: BTreeSet::from(["30080".to_string()]),
-            },
+            set("KUBE-NODE-PORT-TCP", SetType::BitmapPort, &["30080"]),
         );
-        let text = ipset_restore_input(&sets, IpFamily::V4, |s| s.name == "KUBE-CLUSTER-IP");
+        // Nothing written yet: every set is created and rebuilt.
+        let none = BTreeMap::new();
+        let first = ipset_restore_input(&sets, IpFamily::V4, &none, false);
         assert_eq!(
-            text,
+            first,
             "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536\n\
              create KPROXY-TMP4-0 hash:ip,port family inet hashsize 1024 maxelem 65536\n\
              flush KPROXY-TMP4-0\n\
              add KPROXY-TMP4-0 10.96.0.10,tcp:80\n\
+             add KPROXY-TMP4-0 10.96.0.11,tcp:80\n\
              swap KPROXY-TMP4-0 KUBE-CLUSTER-IP\n\
              destroy KPROXY-TMP4-0\n\
-             create KUBE-NODE-PORT-TCP bitmap:port range 0-65535\n"
+             create KUBE-NODE-PORT-TCP bitmap:port range 0-65535\n\
+             create KPROXY-TMP4-1 bitmap:port range 0-65535\n\
+             flush KPROXY-TMP4-1\n\
+             add KPROXY-TMP4-1 30080\n\
+             swap KPROXY-TMP4-1 KUBE-NODE-PORT-TCP\n\
+             destroy KPROXY-TMP4-1\n"
+        );
+        let applied: BTreeMap<String, BTreeSet<String>> = sets
+            .values()
+            .map(|s| (s.name.clone(), s.entries.clone()))
+            .collect();
+        // Unchanged: nothing to run; with `full` everything is rebuilt again.
+        assert_eq!(
+            ipset_restore_input(&sets, IpFamily::V4, &applied, false),
+            ""
+        );
+        assert_eq!(
+            ipset_restore_input(&sets, IpFamily::V4, &applied, true),
+            first
+        );
+        // One entry replaced: its deletion and addition only.
+        sets.insert(
+            "KUBE-CLUSTER-IP",
+            set(
+                "KUBE-CLUSTER-IP",
+                SetType::HashIpPort,
+                &["10.96.0.10,tcp:80", "10.96.0.12,tcp:80"],
+            ),
+        );
+        assert_eq!(
+            ipset_restore_input(&sets, IpFamily::V4, &applied, false),
+            "del KUBE-CLUSTER-IP 10.96.0.11,tcp:80\n\
+             add KUBE-CLUSTER-IP 10.96.0.12,tcp:80\n"
         );
     }
 

@@ -6,7 +6,7 @@
 //!   them (the eBPF applier calls it with the removed backend ids), so the next packet of such
 //!   a flow is load-balanced afresh instead of being sent to an address that is gone.
 //! - [`expire`]: delete flows idle for longer than their state's timeout (the agent runs it
-//!   on its own timer, every [`Timeouts::interval`], and after syncs; the LRU map also evicts
+//!   on its own timer only, every [`Timeouts::interval`]; the LRU map also evicts
 //!   under pressure, but eviction picks idle *live* flows as readily as dead ones, so closed
 //!   flows must go by expiry before the table fills).
 //!
