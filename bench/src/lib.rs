@@ -12,6 +12,7 @@
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
+//! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows, one `AF_PACKET` sender thread flat out, qdisc bypassed, [`flood`]) toward two backends behind the second node; packets/s delivered, counted by an nftables counter-and-drop in the backend pods, and CPU ns per delivered packet (the sender thread's CPU, which carries the softirq work of the veth path, plus `ksoftirqd`'s), per datapath: kproxy XDP (fast path enabled on the veths, proven by its counters), kproxy TC, iptables-nft, iptables-legacy, nftables; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet: iptables-nft |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
 //!
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
@@ -32,12 +33,14 @@
 pub mod agent;
 pub mod connect;
 pub mod control;
+pub mod flood;
 pub mod maglev;
 pub mod packet;
 pub mod report;
 pub mod services;
 pub mod stats;
 pub mod tc_path;
+pub mod throughput;
 
 use serde::{Deserialize, Serialize};
 
@@ -209,6 +212,10 @@ pub struct Plan {
     /// Modes to run the agent in: `ebpf`, `iptables-nft`, `iptables-legacy` (the iptables
     /// mode on each backend), `ipvs`.
     pub modes: Vec<String>,
+    /// [`throughput`]: seconds per sample, samples per mode, UDP flows (source ports) flooded.
+    pub throughput_seconds: f64,
+    pub throughput_samples: usize,
+    pub throughput_flows: u16,
     /// Name of the direct-connect baseline in figure ids: `direct` on the host,
     /// `direct-guest` in the guest.
     pub direct: String,
@@ -234,6 +241,9 @@ impl Plan {
                 rps_seconds: 1,
                 cold_services: 1_000,
                 changes: 10,
+                throughput_seconds: 1.0,
+                throughput_samples: 3,
+                throughput_flows: 1024,
                 modes,
                 direct,
             }
@@ -248,6 +258,9 @@ impl Plan {
                 rps_seconds: 3,
                 cold_services: 10_000,
                 changes: 50,
+                throughput_seconds: 2.0,
+                throughput_samples: 7,
+                throughput_flows: 1024,
                 modes,
                 direct,
             }
@@ -269,6 +282,9 @@ impl Plan {
             rps_seconds: 2,
             cold_services: 1_000,
             changes: 50,
+            throughput_seconds: 0.0,
+            throughput_samples: 0,
+            throughput_flows: 0,
             modes: vec!["ipvs".into()],
             direct: "direct-guest".into(),
         }
@@ -287,6 +303,7 @@ impl Plan {
             "restore-floor" if figure.id.starts_with("cold-floor/") => 2,
             "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
+            "throughput" | "throughput-cpu" => self.throughput_samples,
             _ => 0,
         }
     }

@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 7] = [
+const GROUPS: [(&str, &str); 9] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -25,6 +25,14 @@ const GROUPS: [(&str, &str); 7] = [
     (
         "restore-floor",
         "iptables restore floors: one chain (`--noflush`), whole nat table",
+    ),
+    (
+        "throughput",
+        "UDP flood to a NodePort, remote backends: packets/s delivered (vs plain routing)",
+    ),
+    (
+        "throughput-cpu",
+        "UDP flood: CPU ns per delivered packet (vs iptables-nft)",
     ),
 ];
 
