@@ -9,22 +9,27 @@
 //! - `route`: no agent, the frames addressed to the pods themselves: plain routing through the
 //!   node, the ceiling (the baseline of the packets/s figures);
 //! - `ebpf-xdp`: `--proxy-mode=ebpf --bpf-xdp=native` on both node devices, with the XDP
-//!   forwarding fast path enabled on them (veths are no fast-path devices by default, see
-//!   `kproxy::dataplane::ebpf::node_path::xdp`: the bench prepares the peers — a passing XDP
-//!   program on the receiving ends, complete checksums — and switches the fast path on in the
-//!   agent's `KP_XDP_FWD_DEVS`, found through the program attached to the node's device). The
-//!   XDP counters prove the path: a sample counts only if XDP forwarded ≥ 90 % of what was
+//!   forwarding fast path switched on for them (veths are no fast-path devices by default, see
+//!   `kproxy::dataplane::ebpf::node_path::xdp`; here the receiving ends have NAPI rings and
+//!   the senders complete checksums, so the bench sets both devices in the agent's
+//!   `KP_XDP_FWD_DEVS`, found through the program attached to the node's device). The XDP
+//!   counters prove the path: a sample counts only if XDP forwarded ≥ 90 % of what was
 //!   delivered;
 //! - `ebpf-tc`: `--proxy-mode=ebpf --bpf-xdp=off` (the TC programs alone);
-//! - `iptables-nft`, `iptables-legacy`, `nftables`: the agent in that mode.
+//! - `iptables-nft`, `iptables-legacy`, `nftables`: the agent in that mode (`ipvs` too where
+//!   the host kernel has IPVS; this one has not).
 //!
-//! Every topology gets the same peers' preparation (the XDP counter on the client's and the
-//! second node's ends, transmit checksum offload off there), so only the node's datapath
-//! differs. Before measuring, a `kp-probe` UDP exchange through the NodePort must reach both
-//! backends (the path works both ways), then the sinks go in and a warm-up flood creates the
-//! flows' state. Figures per mode: delivered packets/s (`throughput/<mode>`, vs `route`) and
-//! CPU ns per delivered packet (`throughput-cpu/<mode>`, vs `iptables-nft`; the aim "XDP ≥ 3×
-//! iptables packets/s" as CPU: ≤ ⅓ of iptables-nft's CPU per packet).
+//! Every topology gets the same link preparation ([`prepare_links`]: GRO, i.e. a NAPI ring, on
+//! every link end; complete checksums from the client and the second node), so only the
+//! node's datapath differs. Before measuring, a `kp-probe` UDP exchange through the NodePort
+//! must reach both backends (the path works both ways), then the sinks go in and a warm-up
+//! flood creates the flows' state. Figures per mode: delivered packets/s (`throughput/<mode>`,
+//! vs `route`) and CPU ns per delivered packet (`throughput-cpu/<mode>`, vs `iptables-nft`;
+//! the aim "XDP ≥ 3× iptables packets/s" as CPU: ≤ ⅓ of iptables-nft's CPU per packet).
+//!
+//! What the figures include besides the node's datapath, alike in every mode: the generator,
+//! the second node's forwarding (plain routing) and the pod's receive up to the sink. They
+//! bound the ratios: a datapath costing nothing at all would still pay them.
 //!
 //! Bounds: only the test namespaces' addresses (the node's client-side address, the pods'),
 //! [`Plan::throughput_seconds`] per sample and at most [`MAX_PACKETS_PER_SAMPLE`] frames.
@@ -35,7 +40,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use aya::maps::{Array, Map, MapData, PerCpuArray};
 use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, XdpStat};
-use kproxy_tests::bpf::{CounterSlot, PacketCounter};
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup};
 use kproxy_tests::topology::{
     CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_PEER_IF, POD_PORT, Probe, Topology, TopologySpec,
@@ -43,7 +47,7 @@ use kproxy_tests::topology::{
 use serde_json::json;
 
 use super::agent::{AgentSpec, RunningAgent, ScratchDir, Source};
-use super::flood::{self, Sent, Sink, SoftirqThreads};
+use super::flood::{self, Generator, Sent, Sink, SoftirqThreads};
 use super::services::NODE_NAME;
 use super::{Figure, Plan, Results, Target};
 
@@ -128,9 +132,10 @@ fn manifests(backends: &[Ipv4Addr]) -> String {
 struct Rig {
     mode: &'static str,
     frames: Vec<Vec<u8>>,
+    flows: u16,
     xdp_stats: Option<PerCpuArray<MapData, u64>>,
-    // Drop order: counters and sinks' namespaces after the agent; the agent before its pins.
-    _peers: PacketCounter,
+    generator: Generator,
+    // Drop order: the agent before its namespaces and pins.
     agent: Option<RunningAgent>,
     topo: Topology,
     _cgroup: Option<TestCgroup>,
@@ -147,7 +152,7 @@ impl Rig {
         topo.serve_all()?;
         let scratch = ScratchDir::new("bench-thru")?;
         let bpffs = Bpffs::new(&format!("thru-{mode}"))?;
-        let peers = prepare_peers(&topo, &bpffs)?;
+        prepare_links(&topo)?;
         let backends: Vec<Ipv4Addr> = topo.remote_pods().map(|p| p.ip).collect();
         let cgroup = if agent_mode(mode) == Some("ebpf") {
             Some(TestCgroup::new("bench-thru")?)
@@ -180,8 +185,9 @@ impl Rig {
         let mut rig = Rig {
             mode,
             frames: Vec::new(),
+            flows: plan.throughput_flows,
             xdp_stats: None,
-            _peers: peers,
+            generator: Generator::from_env()?,
             agent,
             topo,
             _cgroup: cgroup,
@@ -274,19 +280,22 @@ impl Rig {
     }
 }
 
-/// The peers' ends of the node's links (the client's and the second node's `eth0`): a
-/// passing XDP program (so frames XDP redirects into the link are received) and transmit
-/// checksum offload off (complete checksums on what they send), in every mode alike.
-fn prepare_peers(topo: &Topology, bpffs: &Bpffs) -> anyhow::Result<PacketCounter> {
-    let pins = bpffs.path().join("peers");
-    std::fs::create_dir_all(&pins)?;
-    let mut peers = PacketCounter::load_with_pins(&pins)?;
+/// Every end of the node's links (the client's `eth0`, the node's two devices, the second
+/// node's `eth0`) gets GRO, i.e. a NAPI receive ring, so frames redirected by XDP into the link
+/// (the generator's, the fast path's) are received without an XDP program on the receiving
+/// end, which builds their skbs as a NIC driver does; the client and the second node send
+/// complete checksums (transmit checksum offload off), as XDP needs. The same in every mode.
+fn prepare_links(topo: &Topology) -> anyhow::Result<()> {
     let node2 = topo.node2.as_ref().context("no second node")?;
     for ns in [&topo.client, node2] {
         ns.set_tx_checksum(false)?;
-        ns.run(|| peers.attach("eth0", CounterSlot::Xdp))??;
+        ns.run(|| flood::set_gro("eth0", true))??;
     }
-    Ok(peers)
+    topo.node.run(|| -> anyhow::Result<()> {
+        flood::set_gro(NODE_CLIENT_IF, true)?;
+        flood::set_gro(NODE_PEER_IF, true)
+    })??;
+    Ok(())
 }
 
 /// The agent's XDP program on the node's client-side device, by its id (`ip -j link`).
@@ -352,10 +361,18 @@ fn sample(
 ) -> anyhow::Result<Sample> {
     let count = || -> anyhow::Result<u64> { sinks.iter().map(|s| s.delivered()).sum() };
     let (d0, x0, k0) = (count()?, rig.xdp_forwarded()?, softirq.cpu());
-    let sent = flood::flood(
+    // The live generator varies the flows itself: one template per destination.
+    let frames = match rig.generator {
+        Generator::AfPacket => &rig.frames[..],
+        Generator::XdpLive if rig.mode == "route" => &rig.frames[..2],
+        Generator::XdpLive => &rig.frames[..1],
+    };
+    let sent = flood::flood_with(
+        rig.generator,
         &rig.topo.client,
         "eth0",
-        &rig.frames,
+        frames,
+        (FIRST_SPORT, rig.flows),
         time,
         MAX_PACKETS_PER_SAMPLE,
     )?;
