@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 9] = [
+const GROUPS: [(&str, &str); 10] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -33,6 +33,10 @@ const GROUPS: [(&str, &str); 9] = [
     (
         "throughput-cpu",
         "UDP flood: CPU ns per delivered packet (vs iptables-nft)",
+    ),
+    (
+        "throughput-node",
+        "UDP flood: the node's share of the CPU per packet (minus `floor`; vs iptables-nft)",
     ),
 ];
 

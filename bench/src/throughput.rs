@@ -8,6 +8,11 @@
 //! load from the rest of the shared machine falls on every mode alike:
 //! - `route`: no agent, the frames addressed to the pods themselves: plain routing through the
 //!   node, the ceiling (the baseline of the packets/s figures);
+//! - `floor`: no agent; the flood starts at the node's link to the second node, addressed as
+//!   the node forwards it after SNAT (node link address → pods): what the generator, the
+//!   second node and the pods cost, which every other mode pays too. `throughput-node/<mode>`
+//!   is a mode's CPU per packet minus `floor`'s of the same round: the node's own share, what a
+//!   load-balancing node spends (vs iptables-nft, the aim's form);
 //! - `ebpf-xdp`: `--proxy-mode=ebpf --bpf-xdp=native` on both node devices, with the XDP
 //!   forwarding fast path switched on for them (veths are no fast-path devices by default, see
 //!   `kproxy::dataplane::ebpf::node_path::xdp`; here the receiving ends have NAPI rings and
@@ -42,7 +47,8 @@ use aya::maps::{Array, Map, MapData, PerCpuArray};
 use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, XdpStat};
 use kproxy_tests::netns::{Bpffs, Netns, TestCgroup};
 use kproxy_tests::topology::{
-    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_PEER_IF, POD_PORT, Probe, Topology, TopologySpec,
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, POD_PORT, Probe, Topology,
+    TopologySpec,
 };
 use serde_json::json;
 
@@ -60,8 +66,9 @@ pub const MAX_PACKETS_PER_SAMPLE: u64 = 50_000_000;
 /// Warm-up flood before the first sample of a mode (creates the flows' CT entries).
 const WARM_UP: Duration = Duration::from_millis(500);
 /// The modes, in report order (`route` is the baseline).
-pub const MODES: [&str; 7] = [
+pub const MODES: [&str; 8] = [
     "route",
+    "floor",
     "ebpf-xdp",
     "ebpf-tc",
     "iptables-nft",
@@ -73,7 +80,7 @@ pub const MODES: [&str; 7] = [
 /// The agent's benchmark mode of a throughput mode (`None` for `route`).
 fn agent_mode(mode: &str) -> Option<&str> {
     match mode {
-        "route" => None,
+        "route" | "floor" => None,
         "ebpf-xdp" | "ebpf-tc" => Some("ebpf"),
         m => Some(m),
     }
@@ -194,7 +201,7 @@ impl Rig {
             _bpffs: bpffs,
             _scratch: scratch,
         };
-        let target = if mode == "route" {
+        let target = if agent_mode(mode).is_none() {
             None
         } else {
             Some(format!("{NODE_IP}:{NODE_PORT}"))
@@ -248,20 +255,37 @@ impl Rig {
 
     /// The flood's frames: `plan.throughput_flows` flows (source ports), to the NodePort, or
     /// for `route` to the pods themselves (flows alternating between them).
+    ///
+    /// `floor` sends from the node's link to the second node instead, what the node forwards
+    /// after SNAT (source the node's link address, destination the pods).
     fn frames(&self, plan: &Plan) -> anyhow::Result<Vec<Vec<u8>>> {
-        let src_mac = flood::mac(&self.topo.client, "eth0")?;
-        let dst_mac = flood::mac(&self.topo.node, NODE_CLIENT_IF)?;
+        let (src_ns, src_if, src_ip) = self.sender();
+        let src_mac = flood::mac(src_ns, src_if)?;
+        let dst_mac = if self.mode == "floor" {
+            flood::mac(self.topo.node2.as_ref().context("no second node")?, "eth0")?
+        } else {
+            flood::mac(&self.topo.node, NODE_CLIENT_IF)?
+        };
         let pods: Vec<Ipv4Addr> = self.topo.remote_pods().map(|p| p.ip).collect();
         Ok((0..plan.throughput_flows)
             .map(|i| {
-                let dst = if self.mode == "route" {
+                let dst = if agent_mode(self.mode).is_none() {
                     (pods[i as usize % pods.len()], POD_PORT)
                 } else {
                     (NODE_IP, NODE_PORT)
                 };
-                flood::udp_frame(src_mac, dst_mac, (CLIENT_IP, FIRST_SPORT + i), dst)
+                flood::udp_frame(src_mac, dst_mac, (src_ip, FIRST_SPORT + i), dst)
             })
             .collect())
+    }
+
+    /// Where the flood starts: namespace, device, source address.
+    fn sender(&self) -> (&Netns, &str, Ipv4Addr) {
+        if self.mode == "floor" {
+            (&self.topo.node, NODE_PEER_IF, NODE_LINK_IP)
+        } else {
+            (&self.topo.client, "eth0", CLIENT_IP)
+        }
     }
 
     fn sinks(&self) -> anyhow::Result<Vec<Sink<'_>>> {
@@ -364,13 +388,14 @@ fn sample(
     // The live generator varies the flows itself: one template per destination.
     let frames = match rig.generator {
         Generator::AfPacket => &rig.frames[..],
-        Generator::XdpLive if rig.mode == "route" => &rig.frames[..2],
+        Generator::XdpLive if agent_mode(rig.mode).is_none() => &rig.frames[..2],
         Generator::XdpLive => &rig.frames[..1],
     };
+    let (ns, ifname, _) = rig.sender();
     let sent = flood::flood_with(
         rig.generator,
-        &rig.topo.client,
-        "eth0",
+        ns,
+        ifname,
         frames,
         (FIRST_SPORT, rig.flows),
         time,
@@ -446,6 +471,7 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             cpu[i].push(s.cpu_ns);
         }
     }
+    node_shares(results, &rigs, &cpu, &failed);
     for (i, rig) in rigs.iter().enumerate() {
         let mode = rig.mode;
         if let Some(why) = &failed[i] {
@@ -482,9 +508,44 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The figure's `mode` field: `baseline` for `route`.
+/// The node's share of the CPU per packet, per mode: its CPU per packet minus `floor`'s of the
+/// same round (what the generator, the second node and the pods cost is in both).
+fn node_shares(results: &mut Results, rigs: &[Rig], cpu: &[Vec<f64>], failed: &[Option<String>]) {
+    let Some(f) = rigs.iter().position(|r| r.mode == "floor") else {
+        return;
+    };
+    if failed[f].is_some() {
+        return;
+    }
+    for (i, rig) in rigs.iter().enumerate() {
+        let mode = rig.mode;
+        if i == f || failed[i].is_some() || cpu[i].len() != cpu[f].len() {
+            continue;
+        }
+        results.push(Figure {
+            id: format!("throughput-node/{mode}"),
+            group: "throughput-node".into(),
+            mode: mode_label(mode).into(),
+            services: 1,
+            unit: "ns".into(),
+            samples: cpu[i].iter().zip(&cpu[f]).map(|(c, fl)| c - fl).collect(),
+            baseline: (mode != "iptables-nft").then(|| "throughput-node/iptables-nft".into()),
+            target: (mode == "ebpf-xdp").then(|| Target {
+                max_ratio: Some(1.0 / 3.0),
+                max_value: None,
+                text: "the node's CPU per packet with XDP ≤ ⅓ × with iptables-nft".into(),
+            }),
+        });
+    }
+}
+
+/// The figure's `mode` field: `baseline` for `route` and `floor`.
 fn mode_label(mode: &str) -> &str {
-    if mode == "route" { "baseline" } else { mode }
+    if agent_mode(mode).is_none() {
+        "baseline"
+    } else {
+        mode
+    }
 }
 
 #[cfg(test)]
