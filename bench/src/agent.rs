@@ -118,19 +118,19 @@ impl AgentSpec<'_> {
     }
 
     pub fn start(&self) -> anyhow::Result<RunningAgent> {
-        self.start_with(&[])
+        self.start_with(self.args())
     }
 
-    /// [`AgentSpec::start`] with `extra` arguments after [`AgentSpec::args`].
-    pub fn start_with(&self, extra: &[String]) -> anyhow::Result<RunningAgent> {
+    /// Starts the agent with `args` (e.g. [`AgentSpec::args`] with some replaced) instead of
+    /// [`AgentSpec::args`].
+    pub fn start_with(&self, args: Vec<String>) -> anyhow::Result<RunningAgent> {
         if let Some(backend) = iptables_backend(self.mode) {
             plant_backend_hint(self.node, backend)?;
         }
         let log =
             File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
         let mut cmd = self.node.command(kproxy_bin()?);
-        cmd.args(self.args())
-            .args(extra)
+        cmd.args(args)
             .env(
                 "RUST_LOG",
                 std::env::var("KP_BENCH_AGENT_LOG").unwrap_or_else(|_| "warn".into()),

@@ -86,8 +86,9 @@ fn measure(n: u32, results: &mut Results) -> anyhow::Result<()> {
         bpffs: Some(&bpffs),
         log: scratch.path().join("agent.log"),
     };
-    let mut agent =
-        spec.start_with(&["--bpf-map-sizes=services=131072,backends=262144".to_string()])?;
+    let mut args = spec.args();
+    args.push("--bpf-map-sizes=services=131072,backends=262144".to_string());
+    let mut agent = spec.start_with(args)?;
     agent
         .wait_answer(
             &topo.pod("pod-l0").ns,

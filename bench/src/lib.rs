@@ -12,6 +12,7 @@
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
+//! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows by source port) toward two backends behind the second node. Generator ([`flood`]): in-kernel, `BPF_PROG_TEST_RUN` in live-frames mode (`BPF_F_TEST_XDP_LIVE_FRAMES`) of a small XDP program that writes the headers, picks a flow at random and redirects into the client's veth, so the frames reach the node's device as XDP frames, the way a NIC driver hands them over (`KP_BENCH_THROUGHPUT_GEN=af-packet` sends skbs from an `AF_PACKET` socket instead). Delivered packets/s counted at the backends (an nftables counter-and-drop in each pod, matching the translated address and port) and CPU ns per delivered packet (the generator thread's CPU, which carries the softirq work of the whole veth path, plus `ksoftirqd`'s), and the node's own share of it (minus the `floor` mode's: the same flood started at the node's link to the second node), per datapath: kproxy XDP (`--bpf-xdp=native`, fast path switched on for the veths, proven by its counters: ≥ 90 % of the delivered packets forwarded by XDP), kproxy TC (`--bpf-xdp=off`), iptables-nft, iptables-legacy, nftables; every link end with GRO (a NAPI ring) in every mode; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet and the node's share: iptables-nft |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
 //! | [`soak`] | a few thousand services under minutes of endpoint churn with traffic (ebpf, iptables-nft): RSS, fds, map fill at start / peak / end, time to converge after the last change, failed probe connections | no growth that does not come back |
 //! | [`inspect`] | `kproxy inspect` wall and CPU seconds at 100k services (ebpf) | ≤ 10 s |
@@ -33,11 +34,13 @@
 //! | `KP_BENCH_PACKET_SCALES` | the [`packet`] group's service counts (comma-separated) instead of the plan's |
 //! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
 //! | `KP_BENCH_SOAK_SERVICES`, `KP_BENCH_SOAK_SECONDS` | the [`soak`] group's service count and churn duration instead of the plan's |
+//! | `KP_BENCH_THROUGHPUT_GEN` | the [`throughput`] group's generator: `xdp-live` (default) or `af-packet` |
 //! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;
 pub mod connect;
 pub mod control;
+pub mod flood;
 pub mod inspect;
 pub mod maglev;
 pub mod packet;
@@ -46,6 +49,7 @@ pub mod services;
 pub mod soak;
 pub mod stats;
 pub mod tc_path;
+pub mod throughput;
 
 use serde::{Deserialize, Serialize};
 
@@ -217,6 +221,10 @@ pub struct Plan {
     /// Modes to run the agent in: `ebpf`, `iptables-nft`, `iptables-legacy` (the iptables
     /// mode on each backend), `ipvs`.
     pub modes: Vec<String>,
+    /// [`throughput`]: seconds per sample, samples per mode, UDP flows (source ports) flooded.
+    pub throughput_seconds: f64,
+    pub throughput_samples: usize,
+    pub throughput_flows: u16,
     /// Name of the direct-connect baseline in figure ids: `direct` on the host,
     /// `direct-guest` in the guest.
     pub direct: String,
@@ -242,6 +250,9 @@ impl Plan {
                 rps_seconds: 1,
                 cold_services: 1_000,
                 changes: 10,
+                throughput_seconds: 1.0,
+                throughput_samples: 3,
+                throughput_flows: 1024,
                 modes,
                 direct,
             }
@@ -256,6 +267,9 @@ impl Plan {
                 rps_seconds: 3,
                 cold_services: 10_000,
                 changes: 50,
+                throughput_seconds: 2.0,
+                throughput_samples: 7,
+                throughput_flows: 1024,
                 modes,
                 direct,
             }
@@ -277,6 +291,9 @@ impl Plan {
             rps_seconds: 2,
             cold_services: 1_000,
             changes: 50,
+            throughput_seconds: 0.0,
+            throughput_samples: 0,
+            throughput_flows: 0,
             modes: vec!["ipvs".into()],
             direct: "direct-guest".into(),
         }
@@ -295,6 +312,7 @@ impl Plan {
             "restore-floor" if figure.id.starts_with("cold-floor/") => 2,
             "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
+            "throughput" | "throughput-cpu" | "throughput-node" => self.throughput_samples,
             _ => 0,
         }
     }

@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 8] = [
+const GROUPS: [(&str, &str); 11] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -27,6 +27,18 @@ const GROUPS: [(&str, &str); 8] = [
         "iptables restore floors: one chain (`--noflush`), whole nat table",
     ),
     ("inspect", "`kproxy inspect` at scale"),
+    (
+        "throughput",
+        "UDP flood to a NodePort, remote backends: packets/s delivered (vs plain routing)",
+    ),
+    (
+        "throughput-cpu",
+        "UDP flood: CPU ns per delivered packet (vs iptables-nft)",
+    ),
+    (
+        "throughput-node",
+        "UDP flood: the node's share of the CPU per packet (minus `floor`; vs iptables-nft)",
+    ),
 ];
 
 /// `median(figure) / median(baseline)` when the figure has a baseline in `results`.
@@ -480,6 +492,14 @@ pub fn readme_section(results: &Results) -> String {
         results.machine.kernel,
         summary(results),
     );
+    let thru = throughput_table(results);
+    if !thru.is_empty() {
+        let _ = write!(
+            md,
+            "\nReal packets (`throughput`): a UDP flood from the external client to a NodePort \
+             with remote backends, per datapath (`bench/src/throughput.rs` says how):\n\n{thru}"
+        );
+    }
     if results.guest.is_some() {
         let _ = writeln!(md, "\n{GUEST_NOTE}");
     }
@@ -496,6 +516,42 @@ pub fn readme_section(results: &Results) -> String {
         );
     }
     md
+}
+
+/// The [`throughput`](super::throughput) figures, one row per mode: delivered packets/s (vs
+/// plain routing), CPU per packet and the node's share of it (vs iptables-nft). Empty when the
+/// run has none.
+pub fn throughput_table(results: &Results) -> String {
+    let cell = |group: &str, mode: &str| -> String {
+        results
+            .figure(&format!("{group}/{mode}"))
+            .map_or("—".into(), |f| {
+                let med = Summary::of(&f.samples).median;
+                let r = ratio(results, f).map_or(String::new(), |r| format!(" ({r:.2}×)"));
+                let t =
+                    of_target(results, f).map_or(String::new(), |t| format!(", {t:.2}× target"));
+                format!("{med:.0} {}{r}{t}", f.unit)
+            })
+    };
+    let rows: Vec<String> = super::throughput::MODES
+        .iter()
+        .filter(|m| results.figure(&format!("throughput/{m}")).is_some())
+        .map(|m| {
+            format!(
+                "| {m} | {} | {} | {} |",
+                cell("throughput", m),
+                cell("throughput-cpu", m),
+                cell("throughput-node", m)
+            )
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "| mode | delivered (vs route) | CPU per packet (vs iptables-nft) | the node's share (vs iptables-nft) |\n|---|---|---|---|\n{}\n",
+        rows.join("\n")
+    )
 }
 
 /// Writes `results.json`, `REPORT.md` and the plots into `dir`.
@@ -549,6 +605,67 @@ pub fn write(results: &Results, dir: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn throughput_table_has_a_row_per_measured_mode_with_ratios_and_target() {
+        let fig = |id: &str, v: f64, baseline: Option<&str>, target: Option<f64>| Figure {
+            id: id.into(),
+            group: id.split('/').next().unwrap().into(),
+            mode: id.split('/').nth(1).unwrap().into(),
+            services: 1,
+            unit: if id.starts_with("throughput/") {
+                "kpps"
+            } else {
+                "ns"
+            }
+            .into(),
+            samples: vec![v],
+            baseline: baseline.map(String::from),
+            target: target.map(|r| crate::Target {
+                max_ratio: Some(r),
+                max_value: None,
+                text: "t".into(),
+            }),
+        };
+        let mut r = Results::default();
+        assert_eq!(throughput_table(&r), "");
+        r.figures = vec![
+            fig("throughput/route", 600.0, None, None),
+            fig("throughput/ebpf-xdp", 540.0, Some("throughput/route"), None),
+            fig(
+                "throughput/iptables-nft",
+                300.0,
+                Some("throughput/route"),
+                None,
+            ),
+            fig("throughput-node/iptables-nft", 1000.0, None, None),
+            fig(
+                "throughput-node/ebpf-xdp",
+                250.0,
+                Some("throughput-node/iptables-nft"),
+                Some(1.0 / 3.0),
+            ),
+        ];
+        let t = throughput_table(&r);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 5, "{t}");
+        assert_eq!(lines[2], "| route | 600 kpps | — | — |");
+        assert_eq!(
+            lines[3],
+            "| ebpf-xdp | 540 kpps (0.90×) | — | 250 ns (0.25×), 0.75× target |"
+        );
+        assert!(
+            lines[4].starts_with("| iptables-nft | 300 kpps (0.50×) |"),
+            "{t}"
+        );
+        assert!(
+            readme_section(&Results {
+                commit: "c".into(),
+                ..r
+            })
+            .contains("Real packets (`throughput`)")
+        );
+    }
 
     /// The committed README section is what the committed run's results give (a run writes
     /// both; a change to [`readme_section`] must regenerate the section).

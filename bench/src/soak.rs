@@ -469,13 +469,13 @@ fn soak_mode(sp: &SoakPlan, results: &mut Results, mode: &str) -> anyhow::Result
         bpffs: bpffs.as_ref(),
         log: scratch.path().join("agent.log"),
     };
-    let mut extra = vec![];
+    let mut args = spec.args();
     if ebpf {
         let cfg = scratch.path().join("soak.yaml");
         std::fs::write(&cfg, EBPF_CONFIG)?;
-        extra.push(format!("--config={}", cfg.display()));
+        args.push(format!("--config={}", cfg.display()));
     }
-    let mut agent = spec.start_with(&extra)?;
+    let mut agent = spec.start_with(args)?;
     let node = &topo.node;
     let look = |desired: &Desired| inspect(node, mode, &kubeconfig, bpffs.as_ref(), desired);
     let fill = |i: &Inspected| -> anyhow::Result<BTreeMap<String, f64>> {

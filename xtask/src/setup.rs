@@ -57,7 +57,10 @@ pub const APT_PACKAGES: &[(&str, &str)] = &[
     ),
     ("ipset", "the IPVS proxier's sets"),
     ("conntrack", "conntrack cleanup tests"),
-    ("nftables", "nft, for tests that inspect nf_tables"),
+    (
+        "nftables",
+        "nft, for tests that inspect nf_tables and the throughput bench's counting sinks",
+    ),
     ("python3", "test and demo helper scripts"),
     ("libcap2-bin", "capsh/setcap for capability tests"),
     ("util-linux", "nsenter and mount for the test namespaces"),

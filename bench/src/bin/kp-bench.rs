@@ -18,7 +18,7 @@ use std::time::{Instant, SystemTime};
 use anyhow::Context as _;
 use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json,
-    inspect, maglev, packet, report, soak,
+    inspect, maglev, packet, report, soak, throughput,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -117,6 +117,7 @@ fn main() -> anyhow::Result<()> {
     group("control", &mut results, &control::run)?;
     if !in_guest {
         group("maglev", &mut results, &maglev::run)?;
+        group("throughput", &mut results, &throughput::run)?;
     }
     // Minutes each: in a full run, or when named (a plain --quick run skips them).
     let named = |g: &str| {

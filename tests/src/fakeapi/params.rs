@@ -91,6 +91,11 @@ pub struct Filter {
 }
 
 impl Filter {
+    /// Whether a label or field selector narrows the list (the namespace aside).
+    pub fn has_selectors(&self) -> bool {
+        !self.labels.0.is_empty() || !self.fields.0.is_empty()
+    }
+
     pub fn matches(&self, obj: &Value) -> bool {
         let ns_ok = self.namespace.as_deref().is_none_or(|ns| {
             obj.pointer("/metadata/namespace").and_then(Value::as_str) == Some(ns)

@@ -8,13 +8,14 @@
 //! current map, the history and list pages share them. A list page reads the state at its
 //! version as a merged view: the current objects from the page's start key on, overlaid with
 //! what the history says each object changed since was at that version. A page therefore costs
-//! the page, the changes since its version and a cheap count of the rest (for
-//! `remainingItemCount`) — not a copy of every object, which made a paged list of N objects
+//! the page, the changes since its version and, without selectors, a cheap count of the rest
+//! (for `remainingItemCount`, which the real server leaves unset when a label or field
+//! selector is given) — not a copy of every object, which made a paged list of N objects
 //! O(N²) deep copies.
 
 use std::collections::BTreeMap;
 use std::iter::Peekable;
-use std::ops::Bound;
+use std::ops::{Bound, Not as _};
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -347,14 +348,20 @@ impl Store {
         let mut last = None;
         for (k, v) in matching.by_ref() {
             if params.limit.is_some_and(|l| items.len() >= l) {
-                // One more exists: count the rest for remainingItemCount.
-                let remaining = 1 + matching.count() as u64;
+                // One more exists. remainingItemCount counts the rest, except with a label or
+                // field selector, where the real server leaves it unset (ListMeta: "the number
+                // of remaining items is unknown") — and counting would evaluate the selector on
+                // every remaining object for each page, O(N²) over a paged list.
+                let remaining = filter
+                    .has_selectors()
+                    .not()
+                    .then(|| 1 + matching.count() as u64);
                 let (ns, name): (String, String) = last.expect("limit > 0");
                 return Ok(ListPage {
                     items,
                     resource_version: at,
                     continue_token: Some(format!("{at}/{ns}/{name}")),
-                    remaining: Some(remaining),
+                    remaining,
                 });
             }
             last = Some((k.namespace.clone(), k.name.clone()));
@@ -766,7 +773,9 @@ mod tests {
                 assert_eq!(got.resource_version, first_rv, "page {page}");
                 listed.extend(got.items.iter().map(|o| (**o).clone()));
                 let left = (expected.len() - listed.len()) as u64;
-                assert_eq!(got.remaining, (left > 0).then_some(left), "page {page}");
+                // Upstream leaves remainingItemCount unset with a selector.
+                let want = (left > 0 && selector.is_none()).then_some(left);
+                assert_eq!(got.remaining, want, "page {page}");
                 token = got.continue_token;
                 first_token = first_token.or(token.clone());
                 if token.is_none() {
