@@ -55,6 +55,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context as _, bail};
 use aya::Ebpf;
+use aya::maps::{HashMap as BpfHashMap, MapData};
 use aya::programs::{SchedClassifier, Xdp};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::node_path::PROG_TC_EGRESS;
@@ -71,7 +72,7 @@ use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use kproxy_common::counter::{
     FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_NEW_FLOW,
 };
-use kproxy_common::ct::MAP_CT;
+use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_tests::bpf::testrun::run;
 use kproxy_tests::bpf::testrun::run_xdp;
@@ -397,6 +398,21 @@ impl TcBench {
             .collect()
     }
 
+    /// Removes every entry of connection table `map` of `ebpf` (untimed, after a sample that
+    /// created flows): like the anchor harness, which deletes each block's flows, every
+    /// new-flow sample starts from the same table fill and SNAT-port occupancy (inserts into
+    /// a table that only grows touch a never-used element each, and cost up to twice as much
+    /// as inserts that reuse freed ones).
+    fn clear(ebpf: &mut Ebpf, map: &'static str) -> anyhow::Result<()> {
+        let mut ct: BpfHashMap<&mut MapData, CtKey, CtEntry> =
+            BpfHashMap::try_from(ebpf.map_mut(map).with_context(|| format!("no map {map}"))?)?;
+        let keys: Vec<CtKey> = ct.keys().collect::<Result<_, _>>()?;
+        for k in keys {
+            ct.remove(&k)?;
+        }
+        Ok(())
+    }
+
     /// `prog` run once on each frame, `passes` times over all frames, each run paired with a
     /// counter run (`paired`); `check` sees every run's output frame and says whether the run
     /// did what the case names.
@@ -459,8 +475,10 @@ impl TcBench {
     ) -> anyhow::Result<Sample> {
         let passes = (runs / FLOWS).max(1);
         // Frames of fresh flows (and, per flow, its service), taken before entering the netns.
-        let warm_up = if case == "new-flow" {
-            self.flow_frames(SYN)
+        let warm_up: Vec<Vec<u8>> = if case == "new-flow" {
+            (0..WARM_UP_PASSES)
+                .flat_map(|_| self.flow_frames(SYN))
+                .collect()
         } else {
             vec![]
         };
@@ -475,7 +493,7 @@ impl TcBench {
             other => bail!("unknown XDP case {other}"),
         };
         let (ns, ebpf) = (&self.xdp_ns, &mut self.ebpf);
-        ns.run(move || -> anyhow::Result<Sample> {
+        let sample = ns.run(move || -> anyhow::Result<Sample> {
             // The SYN's output: DNATed to the backend (port 8081) and SNATed to NODE_INNER.
             let forwarded = |out: &kproxy_tests::bpf::testrun::TestRunOutcome| {
                 out.verdict == XDP_REDIRECT
@@ -564,7 +582,11 @@ impl TcBench {
                 }
             }
             Ok(paired.sample())
-        })?
+        })?;
+        if case == "new-flow" {
+            Self::clear(&mut self.ebpf, MAP_CT)?;
+        }
+        sample
     }
 
     /// One sample of `case` (see the module docs): about `runs` program runs, one run per
@@ -579,14 +601,16 @@ impl TcBench {
                 // Each SYN opens a new flow only once: fresh flows for every pass, at most 8
                 // passes per sample (keeps the table far from LRU eviction), after an
                 // unrecorded warm-up pass (the harness's).
-                let warm_up = self.flow_frames(SYN);
-                for f in &warm_up {
-                    run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                for _ in 0..WARM_UP_PASSES {
+                    for f in &self.flow_frames(SYN) {
+                        run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    }
                 }
                 for _ in 0..passes.min(8) {
                     let frames = self.flow_frames(SYN);
                     self.single_runs(&mut paired, PROG_TC_INGRESS, &frames, 1, dnated)?;
                 }
+                Self::clear(&mut self.ebpf, MAP_CT)?;
             }
             "established" => {
                 let syns = self.flow_frames(SYN);
@@ -640,6 +664,7 @@ impl TcBench {
                         paired.run(f, || floor_run(&mut self.floor, prog, f, 1))?;
                     }
                 }
+                Self::clear(&mut self.floor, MAP_FLOOR_CT)?;
             }
             "floor-ct-lookup" => {
                 let frames: Vec<Vec<u8>> = self.flow_frames(SYN);
@@ -662,6 +687,10 @@ impl TcBench {
         Ok(paired.sample())
     }
 }
+
+/// Unrecorded passes of new flows (256 each) before a new-flow sample: the first inserts
+/// after other work are slower (the anchor harness warms up with 2,000 flows).
+const WARM_UP_PASSES: usize = 8;
 
 /// Frames timed in repeat mode per sample (each costs [`fine_ns`]'s trials).
 const FINE_FRAMES: usize = 8;
