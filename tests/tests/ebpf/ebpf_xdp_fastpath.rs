@@ -399,15 +399,18 @@ fn fwd_gen(ebpf: &Ebpf) -> u32 {
     a.get(&0, 0).unwrap()
 }
 
-/// Waits (up to [`LIVENESS`]) until the agent-side watcher moved the generation past `old`.
+/// How long a routing change may take to reach the generation (rtnetlink → the watcher).
+const NOTIFIED: Duration = Duration::from_secs(2);
+
+/// The generation once the watcher moved it past `old`, or (not asserted here: the packets
+/// tell) after [`NOTIFIED`].
 fn wait_gen_moved(ebpf: &Ebpf, old: u32) -> u32 {
     let t0 = std::time::Instant::now();
     loop {
         let g = fwd_gen(ebpf);
-        if g != old {
+        if g != old || t0.elapsed() > NOTIFIED {
             return g;
         }
-        assert!(t0.elapsed() < LIVENESS, "KP_FWD_GEN still {old}");
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -476,19 +479,19 @@ fn cached_forwarding_follows_neighbour_and_route_changes() {
     let t0 = std::time::Instant::now();
     let e = loop {
         let e = service_entry(&rig.ebpf, cport);
-        if e.fwd.generation != generation || t0.elapsed() > LIVENESS {
+        if e.fwd.eth[..6] == BOGUS_MAC || t0.elapsed() > NOTIFIED {
             break e;
         }
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(
-        e.fwd.generation, gen2,
-        "refilled under the new generation: {e:?}"
-    );
-    assert_eq!(
         e.fwd.eth[..6],
         BOGUS_MAC,
         "the new neighbour MAC is used: {e:?}"
+    );
+    assert_eq!(
+        e.fwd.generation, gen2,
+        "refilled under the new generation: {e:?}"
     );
     // Restored: the retransmission reaches the backend, the echo comes back.
     node.ip(&[
