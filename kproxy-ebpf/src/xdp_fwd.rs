@@ -255,13 +255,24 @@ fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain)
 }
 
 /// Caches FIB answer `f` (and `eth`, from it) with the rewritten source `src` in `e` under
-/// generation `generation` (read before the lookup), for frames like `h` from `in_if`. Both devices
-/// are fast-path devices, so their ifindex fits the cache's `u16`.
+/// generation `generation` (read before the lookup), for frames like `h` from `in_if`. Both
+/// devices are fast-path devices, so their ifindex fits the cache's `u16`.
 #[inline(always)]
-fn fill(e: *mut CtEntry, generation: u32, in_if: u32, h: &Plain, f: &FibParams, eth: &[u8; 12], src: (u32, u16)) {
-    // SAFETY: lookup result. Written whole, the generation last: a packet of the flow on
-    // another CPU sees the old generation (full path) or the whole new answer. (Two CPUs
-    // filling one entry at once both write what the FIB answered under `generation`.)
+fn fill(
+    e: *mut CtEntry,
+    generation: u32,
+    in_if: u32,
+    h: &Plain,
+    f: &FibParams,
+    eth: &[u8; 12],
+    src: (u32, u16),
+) {
+    // SAFETY: lookup result. The generation is written last (volatile), so a packet of the
+    // flow on another CPU that finds it current finds the answer written before it. Not
+    // guarded: two CPUs filling one entry at once (packets of one flow on two CPUs while its
+    // cache is stale), which write the same answer unless their frames differ in ingress
+    // device or TOS; a mix of both then lasts until the next routing change. RSS keeps a
+    // flow's packets on one CPU.
     unsafe {
         (*e).snat_addr = src.0;
         (*e).snat_port = src.1;
