@@ -460,7 +460,11 @@ mod tests {
     #[test]
     fn types_have_no_implicit_padding() {
         assert_eq!(size_of::<CtKey>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntry>(), 4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<FwdCache>(), 4 + 2 + 2 + 2 + 1 + 1 + 12);
+        assert_eq!(
+            size_of::<CtEntry>(),
+            4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2 + size_of::<FwdCache>()
+        );
         assert_eq!(size_of::<NatConfig>(), 8);
         assert_eq!(size_of::<NodeAddr4>(), 4);
     }
