@@ -302,6 +302,9 @@ pub fn markdown(results: &Results) -> String {
             continue;
         }
         let _ = writeln!(md, "## {title}\n");
+        if group == "packet" {
+            let _ = writeln!(md, "{}\n", super::packet::METHOD);
+        }
         if !figs.is_empty() {
             let _ = writeln!(
                 md,

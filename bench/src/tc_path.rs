@@ -55,7 +55,8 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use anyhow::{Context as _, bail};
 use aya::Ebpf;
-use aya::programs::SchedClassifier;
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use aya::programs::{SchedClassifier, Xdp};
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::ebpf::node_path::PROG_TC_EGRESS;
 use kproxy::dataplane::ebpf::node_path::PROG_TC_INGRESS;
@@ -71,13 +72,15 @@ use kproxy::model::{ChangedSet, IpFamily, Snapshot, testing};
 use kproxy_common::counter::{
     FLOOR_PROGRAMS, MAP_FLOOR_CT, PROG_FLOOR_CT_INSERT, PROG_FLOOR_CT_LOOKUP, PROG_FLOOR_NEW_FLOW,
 };
-use kproxy_common::ct::MAP_CT;
+use kproxy_common::ct::{CtEntry, CtKey, MAP_CT};
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_tests::bpf::testrun::run;
 use kproxy_tests::bpf::testrun::run_xdp;
 use nix::net::if_::if_nametoindex;
 
 use kproxy_tests::netns::{Bpffs, Netns};
+
+use super::packet::{Paired, Sample, fine_ns};
 
 /// The cases measured, in report order.
 pub const CASES: [&str; 4] = ["new-flow", "established", "miss", "reverse-nat"];
@@ -101,10 +104,11 @@ pub const FLOOR_CASES: [&str; 3] = ["floor-ct-lookup", "floor-ct-insert", "floor
 /// `XDP_REDIRECT` with a translated frame and valid checksums:
 /// - `new-flow`: the SYN of a flow the table has not seen (backend choice, CT entries, SNAT
 ///   port, FIB, rewrite), one run per test run;
-/// - `established`: an ACK of a flow XDP started (DNAT + SNAT from CT), one run per test run
-///   (its output is no longer a client packet);
-/// - `reverse`: the backend's reply to the SNAT address (reverse SNAT + reverse DNAT), one
-///   run per test run;
+/// - `established`: an ACK of a flow XDP started (DNAT + SNAT from CT and the flow's
+///   forwarding cache, filled by an unrecorded first ACK), one run per test run (its output
+///   is no longer a client packet);
+/// - `reverse`: the backend's ACK to the SNAT address (reverse SNAT + reverse DNAT, from the
+///   reply direction's cache), one run per test run;
 /// - `miss`: not a frontend (passed after the frontend filter, and the frontend lookups its
 ///   false positives let through), `repeat` runs per test run.
 pub const XDP_CASES: [&str; 4] = ["new-flow", "established", "reverse", "miss"];
@@ -238,6 +242,8 @@ pub struct TcBench {
     ebpf: Ebpf,
     floor: Ebpf,
     _tc: TcPath,
+    /// Kept: its forwarding-cache generation follows [`TcBench::xdp_ns`] (caching on).
+    _xdp: XdpPath,
     _dp: ServiceMaps,
     _bpffs: Bpffs,
     /// Where XDP test runs happen (default route via [`NEXT_HOP`] on [`XDP_EGRESS`]).
@@ -337,7 +343,7 @@ impl TcBench {
         };
         let mut ebpf = load_object(&pins, &tc_cfg)?;
         let tc = TcPath::load(&mut ebpf, tc_cfg)?;
-        XdpPath::load(&mut ebpf)?;
+        let mut xdp = XdpPath::load(&mut ebpf)?;
         // The floors run from an instance of their own, whose floor table gets the
         // connection table's size (the object declares it small, see `MAP_FLOOR_CT`).
         let mut floor = kproxy::dataplane::ebpf::object::load_tools(&LoadOptions {
@@ -361,6 +367,8 @@ impl TcBench {
             // Test runs arrive on `lo`; both it and the egress device are fast-path devices.
             XdpPath::set_fast_path(&mut ebpf, "lo", true)?;
             XdpPath::set_fast_path(&mut ebpf, XDP_EGRESS, true)?;
+            // The forwarding caches, as on an attached node (test runs need no attach).
+            xdp.cache_routes(&ebpf)?;
             Ok(if_nametoindex(XDP_EGRESS)?)
         })??;
         TcPath::set_node_addresses(&mut ebpf, &[(1, NODE_INNER), (egress, NODE_INNER)])?;
@@ -368,6 +376,7 @@ impl TcBench {
             ebpf,
             floor,
             _tc: tc,
+            _xdp: xdp,
             _dp: dp,
             _bpffs: bpffs,
             xdp_ns,
@@ -389,67 +398,102 @@ impl TcBench {
             .collect()
     }
 
-    /// Average ns per run of `prog` run once on each frame, `passes` times over all frames;
-    /// `check` sees every run's output frame and says whether the run did what the case names.
+    /// Removes every entry of connection table `map` of `ebpf` (untimed, after a sample that
+    /// created flows): like the anchor harness, which deletes each block's flows, every
+    /// new-flow sample starts from the same table fill and SNAT-port occupancy (inserts into
+    /// a table that only grows touch a never-used element each, and cost up to twice as much
+    /// as inserts that reuse freed ones).
+    fn clear(ebpf: &mut Ebpf, map: &'static str) -> anyhow::Result<()> {
+        let mut ct: BpfHashMap<&mut MapData, CtKey, CtEntry> =
+            BpfHashMap::try_from(ebpf.map_mut(map).with_context(|| format!("no map {map}"))?)?;
+        let keys: Vec<CtKey> = ct.keys().collect::<Result<_, _>>()?;
+        for k in keys {
+            ct.remove(&k)?;
+        }
+        Ok(())
+    }
+
+    /// `prog` run once on each frame, `passes` times over all frames, each run paired with a
+    /// counter run (`paired`); `check` sees every run's output frame and says whether the run
+    /// did what the case names.
     fn single_runs(
         &mut self,
+        paired: &mut Paired<'_>,
         prog: &'static str,
         frames: &[Vec<u8>],
         passes: u32,
         check: impl Fn(&[u8]) -> bool,
-    ) -> anyhow::Result<f64> {
-        let mut total = 0.0;
-        let mut runs = 0u32;
+    ) -> anyhow::Result<()> {
         for _ in 0..passes.max(1) {
             for f in frames {
-                let out = run(&mut self.ebpf, prog, f, 1)?;
-                if !check(&out.frame) {
-                    bail!("{prog}: unexpected output for {:?}", addrs(f));
-                }
-                total += out.duration.as_nanos() as f64;
-                runs += 1;
+                paired.run(f, || {
+                    let out = run(&mut self.ebpf, prog, f, 1)?;
+                    if !check(&out.frame) {
+                        bail!("{prog}: unexpected output for {:?}", addrs(f));
+                    }
+                    Ok(out.duration)
+                })?;
             }
         }
-        Ok(total / f64::from(runs))
+        Ok(())
     }
 
-    /// Average ns per run of `prog` run `repeat` times per test run on each frame, `passes`
-    /// times over all frames.
+    /// ns per run of `prog` in repeat mode ([`fine_ns`], `repeat` repetitions) on each frame,
+    /// averaged over the frames; `check` sees every test run's output.
     fn repeated(
         &mut self,
         prog: &'static str,
         frames: &[Vec<u8>],
         repeat: u32,
         check: impl Fn(&[u8]) -> bool,
-    ) -> anyhow::Result<f64> {
+    ) -> anyhow::Result<Sample> {
         let mut total = 0.0;
         for f in frames {
-            let out = run(&mut self.ebpf, prog, f, repeat)?;
-            if !check(&out.frame) {
-                bail!("{prog}: unexpected output for {:?}", addrs(f));
-            }
-            total += out.duration.as_nanos() as f64;
+            total += fine_ns(repeat, |n| {
+                let out = run(&mut self.ebpf, prog, f, n)?;
+                if !check(&out.frame) {
+                    bail!("{prog}: unexpected output for {:?}", addrs(f));
+                }
+                Ok(())
+            })?;
         }
-        Ok(total / frames.len() as f64)
+        Ok(Sample {
+            value: total / frames.len() as f64,
+            counter: None,
+        })
     }
 
-    /// One sample of the XDP program's `case` ([`XDP_CASES`]): about `runs` program runs in
-    /// all (one test run each, or `repeat` runs per test run for `miss`).
-    pub fn xdp_sample(&mut self, case: &str, runs: u32, repeat: u32) -> anyhow::Result<f64> {
+    /// One sample of the XDP program's `case` ([`XDP_CASES`]): about `runs` program runs,
+    /// each one run per frame paired with a run of `counter`, or (`miss`) repeat mode with
+    /// `repeat` repetitions ([`super::packet::METHOD`]).
+    pub fn xdp_sample(
+        &mut self,
+        case: &str,
+        runs: u32,
+        repeat: u32,
+        counter: &Xdp,
+    ) -> anyhow::Result<Sample> {
         let passes = (runs / FLOWS).max(1);
         // Frames of fresh flows (and, per flow, its service), taken before entering the netns.
+        let warm_up: Vec<Vec<u8>> = if case == "new-flow" {
+            (0..WARM_UP_PASSES)
+                .flat_map(|_| self.flow_frames(SYN))
+                .collect()
+        } else {
+            vec![]
+        };
         let fresh: Vec<Vec<u8>> = match case {
             "new-flow" => (0..passes.min(4))
                 .flat_map(|_| self.flow_frames(SYN))
                 .collect(),
             "established" | "reverse" => self.flow_frames(SYN),
-            "miss" => (0..FLOWS)
+            "miss" => (0..4)
                 .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
                 .collect(),
             other => bail!("unknown XDP case {other}"),
         };
         let (ns, ebpf) = (&self.xdp_ns, &mut self.ebpf);
-        ns.run(move || -> anyhow::Result<f64> {
+        let sample = ns.run(move || -> anyhow::Result<Sample> {
             // The SYN's output: DNATed to the backend (port 8081) and SNATed to NODE_INNER.
             let forwarded = |out: &kproxy_tests::bpf::testrun::TestRunOutcome| {
                 out.verdict == XDP_REDIRECT
@@ -457,17 +501,22 @@ impl TcBench {
                     && addrs(&out.frame).0.0 == NODE_INNER
                     && checksums_ok(&out.frame)
             };
-            let mut total = 0.0;
-            let mut n = 0u32;
+            let mut paired = Paired::new(counter);
             match case {
                 "new-flow" => {
+                    // Unrecorded first: the first inserts after other work are slower
+                    // (the harness's warm-up).
+                    for f in &warm_up {
+                        run_xdp(ebpf, f, 1)?;
+                    }
                     for f in &fresh {
-                        let out = run_xdp(ebpf, f, 1)?;
-                        if !forwarded(&out) {
-                            bail!("kp_xdp did not forward the new flow {:?}", addrs(f));
-                        }
-                        total += out.duration.as_nanos() as f64;
-                        n += 1;
+                        paired.run(f, || {
+                            let out = run_xdp(ebpf, f, 1)?;
+                            if !forwarded(&out) {
+                                bail!("kp_xdp did not forward the new flow {:?}", addrs(f));
+                            }
+                            Ok(out.duration)
+                        })?;
                     }
                 }
                 "established" | "reverse" => {
@@ -481,70 +530,92 @@ impl TcBench {
                         frames.push(if case == "established" {
                             tcp_frame(src, dst, ACK)
                         } else {
+                            // An established flow's reply (the harness's `rev_1`): a
+                            // SYN-ACK would take the full path (no forwarding cache).
                             let (snat, backend) = addrs(&out.frame);
-                            tcp_frame(backend, snat, SYN | ACK)
+                            tcp_frame(backend, snat, ACK)
                         });
+                    }
+                    // Unrecorded first packets: an established flow's first ACK fills its
+                    // forwarding cache, a reply its reply cache.
+                    for f in &frames {
+                        run_xdp(ebpf, f, 1)?;
                     }
                     for _ in 0..passes {
                         for (f, syn) in frames.iter().zip(&fresh) {
-                            let out = run_xdp(ebpf, f, 1)?;
-                            let ok = if case == "established" {
-                                forwarded(&out)
-                            } else {
-                                // Back to the client, from the frontend.
-                                let (client, frontend) = addrs(syn);
-                                out.verdict == XDP_REDIRECT
-                                    && addrs(&out.frame) == (frontend, client)
-                                    && checksums_ok(&out.frame)
-                            };
-                            if !ok {
-                                bail!("kp_xdp did not forward {case} {:?}", addrs(f));
-                            }
-                            total += out.duration.as_nanos() as f64;
-                            n += 1;
+                            paired.run(f, || {
+                                let out = run_xdp(ebpf, f, 1)?;
+                                let ok = if case == "established" {
+                                    forwarded(&out)
+                                } else {
+                                    // Back to the client, from the frontend.
+                                    let (client, frontend) = addrs(syn);
+                                    out.verdict == XDP_REDIRECT
+                                        && addrs(&out.frame) == (frontend, client)
+                                        && checksums_ok(&out.frame)
+                                };
+                                if !ok {
+                                    bail!("kp_xdp did not forward {case} {:?}", addrs(f));
+                                }
+                                Ok(out.duration)
+                            })?;
                         }
                     }
                 }
                 _ => {
-                    // miss: never rewritten, so `repeat` runs per test run; a few frames (an
-                    // XDP test run with repeat > 1 swaps the program into the dispatcher).
-                    for f in fresh.iter().take(32) {
-                        let out = run_xdp(ebpf, f, repeat.max(1))?;
-                        if out.verdict != XDP_PASS || out.frame != *f {
-                            bail!("kp_xdp did not pass {:?} unchanged", addrs(f));
-                        }
-                        total += out.duration.as_nanos() as f64;
-                        n += 1;
+                    // miss: never rewritten, so repeat mode (each XDP test run with
+                    // repeat > 1 swaps the program into the dispatcher: a few frames).
+                    let mut total = 0.0;
+                    for f in &fresh {
+                        total += fine_ns(repeat, |n| {
+                            let out = run_xdp(ebpf, f, n)?;
+                            if out.verdict != XDP_PASS || out.frame != *f {
+                                bail!("kp_xdp did not pass {:?} unchanged", addrs(f));
+                            }
+                            Ok(())
+                        })?;
                     }
+                    return Ok(Sample {
+                        value: total / fresh.len() as f64,
+                        counter: None,
+                    });
                 }
             }
-            Ok(total / f64::from(n.max(1)))
-        })?
+            Ok(paired.sample())
+        })?;
+        if case == "new-flow" {
+            Self::clear(&mut self.ebpf, MAP_CT)?;
+        }
+        sample
     }
 
-    /// One sample of `case` (see the module docs): about `runs` program runs in all.
-    pub fn sample(&mut self, case: &str, runs: u32) -> anyhow::Result<f64> {
-        // One test run per frame per pass; an odd repeat count so that an established flow's
-        // output is the DNATed packet.
+    /// One sample of `case` (see the module docs): about `runs` program runs, one run per
+    /// frame paired with a run of `counter`, or repeat mode with `runs` repetitions
+    /// ([`single_run`], [`super::packet::METHOD`]).
+    pub fn sample(&mut self, case: &str, runs: u32, counter: &Xdp) -> anyhow::Result<Sample> {
         let passes = (runs / FLOWS).max(1);
-        let repeat = (runs / FLOWS).max(1) | 1;
         let dnated = |f: &[u8]| addrs(f).1.1 == 8081;
+        let mut paired = Paired::new(counter);
         match case {
             "new-flow" => {
                 // Each SYN opens a new flow only once: fresh flows for every pass, at most 8
-                // passes per sample (keeps the table far from LRU eviction).
-                let passes = passes.min(8);
-                let mut total = 0.0;
-                for _ in 0..passes {
-                    let frames = self.flow_frames(SYN);
-                    total += self.single_runs(PROG_TC_INGRESS, &frames, 1, dnated)?;
+                // passes per sample (keeps the table far from LRU eviction), after an
+                // unrecorded warm-up pass (the harness's).
+                for _ in 0..WARM_UP_PASSES {
+                    for f in &self.flow_frames(SYN) {
+                        run(&mut self.ebpf, PROG_TC_INGRESS, f, 1)?;
+                    }
                 }
-                Ok(total / f64::from(passes))
+                for _ in 0..passes.min(8) {
+                    let frames = self.flow_frames(SYN);
+                    self.single_runs(&mut paired, PROG_TC_INGRESS, &frames, 1, dnated)?;
+                }
+                Self::clear(&mut self.ebpf, MAP_CT)?;
             }
             "established" => {
                 let syns = self.flow_frames(SYN);
                 let mut acks = vec![];
-                for f in &syns {
+                for f in syns.iter().take(FINE_FRAMES) {
                     // Two runs: the flow to ext:80, then (its output) the flow to cip:8081.
                     let out = run(&mut self.ebpf, PROG_TC_INGRESS, f, 2)?;
                     if addrs(&out.frame).1 != addrs(f).1 {
@@ -553,15 +624,13 @@ impl TcBench {
                     let (src, dst) = addrs(f);
                     acks.push(tcp_frame(src, dst, ACK));
                 }
-                self.repeated(PROG_TC_INGRESS, &acks, repeat, dnated)
+                return self.repeated(PROG_TC_INGRESS, &acks, runs, dnated);
             }
             "miss" => {
-                let frames: Vec<Vec<u8>> = (0..FLOWS)
+                let frames: Vec<Vec<u8>> = (0..FINE_FRAMES)
                     .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
                     .collect();
-                self.repeated(PROG_TC_INGRESS, &frames, repeat, |f| {
-                    addrs(f).1 == (NODE, 22)
-                })
+                return self.repeated(PROG_TC_INGRESS, &frames, runs, |f| addrs(f).1 == (NODE, 22));
             }
             "reverse-nat" => {
                 let syns = self.flow_frames(SYN);
@@ -575,10 +644,10 @@ impl TcBench {
                     }
                     replies.push(tcp_frame(dst, src, SYN | ACK));
                 }
-                self.single_runs(PROG_TC_INGRESS, &replies, passes, |f| {
+                self.single_runs(&mut paired, PROG_TC_INGRESS, &replies, passes, |f| {
                     // Back to a client (all in CLIENT's /24), never to the SNAT address.
                     u32::from(addrs(f).1.0) & 0xffff_ff00 == u32::from(CLIENT) & 0xffff_ff00
-                })
+                })?;
             }
             "floor-ct-insert" | "floor-new-flow" => {
                 let prog = if case == "floor-ct-insert" {
@@ -586,41 +655,59 @@ impl TcBench {
                 } else {
                     PROG_FLOOR_NEW_FLOW
                 };
-                let passes = passes.min(8);
-                let mut total = 0.0;
-                for _ in 0..passes {
-                    let frames = self.flow_frames(SYN);
-                    total += self.floor_runs(prog, &frames, 1)?;
+                for f in &self.flow_frames(SYN) {
+                    floor_run(&mut self.floor, prog, f, 1)?;
                 }
-                Ok(total / f64::from(passes))
+                for _ in 0..passes.min(8) {
+                    let frames = self.flow_frames(SYN);
+                    for f in &frames {
+                        paired.run(f, || floor_run(&mut self.floor, prog, f, 1))?;
+                    }
+                }
+                Self::clear(&mut self.floor, MAP_FLOOR_CT)?;
             }
             "floor-ct-lookup" => {
-                let frames = self.flow_frames(SYN);
-                self.floor_runs(PROG_FLOOR_CT_INSERT, &frames, 1)?;
-                self.floor_runs(PROG_FLOOR_CT_LOOKUP, &frames, repeat)
+                let frames: Vec<Vec<u8>> = self.flow_frames(SYN);
+                for f in &frames {
+                    floor_run(&mut self.floor, PROG_FLOOR_CT_INSERT, f, 1)?;
+                }
+                let mut total = 0.0;
+                for f in frames.iter().take(FINE_FRAMES) {
+                    total += fine_ns(runs, |n| {
+                        floor_run(&mut self.floor, PROG_FLOOR_CT_LOOKUP, f, n).map(|_| ())
+                    })?;
+                }
+                return Ok(Sample {
+                    value: total / FINE_FRAMES as f64,
+                    counter: None,
+                });
             }
             other => bail!("unknown TC case {other}"),
         }
+        Ok(paired.sample())
     }
+}
 
-    /// Average ns per run of floor program `prog`, `repeat` runs per test run on each frame;
-    /// every test run must return `TC_ACT_OK` (inserted / found).
-    fn floor_runs(
-        &mut self,
-        prog: &'static str,
-        frames: &[Vec<u8>],
-        repeat: u32,
-    ) -> anyhow::Result<f64> {
-        let mut total = 0.0;
-        for f in frames {
-            let out = run(&mut self.floor, prog, f, repeat)?;
-            if out.verdict != 0 {
-                bail!("{prog}: verdict {} for {:?}", out.verdict, addrs(f));
-            }
-            total += out.duration.as_nanos() as f64;
-        }
-        Ok(total / frames.len() as f64)
+/// Unrecorded passes of new flows (256 each) before a new-flow sample: the first inserts
+/// after other work are slower (the anchor harness warms up with 2,000 flows).
+const WARM_UP_PASSES: usize = 8;
+
+/// Frames timed in repeat mode per sample (each costs [`fine_ns`]'s trials).
+const FINE_FRAMES: usize = 8;
+
+/// One test run of floor program `prog` on `frame` (`repeat` repetitions), which must return
+/// `TC_ACT_OK` (inserted / found); its kernel `duration`.
+fn floor_run(
+    floor: &mut Ebpf,
+    prog: &'static str,
+    frame: &[u8],
+    repeat: u32,
+) -> anyhow::Result<std::time::Duration> {
+    let out = run(floor, prog, frame, repeat)?;
+    if out.verdict != 0 {
+        bail!("{prog}: verdict {} for {:?}", out.verdict, addrs(frame));
     }
+    Ok(out.duration)
 }
 
 #[cfg(test)]

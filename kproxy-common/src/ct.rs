@@ -73,6 +73,10 @@ pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
 /// (node NICs are created at boot and have small ones; pod veths, which churn ifindexes
 /// upward, are no fast-path devices anyway).
 pub const XDP_FWD_DEVS_MAX: u32 = 16_384;
+/// `Array<u32>` of one entry, not pinned (one per loaded object, like
+/// [`MAP_XDP_FWD_DEVS`]): the generation of the routing state the XDP fast path's forwarding
+/// caches ([`FwdCache`]) must match; 0 (never written) turns the caches off.
+pub const MAP_FWD_GEN: &str = "KP_FWD_GEN";
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
 /// Fully closed TCP flows (FIN both ways) stay this long: the kernel's
@@ -265,11 +269,46 @@ pub struct CtEntry {
     pub last_seen_ns: u64,
     /// In the [`CtKind::RevDnat`] entry of a flow with [`CT_F_SNAT_HERE`]: the SNAT source
     /// `N` of the flow's packets to its backend (network order), 0 until the first one leaves
-    /// and allocates it. Copied unchanged into the flow's other entries, 0 elsewhere.
+    /// and allocates it (the authoritative copy). Elsewhere a copy kept beside a forwarding
+    /// cache ([`Self::fwd`], written by the XDP fast path only; 0 until then): in the
+    /// [`CtKind::Service`] entry the same SNAT source, in the [`CtKind::SnatIn`] entry the
+    /// flow's frontend `F` (the source a reply gets).
     pub snat_addr: u32,
-    /// The SNAT port `np` (network order) beside [`Self::snat_addr`].
+    /// The port beside [`Self::snat_addr`] (`np`, or `fp` in a `SnatIn` entry), network order.
     pub snat_port: u16,
     pub _pad: u16,
+    /// The XDP fast path's forwarding result for the packets this entry translates
+    /// ([`FwdCache`]; appended in 2026-11, zero in entries carried over from older pins).
+    pub fwd: FwdCache,
+}
+
+/// What `bpf_fib_lookup` answered for a flow's packets in one direction, cached in the entry
+/// the XDP fast path looks up first for them (the `Service` entry client → backend, the
+/// `SnatIn` entry backend → client) so that later packets skip the lookup (and the second
+/// connection-table lookup: the rewritten source sits beside it in
+/// [`CtEntry::snat_addr`]).
+///
+/// Valid only while [`Self::generation`] equals the value in [`MAP_FWD_GEN`], which the agent sets
+/// to a fresh random value when it loads the programs and changes on every routing,
+/// neighbour, address, rule or link change it is told about (rtnetlink), and only for a
+/// frame with the same ingress device and TOS and a length within [`Self::mtu`]. Packets
+/// with SYN, FIN or RST always take the full path (they update every entry's close state).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FwdCache {
+    /// [`MAP_FWD_GEN`]'s value when the lookup was made (read before it); 0: nothing cached.
+    pub generation: u32,
+    /// The lookup's ingress device (fast-path devices have ifindex < [`XDP_FWD_DEVS_MAX`]).
+    pub in_ifindex: u16,
+    /// The egress device it answered.
+    pub out_ifindex: u16,
+    /// The egress MTU it answered (a longer frame takes the full path, which passes it).
+    pub mtu: u16,
+    /// The lookup's TOS.
+    pub tos: u8,
+    pub _pad: u8,
+    /// Destination then source MAC: the frame's first 12 bytes.
+    pub eth: [u8; 12],
 }
 
 /// Value of [`MAP_NAT_CONFIG`].
@@ -421,7 +460,11 @@ mod tests {
     #[test]
     fn types_have_no_implicit_padding() {
         assert_eq!(size_of::<CtKey>(), 4 + 4 + 2 + 2 + 1 + 1 + 2);
-        assert_eq!(size_of::<CtEntry>(), 4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2);
+        assert_eq!(size_of::<FwdCache>(), 4 + 2 + 2 + 2 + 1 + 1 + 12);
+        assert_eq!(
+            size_of::<CtEntry>(),
+            4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2 + size_of::<FwdCache>()
+        );
         assert_eq!(size_of::<NatConfig>(), 8);
         assert_eq!(size_of::<NodeAddr4>(), 4);
     }

@@ -27,7 +27,7 @@ use aya_ebpf::{
 };
 use kproxy_common::ct::{
     CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
-    NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
+    FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
@@ -147,12 +147,15 @@ pub(crate) fn in_snat_range(port: u16) -> bool {
 /// The backend a new flow of `svc` from `p`'s client goes to: the client's affinity entry
 /// when the service has ClientIP affinity and it is fresh, else (IPv4) the Maglev choice, else a
 /// random slot. Records the choice for affinity. `None`: no backend (slot or backend entry
-/// missing, or not of the family). The caller ensures `svc.count != 0`.
+/// missing, or not of the family). The caller ensures `svc.count != 0`. `rnd`: a random
+/// number the caller already drew for this flow (see [`prandom`]); `None`: drawn here when
+/// needed.
 #[inline(always)]
 pub(crate) fn choose_backend_in<F: Family>(
     svc: &ServiceValue,
     p: &F::Packet,
     ts: u64,
+    rnd: Option<u32>,
 ) -> Option<(u32, BackendValue)> {
     let (saddr, daddr, sport, dport, proto) = F::tuple(p);
     let aff_key = AffinityKey {
@@ -183,8 +186,7 @@ pub(crate) fn choose_backend_in<F: Family>(
         backend = unsafe { KP_BACKENDS.get(backend_id) }.copied();
     }
     if backend.is_none() {
-        // SAFETY: helper without arguments.
-        let slot = unsafe { bpf_get_prandom_u32() } % svc.count;
+        let slot = rnd.unwrap_or_else(prandom) % svc.count;
         let slot_key = BackendSlotKey {
             svc_id: svc.svc_id,
             slot,
@@ -215,8 +217,29 @@ pub(crate) fn choose_backend(
     svc: &ServiceValue,
     p: &Packet,
     ts: u64,
+    rnd: Option<u32>,
 ) -> Option<(u32, BackendValue)> {
-    choose_backend_in::<V4>(svc, p, ts)
+    choose_backend_in::<V4>(svc, p, ts, rnd)
+}
+
+/// `bpf_get_prandom_u32`.
+#[inline(always)]
+pub(crate) fn prandom() -> u32 {
+    // SAFETY: helper without arguments.
+    unsafe { bpf_get_prandom_u32() }
+}
+
+/// A second random number from one already used (MurmurHash3's 32-bit finalizer, a
+/// bijection that spreads every input bit): one `bpf_get_prandom_u32` call serves both a new
+/// flow's backend slot and its SNAT port, without tying the port to the slot (the slot is
+/// the first number modulo the backend count, which may divide the port range).
+#[inline(always)]
+pub(crate) fn remix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
 }
 
 /// Records a new flow `p` (`C:cp → F:fp`) of `svc` to backend `backend_id`/`be`: its
@@ -232,7 +255,22 @@ pub(crate) fn create_flow_in<F: Family>(
     be: &BackendValue,
     ts: u64,
 ) -> Result<(F::Addr, u16), ()> {
-    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
+    let (be_addr, flags, entry) = flow_entry_in::<F>(p, svc, backend_id, be, ts);
+    insert_flow_in::<F>(p, be_addr, be.port, entry)?;
+    Ok((be_addr, flags))
+}
+
+/// A new flow's backend address, `CT_F_*` flags and `Service` entry (the template of its
+/// other entries), as [`create_flow_in`] records them.
+#[inline(always)]
+pub(crate) fn flow_entry_in<F: Family>(
+    p: &F::Packet,
+    svc: &ServiceValue,
+    backend_id: u32,
+    be: &BackendValue,
+    ts: u64,
+) -> (F::Addr, u16, F::Entry) {
+    let (saddr, _, _, _, _) = F::tuple(p);
     let be_addr = F::backend_addr(&be.addr);
     let local = be.flags & BE_F_LOCAL != 0;
     // Upstream masquerades external traffic with eTP=Cluster. A local backend answers
@@ -247,19 +285,32 @@ pub(crate) fn create_flow_in<F: Family>(
     if local {
         flags |= CT_F_LOCAL_BACKEND;
     }
-    let mut entry = F::entry(be_addr, be.port, flags, backend_id, svc.svc_id, ts);
+    (
+        be_addr,
+        flags,
+        F::entry(be_addr, be.port, flags, backend_id, svc.svc_id, ts),
+    )
+}
+
+/// Inserts a new flow's `Service` entry `entry` (for `p`, to backend `be_addr:be_port`) and
+/// its `RevDnat` entry (the same with the frontend as NAT address). `Err`: an insert failed.
+#[inline(always)]
+pub(crate) fn insert_flow_in<F: Family>(
+    p: &F::Packet,
+    be_addr: F::Addr,
+    be_port: u16,
+    mut entry: F::Entry,
+) -> Result<(), ()> {
+    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
     // One key and one entry, rewritten for each insert (the IPv6 programs' stack is tight).
     let mut k = F::key(saddr, daddr, sport, dport, proto, CtKind::Service);
     let mut ok = F::ct().insert(&k, &entry, 0).is_ok();
     // Reply: B:bp → C:cp; forwarded packets C:cp → B:bp find it reversed and take their SNAT
     // source from it, allocated once the egress device is known.
-    k = F::key(be_addr, saddr, be.port, sport, proto, CtKind::RevDnat);
+    k = F::key(be_addr, saddr, be_port, sport, proto, CtKind::RevDnat);
     entry = F::with_nat(&entry, daddr, dport);
     ok &= F::ct().insert(&k, &entry, 0).is_ok();
-    if !ok {
-        return Err(());
-    }
-    Ok((be_addr, flags))
+    if ok { Ok(()) } else { Err(()) }
 }
 
 /// What [`create_flow`] recorded for a new flow.
@@ -267,8 +318,6 @@ pub(crate) struct NewFlow {
     /// The backend (network order).
     pub be_addr: u32,
     pub be_port: u16,
-    /// `CT_F_*` of the flow's entries.
-    pub flags: u16,
 }
 
 /// [`create_flow_in`] for IPv4.
@@ -280,11 +329,10 @@ pub(crate) fn create_flow(
     be: &BackendValue,
     ts: u64,
 ) -> Result<NewFlow, ()> {
-    let (be_addr, flags) = create_flow_in::<V4>(p, svc, backend_id, be, ts)?;
+    let (be_addr, _) = create_flow_in::<V4>(p, svc, backend_id, be, ts)?;
     Ok(NewFlow {
         be_addr,
         be_port: be.port,
-        flags,
     })
 }
 
@@ -423,6 +471,7 @@ impl Family for V4 {
             snat_addr: 0,
             snat_port: 0,
             _pad: 0,
+            fwd: FwdCache::default(),
         }
     }
 
@@ -583,6 +632,7 @@ pub(crate) fn allocate_port_in<F: Family>(
     proto: u8,
     node: F::Addr,
     template: &F::Entry,
+    rnd: Option<u32>,
 ) -> Option<u16> {
     // SAFETY: lookup result, read by value.
     let cfg = KP_NAT_CFG.get(0).copied().unwrap_or_default();
@@ -596,8 +646,7 @@ pub(crate) fn allocate_port_in<F: Family>(
         // which the verifier would reject.
         return None;
     }
-    // SAFETY: helper without arguments.
-    let rnd = unsafe { bpf_get_prandom_u32() };
+    let rnd = rnd.unwrap_or_else(prandom);
     let sp = F::port_search()?;
     // SAFETY: this CPU's scratch value; programs are not preempted on a CPU, and a bpf_loop
     // callback runs on the same CPU before `bpf_loop` returns.
@@ -688,6 +737,11 @@ extern "C" fn sweep_step<F: Family>(i: u64, _ctx: *mut c_void) -> i64 {
 
 /// [`allocate_port_in`] for an IPv4 packet `p` (`C:cp → B:bp`).
 #[inline(always)]
-pub(crate) fn allocate_port(p: &Packet, node: u32, template: &CtEntry) -> Option<u16> {
-    allocate_port_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template)
+pub(crate) fn allocate_port(
+    p: &Packet,
+    node: u32,
+    template: &CtEntry,
+    rnd: Option<u32>,
+) -> Option<u16> {
+    allocate_port_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template, rnd)
 }

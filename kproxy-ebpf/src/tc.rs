@@ -266,7 +266,7 @@ fn new_flow(ctx: &mut TcContext, p: &Packet, svc: &ServiceValue) -> Result<Verdi
         return Ok(udp_unreachable(ctx, p).unwrap_or(DROP));
     }
     let ts = now();
-    let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
+    let Some((backend_id, be)) = choose_backend(svc, p, ts, None) else {
         return Ok(DROP);
     };
     let Ok(NewFlow {
@@ -311,7 +311,7 @@ fn egress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         addr = node.addr;
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*e };
-        port = match allocate_port(p, addr, template) {
+        port = match allocate_port(p, addr, template, None) {
             Some(port) => port,
             None => {
                 stat(TcStat::SnatExhausted);

@@ -284,7 +284,7 @@ fn new_flow6_inner(ctx: &mut TcContext, p: &Packet6, svc: &ServiceValue) -> Resu
         return Ok(DROP);
     }
     let ts = now();
-    let Some((backend_id, be)) = choose_backend_in::<V6>(svc, p, ts) else {
+    let Some((backend_id, be)) = choose_backend_in::<V6>(svc, p, ts, None) else {
         return Ok(DROP);
     };
     if create_flow_in::<V6>(p, svc, backend_id, &be, ts).is_err() {
@@ -325,7 +325,7 @@ fn egress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*e };
         port = match allocate_port_in::<V6>(
-            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, template,
+            p.saddr, p.daddr, p.sport, p.dport, p.proto, addr, template, None,
         ) {
             Some(port) => port,
             None => {

@@ -80,7 +80,7 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         };
         // SAFETY: lookup result, read by value.
         let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
-        return forward(&ctx, &p, &h, (addr, port), flags, Some(e));
+        return forward(&ctx, &p, &h, (addr, port), flags, e);
     }
     let Some(svc) = new_flow_entry(&p, c) else {
         return xdp_action::XDP_PASS;

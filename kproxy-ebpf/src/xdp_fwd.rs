@@ -19,6 +19,20 @@
 //! close state: FIN per direction, RST, SYN reopening) exactly like TC does, so the agent's
 //! expiry and purge keep working.
 //!
+//! **Forwarding cache.** The FIB's answer (egress device, MTU, MACs) and the rewritten source
+//! are kept in the entry looked up first for the direction (`Service`, `SnatIn`:
+//! `kproxy_common::ct::FwdCache`), so an established flow's next packet costs one
+//! connection-table lookup and no `bpf_fib_lookup` ([`cached`]). The cache is used while the
+//! generation in `KP_FWD_GEN` is the one it was filled under (the agent changes it on every
+//! rtnetlink announcement of a link, address, route, rule or neighbour change, and draws a
+//! random one per loaded object; 0 = off), for a frame with the same ingress device and TOS
+//! that fits the cached MTU, out of a device still enabled for the fast path. SYN, FIN and RST
+//! take the full path, which refreshes every entry of the flow; a cached packet refreshes only
+//! the entry it hit (the agent's expiry takes a flow's most recent entry, so flows live as
+//! before; under LRU pressure the unrefreshed `RevDnat` entry ages first). A new flow fills
+//! no cache: its FIB lookup uses the client's source (the SNAT source is chosen from its
+//! answer), its second packet's lookup the SNAT source, as before, and fills it.
+//!
 //! Everything else is passed (`XDP_PASS`) untouched, and TC handles it as if XDP were off:
 //! flows to a local backend (their CT entries are created here when the flow starts here, so
 //! TC sees an established flow), ICMP, IP options, fragments, TTL ≤ 1, frames longer than the
@@ -39,13 +53,13 @@ use aya_ebpf::{
 };
 use kproxy_common::ct::{
     CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind,
-    XDP_FWD_DEVS_MAX, XdpStat,
+    FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
 use crate::flow::{
-    KP_CT, KP_NODE_ADDR4, NewFlow, allocate_port, choose_backend, create_flow, now, snat_slot,
-    touch,
+    KP_CT, KP_NODE_ADDR4, V4, allocate_port, choose_backend, flow_entry_in, insert_flow_in, now,
+    prandom, remix, snat_slot, touch,
 };
 use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
@@ -56,6 +70,17 @@ use crate::xdp::stat;
 /// inlines; devices with an ifindex beyond it are never fast-path devices.
 #[map]
 static KP_XDP_FWD_DEVS: Array<u32> = Array::with_max_entries(XDP_FWD_DEVS_MAX, 0);
+
+/// `kproxy_common::ct::MAP_FWD_GEN`: the generation forwarding caches must match (module
+/// docs); written by the agent, 0 (never written) = no caching.
+#[map]
+static KP_FWD_GEN: Array<u32> = Array::with_max_entries(1, 0);
+
+/// The current forwarding-cache generation (0: caching off).
+#[inline(always)]
+fn fwd_gen() -> u32 {
+    KP_FWD_GEN.get(0).copied().unwrap_or(0)
+}
 
 /// Whether the fast path may use device `ifindex`.
 #[inline(always)]
@@ -184,10 +209,97 @@ fn fib(
     }
 }
 
-/// Rewrites source and destination (address + port), decrements the TTL with both checksums
-/// updated, sets the MACs from `f` and sends the frame out of `f.ifindex`.
+/// The frame's Ethernet addresses after a FIB answer `f`: destination, then source.
 #[inline(always)]
-fn send(ctx: &XdpContext, p: &Packet, src: (u32, u16), dst: (u32, u16), f: &FibParams) -> u32 {
+fn eth_of(f: &FibParams) -> [u8; 12] {
+    let mut m = [0u8; 12];
+    let mut i = 0;
+    while i < 6 {
+        m[i] = f.dmac[i];
+        m[6 + i] = f.smac[i];
+        i += 1;
+    }
+    m
+}
+
+/// The ingress device of the frame.
+#[inline(always)]
+fn ingress(ctx: &XdpContext) -> u32 {
+    // SAFETY: reads the context's field.
+    unsafe { (*ctx.ctx).ingress_ifindex }
+}
+
+/// Whether `e`'s forwarding cache ([`FwdCache`]) holds the answer for packet `p` (headers
+/// `h`) arriving on `in_if` under generation `generation` (module docs).
+#[inline(always)]
+fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain) -> bool {
+    if generation == 0 || p.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0 {
+        return false;
+    }
+    // SAFETY: lookup result; fields read by value.
+    let (c_gen, c_in, c_tos, c_mtu, c_out) = unsafe {
+        let c = &raw const (*e).fwd;
+        (
+            (*c).generation,
+            (*c).in_ifindex,
+            (*c).tos,
+            (*c).mtu,
+            (*c).out_ifindex,
+        )
+    };
+    c_gen == generation
+        && u32::from(c_in) == in_if
+        && c_tos == h.tos
+        && u16::from_be(h.tot_len) <= c_mtu
+        && fast_path_device(u32::from(c_out))
+}
+
+/// Caches FIB answer `f` (and `eth`, from it) with the rewritten source `src` in `e` under
+/// generation `generation` (read before the lookup), for frames like `h` from `in_if`. Both
+/// devices are fast-path devices, so their ifindex fits the cache's `u16`.
+#[inline(always)]
+fn fill(
+    e: *mut CtEntry,
+    generation: u32,
+    in_if: u32,
+    h: &Plain,
+    f: &FibParams,
+    eth: &[u8; 12],
+    src: (u32, u16),
+) {
+    // SAFETY: lookup result. The generation is written last (volatile), so a packet of the
+    // flow on another CPU that finds it current finds the answer written before it. Not
+    // guarded: two CPUs filling one entry at once (packets of one flow on two CPUs while its
+    // cache is stale), which write the same answer unless their frames differ in ingress
+    // device or TOS; a mix of both then lasts until the next routing change. RSS keeps a
+    // flow's packets on one CPU.
+    unsafe {
+        (*e).snat_addr = src.0;
+        (*e).snat_port = src.1;
+        (*e).fwd = FwdCache {
+            generation: 0,
+            in_ifindex: in_if as u16,
+            out_ifindex: f.ifindex as u16,
+            mtu: f.tot_len,
+            tos: h.tos,
+            _pad: 0,
+            eth: *eth,
+        };
+        core::ptr::write_volatile(&raw mut (*e).fwd.generation, generation);
+    }
+}
+
+/// Rewrites source and destination (address + port), decrements the TTL with both checksums
+/// updated, sets the Ethernet addresses to `eth` and sends the frame out of `out_if`.
+#[inline(always)]
+fn send(
+    ctx: &XdpContext,
+    p: &Packet,
+    src: (u32, u16),
+    dst: (u32, u16),
+    out_if: u32,
+    eth_new: &[u8; 12],
+) -> u32 {
     let (data, end) = (ctx.data(), ctx.data_end());
     let Some(eth) = at::<[u8; 12]>(data, end, 0) else {
         return xdp_action::XDP_PASS;
@@ -235,24 +347,18 @@ fn send(ctx: &XdpContext, p: &Packet, src: (u32, u16), dst: (u32, u16), f: &FibP
             *l4_csum = c;
         }
         *ports = [src.1, dst.1];
-        let mut m = [0u8; 12];
-        let mut i = 0;
-        while i < 6 {
-            m[i] = f.dmac[i];
-            m[6 + i] = f.smac[i];
-            i += 1;
-        }
-        *eth = m;
-        if f.ifindex == (*ctx.ctx).ingress_ifindex {
+        *eth = *eth_new;
+        if out_if == (*ctx.ctx).ingress_ifindex {
             xdp_action::XDP_TX
         } else {
-            bpf_redirect(f.ifindex, 0) as u32
+            bpf_redirect(out_if, 0) as u32
         }
     }
 }
 
 /// Client → backend for the flow `p` (`C:cp → F:fp`) whose `Service` entry says backend
-/// `be` with `flags`; `svc_entry` is refreshed when the frame is sent.
+/// `be` with `flags`; `svc_entry` (that entry) is refreshed when the frame is sent, and holds
+/// the flow's forwarding cache.
 #[inline(always)]
 pub(crate) fn forward(
     ctx: &XdpContext,
@@ -260,11 +366,26 @@ pub(crate) fn forward(
     h: &Plain,
     be: (u32, u16),
     flags: u16,
-    svc_entry: Option<*mut CtEntry>,
+    svc_entry: *mut CtEntry,
 ) -> u32 {
     if flags & CT_F_SNAT == 0 || flags & CT_F_LOCAL_BACKEND != 0 {
         stat(XdpStat::PassLocal);
         return xdp_action::XDP_PASS;
+    }
+    let generation = fwd_gen();
+    let in_if = ingress(ctx);
+    if cached(svc_entry, generation, in_if, p, h) {
+        // SAFETY: lookup result, read by value; `eth` read in place by `send`.
+        let (src, out_if) = unsafe {
+            (
+                ((*svc_entry).snat_addr, (*svc_entry).snat_port),
+                u32::from((*svc_entry).fwd.out_ifindex),
+            )
+        };
+        touch(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
+        stat(XdpStat::Forward);
+        // SAFETY: lookup result, a field address.
+        return send(ctx, p, src, be, out_if, unsafe { &(*svc_entry).fwd.eth });
     }
     // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
     let out_pkt = Packet {
@@ -282,7 +403,10 @@ pub(crate) fn forward(
     };
     // SAFETY: fields of a lookup result, read by value.
     let (mut n_addr, mut n_port) = unsafe { (*n_slot, *np_slot) };
-    let src = if n_addr != 0 {
+    // The SNAT source is known (every packet but a TC-started flow's first one here): the
+    // answer for it can be cached.
+    let known = n_addr != 0;
+    let src = if known {
         (n_addr, n_port)
     } else {
         (p.saddr, p.sport)
@@ -290,7 +414,7 @@ pub(crate) fn forward(
     let Ok(f) = fib(ctx, h, p.proto, src, be) else {
         return xdp_action::XDP_PASS;
     };
-    if n_addr == 0 {
+    if !known {
         // SAFETY: read by value right away.
         let Some(node) = (unsafe { KP_NODE_ADDR4.get(f.ifindex) }).copied() else {
             stat(XdpStat::PassState);
@@ -298,7 +422,7 @@ pub(crate) fn forward(
         };
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*out };
-        let Some(port) = allocate_port(&out_pkt, node.addr, template) else {
+        let Some(port) = allocate_port(&out_pkt, node.addr, template, None) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
@@ -311,42 +435,113 @@ pub(crate) fn forward(
             *np_slot = n_port;
         }
     }
-    if let Some(e) = svc_entry {
-        touch(e, p.tcp_flags, CT_F_FIN_ORIG);
+    let eth = eth_of(&f);
+    if known && generation != 0 {
+        fill(svc_entry, generation, in_if, h, &f, &eth, (n_addr, n_port));
     }
+    touch(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
     touch(out, p.tcp_flags, CT_F_FIN_ORIG);
     stat(XdpStat::Forward);
-    send(ctx, p, (n_addr, n_port), be, &f)
+    send(ctx, p, (n_addr, n_port), be, f.ifindex, &eth)
 }
 
 /// A new flow `p` of `svc` (source range and endpoints already checked): the backend is
-/// chosen and the flow recorded exactly as TC would; remote → forwarded, local → passed
-/// (TC then sees an established flow).
+/// chosen and the flow recorded exactly as TC would (its `Service` and `RevDnat` entries, and
+/// its `SnatIn` entry once the SNAT port is claimed); remote → forwarded, local → passed (TC
+/// then sees an established flow). The FIB lookup and the port claim come before the two
+/// inserts, so the entries are written with their SNAT source (no lookup of the `RevDnat`
+/// entry just inserted, no second write); one random number serves the backend slot and the
+/// port. Whatever stops the fast path after the backend is chosen still records the flow
+/// (without a SNAT source), as before, and passes it to TC.
 #[inline(always)]
 pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceValue) -> u32 {
     let ts = now();
-    let Some((backend_id, be)) = choose_backend(svc, p, ts) else {
+    let rnd = prandom();
+    let Some((backend_id, be)) = choose_backend(svc, p, ts, Some(rnd)) else {
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
     };
-    let Ok(NewFlow {
-        be_addr,
-        be_port,
-        flags,
-    }) = create_flow(p, svc, backend_id, &be, ts)
-    else {
+    let (be_addr, flags, mut entry) = flow_entry_in::<V4>(p, svc, backend_id, &be, ts);
+    let be_port = be.port;
+    if flags & CT_F_SNAT == 0 || flags & CT_F_LOCAL_BACKEND != 0 {
+        return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassLocal));
+    }
+    let Ok(f) = fib(ctx, h, p.proto, (p.saddr, p.sport), (be_addr, be_port)) else {
+        // `fib` counted why.
+        return record_and_pass(p, be_addr, be_port, &entry, None);
+    };
+    // SAFETY: read by value right away.
+    let Some(node) = (unsafe { KP_NODE_ADDR4.get(f.ifindex) }).copied() else {
+        return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
+    };
+    // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
+    let out_pkt = Packet {
+        saddr: p.saddr,
+        daddr: be_addr,
+        sport: p.sport,
+        dport: be_port,
+        proto: p.proto,
+        tcp_flags: p.tcp_flags,
+        l4: p.l4,
+    };
+    // The `SnatIn` entry is the template with the client as NAT address, as when TC egress
+    // claims the port from the `RevDnat` entry.
+    let Some(port) = allocate_port(&out_pkt, node.addr, &entry, Some(remix(rnd))) else {
+        return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
+    };
+    entry.snat_addr = node.addr;
+    entry.snat_port = port;
+    if insert_flow_in::<V4>(p, be_addr, be_port, entry).is_err() {
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
-    };
+    }
     stat(XdpStat::NewFlow);
-    forward(ctx, p, h, (be_addr, be_port), flags, None)
+    stat(XdpStat::Forward);
+    send(ctx, p, (node.addr, port), (be_addr, be_port), f.ifindex, &eth_of(&f))
 }
 
-/// Backend → client for `p` (`B:bp → N:np`) whose `SnatIn` entry is `snat_in`.
+/// Records new flow `p` (entries without a SNAT source), counts it and `why` (if not counted
+/// already), and passes it.
+#[inline(always)]
+fn record_and_pass(
+    p: &Packet,
+    be_addr: u32,
+    be_port: u16,
+    entry: &CtEntry,
+    why: Option<XdpStat>,
+) -> u32 {
+    if insert_flow_in::<V4>(p, be_addr, be_port, *entry).is_err() {
+        stat(XdpStat::PassState);
+        return xdp_action::XDP_PASS;
+    }
+    stat(XdpStat::NewFlow);
+    if let Some(s) = why {
+        stat(s);
+    }
+    xdp_action::XDP_PASS
+}
+
+/// Backend → client for `p` (`B:bp → N:np`) whose `SnatIn` entry is `snat_in` (which holds
+/// the reply direction's forwarding cache, with the frontend beside it).
 #[inline(always)]
 pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEntry) -> u32 {
     // SAFETY: lookup result, read by value.
     let client = unsafe { ((*snat_in).nat_addr, (*snat_in).nat_port) };
+    let generation = fwd_gen();
+    let in_if = ingress(ctx);
+    if cached(snat_in, generation, in_if, p, h) {
+        // SAFETY: lookup result, read by value; `eth` read in place by `send`.
+        let (frontend, out_if) = unsafe {
+            (
+                ((*snat_in).snat_addr, (*snat_in).snat_port),
+                u32::from((*snat_in).fwd.out_ifindex),
+            )
+        };
+        touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
+        stat(XdpStat::Reply);
+        // SAFETY: lookup result, a field address.
+        return send(ctx, p, frontend, client, out_if, unsafe { &(*snat_in).fwd.eth });
+    }
     let rev = CtKey {
         saddr: p.saddr,
         daddr: client.0,
@@ -365,8 +560,12 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
     let Ok(f) = fib(ctx, h, p.proto, frontend, client) else {
         return xdp_action::XDP_PASS;
     };
+    let eth = eth_of(&f);
+    if generation != 0 {
+        fill(snat_in, generation, in_if, h, &f, &eth, frontend);
+    }
     touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
     touch(r, p.tcp_flags, CT_F_FIN_REPLY);
     stat(XdpStat::Reply);
-    send(ctx, p, frontend, client, &f)
+    send(ctx, p, frontend, client, f.ifindex, &eth)
 }

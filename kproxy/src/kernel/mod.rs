@@ -1,7 +1,9 @@
 //! Kernel interfaces more than one datapath uses: [`netlink`] (one socket type and one message
 //! splitter for conntrack, sock_diag, IPVS generic netlink and rtnetlink) and the node's
-//! [`addresses`], and [`nftables`] (nf_tables state read through netlink).
+//! [`addresses`], [`nftables`] (nf_tables state read through netlink) and
+//! [`route_events`] (rtnetlink change notifications).
 
 pub mod addresses;
 pub mod netlink;
 pub mod nftables;
+pub mod route_events;

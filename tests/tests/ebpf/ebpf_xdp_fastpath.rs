@@ -18,6 +18,7 @@ use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use aya::Ebpf;
+use aya::maps::{Array, HashMap as BpfHashMap, MapData};
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
@@ -26,6 +27,7 @@ use kproxy::dataplane::ebpf::node_path::xdp::driver;
 use kproxy::kernel::addresses::NodeAddresses;
 use kproxy::kernel::addresses::scan;
 use kproxy_common::counter::CounterSlot;
+use kproxy_common::ct::{CtEntry, CtKey, CtKind, MAP_CT, MAP_FWD_GEN};
 use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
 };
@@ -33,7 +35,8 @@ use kproxy_tests::bpf::PacketCounter;
 use kproxy_tests::netns::{Bpffs, Netns, require_root};
 use kproxy_tests::tc::{backend, frontend, load, slots};
 use kproxy_tests::topology::{
-    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, Topology, TopologySpec,
+    CLIENT_IP, NODE_CLIENT_IF, NODE_IP, NODE_LINK_IP, NODE_PEER_IF, NODE2_IP, NODE2_POD_CIDR,
+    Topology, TopologySpec,
 };
 
 const REMOTE_PORT: u16 = 30080;
@@ -372,6 +375,170 @@ fn remote_backend_flows_take_the_xdp_fast_path_both_ways() {
     assert!(after.xdp_delta(&before, "pass_local") >= 7, "{after:?}");
     assert!(after.tc_delta(&before, "established") >= 7, "{after:?}");
     assert_eq!(after.xdp_delta(&before, "forward"), 0, "{after:?}");
+}
+
+/// The `Service` entry of the client's flow from port `cport` (its forwarding cache).
+fn service_entry(ebpf: &Ebpf, cport: u16) -> CtEntry {
+    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
+    ct.iter()
+        .map(Result::unwrap)
+        .find(|(k, _)| {
+            k.kind == CtKind::Service as u8
+                && k.saddr == u32::from_ne_bytes(CLIENT_IP.octets())
+                && k.sport == cport.to_be()
+        })
+        .map(|(_, e)| e)
+        .unwrap_or_else(|| panic!("no Service entry for client port {cport}"))
+}
+
+/// `KP_FWD_GEN`: the generation caches must match.
+fn fwd_gen(ebpf: &Ebpf) -> u32 {
+    let a: Array<&MapData, u32> =
+        Array::try_from(ebpf.map(MAP_FWD_GEN).expect("KP_FWD_GEN")).unwrap();
+    a.get(&0, 0).unwrap()
+}
+
+/// How long a routing change may take to reach the generation (rtnetlink → the watcher).
+const NOTIFIED: Duration = Duration::from_secs(2);
+
+/// The generation once the watcher moved it past `old`, or (not asserted here: the packets
+/// tell) after [`NOTIFIED`].
+fn wait_gen_moved(ebpf: &Ebpf, old: u32) -> u32 {
+    let t0 = std::time::Instant::now();
+    loop {
+        let g = fwd_gen(ebpf);
+        if g != old || t0.elapsed() > NOTIFIED {
+            return g;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn mac_str(m: &[u8]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// A flow's cached forwarding result (next hop MAC, egress device) follows the node's routing
+/// state: after node2's neighbour entry changes, the flow's next packet leaves with the new
+/// MAC (and is lost, as the kernel's own forwarding would lose it); after the route to the
+/// pods is removed, the next packet is passed to the stack (`pass_fib`) instead of forwarded
+/// by a stale cache; with both restored, the same connection carries on. Without
+/// revalidation the cached MAC would stay and the packet after the route removal would be
+/// forwarded.
+#[test]
+fn cached_forwarding_follows_neighbour_and_route_changes() {
+    if !require_root() {
+        return;
+    }
+    const BOGUS_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x99];
+    let mut rig = Rig::new("xdp-cache");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&c);
+    let cport = c.stream.get_ref().local_addr().unwrap().port();
+    let before = rig.stats();
+    c.exchange(5);
+    let after = rig.stats();
+    assert!(after.xdp_delta(&before, "forward") >= 5, "{after:?}");
+    let e = service_entry(&rig.ebpf, cport);
+    let generation = fwd_gen(&rig.ebpf);
+    assert_ne!(generation, 0, "caching is on once XDP is attached");
+    assert_eq!(
+        e.fwd.generation, generation,
+        "the established flow's route is cached: {e:?}"
+    );
+    assert_eq!(e.snat_addr, u32::from_ne_bytes(NODE_LINK_IP.octets()));
+    let node2_mac = e.fwd.eth[..6].to_vec();
+    assert_ne!(node2_mac, BOGUS_MAC);
+    let node = &rig.topo.node;
+    let (node2_ip, peer) = (NODE2_IP.to_string(), NODE_PEER_IF);
+
+    // node2's neighbour entry changes: the next packet is sent with the new MAC.
+    node.ip(&[
+        "neigh",
+        "replace",
+        &node2_ip,
+        "lladdr",
+        &mac_str(&BOGUS_MAC),
+        "dev",
+        peer,
+        "nud",
+        "permanent",
+    ])
+    .unwrap();
+    let gen2 = wait_gen_moved(&rig.ebpf, generation);
+    c.stream
+        .get_mut()
+        .write_all(b"after the neighbour change\n")
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let e = loop {
+        let e = service_entry(&rig.ebpf, cport);
+        if e.fwd.eth[..6] == BOGUS_MAC || t0.elapsed() > NOTIFIED {
+            break e;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(
+        e.fwd.eth[..6],
+        BOGUS_MAC,
+        "the new neighbour MAC is used: {e:?}"
+    );
+    assert_eq!(
+        e.fwd.generation, gen2,
+        "refilled under the new generation: {e:?}"
+    );
+    // Restored: the retransmission reaches the backend, the echo comes back.
+    node.ip(&[
+        "neigh",
+        "replace",
+        &node2_ip,
+        "lladdr",
+        &mac_str(&node2_mac),
+        "dev",
+        peer,
+        "nud",
+        "permanent",
+    ])
+    .unwrap();
+    let mut echo = String::new();
+    c.stream.read_line(&mut echo).unwrap();
+    assert_eq!(echo, "after the neighbour change\n");
+    c.exchange(3);
+    assert_eq!(service_entry(&rig.ebpf, cport).fwd.eth[..6], node2_mac[..]);
+
+    // The route to the pods goes: the next packet is passed, not forwarded by the cache.
+    let gen3 = fwd_gen(&rig.ebpf);
+    node.ip(&["route", "del", NODE2_POD_CIDR]).unwrap();
+    wait_gen_moved(&rig.ebpf, gen3);
+    let before = rig.stats();
+    c.stream
+        .get_mut()
+        .write_all(b"after the route change\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let after = rig.stats();
+    assert!(
+        after.xdp_delta(&before, "pass_fib") >= 1,
+        "{after:?} vs {before:?}"
+    );
+    assert_eq!(
+        after.xdp_delta(&before, "forward"),
+        0,
+        "{after:?} vs {before:?}"
+    );
+    node.add_route(NODE2_POD_CIDR, &node2_ip).unwrap();
+    let mut echo = String::new();
+    c.stream.read_line(&mut echo).unwrap();
+    assert_eq!(echo, "after the route change\n");
+    let before = rig.stats();
+    c.exchange(3);
+    assert!(rig.stats().xdp_delta(&before, "forward") >= 3);
 }
 
 #[test]

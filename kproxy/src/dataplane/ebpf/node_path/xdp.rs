@@ -17,6 +17,16 @@
 //!   not yet resolved: the stack resolves it and later packets take the fast path), devices
 //!   not enabled for the fast path. Counters: [`XdpPath::stats`] (`kproxy_common::ct::XdpStat`).
 //!
+//! **Forwarding cache.** An established flow's FIB answer (egress device, MTU, MACs) and its
+//! rewritten source are cached in the flow's first-looked-up CT entry per direction
+//! (`kproxy_common::ct::FwdCache`), so its packets skip `bpf_fib_lookup` and a second CT
+//! lookup. The cache is valid under one generation (`KP_FWD_GEN`): [`FwdGen`] draws a random
+//! one at the first attach and moves it on every rtnetlink announcement of a link, address,
+//! route, rule or neighbour change in the devices' namespace
+//! ([`crate::kernel::route_events`]), so a changed route or neighbour is seen by each flow's
+//! next packet (after the few milliseconds the notification takes). Without notifications,
+//! or once this is dropped, the generation is 0 and every packet looks its route up.
+//!
 //! **Redirect choice.** Frames leave through `bpf_redirect(ifindex)` (or `XDP_TX` when the
 //! egress device is the ingress one), not a DEVMAP: the egress device comes from the FIB and
 //! can be any device, and no per-device map state has to follow devices coming and going.
@@ -44,13 +54,19 @@
 //! attaches again (between the two, TC alone handles the traffic, with the same result).
 
 use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
 
 use aya::Ebpf;
-use aya::maps::{Array, PerCpuArray};
+use aya::maps::{Array, Map, MapData, MapError, PerCpuArray};
 use aya::programs::{Xdp, XdpMode, xdp::XdpLinkId};
-use kproxy_common::ct::{MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_MAX, XdpStat};
+use aya::sys::SyscallError;
+use kproxy_common::ct::{
+    MAP_FWD_GEN, MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_MAX, XdpStat,
+};
 
 use crate::dataplane::ebpf::node_path::TcError;
+use crate::kernel::route_events::RouteWatch;
 
 /// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -67,6 +83,9 @@ pub enum XdpPolicy {
 /// The XDP program of one loaded object and the devices it is attached to.
 pub struct XdpPath {
     attached: BTreeMap<String, XdpLinkId>,
+    /// The forwarding caches' generation, followed from the first attach on (in that
+    /// thread's network namespace, the devices').
+    fwd_gen: Option<FwdGen>,
 }
 
 /// The XDP program of `ebpf` (`kproxy_common::ct::PROG_XDP`).
@@ -92,11 +111,14 @@ impl XdpPath {
         }
         Ok(XdpPath {
             attached: BTreeMap::new(),
+            fwd_gen: None,
         })
     }
 
     /// Attaches to `device` (in the calling thread's network namespace) as `policy` says.
-    /// Returns whether the program is attached there.
+    /// Returns whether the program is attached there. The first attach turns the fast
+    /// path's forwarding caches on and makes them follow that namespace's routing changes
+    /// ([`FwdGen`]).
     pub fn attach(
         &mut self,
         ebpf: &mut Ebpf,
@@ -112,6 +134,7 @@ impl XdpPath {
         match program(ebpf)?.attach(device, XdpMode::Driver) {
             Ok(id) => {
                 self.attached.insert(device.to_string(), id);
+                self.cache_routes(ebpf)?;
                 // A driver that cannot be read is not trusted with the fast path.
                 let driver = driver(device).unwrap_or_else(|e| {
                     tracing::warn!(device, error = %e, "reading the device's driver");
@@ -142,6 +165,16 @@ impl XdpPath {
                 error: format!("native XDP (bpf.xdp native): {e}"),
             }),
         }
+    }
+
+    /// Turns the forwarding caches on and makes them follow the calling thread's network
+    /// namespace's routing changes, as the first [`XdpPath::attach`] does (for test runs of
+    /// a program that is not attached; a no-op once on).
+    pub fn cache_routes(&mut self, ebpf: &Ebpf) -> Result<(), TcError> {
+        if self.fwd_gen.is_none() {
+            self.fwd_gen = Some(FwdGen::start(ebpf)?);
+        }
+        Ok(())
     }
 
     /// Enables (or disables) `device` (in the calling thread's network namespace) as a
@@ -206,6 +239,83 @@ impl XdpPath {
         }
         Ok(out)
     }
+}
+
+/// The generation of the XDP fast path's forwarding caches (`KP_FWD_GEN`, see
+/// `kproxy-ebpf/src/xdp_fwd.rs` and `kproxy_common::ct::FwdCache`): set to a random non-zero
+/// value when the program is loaded (a cache filled by an earlier agent's programs, in a
+/// `KP_CT` entry that outlived it, never matches), changed on every routing change the kernel
+/// announces ([`RouteWatch`]), and set to 0 (caching off) when this is dropped, since nothing
+/// would follow routing changes any more.
+struct FwdGen {
+    map: Arc<Mutex<Array<MapData, u32>>>,
+    _watch: Option<RouteWatch>,
+}
+
+impl FwdGen {
+    /// Takes a handle on `ebpf`'s `KP_FWD_GEN` and starts following routing changes in the
+    /// calling thread's network namespace. Without notifications (the socket cannot be
+    /// opened) caching stays off, with a warning.
+    fn start(ebpf: &Ebpf) -> Result<FwdGen, TcError> {
+        let name = MAP_FWD_GEN;
+        let fd = match ebpf.map(name).ok_or(TcError::MissingMap(name))? {
+            Map::Array(data) => data.fd().as_fd().try_clone_to_owned().map_err(|e| {
+                TcError::map(name)(MapError::SyscallError(SyscallError {
+                    call: "dup",
+                    io_error: e,
+                }))
+            })?,
+            _ => return Err(TcError::MissingMap(name)),
+        };
+        let data = MapData::from_fd(fd).map_err(TcError::map(name))?;
+        let array = Array::<_, u32>::try_from(Map::Array(data)).map_err(TcError::map(name))?;
+        let map = Arc::new(Mutex::new(array));
+        let watched = map.clone();
+        let watch = match RouteWatch::spawn(move || bump(&watched)) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "no routing change notifications: the XDP fast path \
+                               looks every packet's route up (no forwarding cache)");
+                None
+            }
+        };
+        if watch.is_some() {
+            // After the watch joined its groups: a change from here on moves it again.
+            set(&map, fresh_gen());
+        }
+        Ok(FwdGen { map, _watch: watch })
+    }
+}
+
+impl Drop for FwdGen {
+    fn drop(&mut self) {
+        // Stop following first, then turn the caches off.
+        self._watch.take();
+        set(&self.map, 0);
+    }
+}
+
+/// A random non-zero generation (the first of an object instance).
+fn fresh_gen() -> u32 {
+    let mut b = [0u8; 4];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b).is_err() {
+        // No randomness: the clock's nanoseconds.
+        b = (crate::dataplane::ebpf::node_path::flows::monotonic_ns() as u32).to_ne_bytes();
+    }
+    u32::from_ne_bytes(b).max(1)
+}
+
+fn set(map: &Mutex<Array<MapData, u32>>, generation: u32) {
+    if let Err(e) = map.lock().expect("poisoned").set(0, generation, 0) {
+        tracing::warn!(error = %e, "cannot write the XDP forwarding-cache generation");
+    }
+}
+
+/// A routing change: every cached forwarding result is stale. The next generation (never 0;
+/// a value repeats only after 2^32 changes).
+fn bump(map: &Mutex<Array<MapData, u32>>) {
+    let old = map.lock().expect("poisoned").get(&0, 0).unwrap_or(0);
+    set(map, old.wrapping_add(1).max(1));
 }
 
 /// Whether a device driven by `driver` is a fast-path device unless told otherwise: every
