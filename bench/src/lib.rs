@@ -198,7 +198,8 @@ impl Results {
     }
 }
 
-/// Sizes of one run: `--quick` (under 3 minutes) or full (under 15 minutes on 2 cores).
+/// Sizes of one run: `--quick` (under 3 minutes) or full (about 15 minutes on 2 cores, plus ≈ 20
+/// for the `soak` and `inspect` groups).
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub quick: bool,
