@@ -35,7 +35,7 @@
 //! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
 //! | `KP_BENCH_SOAK_SERVICES`, `KP_BENCH_SOAK_SECONDS` | the [`soak`] group's service count and churn duration instead of the plan's |
 //! | `KP_BENCH_THROUGHPUT_GEN` | the [`throughput`] group's generator: `xdp-live` (default) or `af-packet` |
-//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
+//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log`, the [`soak`] group to `<prefix>-soak-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;
 pub mod connect;
@@ -202,7 +202,8 @@ impl Results {
     }
 }
 
-/// Sizes of one run: `--quick` (under 3 minutes) or full (under 15 minutes on 2 cores).
+/// Sizes of one run: `--quick` (under 3 minutes) or full (about 15 minutes on 2 cores, plus ≈ 20
+/// for the `soak` and `inspect` groups).
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub quick: bool,

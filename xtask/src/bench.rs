@@ -2,7 +2,8 @@
 //! benchmark runner in release mode and runs `kp-bench` (bench/src/bin/kp-bench.rs of the
 //! `kproxy-bench` crate; what it measures is documented in bench/src/lib.rs). Needs root.
 //! Writes `REPORT.md`, `results.json` and SVG plots into DIR (default `bench/`, beside the
-//! crate's code). `--quick` finishes in under 3 minutes; the full run in under 15 on 2 cores.
+//! crate's code). `--quick` finishes in under 3 minutes; the full run in about 15 on 2 cores, plus
+//! ≈ 20 for the `soak` (two modes × 4 min of churn) and `inspect` (100k services) groups.
 //!
 //! `cargo xtask bench --ipvs-guest [--out DIR]`: the ipvs figures, which need a kernel with
 //! IPVS: boots the QEMU guest of `cargo xtask guest` ([`crate::guest::run_payload`]) with the

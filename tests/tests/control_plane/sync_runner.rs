@@ -156,6 +156,55 @@ async fn a_change_syncs_with_exactly_the_changed_service_port() {
     h.stop().await;
 }
 
+/// Changes queued while the runner was busy go into one sync, not one sync each (with no
+/// rate limit, taking one event per sync fell behind for good when syncs were slower than the
+/// changes arrived: the soak in `cargo xtask bench --only soak` saw iptables mode minutes
+/// behind).
+#[tokio::test]
+async fn changes_queued_during_a_sync_go_into_the_next_one_together() {
+    let (h, rec) = start(RunnerConfig::new(Duration::ZERO, Duration::from_secs(3600)));
+    let names: Vec<String> = (0..20).map(|i| format!("s{i}")).collect();
+    h.initial(
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| service(n, &format!("10.96.0.{}", i + 10)))
+            .collect(),
+        vec![],
+    )
+    .await;
+    rec.wait_for(LIVENESS, "first sync", |c| !c.is_empty())
+        .await;
+    // Queued without yielding to the runner: all 20 are waiting when it next looks.
+    for (i, n) in names.iter().enumerate() {
+        let ip = format!("10.0.0.{}", i + 1);
+        h.tx.try_send(Event::EndpointSlice(Delta::Apply(slice(n, &[ip.as_str()]))))
+            .unwrap();
+    }
+    let calls = rec
+        .wait_for(LIVENESS, "every change synced", |c| {
+            c.last().is_some_and(|r| {
+                r.snapshot
+                    .endpoints
+                    .values()
+                    .filter(|e| !e.is_empty())
+                    .count()
+                    == 20
+            })
+        })
+        .await;
+    let after_first: Vec<usize> = calls[1..]
+        .iter()
+        .map(|r| r.changed.services.len())
+        .collect();
+    assert!(
+        after_first.len() <= 2,
+        "the 20 queued changes took {} syncs (changed per sync: {after_first:?})",
+        after_first.len()
+    );
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn a_failed_sync_is_retried_with_its_changes() {
     let cfg = RunnerConfig {
