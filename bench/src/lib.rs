@@ -12,7 +12,9 @@
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
-//! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
+//! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets; for iptables and nftables also the floor: the same kernel work alone (`iptables-restore` / `nft -f` of the agent's own input) |
+//! | [`nftables`] (in `control`) | the nftables agent's own transactions replayed with `nft -f` into a fresh namespace: cold start and each change (the floors), and the cold start's operations loaded other ways (one transaction as upstream, parts of other sizes) | the agent's figures; the agent's own loading |
+//! | `resync` ([`nftables::resync`]) | nftables full resync: the agent restarted over its own table of 40k services × 1 endpoint (its first sync is full), from the agent's full-sync metric, in minutes | the replay of that sync's transactions onto the same table; upstream's 16 min 44 s at 44k |
 //!
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
 //! "unavailable" with the agent's own error, never silently dropped. Output ([`report`]):
@@ -27,12 +29,15 @@
 //! | `KP_BENCH_AGENT_LOG` | the agents' `RUST_LOG` (default `warn`), e.g. `info` to see where the agent's cold start goes (initial list vs first sync) |
 //! | `KP_BENCH_PACKET_SCALES` | the [`packet`] group's service counts (comma-separated) instead of the plan's |
 //! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
-//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
+//! | `KP_BENCH_NFT_VARIANTS` | the cold-start loading variants of [`nftables`]: comma-separated operation budgets per part, `one` for one transaction (default `one,5000,80000`; empty: none) |
+//! | `KP_BENCH_NFT_RESYNC_ONE_TX` | set: the `resync` group also loads the resync's operations as one transaction, upstream's way (at 40k this takes many minutes) |
+//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (nftables: and the transactions it ran to `<prefix>-nftables-<services>-nft-dump/`) (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;
 pub mod connect;
 pub mod control;
 pub mod maglev;
+pub mod nftables;
 pub mod packet;
 pub mod report;
 pub mod services;
@@ -206,8 +211,10 @@ pub struct Plan {
     /// Services (× 5 endpoints) of the cold start; endpoint changes measured.
     pub cold_services: u32,
     pub changes: u32,
+    /// Services (× 1 endpoint) of the nftables full resync ([`nftables::resync`]).
+    pub resync_services: u32,
     /// Modes to run the agent in: `ebpf`, `iptables-nft`, `iptables-legacy` (the iptables
-    /// mode on each backend), `ipvs`.
+    /// mode on each backend), `nftables`, `ipvs`.
     pub modes: Vec<String>,
     /// Name of the direct-connect baseline in figure ids: `direct` on the host,
     /// `direct-guest` in the guest.
@@ -218,7 +225,7 @@ impl Plan {
     pub fn new(quick: bool) -> Plan {
         let modes: Vec<String> = match std::env::var("KP_BENCH_MODES") {
             Ok(m) => m.split(',').map(String::from).collect(),
-            Err(_) => ["ebpf", "iptables-nft", "iptables-legacy"]
+            Err(_) => ["ebpf", "iptables-nft", "iptables-legacy", "nftables"]
                 .map(String::from)
                 .to_vec(),
         };
@@ -234,6 +241,7 @@ impl Plan {
                 rps_seconds: 1,
                 cold_services: 1_000,
                 changes: 10,
+                resync_services: 2_000,
                 modes,
                 direct,
             }
@@ -248,6 +256,7 @@ impl Plan {
                 rps_seconds: 3,
                 cold_services: 10_000,
                 changes: 50,
+                resync_services: 40_000,
                 modes,
                 direct,
             }
@@ -269,6 +278,7 @@ impl Plan {
             rps_seconds: 2,
             cold_services: 1_000,
             changes: 50,
+            resync_services: 0,
             modes: vec!["ipvs".into()],
             direct: "direct-guest".into(),
         }
@@ -287,6 +297,7 @@ impl Plan {
             "restore-floor" if figure.id.starts_with("cold-floor/") => 2,
             "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
+            "nft-floor" | "resync" => nftables::samples(self, figure),
             _ => 0,
         }
     }

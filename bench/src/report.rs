@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 7] = [
+const GROUPS: [(&str, &str); 9] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -25,6 +25,14 @@ const GROUPS: [(&str, &str); 7] = [
     (
         "restore-floor",
         "iptables restore floors: one chain (`--noflush`), whole nat table",
+    ),
+    (
+        "nft-floor",
+        "nftables floors: the agent's own transactions replayed with `nft -f`, and other ways to load the cold start",
+    ),
+    (
+        "resync",
+        "nftables full resync: the agent restarted over its own table",
     ),
 ];
 
@@ -90,6 +98,7 @@ fn modes(results: &Results) -> Vec<String> {
         "iptables-nft",
         "iptables-legacy",
         "iptables",
+        "nftables",
         "ipvs",
     ];
     out.sort_by_key(|m| order.iter().position(|o| o == m).unwrap_or(order.len()));

@@ -17,7 +17,7 @@ use std::time::{Instant, SystemTime};
 use anyhow::Context as _;
 use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json, maglev,
-    packet, report,
+    nftables, packet, report,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -116,6 +116,7 @@ fn main() -> anyhow::Result<()> {
     group("control", &mut results, &control::run)?;
     if !in_guest {
         group("maglev", &mut results, &maglev::run)?;
+        group("resync", &mut results, &nftables::resync)?;
     }
     results.duration_s = start.elapsed().as_secs_f64();
     if in_guest {
