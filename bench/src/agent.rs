@@ -130,6 +130,20 @@ impl AgentSpec<'_> {
         let log =
             File::create(&self.log).with_context(|| format!("creating {}", self.log.display()))?;
         let mut cmd = self.node.command(kproxy_bin()?);
+        if self.mode == "nftables" {
+            // nftables.minSyncPeriod has no flag (as upstream), and 0 in the file means the 1 s
+            // default (upstream defaulting): 1ns is no rate limit. The dump gives the floors.
+            let config = self.log.with_file_name("nftables-config.yaml");
+            std::fs::write(
+                &config,
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+                 nftables:\n  minSyncPeriod: 1ns\n",
+            )?;
+            cmd.arg(format!("--config={}", config.display()));
+            let dump = super::nftables::dump_dir(&self.log);
+            std::fs::create_dir_all(&dump)?;
+            cmd.env(kproxy::dataplane::nftables::kernel::DUMP_DIR_ENV, &dump);
+        }
         cmd.args(args)
             .env(
                 "RUST_LOG",
@@ -211,6 +225,19 @@ impl RunningAgent {
         let rest = stat.rsplit_once(')').context("bad /proc/pid/stat")?.1;
         let f: Vec<&str> = rest.split_whitespace().collect();
         let ticks: f64 = f[11].parse::<f64>()? + f[12].parse::<f64>()?;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        Ok(ticks / hz)
+    }
+
+    /// User + system CPU seconds of the agent's children it waited for (`nft`,
+    /// `iptables-restore`, …).
+    pub fn children_cpu_seconds(&self) -> anyhow::Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))?;
+        let rest = stat.rsplit_once(')').context("bad /proc/pid/stat")?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // cutime and cstime: fields 16 and 17.
+        let ticks: f64 = f[13].parse::<f64>()? + f[14].parse::<f64>()?;
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
         Ok(ticks / hz)

@@ -186,6 +186,13 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
             text: "ClusterIP connect at 10k services ≤ 1.05× direct (ebpf)".into(),
         });
     }
+    if mode == "nftables" && n >= 10_000 {
+        f.target = Some(Target {
+            max_ratio: Some(1.3),
+            max_value: None,
+            text: "ClusterIP connect at 10k services ≤ 1.3× direct (nftables)".into(),
+        });
+    }
     results.push(f);
     for short in [false, true] {
         let kind = if short { "short" } else { "keepalive" };

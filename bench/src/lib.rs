@@ -13,7 +13,9 @@
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
 //! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows by source port) toward two backends behind the second node. Generator ([`flood`]): in-kernel, `BPF_PROG_TEST_RUN` in live-frames mode (`BPF_F_TEST_XDP_LIVE_FRAMES`) of a small XDP program that writes the headers, picks a flow at random and redirects into the client's veth, so the frames reach the node's device as XDP frames, the way a NIC driver hands them over (`KP_BENCH_THROUGHPUT_GEN=af-packet` sends skbs from an `AF_PACKET` socket instead). Delivered packets/s counted at the backends (an nftables counter-and-drop in each pod, matching the translated address and port) and CPU ns per delivered packet (the generator thread's CPU, which carries the softirq work of the whole veth path, plus `ksoftirqd`'s), and the node's own share of it (minus the `floor` mode's: the same flood started at the node's link to the second node), per datapath: kproxy XDP (`--bpf-xdp=native`, fast path switched on for the veths, proven by its counters: ≥ 90 % of the delivered packets forwarded by XDP), kproxy TC (`--bpf-xdp=off`), iptables-nft, iptables-legacy, nftables; every link end with GRO (a NAPI ring) in every mode; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet and the node's share: iptables-nft |
-//! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets |
+//! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets; for iptables and nftables also the floor: the same kernel work alone (`iptables-restore` / `nft -f` of the agent's own input) |
+//! | [`nftables`] (in `control`) | the nftables agent's own transactions replayed with `nft -f` into a fresh namespace: cold start and each change (the floors), and the cold start's operations loaded other ways (one transaction as upstream, parts of other sizes) | the agent's figures; the agent's own loading |
+//! | `resync` ([`nftables::resync`]) | nftables full resync: the agent restarted over its own table of 40k services × 1 endpoint (its first sync is full), from the agent's full-sync metric, in minutes | the replay of that sync's transactions onto the same table; upstream's 16 min 44 s at 44k |
 //! | [`soak`] | a few thousand services under minutes of endpoint churn with traffic (ebpf, iptables-nft): RSS, fds, map fill at start / peak / end, time to converge after the last change, failed probe connections | no growth that does not come back |
 //! | [`inspect`] | `kproxy inspect` wall and CPU seconds at 100k services (ebpf) | ≤ 10 s |
 //!
@@ -34,8 +36,10 @@
 //! | `KP_BENCH_PACKET_SCALES` | the [`packet`] group's service counts (comma-separated) instead of the plan's |
 //! | `KP_BENCH_PACKET_PATHS` | the [`packet`] group's datapath programs: `tc`, `xdp` or both (default) |
 //! | `KP_BENCH_SOAK_SERVICES`, `KP_BENCH_SOAK_SECONDS` | the [`soak`] group's service count and churn duration instead of the plan's |
+//! | `KP_BENCH_NFT_VARIANTS` | the cold-start loading variants of [`nftables`]: comma-separated operation budgets per part, `one` for one transaction (default `one,5000,80000`; empty: none) |
+//! | `KP_BENCH_NFT_RESYNC_ONE_TX` | set: the `resync` group also loads the resync's operations as one transaction, upstream's way (at 40k this takes many minutes) |
+//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log` (nftables: and the transactions it ran to `<prefix>-nftables-<services>-nft-dump/`), the [`soak`] group to `<prefix>-soak-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 //! | `KP_BENCH_THROUGHPUT_GEN` | the [`throughput`] group's generator: `xdp-live` (default) or `af-packet` |
-//! | `KP_BENCH_KEEP_LOG` | a path prefix: the [`control`] group copies each agent's log to `<prefix>-<mode>-<services>.log`, the [`soak`] group to `<prefix>-soak-<mode>-<services>.log` (the prefix's directory must exist; the scratch dir holding the log is removed at the end) |
 
 pub mod agent;
 pub mod connect;
@@ -43,6 +47,7 @@ pub mod control;
 pub mod flood;
 pub mod inspect;
 pub mod maglev;
+pub mod nftables;
 pub mod packet;
 pub mod report;
 pub mod services;
@@ -219,8 +224,10 @@ pub struct Plan {
     /// Services (× 5 endpoints) of the cold start; endpoint changes measured.
     pub cold_services: u32,
     pub changes: u32,
+    /// Services (× 1 endpoint) of the nftables full resync ([`nftables::resync`]).
+    pub resync_services: u32,
     /// Modes to run the agent in: `ebpf`, `iptables-nft`, `iptables-legacy` (the iptables
-    /// mode on each backend), `ipvs`.
+    /// mode on each backend), `nftables`, `ipvs`.
     pub modes: Vec<String>,
     /// [`throughput`]: seconds per sample, samples per mode, UDP flows (source ports) flooded.
     pub throughput_seconds: f64,
@@ -235,7 +242,7 @@ impl Plan {
     pub fn new(quick: bool) -> Plan {
         let modes: Vec<String> = match std::env::var("KP_BENCH_MODES") {
             Ok(m) => m.split(',').map(String::from).collect(),
-            Err(_) => ["ebpf", "iptables-nft", "iptables-legacy"]
+            Err(_) => ["ebpf", "iptables-nft", "iptables-legacy", "nftables"]
                 .map(String::from)
                 .to_vec(),
         };
@@ -254,6 +261,7 @@ impl Plan {
                 throughput_seconds: 1.0,
                 throughput_samples: 3,
                 throughput_flows: 1024,
+                resync_services: 2_000,
                 modes,
                 direct,
             }
@@ -271,6 +279,7 @@ impl Plan {
                 throughput_seconds: 2.0,
                 throughput_samples: 7,
                 throughput_flows: 1024,
+                resync_services: 40_000,
                 modes,
                 direct,
             }
@@ -295,6 +304,7 @@ impl Plan {
             throughput_seconds: 0.0,
             throughput_samples: 0,
             throughput_flows: 0,
+            resync_services: 0,
             modes: vec!["ipvs".into()],
             direct: "direct-guest".into(),
         }
@@ -314,6 +324,7 @@ impl Plan {
             "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
             "throughput" | "throughput-cpu" | "throughput-node" => self.throughput_samples,
+            "nft-floor" | "resync" => nftables::samples(self, figure),
             _ => 0,
         }
     }

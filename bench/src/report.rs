@@ -12,7 +12,7 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 11] = [
+const GROUPS: [(&str, &str); 13] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
     ("connect", "TCP connect latency, pod → service"),
     ("rps", "Requests per second, pod → service"),
@@ -38,6 +38,14 @@ const GROUPS: [(&str, &str); 11] = [
     (
         "throughput-node",
         "UDP flood: the node's share of the CPU per packet (minus `floor`; vs iptables-nft)",
+    ),
+    (
+        "nft-floor",
+        "nftables floors: the agent's own transactions replayed with `nft -f`, and other ways to load the cold start",
+    ),
+    (
+        "resync",
+        "nftables full resync: the agent restarted over its own table",
     ),
 ];
 
@@ -103,6 +111,7 @@ fn modes(results: &Results) -> Vec<String> {
         "iptables-nft",
         "iptables-legacy",
         "iptables",
+        "nftables",
         "ipvs",
     ];
     out.sort_by_key(|m| order.iter().position(|o| o == m).unwrap_or(order.len()));

@@ -50,7 +50,7 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
             );
         }
     }
-    // The datapaths this kernel runs are measured: ebpf, and iptables on each backend.
+    // The datapaths this kernel runs are measured: ebpf, iptables on each backend, nftables.
     let n = plan.cold_services;
     let mut measured = vec![
         "packet/tc-service/new-flow/1".to_string(),
@@ -62,7 +62,7 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
         "packet/tc-service/floor-new-flow/1".to_string(),
         format!("packet/tc-service/established/{}", plan.packet_scales[1]),
     ];
-    for mode in ["ebpf", "iptables-nft", "iptables-legacy"] {
+    for mode in ["ebpf", "iptables-nft", "iptables-legacy", "nftables"] {
         for &scale in &plan.connect_scales {
             measured.push(format!("connect/{mode}/{scale}"));
             measured.push(format!("rps-keepalive/{mode}/{scale}"));

@@ -18,7 +18,7 @@ use std::time::{Instant, SystemTime};
 use anyhow::Context as _;
 use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json,
-    inspect, maglev, packet, report, soak, throughput,
+    inspect, maglev, nftables, packet, report, soak, throughput,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -118,6 +118,7 @@ fn main() -> anyhow::Result<()> {
     if !in_guest {
         group("maglev", &mut results, &maglev::run)?;
         group("throughput", &mut results, &throughput::run)?;
+        group("resync", &mut results, &nftables::resync)?;
     }
     // Minutes each: in a full run, or when named (a plain --quick run skips them).
     let named = |g: &str| {

@@ -507,7 +507,9 @@ pub fn build_with_resync(
             let dp = NftablesDataplane::new(
                 nftables_configs(cfg, &families, node_pod_cidrs),
                 NftRunner::default(),
-                cfg.nftables.sync.sync_period,
+                // Upstream's `proxyutil.FullSyncPeriod` (hourly), as the iptables mode; the
+                // mode's syncPeriod only paces the (partial) syncs.
+                nft::FULL_SYNC_PERIOD,
             )
             .context("setting up the nftables proxier")?;
             let dp = match localhost_node_ports(cfg, &families) {

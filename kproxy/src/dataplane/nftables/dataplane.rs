@@ -4,8 +4,9 @@
 //!
 //! Each sync re-reads the node's interface addresses when `nodePortAddresses` restricts
 //! NodePorts (a change makes the next sync full, [`Proxier::set_config`]); a full sync is
-//! forced every `full_sync_period` (upstream's hourly full resync is its `syncPeriod` loop;
-//! here it is the mode's `syncPeriod`). A sync that fails leaves the next one full.
+//! forced every `full_sync_period` (the agent passes [`FULL_SYNC_PERIOD`], upstream's hourly
+//! full resync; the mode's `syncPeriod` only paces the partial syncs). A sync that fails
+//! leaves the next one full.
 //!
 //! Not done (known gaps against upstream): ServiceCIDR objects are not watched (the
 //! "unallocated ClusterIPs" drop rule is written only for CIDRs given in the config, which
@@ -24,6 +25,12 @@ use super::config::NftablesConfig;
 use super::kernel::{KernelTable, NftRunner};
 use super::localhost::LocalhostNodePorts;
 use super::proxier::{NftSyncStats, Proxier};
+
+/// How often a full sync is forced: upstream's `proxyutil.FullSyncPeriod` (one hour, the
+/// iptables mode's [`crate::dataplane::iptables::config::FULL_SYNC_PERIOD`] too). The mode's
+/// `syncPeriod` (30 s) only paces the syncs, which are partial: a full sync at 10k services
+/// costs seconds of kernel time (see the module docs of [`super`]).
+pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// Start-up of the nftables dataplane failed.
 #[derive(Debug, thiserror::Error)]

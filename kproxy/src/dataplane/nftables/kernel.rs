@@ -4,8 +4,11 @@
 //! since 1.37 (`NFTablesNetlink`: `nft list table` took 40 s at 44k services). No rules are
 //! ever read, only counted (the canary check, [`super::proxier`]).
 //!
-//! A sync reads the chains and the named sets/maps once (cached until the next
-//! transaction); a full sync additionally dumps the elements of the six element storages.
+//! A full sync reads the chains and the named sets/maps once (cached until the next
+//! transaction) and dumps the elements of the six element storages; a partial sync reads
+//! only the static chains' rule counts (the proxier knows the rest, see "Loading speed" in
+//! [`super`]). A full sync's transaction is run in parts, one `nft -f -` each
+//! ([`NftBackend::run_parts`]); [`DUMP_DIR_ENV`] writes every transaction run to files.
 //! Elements come back in the planner's text form (`172.30.0.41 . tcp . 80`,
 //! `goto service-…`, `drop`), so the storages compare kernel content with planned content
 //! key by key.
@@ -63,7 +66,21 @@ pub struct KernelTable {
     netlink: Option<NftNetlink>,
     /// `nft` invocations so far (transactions and deletions; reads go through netlink).
     pub nft_runs: u64,
+    /// [`DUMP_DIR_ENV`]: where each transaction is written after it ran.
+    dump_dir: Option<PathBuf>,
 }
+
+/// Debugging and benchmarking aid: when this environment variable names a directory, every
+/// transaction the kernel backend runs is also written there after `nft` returned, as
+/// `<seq>-<family>.nft` (`seq` counts the transactions of both families in the order they
+/// ran), its first line a comment with how long `nft -f -` took, whether it succeeded and
+/// what it was (`full sync part i of k` / `partial sync part 1 of 1` for a sync's transaction, [`super::proxier::split_points`];
+/// `transaction` for the stale-chain deletions a sync starts with).
+/// The files replay as they are (`nft -f FILE`; `kp-bench` times them as the floor of the
+/// agent's figures). Written after the commit, so what the datapath does is not delayed.
+pub const DUMP_DIR_ENV: &str = "KPROXY_NFT_DUMP_DIR";
+
+static DUMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl KernelTable {
     pub fn new(family: &str, runner: NftRunner) -> Self {
@@ -73,6 +90,7 @@ impl KernelTable {
             listing: None,
             netlink: None,
             nft_runs: 0,
+            dump_dir: std::env::var_os(DUMP_DIR_ENV).map(PathBuf::from),
         }
     }
 
@@ -123,6 +141,61 @@ impl KernelTable {
     }
 }
 
+impl KernelTable {
+    /// One `nft -f -` run of the operations `ops` of `tx` (`what` labels it in a
+    /// [`DUMP_DIR_ENV`] dump).
+    fn run_text(
+        &mut self,
+        tx: &Transaction,
+        ops: std::ops::Range<usize>,
+        what: &str,
+    ) -> Result<(), String> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        self.listing = None;
+        let mut text = String::new();
+        for op in &tx.ops[ops] {
+            text.push_str(&tx.render_op(op));
+            text.push('\n');
+        }
+        let started = std::time::Instant::now();
+        let result = self.nft(&["-f", "-"], Some(&text)).map(|_| ());
+        if let Some(dir) = &self.dump_dir {
+            dump(
+                dir,
+                &self.family,
+                &text,
+                started.elapsed(),
+                result.is_ok(),
+                what,
+            );
+        }
+        result
+    }
+}
+
+/// Writes one transaction for [`DUMP_DIR_ENV`] (a failure is logged, never fatal).
+fn dump(
+    dir: &std::path::Path,
+    family: &str,
+    text: &str,
+    took: std::time::Duration,
+    ok: bool,
+    what: &str,
+) {
+    let seq = DUMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = dir.join(format!("{seq:06}-{family}.nft"));
+    let head = format!(
+        "# nft -f: {:.3} ms, {}, {what}\n",
+        took.as_secs_f64() * 1e3,
+        if ok { "ok" } else { "failed" }
+    );
+    if let Err(e) = std::fs::write(&path, head + text) {
+        tracing::warn!(path = %path.display(), error = %e, "{DUMP_DIR_ENV}: cannot write");
+    }
+}
+
 /// The kernel's "no such object" answer.
 fn is_not_found(stderr: &str) -> bool {
     stderr.contains("No such file or directory")
@@ -160,11 +233,18 @@ impl NftBackend for KernelTable {
     }
 
     fn run(&mut self, tx: &Transaction) -> Result<(), String> {
-        if tx.ops.is_empty() {
-            return Ok(());
+        self.run_text(tx, 0..tx.ops.len(), "transaction")
+    }
+
+    fn run_parts(&mut self, tx: &Transaction, cuts: &[usize], full: bool) -> Result<(), String> {
+        let k = cuts.len() + 1;
+        let kind = if full { "full" } else { "partial" };
+        let mut from = 0;
+        for (i, &at) in cuts.iter().chain([&tx.ops.len()]).enumerate() {
+            self.run_text(tx, from..at, &format!("{kind} sync part {} of {k}", i + 1))?;
+            from = at;
         }
-        self.listing = None;
-        self.nft(&["-f", "-"], Some(&tx.to_string())).map(|_| ())
+        Ok(())
     }
 
     /// One netlink dump of the table's rules, counted per chain: the chains without any.

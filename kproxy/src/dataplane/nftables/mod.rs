@@ -33,6 +33,51 @@
 //!   apart it would never be deleted.
 //! - The masquerade mark is written `0x4000` (upstream's test proxier); upstream's real
 //!   proxier writes `%#08x` (`0x004000`), which nft reads the same.
+//!
+//! # Loading speed
+//!
+//! The rules are upstream's, byte for byte (every service port with endpoints gets an
+//! anonymous `numgen random mod N vmap { … }` map); what kproxy chooses is how they reach the
+//! kernel. Measured with `perf` on kernel 6.18 and nft 1.0.6 (bench/nftables-speed.md has the
+//! figures; `cargo xtask bench` measures each beside the floor of one `nft -f` of the same
+//! input):
+//!
+//! - **Per anonymous set, over the whole pending transaction.** Binding an anonymous set to
+//!   its rule (`nf_tables_bind_set` → `__nft_set_trans_bind`) walks the entire commit list
+//!   of the transaction, once per `numgen … vmap` rule. One transaction of n services
+//!   therefore costs O(n²): 45% of the kernel time at 4k services, ≈ 30 s of kernel time
+//!   at 10k × 5 (TOOLCHAIN.md's 129 s for anonymous maps is this walk). A full sync is
+//!   therefore committed in parts of ≈ [`proxier::FULL_SYNC_BATCH_OPERATIONS`] operations,
+//!   cut between service ports ([`proxier::split_points`], which also says why no part
+//!   leaves a service half-programmed); partial syncs stay one transaction.
+//! - **Per anonymous set, over the whole table.** Allocating its name (`__map%d`:
+//!   `nf_tables_newset` scans and `sscanf`s every set of the table) and finding it by that
+//!   name (`nft_set_lookup_global`, which never matches and scans every set before the
+//!   lookup by id) are O(sets in the table) each, so loading n services costs O(n²)
+//!   whatever the transaction size — the bulk of what remains at 10k and the reason a 40k
+//!   resync takes minutes. Only a different ruleset (named maps) would avoid it.
+//! - **Per commit, over the whole table.** A transaction adding a jump, goto or verdict
+//!   element makes the commit re-validate every chain reachable from the base chains
+//!   (`nft_table_validate`: `services` → `@service-ips` → every service chain → every
+//!   numgen map → every endpoint chain). Smaller parts pay it more often (at 10k × 5, parts
+//!   of 5,000 operations were slower than parts of 20,000, and parts of 80,000 slower again
+//!   from the bind walk).
+//! - **Per `nft` run, over the whole table.** nft fetches the table's chains and sets into
+//!   its cache for any `add rule` or `add element` (not for a batch of `add chain`s only);
+//!   the kernel restarts the chain dump from the first chain for every 32 KB message, so at
+//!   10k × 5 (60k chains) that dump is about half of a one-change `nft -f`. nft has no
+//!   option to skip it. Hence: one `nft` run per sync — the stale-chain deletions go at the
+//!   start of the sync's transaction instead of one of their own (upstream's; on failure
+//!   the sync's transaction runs alone, as upstream retries them) — and a partial sync
+//!   lists nothing itself: the proxier knows the table's chains and sets from its last full
+//!   sync plus every transaction since, and the canary counts the static chains' rules.
+//! - **Order within a service port**: chains first, then elements, then rules (upstream's).
+//!   Adding an element or rule checks the jump target's chain for loops by walking it,
+//!   which is empty at that moment; elements after the rules would walk every service's
+//!   chains.
+//!
+//! What is left above the floor in a partial sync is the planner's walk over every service
+//! port (names, element reconciliation) and the agent's sync machinery.
 
 pub mod config;
 pub mod dataplane;
@@ -47,7 +92,7 @@ pub mod setup;
 pub mod transaction;
 
 pub use config::NftablesConfig;
-pub use dataplane::NftablesDataplane;
+pub use dataplane::{FULL_SYNC_PERIOD, NftablesDataplane};
 pub use fake::FakeTable;
 pub use proxier::{NftBackend, NftSyncError, NftSyncStats, Proxier, render};
 pub use transaction::{Transaction, canonical_sort};

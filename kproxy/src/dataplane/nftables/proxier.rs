@@ -28,6 +28,16 @@ pub trait NftBackend {
     fn list_sets(&mut self) -> Result<Vec<String>, String>;
     fn list_elements(&mut self, set: &str) -> Result<Vec<(String, Option<String>)>, String>;
     fn run(&mut self, tx: &Transaction) -> Result<(), String>;
+    /// Runs one sync's transaction in consecutive parts, cut before the operations at
+    /// `cuts` ([`split_points`]; none: whole), each part atomically and in order; stops at
+    /// the first failure. `full`: the sync is a full one (for logs and dumps).
+    fn run_parts(&mut self, tx: &Transaction, cuts: &[usize], full: bool) -> Result<(), String> {
+        let _ = full;
+        if cuts.is_empty() {
+            return self.run(tx);
+        }
+        split(tx, cuts).iter().try_for_each(|part| self.run(part))
+    }
     /// How many rules `chain` holds (0 when it does not exist), for the canary check;
     /// `None`: this backend cannot tell (the check then only looks at chains and sets).
     fn rule_count(&mut self, _chain: &str) -> Result<Option<usize>, String> {
@@ -107,6 +117,14 @@ pub struct Proxier {
     static_rules: BTreeMap<String, usize>,
     /// Partial syncs turned full because the table was changed from outside.
     pub outside_changes: u64,
+    /// A full sync's transaction is committed in parts of about this many operations
+    /// ([`split_points`]); `usize::MAX`: one transaction, like upstream.
+    pub batch_operations: usize,
+    /// The chains and sets (not maps) of the table as of this proxier's last successful
+    /// sync (its listing at the last full sync, updated by every transaction since), so a
+    /// partial sync lists nothing (a dump of 60k chains costs more than the commit of one
+    /// change); `None`: list them from the backend.
+    known: Option<(BTreeSet<String>, BTreeSet<String>)>,
 }
 
 impl Proxier {
@@ -122,6 +140,8 @@ impl Proxier {
             cleanup_failures: 0,
             static_rules: BTreeMap::new(),
             outside_changes: 0,
+            batch_operations: FULL_SYNC_BATCH_OPERATIONS,
+            known: None,
         }
     }
 
@@ -168,29 +188,29 @@ impl Proxier {
         Transaction::new(self.cfg.table_family(), TABLE)
     }
 
-    /// Deletes chains stale for more than [`STALE_CHAIN_DELAY`] in their own transaction.
-    fn delete_stale_chains(&mut self, now: Duration, backend: &mut dyn NftBackend) -> usize {
-        let due: Vec<String> = self
-            .stale_chains
+    /// The stale chains flushed more than [`STALE_CHAIN_DELAY`] ago: deleted at the start
+    /// of this sync's transaction.
+    fn due_stale_chains(&self, now: Duration) -> Vec<String> {
+        self.stale_chains
             .iter()
             .filter(|(_, t)| now.saturating_sub(**t) > STALE_CHAIN_DELAY)
             .map(|(c, _)| c.clone())
-            .collect();
-        if due.is_empty() {
-            return 0;
+            .collect()
+    }
+
+    /// The table's chains and sets: what this proxier knows when it may trust that
+    /// (`known`, taken: the sync puts it back updated), else listed from the backend.
+    fn table_objects(
+        &mut self,
+        backend: &mut dyn NftBackend,
+    ) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
+        match self.known.take() {
+            Some(k) => Ok(k),
+            None => Ok((
+                backend.list_chains()?.into_iter().collect(),
+                backend.list_sets()?.into_iter().collect(),
+            )),
         }
-        let mut tx = self.new_tx();
-        for c in &due {
-            tx.delete(Object::chain(c.as_str()));
-            self.stale_chains.remove(c);
-        }
-        if let Err(e) = backend.run(&tx) {
-            // Still existing chains are found stale again at the end of this sync.
-            tracing::error!(error = %e, "unable to delete stale nftables chains; will retry later");
-            self.cleanup_failures += 1;
-            return 0;
-        }
-        due.len()
     }
 
     /// Makes the table match `snap`. `now` is the caller's monotonic clock.
@@ -205,7 +225,10 @@ impl Proxier {
         let mut full = self.need_full_sync || changed.node;
         // Until this sync succeeds, the next one must be full.
         self.need_full_sync = true;
-        let stale_deleted = self.delete_stale_chains(now, backend);
+        if full {
+            // A full sync reads the table.
+            self.known = None;
+        }
         // After an outside change no existing chain can be trusted to hold its rules (`nft
         // flush table` empties every chain): the full sync rewrites every endpoint chain.
         let mut distrust_chains = false;
@@ -220,6 +243,7 @@ impl Proxier {
             distrust_chains = true;
         }
         let err = |e: String| NftSyncError(e);
+        let (mut listed_chains, mut listed_sets) = self.table_objects(backend).map_err(err)?;
         let mut tx = self.new_tx();
         let existing = if full {
             setup(&self.cfg, &mut tx, !self.base_chains_recreated);
@@ -230,12 +254,11 @@ impl Proxier {
             let mut chains: BTreeSet<String> = if distrust_chains {
                 BTreeSet::new()
             } else {
-                backend.list_chains().map_err(err)?.into_iter().collect()
+                listed_chains.clone()
             };
             self.forget_empty_chains(&mut chains, backend)
                 .map_err(err)?;
-            let sets: BTreeSet<String> = backend.list_sets().map_err(err)?.into_iter().collect();
-            Some((chains, sets))
+            Some((chains, listed_sets.clone()))
         } else {
             self.storages.all_mut().into_iter().for_each(|s| s.begin());
             None
@@ -258,6 +281,8 @@ impl Proxier {
             kept_chains: BTreeSet::new(),
         };
         let mut ports = 0;
+        // Where each service port's operations start in the transaction.
+        let mut port_starts = vec![];
         for svc in snap.services.values() {
             let Some(cluster_ip) = svc.cluster_ip(self.cfg.family) else {
                 continue;
@@ -265,6 +290,7 @@ impl Proxier {
             let skip = !full
                 && !changed_services
                     .contains(&(svc.name.namespace.as_str(), svc.name.name.as_str()));
+            port_starts.push(ctx.tx.ops.len());
             ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name), skip);
             ports += 1;
         }
@@ -276,16 +302,71 @@ impl Proxier {
             no_local_external,
             ..
         } = ctx;
-        self.stale_objects(&mut tx, &active_chains, &active_affinity_sets, now, backend)?;
+        self.stale_objects(
+            &mut tx,
+            &active_chains,
+            &active_affinity_sets,
+            now,
+            (&listed_chains, &listed_sets),
+        );
         for s in self.storages.all_mut() {
             s.cleanup(&mut tx);
         }
-        let result = backend.run(&tx);
+        let cuts = if full {
+            split_points(&port_starts, self.batch_operations)
+        } else {
+            vec![]
+        };
+        // Chains flushed more than a second ago (and not used again, `stale_objects`) are
+        // deleted first in the same transaction: upstream deletes them in a transaction of
+        // their own before the sync's, which costs a second `nft` run (a whole chain and set
+        // dump for nft's cache, and a commit) whenever a chain went stale. Should that
+        // transaction fail (a chain still referenced from outside), the sync's is run alone
+        // and the chains are looked at again by the next sync, as upstream retries them.
+        let due = self.due_stale_chains(now);
+        let mut result = Err(String::new());
+        let mut stale_deleted = 0;
+        if !due.is_empty() {
+            let mut with = self.new_tx();
+            for c in &due {
+                with.delete(Object::chain(c.as_str()));
+            }
+            with.ops.extend(tx.ops.iter().cloned());
+            let shifted: Vec<usize> = cuts.iter().map(|c| c + due.len()).collect();
+            result = backend.run_parts(&with, &shifted, full);
+            match &result {
+                Ok(()) => {
+                    stale_deleted = due.len();
+                    for c in &due {
+                        self.stale_chains.remove(c);
+                    }
+                    self.learn(&mut listed_chains, &mut listed_sets, &with);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "unable to delete stale nftables chains; will retry later");
+                    self.cleanup_failures += 1;
+                    for c in &due {
+                        self.stale_chains.remove(c);
+                    }
+                }
+            }
+        }
+        if due.is_empty() || result.is_err() {
+            result = backend.run_parts(&tx, &cuts, full);
+            if result.is_ok() {
+                self.learn(&mut listed_chains, &mut listed_sets, &tx);
+                if !due.is_empty() {
+                    // Whether the due chains still exist is known only to the kernel now.
+                    self.known = None;
+                }
+            }
+        }
         let operations = tx.num_operations();
         self.last_transaction = Some(tx);
         if let Err(e) = result {
             // The recorded stale chains were not flushed after all; recompute next time.
             self.stale_chains.clear();
+            self.known = None;
             return Err(NftSyncError(e));
         }
         self.need_full_sync = false;
@@ -302,6 +383,33 @@ impl Proxier {
             no_local_external,
         };
         Ok(self.stats.clone())
+    }
+
+    /// What the table holds after `tx` ran over `chains` and `sets` ([`Self::known`]).
+    fn learn(
+        &mut self,
+        chains: &mut BTreeSet<String>,
+        sets: &mut BTreeSet<String>,
+        tx: &Transaction,
+    ) {
+        for op in &tx.ops {
+            match (&op.verb, &op.object) {
+                (Verb::Add, Object::Chain { name, .. }) => {
+                    chains.insert(name.clone());
+                }
+                (Verb::Delete, Object::Chain { name, .. }) => {
+                    chains.remove(name);
+                }
+                (Verb::Add, Object::Set { name, .. }) => {
+                    sets.insert(name.clone());
+                }
+                (Verb::Delete, Object::Set { name, .. }) => {
+                    sets.remove(name);
+                }
+                _ => {}
+            }
+        }
+        self.known = Some((std::mem::take(chains), std::mem::take(sets)));
     }
 
     /// Removes the chains that hold no rule from `chains` (the existing chains a full sync
@@ -336,15 +444,42 @@ impl Proxier {
     /// (`nft flush table`, `nft flush chain`, a rule deleted or added by someone else).
     ///
     /// Upstream's nftables proxier has no such check (KEP-3866: every component owns its
-    /// table; a full resync runs every hour, here every `syncPeriod`); its iptables mode
+    /// table; a full resync runs every hour, as here); its iptables mode
     /// polls a canary chain. kproxy's partial syncs only write changed services, so without
-    /// this an outside change would last until the next full sync. Costs a chain and set
-    /// listing (read anyway by [`Self::stale_objects`], cached by the kernel backend) and one
-    /// small rule dump per static chain; map elements are not compared (a flushed map is
-    /// repaired by the next full sync).
+    /// this an outside change would last until the next full sync. Costs one small rule
+    /// dump per static chain (a chain and set listing only for a backend that cannot count
+    /// rules); map elements are not compared (a flushed map is repaired by the next full
+    /// sync).
     fn outside_change(&self, backend: &mut dyn NftBackend) -> Result<Option<String>, String> {
-        let chains: BTreeSet<String> = backend.list_chains()?.into_iter().collect();
-        let sets: BTreeSet<String> = backend.list_sets()?.into_iter().collect();
+        // The rule counts first: every base chain and `services` hold rules after a full
+        // sync, and `cluster-ips` cannot go while `cluster-ips-check` refers to it, so when
+        // the backend counts rules, a missing chain or set shows as a count of 0 and the
+        // table need not be listed (60k chains at 10k services).
+        let mut counted = !self.static_rules.is_empty();
+        for (chain, want) in &self.static_rules {
+            match backend.rule_count(chain)? {
+                Some(n) if n != *want => {
+                    return Ok(Some(format!(
+                        "chain {chain} holds {n} rules, the last full sync wrote {want}"
+                    )));
+                }
+                Some(_) => {}
+                None => counted = false,
+            }
+        }
+        if counted {
+            return Ok(None);
+        }
+        let (chains, sets) = match &self.known {
+            Some((c, s)) => (c.clone(), s.clone()),
+            None => (
+                backend.list_chains()?.into_iter().collect(),
+                backend
+                    .list_sets()?
+                    .into_iter()
+                    .collect::<BTreeSet<String>>(),
+            ),
+        };
         let missing = BASE_CHAINS
             .iter()
             .map(|(name, ..)| *name)
@@ -355,16 +490,6 @@ impl Proxier {
         }
         if !sets.contains(CLUSTER_IPS) {
             return Ok(Some(format!("set {CLUSTER_IPS} is missing")));
-        }
-        for (chain, want) in &self.static_rules {
-            match backend.rule_count(chain)? {
-                Some(n) if n != *want => {
-                    return Ok(Some(format!(
-                        "chain {chain} holds {n} rules, the last full sync wrote {want}"
-                    )));
-                }
-                _ => {}
-            }
         }
         Ok(None)
     }
@@ -379,31 +504,80 @@ impl Proxier {
         active_chains: &BTreeSet<String>,
         active_sets: &BTreeSet<String>,
         now: Duration,
-        backend: &mut dyn NftBackend,
-    ) -> Result<(), NftSyncError> {
-        for chain in backend.list_chains().map_err(NftSyncError)? {
-            if !is_service_chain(&chain) {
+        (chains, sets): (&BTreeSet<String>, &BTreeSet<String>),
+    ) {
+        for chain in chains {
+            if !is_service_chain(chain) {
                 continue;
             }
-            if active_chains.contains(&chain) {
-                self.stale_chains.remove(&chain);
-            } else if let std::collections::btree_map::Entry::Vacant(e) =
-                self.stale_chains.entry(chain)
-            {
-                tx.flush(Object::chain(e.key().as_str()));
-                e.insert(now);
+            if active_chains.contains(chain) {
+                if !self.stale_chains.is_empty() {
+                    self.stale_chains.remove(chain);
+                }
+            } else if !self.stale_chains.contains_key(chain) {
+                tx.flush(Object::chain(chain.as_str()));
+                self.stale_chains.insert(chain.clone(), now);
             }
         }
-        for set in backend.list_sets().map_err(NftSyncError)? {
-            if is_affinity_set(&set) && !active_sets.contains(&set) {
+        for set in sets {
+            if is_affinity_set(set) && !active_sets.contains(set) {
                 tx.delete(Object::Set {
-                    name: set,
+                    name: set.clone(),
                     spec: Default::default(),
                 });
             }
         }
-        Ok(())
     }
+}
+
+/// The size of the parts a full sync's transaction is committed in (operations, see
+/// [`split_points`]), chosen by measurement (bench/nftables-speed.md).
+pub const FULL_SYNC_BATCH_OPERATIONS: usize = 20_000;
+
+/// Where to cut a full sync's transaction (operation indices, ascending, none at 0): at the
+/// start of a service port (`port_starts`), once the current part holds at least `budget`
+/// operations. The first part holds the static setup, the last one the cleanup (stale
+/// chains flushed, leftover elements and affinity sets deleted).
+///
+/// Why committing a full sync in parts is safe: the planner writes each service port's
+/// operations together — its chains (added and flushed), its map and set elements (an
+/// element whose value changes is deleted and re-added in place), its rules — and nothing
+/// outside that run of operations refers to its chains except the cleanup at the end, which
+/// flushes chains only after every element that pointed to them was replaced or deleted.
+/// A cut between two service ports therefore leaves every service either as the previous
+/// sync left it or as this sync wants it, each whole: its element points to a chain that
+/// already holds all its rules, and its ClusterIP enters `cluster-ips` (whose
+/// `cluster-ips-check` rejects ports of ClusterIPs without a `service-ips` element) in the
+/// same part as its `service-ips` element. The static part (base chains, dispatch rules,
+/// the sets and maps) is written whole in the first part. A part that fails leaves the
+/// next sync full; it reads the kernel's chains and elements again.
+///
+/// Why: the kernel re-walks the whole pending transaction for every anonymous set it binds
+/// (`__nft_set_trans_bind`, once per `numgen … vmap` rule), so one transaction of n
+/// services costs O(n²); parts of a bounded size make it O(n) (see the module docs).
+pub fn split_points(port_starts: &[usize], budget: usize) -> Vec<usize> {
+    let mut cuts = vec![];
+    let mut from = 0;
+    for &at in port_starts {
+        if at > from && at - from >= budget {
+            cuts.push(at);
+            from = at;
+        }
+    }
+    cuts
+}
+
+/// `tx` cut at `cuts` ([`split_points`]) into consecutive transactions.
+pub fn split(tx: &Transaction, cuts: &[usize]) -> Vec<Transaction> {
+    let mut out = vec![];
+    let mut from = 0;
+    for &at in cuts.iter().chain([&tx.ops.len()]) {
+        let mut part = Transaction::new(&tx.family, &tx.table);
+        part.ops = tx.ops[from..at].to_vec();
+        out.push(part);
+        from = at;
+    }
+    out
 }
 
 /// Rules per static (non-service) chain that a full sync's transaction leaves: every static
@@ -437,6 +611,7 @@ pub fn render(snap: &Snapshot, cfg: &NftablesConfig) -> Result<String, NftSyncEr
 mod tests {
     use super::*;
     use crate::dataplane::netfilter::local_detect::LocalDetector;
+    use crate::dataplane::nftables::transaction::Op;
     use crate::model::testing::{endpoint, port_name, service_port, snapshot};
     use crate::model::{IpFamily, Protocol};
 
@@ -533,6 +708,251 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    /// A backend over a [`FakeTable`] that records what it was asked.
+    #[derive(Default)]
+    struct Recording {
+        table: Option<FakeTable>,
+        runs: Vec<Transaction>,
+        listings: usize,
+        fail_with_deletions: bool,
+    }
+    impl Recording {
+        fn new() -> Self {
+            Recording {
+                table: Some(FakeTable::new("ip", TABLE)),
+                ..Default::default()
+            }
+        }
+        fn t(&mut self) -> &mut FakeTable {
+            self.table.as_mut().unwrap()
+        }
+    }
+    impl NftBackend for Recording {
+        fn list_chains(&mut self) -> Result<Vec<String>, String> {
+            self.listings += 1;
+            Ok(FakeTable::list_chains(self.t()))
+        }
+        fn list_sets(&mut self) -> Result<Vec<String>, String> {
+            self.listings += 1;
+            Ok(FakeTable::list_sets(self.t()))
+        }
+        fn list_elements(&mut self, s: &str) -> Result<Vec<(String, Option<String>)>, String> {
+            Ok(FakeTable::list_elements(self.t(), s))
+        }
+        fn rule_count(&mut self, chain: &str) -> Result<Option<usize>, String> {
+            NftBackend::rule_count(self.t(), chain)
+        }
+        fn run(&mut self, tx: &Transaction) -> Result<(), String> {
+            let deletes_chain = tx
+                .ops
+                .iter()
+                .any(|o| o.verb == Verb::Delete && matches!(o.object, Object::Chain { .. }));
+            if self.fail_with_deletions && deletes_chain {
+                return Err("chain in use".into());
+            }
+            self.runs.push(tx.clone());
+            self.t().apply(tx).map_err(|e| e.to_string())
+        }
+    }
+
+    /// `n` services of 3 endpoints each.
+    fn many_services(n: u32) -> Snapshot {
+        let mut b = snapshot("n");
+        for i in 0..n {
+            b = b.service(
+                service_port("ns", &format!("s{i}"), "p")
+                    .cluster_ip(&format!("172.30.1.{i}"))
+                    .build(),
+                (1..=3)
+                    .map(|j| endpoint(&format!("10.1.{i}.{j}"), 80).build())
+                    .collect(),
+            );
+        }
+        b.build()
+    }
+
+    #[test]
+    fn split_points_cut_at_port_starts_once_the_budget_is_reached() {
+        assert_eq!(split_points(&[10, 15, 22, 30, 41], 10), vec![10, 22, 41]);
+        assert_eq!(split_points(&[10, 15], usize::MAX), Vec::<usize>::new());
+        assert_eq!(split_points(&[0, 3], 1), vec![3], "never a cut at 0");
+        let mut tx = Transaction::new("ip", TABLE);
+        for i in 0..5 {
+            tx.add(Object::chain(format!("c{i}")));
+        }
+        let parts = split(&tx, &[2, 4]);
+        assert_eq!(
+            parts.iter().map(|p| p.ops.len()).collect::<Vec<_>>(),
+            [2, 2, 1]
+        );
+    }
+
+    /// A full sync in parts leaves the table a single transaction gives, every part cut
+    /// where a service port's operations start, the setup whole in the first part.
+    #[test]
+    fn a_full_sync_in_parts_gives_the_same_table() {
+        let snap = many_services(20);
+        let mut one = Recording::new();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.batch_operations = usize::MAX;
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut one)
+            .expect("one");
+        assert_eq!(one.runs.len(), 1);
+        let whole = one.runs[0].clone();
+        let mut parts = Recording::new();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.batch_operations = 50;
+        p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut parts)
+            .expect("parts");
+        assert!(parts.runs.len() > 3, "{} parts", parts.runs.len());
+        assert_eq!(
+            canonical(parts.t()),
+            canonical(one.t()),
+            "same table either way"
+        );
+        let ops: Vec<Op> = parts.runs.iter().flat_map(|r| r.ops.clone()).collect();
+        assert_eq!(ops, whole.ops, "the same operations in the same order");
+        assert!(
+            parts.runs[0]
+                .ops
+                .iter()
+                .any(|o| matches!(&o.object, Object::Rule { chain, .. } if chain == SERVICES))
+        );
+        for r in &parts.runs[1..] {
+            match &r.ops[0].object {
+                Object::Chain { name, .. } => {
+                    assert!(name.starts_with("endpoint-"), "part starts at {name}")
+                }
+                o => panic!("part starts with {o:?}"),
+            }
+        }
+        // Partial syncs are never cut.
+        let next = many_services(19);
+        let before = parts.runs.len();
+        p.sync(
+            &next,
+            &changed(&[("ns", "s19")]),
+            Duration::ZERO,
+            &mut parts,
+        )
+        .expect("partial");
+        assert_eq!(parts.runs.len(), before + 1);
+    }
+
+    #[test]
+    fn partial_syncs_list_nothing_and_stale_chains_go_in_the_sync_transaction() {
+        let mut b = Recording::new();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let ms = Duration::from_millis;
+        p.sync(
+            &two_services("10.0.2.1"),
+            &ChangedSet::default(),
+            ms(0),
+            &mut b,
+        )
+        .expect("full");
+        let listed = b.listings;
+        assert!(listed > 0, "a full sync lists the table");
+        // a's second endpoint moves: its old chain is flushed (stale).
+        p.sync(
+            &two_services("10.0.2.9"),
+            &changed(&[("ns2", "b")]),
+            ms(100),
+            &mut b,
+        )
+        .expect("partial");
+        assert_eq!(p.stale_chains.len(), 1);
+        let runs = b.runs.len();
+        // More than a second later, another change: one transaction deletes the stale
+        // chain first, then writes the change.
+        p.sync(
+            &two_services("10.0.2.8"),
+            &changed(&[("ns2", "b")]),
+            ms(1200),
+            &mut b,
+        )
+        .expect("partial");
+        assert_eq!(b.runs.len(), runs + 1, "one nft run");
+        let tx = b.runs.last().unwrap().to_string();
+        assert!(
+            tx.starts_with("delete chain ip kube-proxy endpoint-") && tx.contains("10.0.2.1"),
+            "{tx}"
+        );
+        assert!(tx.contains("dnat to 10.0.2.8:80"), "{tx}");
+        assert_eq!(p.stats.stale_chains_deleted, 1);
+        assert_eq!(b.listings, listed, "partial syncs list nothing");
+        assert!(
+            FakeTable::list_chains(b.t())
+                .iter()
+                .all(|c| !c.contains("10.0.2.1"))
+        );
+        // The next full sync leaves what a fresh one into an empty table gives.
+        p.force_full_sync();
+        p.sync(
+            &two_services("10.0.2.8"),
+            &ChangedSet::default(),
+            ms(2500),
+            &mut b,
+        )
+        .expect("full");
+        p.sync(
+            &two_services("10.0.2.8"),
+            &ChangedSet::default(),
+            ms(4000),
+            &mut b,
+        )
+        .expect("cleanup");
+        assert_eq!(
+            render(&two_services("10.0.2.8"), &p.cfg).expect("render"),
+            canonical(b.t())
+        );
+    }
+
+    #[test]
+    fn a_failed_stale_chain_deletion_leaves_the_sync_to_run_alone() {
+        let mut b = Recording::new();
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let ms = Duration::from_millis;
+        p.sync(
+            &two_services("10.0.2.1"),
+            &ChangedSet::default(),
+            ms(0),
+            &mut b,
+        )
+        .expect("full");
+        p.sync(
+            &two_services("10.0.2.9"),
+            &changed(&[("ns2", "b")]),
+            ms(100),
+            &mut b,
+        )
+        .expect("partial");
+        b.fail_with_deletions = true;
+        let s = p
+            .sync(
+                &two_services("10.0.2.8"),
+                &changed(&[("ns2", "b")]),
+                ms(1200),
+                &mut b,
+            )
+            .expect("the change still goes in");
+        assert!(!s.full && s.stale_chains_deleted == 0, "{s:?}");
+        assert_eq!(p.cleanup_failures, 1);
+        assert!(canonical(b.t()).contains("dnat to 10.0.2.8:80"));
+        // The next sync lists the table again and finds the chain, still flushed.
+        b.fail_with_deletions = false;
+        let listed = b.listings;
+        p.sync(
+            &two_services("10.0.2.8"),
+            &ChangedSet::default(),
+            ms(1300),
+            &mut b,
+        )
+        .expect("partial");
+        assert!(b.listings > listed);
+        assert!(p.stale_chains.keys().any(|c| c.contains("10.0.2.1")));
     }
 
     #[test]
