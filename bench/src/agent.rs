@@ -187,30 +187,12 @@ impl RunningAgent {
 
     /// Peak resident set size (VmHWM) in MB.
     pub fn peak_rss_mb(&self) -> anyhow::Result<f64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
-        let kb: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .context("no VmHWM")?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()?;
-        Ok(kb / 1024.0)
+        status_mb(self.pid(), "VmHWM")
     }
 
     /// Resident set size now (VmRSS) in MB.
     pub fn rss_mb(&self) -> anyhow::Result<f64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
-        let kb: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .context("no VmRSS")?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()?;
-        Ok(kb / 1024.0)
+        status_mb(self.pid(), "VmRSS")
     }
 
     /// Open file descriptors now.
@@ -359,4 +341,18 @@ pub fn check_reachable(
         return Err(format!("{} is not reachable: {r:?}", probe.addr));
     }
     Ok(())
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`) in MB.
+pub fn status_mb(pid: u32, field: &str) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
+    Ok(kb / 1024.0)
 }

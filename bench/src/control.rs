@@ -110,11 +110,7 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str) -> anyhow::Resul
     };
     let server = NetnsApi::start(&topo.node)?;
     let api = &server.api;
-    api.create(&set.node()?)?;
-    for i in 0..n {
-        api.create(&set.service(i)?)?;
-        api.create(&set.slice(i, &set.endpoints(i))?)?;
-    }
+    set.create_all(api)?;
     let scratch = ScratchDir::new("bench-cp")?;
     let kubeconfig = scratch.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;

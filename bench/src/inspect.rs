@@ -68,11 +68,7 @@ fn measure(n: u32, results: &mut Results) -> anyhow::Result<()> {
     };
     let server = NetnsApi::start(&topo.node)?;
     let api = &server.api;
-    api.create(&set.node()?)?;
-    for i in 0..n {
-        api.create(&set.service(i)?)?;
-        api.create(&set.slice(i, &set.endpoints(i))?)?;
-    }
+    set.create_all(api)?;
     let scratch = ScratchDir::new("bench-inspect")?;
     let kubeconfig = scratch.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;

@@ -6,6 +6,7 @@ use std::net::Ipv4Addr;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kproxy_tests::fakeapi::FakeApi;
 use serde_json::{Value, json};
 
 /// Node name the agent runs as in the benchmarks.
@@ -103,6 +104,16 @@ impl ServiceSet {
         }
         out.push('\n');
         out
+    }
+
+    /// Creates the Node and every service with its slice in the fake API server.
+    pub fn create_all(&self, api: &FakeApi) -> anyhow::Result<()> {
+        api.create(&self.node()?)?;
+        for i in 0..self.count {
+            api.create(&self.service(i)?)?;
+            api.create(&self.slice(i, &self.endpoints(i))?)?;
+        }
+        Ok(())
     }
 
     pub fn node(&self) -> anyhow::Result<Node> {

@@ -400,17 +400,8 @@ impl Tracks {
 
 /// RSS (MB) and open fds of process `pid`.
 fn proc_rss_fds(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kb: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .context("no VmRSS")?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
-    Ok((kb / 1024.0, fds as f64))
+    Ok((super::agent::status_mb(pid, "VmRSS")?, fds as f64))
 }
 
 /// What the prober counted.
