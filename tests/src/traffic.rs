@@ -202,6 +202,7 @@ pub struct Hold {
     /// The backend that answered the greeting.
     pub backend: String,
     what: &'static str,
+    seconds: u64,
 }
 
 impl Hold {
@@ -235,6 +236,7 @@ impl Hold {
             child,
             lines,
             what,
+            seconds,
         }
     }
 
@@ -249,7 +251,9 @@ impl Hold {
         }
     }
 
-    /// Waits for the end of the hold period; returns the number of echoed exchanges.
+    /// Waits for the end of the hold period and asserts the connection echoed all along: it
+    /// ended cleanly with more than half the exchanges its period allows (one per 100 ms).
+    /// Returns the number of echoed exchanges.
     pub fn finish(mut self) -> u64 {
         let st = self.child.wait().unwrap();
         let last = self.lines.next().and_then(Result::ok).unwrap_or_default();
@@ -259,7 +263,14 @@ impl Hold {
             self.what
         );
         let v: Value = serde_json::from_str(&last).unwrap();
-        v["exchanges"].as_u64().unwrap()
+        let exchanges = v["exchanges"].as_u64().unwrap();
+        assert!(
+            exchanges > self.seconds * 5,
+            "{}: {exchanges} exchanges in {} s",
+            self.what,
+            self.seconds
+        );
+        exchanges
     }
 }
 

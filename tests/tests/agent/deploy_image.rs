@@ -499,10 +499,6 @@ fn run_as_deployed(case: Case) {
     check_mode_state(&rig);
     let ext_n = ext.finish();
     let int_n = int.finish();
-    assert!(
-        ext_n > HOLD_SECONDS * 5 && int_n > HOLD_SECONDS * 5,
-        "exchanges: NodePort {ext_n}, ClusterIP {int_n}"
-    );
     let log = second.log();
     assert!(!log.contains("panicked"), "{log}");
     eprintln!(
