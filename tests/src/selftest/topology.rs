@@ -89,3 +89,28 @@ fn probe_reports_refused_connections_by_kind_and_spread_checks_shares() {
     .unwrap();
     assert_eq!(gone.errors.get("ConnectionRefused"), Some(&1), "{gone:?}");
 }
+
+fn answers(counts: &[(&str, u64)]) -> crate::topology::ProbeResult {
+    crate::topology::ProbeResult {
+        answers: counts.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn spread_check_accepts_a_fair_small_sample_and_rejects_a_starved_backend() {
+    let names = ["a", "b", "c"];
+    // 14 of 90 is below half the fair share (15) but 3.6 deviations from the mean: a fair
+    // chooser does this about once in 8,000 backends, so it must pass.
+    assert_spread(&answers(&[("a", 14), ("b", 38), ("c", 38)]), &names);
+    // 4 of 30 is below half the fair share (5): 1.2 % of fair draws.
+    assert_spread(&answers(&[("a", 4), ("b", 13), ("c", 13)]), &names);
+    for starved in [
+        answers(&[("a", 0), ("b", 15), ("c", 15)]),
+        answers(&[("a", 5), ("b", 40), ("c", 45)]),
+        answers(&[("a", 10), ("b", 10), ("c", 280)]),
+    ] {
+        let r = std::panic::catch_unwind(|| assert_spread(&starved, &names));
+        assert!(r.is_err(), "{starved:?} must fail the spread check");
+    }
+}
