@@ -32,9 +32,9 @@ use crate::frontend_filter::MAP_FRONTEND_FILTER;
 use crate::maglev::{IDS_PER_ELEM, MAP_MAGLEV, MAP_MAGLEV_REF, MaglevRef};
 use crate::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
-    MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOURCE_RANGES, ServiceKey,
-    ServiceValue, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey,
+    MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOCK_SENT, MAP_SOURCE_RANGES,
+    ServiceKey, ServiceValue, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue,
+    SockSentValue, SourceRangeKey,
 };
 
 /// `HashMap<[u8; LAYOUT_NAME_LEN], LayoutRecord>`: the layout each pinned map was created with.
@@ -108,7 +108,7 @@ const fn layout(
 }
 
 /// Every map the BPF object pins, with its layout.
-pub const LAYOUTS: [MapLayout; 17] = [
+pub const LAYOUTS: [MapLayout; 18] = [
     layout(
         MAP_SERVICES,
         MAP_TYPE_HASH,
@@ -181,6 +181,14 @@ pub const LAYOUTS: [MapLayout; 17] = [
         MAP_TYPE_LRU_HASH,
         size_of::<SockFwdKey>(),
         size_of::<SockFwdValue>(),
+        1,
+        Some(1),
+    ),
+    layout(
+        MAP_SOCK_SENT,
+        MAP_TYPE_LRU_HASH,
+        size_of::<u64>(),
+        size_of::<SockSentValue>(),
         1,
         Some(1),
     ),

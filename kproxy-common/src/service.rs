@@ -12,8 +12,9 @@
 //! | [`MAP_BACKENDS`] | hash | agent | socket LB, TC (and CT users: a CT entry holds a backend id) |
 //! | [`MAP_AFFINITY`] | LRU hash | socket LB, TC (on selection); agent deletes entries of removed backends and expired ones | socket LB, TC |
 //! | [`MAP_SOURCE_RANGES`] | LPM trie | agent | TC (frontends with [`SVC_F_SOURCE_RANGES`]) |
-//! | [`MAP_SOCK_REV_NAT`] | LRU hash | socket LB (connect, sendmsg) | socket LB (recvmsg, getpeername) |
-//! | [`MAP_SOCK_FWD`] | LRU hash | socket LB (sendmsg) | socket LB (sendmsg) |
+//! | [`MAP_SOCK_REV_NAT`] | LRU hash | socket LB (connect, sendmsg); deleted by socket LB (release) | socket LB (recvmsg, getpeername) |
+//! | [`MAP_SOCK_FWD`] | LRU hash | socket LB (sendmsg); deleted by socket LB (release) | socket LB (sendmsg) |
+//! | [`MAP_SOCK_SENT`] | LRU hash | socket LB (sendmsg); deleted by socket LB (release) | socket LB (release) |
 //! | `KP_MAGLEV`, `KP_MAGLEV_REF` | array, hash | agent | TC (see [`crate::maglev`]) |
 //!
 //! Every map is pinned by name under `<bpffs>/kproxy/` (`PinningType::ByName`), so all programs
@@ -74,8 +75,14 @@ pub const MAP_SOCK_REV_NAT: &str = "KP_SOCK_RNAT";
 /// conntrack entry would keep them).
 pub const MAP_SOCK_FWD: &str = "KP_SOCK_FWD";
 
+/// `LruHashMap<u64, SockSentValue>`: socket cookie → the (frontend, backend) pairs its
+/// unconnected `sendmsg` translated, i.e. the keys of its [`MAP_SOCK_FWD`] and
+/// [`MAP_SOCK_REV_NAT`] entries that its address at release does not give (an unconnected
+/// socket has no peer). Read and deleted when the socket is released.
+pub const MAP_SOCK_SENT: &str = "KP_SOCK_SENT";
+
 /// Every service-map name, for checks that the object holds them all.
-pub const MAPS: [&str; 10] = [
+pub const MAPS: [&str; 11] = [
     MAP_SERVICES,
     crate::frontend_filter::MAP_FRONTEND_FILTER,
     MAP_BACKEND_SLOTS,
@@ -84,6 +91,7 @@ pub const MAPS: [&str; 10] = [
     MAP_SOURCE_RANGES,
     MAP_SOCK_REV_NAT,
     MAP_SOCK_FWD,
+    MAP_SOCK_SENT,
     crate::maglev::MAP_MAGLEV,
     crate::maglev::MAP_MAGLEV_REF,
 ];
@@ -96,6 +104,7 @@ pub const DEFAULT_AFFINITY_MAX: u32 = 65_536;
 pub const DEFAULT_SOURCE_RANGES_MAX: u32 = 16_384;
 pub const DEFAULT_SOCK_REV_NAT_MAX: u32 = 65_536;
 pub const DEFAULT_SOCK_FWD_MAX: u32 = 65_536;
+pub const DEFAULT_SOCK_SENT_MAX: u32 = 65_536;
 
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
@@ -316,6 +325,32 @@ pub struct SockFwdValue {
     pub _pad: u32,
 }
 
+/// Pairs one socket's [`MAP_SOCK_SENT`] entry holds. A socket that sends to more frontends
+/// (or is moved to more backends) than this has its further entries deleted only by the LRU.
+pub const SOCK_SENT_PAIRS: usize = 4;
+
+/// One frontend an unconnected socket sent to and the backend it went to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockSentPair {
+    /// Frontend address (v4-mapped for IPv4): with `frontend_port`, a [`SockFwdKey`].
+    pub frontend: [u32; 4],
+    /// Backend address (v4-mapped for IPv4): with `backend_port`, a [`SockRevNatKey`].
+    pub backend: [u32; 4],
+    /// Network byte order; 0 = unused pair (a frontend port is never 0).
+    pub frontend_port: u16,
+    /// Network byte order.
+    pub backend_port: u16,
+}
+
+/// Value of [`MAP_SOCK_SENT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockSentValue {
+    /// Used pairs first, in the order they were recorded.
+    pub pairs: [SockSentPair; SOCK_SENT_PAIRS],
+}
+
 // SAFETY: each type is `#[repr(C)]`, `Copy`, made of integers only, with explicit padding
 // fields (no implicit padding), so every bit pattern is valid.
 #[cfg(feature = "user")]
@@ -333,6 +368,7 @@ mod pod {
     unsafe impl aya::Pod for SockRevNatValue {}
     unsafe impl aya::Pod for SockFwdKey {}
     unsafe impl aya::Pod for SockFwdValue {}
+    unsafe impl aya::Pod for SockSentValue {}
 }
 
 #[cfg(test)]
@@ -354,6 +390,7 @@ mod tests {
         assert_eq!(size_of::<SockRevNatValue>(), 24);
         assert_eq!(size_of::<SockFwdKey>(), 32);
         assert_eq!(size_of::<SockFwdValue>(), 16);
+        assert_eq!(size_of::<SockSentValue>(), 36 * SOCK_SENT_PAIRS);
     }
 
     #[test]

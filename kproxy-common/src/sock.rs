@@ -1,6 +1,8 @@
 //! Socket-level load balancing: the cgroup `sock_addr` programs (`kproxy-ebpf/src/sock.rs`)
 //! that translate a service frontend to a backend when a socket connects or sends, using the
-//! service maps of [`crate::service`].
+//! service maps of [`crate::service`], and the cgroup `sock_release` program that deletes a
+//! socket's per-socket entries ([`crate::service::MAP_SOCK_REV_NAT`],
+//! [`crate::service::MAP_SOCK_FWD`], [`crate::service::MAP_SOCK_SENT`]) when it goes away.
 
 /// `cgroup/connect4`: TCP/UDP `connect()` to a frontend → a backend.
 pub const PROG_SOCK_CONNECT4: &str = "kp_sk_conn4";
@@ -19,8 +21,12 @@ pub const PROG_SOCK_GETPEERNAME4: &str = "kp_sk_peer4";
 /// `cgroup/getpeername6`.
 pub const PROG_SOCK_GETPEERNAME6: &str = "kp_sk_peer6";
 
+/// `cgroup/sock_release` (`BPF_CGROUP_INET_SOCK_RELEASE`, kernel ≥ 5.9): the socket's last
+/// file reference closed; its per-socket entries are deleted.
+pub const PROG_SOCK_RELEASE: &str = "kp_sk_release";
+
 /// Every socket-LB program, in attach order.
-pub const PROGRAMS: [&str; 8] = [
+pub const PROGRAMS: [&str; 9] = [
     PROG_SOCK_CONNECT4,
     PROG_SOCK_CONNECT6,
     PROG_SOCK_SENDMSG4,
@@ -29,6 +35,7 @@ pub const PROGRAMS: [&str; 8] = [
     PROG_SOCK_RECVMSG6,
     PROG_SOCK_GETPEERNAME4,
     PROG_SOCK_GETPEERNAME6,
+    PROG_SOCK_RELEASE,
 ];
 
 /// errno a socket gets when it connects (or sends) to a frontend without any endpoint

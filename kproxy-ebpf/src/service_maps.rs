@@ -15,8 +15,9 @@ use kproxy_common::maglev::{
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, DEFAULT_AFFINITY_MAX,
     DEFAULT_BACKEND_SLOTS_MAX, DEFAULT_BACKENDS_MAX, DEFAULT_SERVICES_MAX, DEFAULT_SOCK_FWD_MAX,
-    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey, ServiceValue, SlotValue,
-    SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOCK_SENT_MAX, DEFAULT_SOURCE_RANGES_MAX, ServiceKey,
+    ServiceValue, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue,
+    SockSentValue, SourceRangeKey,
 };
 
 /// `kproxy_common::service::MAP_SERVICES`.
@@ -59,6 +60,11 @@ pub(crate) static KP_SOCK_RNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
 #[map]
 pub(crate) static KP_SOCK_FWD: LruHashMap<SockFwdKey, SockFwdValue> =
     LruHashMap::pinned(DEFAULT_SOCK_FWD_MAX, 0);
+
+/// `kproxy_common::service::MAP_SOCK_SENT`.
+#[map]
+pub(crate) static KP_SOCK_SENT: LruHashMap<u64, SockSentValue> =
+    LruHashMap::pinned(DEFAULT_SOCK_SENT_MAX, 0);
 
 /// `kproxy_common::maglev::MAP_MAGLEV`.
 #[map]

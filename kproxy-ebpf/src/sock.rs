@@ -12,6 +12,16 @@
 //!   entry for the 5-tuple would keep them.
 //! - `recvmsg4/6`, `getpeername4/6`: a source/peer that is a backend this socket was sent to
 //!   is reported as the frontend.
+//! - `sock_release`: the socket's last file reference closed (kernel ≥ 5.9); its entries go:
+//!   the `KP_SOCK_RNAT` entry of its peer (a connected socket's peer is the backend its
+//!   connect was rewritten to) and the `KP_SOCK_FWD`/`KP_SOCK_RNAT` entries its sendmsg
+//!   created, listed in `KP_SOCK_SENT` (an unconnected socket has no peer to derive them
+//!   from). Without this, every socket-LB connect left one entry behind until the LRU evicted
+//!   it, and a flood of short connections evicted the entries of long-lived UDP sockets,
+//!   whose replies then came from the backend's address (issue #22). Not deleted: the entry
+//!   of a connected UDP socket whose peer changed afterwards (`connect(AF_UNSPEC)` or a
+//!   reconnect), a TCP connect that failed synchronously (the kernel clears the peer), and
+//!   sendmsg pairs beyond `SOCK_SENT_PAIRS` per socket; the LRU still bounds those.
 //! - No endpoint at all (`count == 0` with `SVC_F_REJECT`): the syscall fails with
 //!   ECONNREFUSED (`bpf_set_retval`). `count == 0` without it (eTP/iTP=Local, no local
 //!   endpoint): the address is left alone, so the packet goes to the VIP and is dropped like
@@ -23,24 +33,26 @@
 //!
 //! No logging here: these run on every connect/sendmsg.
 
+use core::ptr::read_volatile;
+
 use aya_ebpf::{
     EbpfContext,
     helpers::generated::{
         bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
         bpf_set_retval,
     },
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER,
     SVC_F_AFFINITY, SVC_F_REJECT, ServiceKey, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey,
-    SockRevNatValue, v4_mapped,
+    SockRevNatValue, SockSentPair, SockSentValue, v4_mapped,
 };
 use kproxy_common::sock::ERRNO_NO_ENDPOINTS;
 
 use crate::service_maps::{
-    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_FWD, KP_SOCK_RNAT,
+    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_FWD, KP_SOCK_RNAT, KP_SOCK_SENT,
 };
 
 /// Allow the syscall (for connect/sendmsg with the possibly rewritten address).
@@ -49,6 +61,10 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 
 const NSEC_PER_SEC: u64 = 1_000_000_000;
+
+/// `bpf_sock.family` values (include/linux/socket.h).
+const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
 
 enum Verdict {
     /// Not a frontend (or nothing to do): leave the address alone.
@@ -183,6 +199,15 @@ fn translate(
         };
         // A full LRU map evicts; at worst the socket's next datagram picks again.
         let _ = KP_SOCK_FWD.insert(fwd_key, value, 0);
+        record_sent(
+            fwd_key.cookie,
+            SockSentPair {
+                frontend: addr,
+                backend: be.addr,
+                frontend_port: port,
+                backend_port: be.port,
+            },
+        );
     }
     Verdict::Backend(be.addr, be.port)
 }
@@ -220,6 +245,117 @@ fn recall(ctx: &SockAddrContext, backend: [u32; 4], port: u16) -> Option<SockRev
     };
     // SAFETY: pointer from a successful lookup, copied out at once.
     KP_SOCK_RNAT.get_ptr(key).map(|v| unsafe { *v })
+}
+
+/// Lists a new (frontend, backend) pair of an unconnected socket in `KP_SOCK_SENT`, so that
+/// its release finds the `KP_SOCK_FWD` and `KP_SOCK_RNAT` keys (see the module docs). A pair
+/// already listed is not added twice; a full list stays as it is.
+#[inline(always)]
+fn record_sent(cookie: u64, pair: SockSentPair) {
+    let Some(sent) = KP_SOCK_SENT.get_ptr_mut(cookie) else {
+        let mut value = SockSentValue::default();
+        value.pairs[0] = pair;
+        // A full LRU map evicts; the socket's entries are then left to their maps' LRU.
+        let _ = KP_SOCK_SENT.insert(cookie, value, 0);
+        return;
+    };
+    // SAFETY: a pointer from a successful lookup; only this socket's sendmsg writes it (two
+    // threads sending on one socket at once may lose a pair: its entries stay to the LRU).
+    let sent = unsafe { &mut *sent };
+    for slot in sent.pairs.iter_mut() {
+        if slot.frontend_port == 0 {
+            *slot = pair;
+            return;
+        }
+        if *slot == pair {
+            return;
+        }
+    }
+}
+
+/// Deletes the entries of a socket that is being released (see the module docs).
+#[inline(always)]
+fn forget(ctx: &SockContext) {
+    let sk = ctx.sock;
+    // SAFETY: `sk` is the kernel's context pointer; these fields are readable in
+    // sock_release (dst_port with a 2-byte load).
+    let (family, proto, peer_port) = unsafe { ((*sk).family, (*sk).protocol, (*sk).dst_port) };
+    if proto != u32::from(PROTO_TCP) && proto != u32::from(PROTO_UDP) {
+        return;
+    }
+    // SAFETY: valid for this helper in cgroup sock programs.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if peer_port != 0 {
+        forget_peer(ctx, cookie, family, peer_port);
+    }
+    if proto == u32::from(PROTO_UDP) {
+        forget_sent(cookie);
+    }
+}
+
+/// Deletes the `KP_SOCK_RNAT` entry of a connected socket's peer (the backend its connect was
+/// rewritten to; nothing if the peer is no backend).
+#[inline(always)]
+fn forget_peer(ctx: &SockContext, cookie: u64, family: u32, peer_port: u16) {
+    let sk = ctx.sock;
+    // Both families' fields are loaded (volatile, each at a constant offset of the context)
+    // before choosing: the verifier rejects a load through a context pointer the compiler
+    // moved, e.g. to share one load between the families.
+    // SAFETY: `sk` is the kernel's context pointer; dst_ip4 / dst_ip6 are readable (4-byte
+    // loads) in every family.
+    let (ip4, ip6) = unsafe {
+        (
+            read_volatile(&raw const (*sk).dst_ip4),
+            [
+                read_volatile(&raw const (*sk).dst_ip6[0]),
+                read_volatile(&raw const (*sk).dst_ip6[1]),
+                read_volatile(&raw const (*sk).dst_ip6[2]),
+                read_volatile(&raw const (*sk).dst_ip6[3]),
+            ],
+        )
+    };
+    let addr = match family {
+        AF_INET => v4_mapped(ip4),
+        // A dual-stack socket connected to a v4-mapped address holds it v4-mapped, as
+        // connect6 recorded it.
+        AF_INET6 => ip6,
+        _ => return,
+    };
+    let _ = KP_SOCK_RNAT.remove(SockRevNatKey {
+        cookie,
+        addr,
+        port: peer_port,
+        _pad: [0; 6],
+    });
+}
+
+/// Deletes the `KP_SOCK_FWD` and `KP_SOCK_RNAT` entries an unconnected UDP socket's sendmsg
+/// created, as `KP_SOCK_SENT` lists them, and the list.
+#[inline(always)]
+fn forget_sent(cookie: u64) {
+    let Some(sent) = KP_SOCK_SENT.get_ptr(cookie) else {
+        return;
+    };
+    // SAFETY: pointer from a successful lookup, copied out at once.
+    let sent = unsafe { *sent };
+    for pair in sent.pairs.iter() {
+        if pair.frontend_port == 0 {
+            break;
+        }
+        let _ = KP_SOCK_RNAT.remove(SockRevNatKey {
+            cookie,
+            addr: pair.backend,
+            port: pair.backend_port,
+            _pad: [0; 6],
+        });
+        let _ = KP_SOCK_FWD.remove(SockFwdKey {
+            cookie,
+            addr: pair.frontend,
+            port: pair.frontend_port,
+            _pad: [0; 6],
+        });
+    }
+    let _ = KP_SOCK_SENT.remove(cookie);
 }
 
 #[inline(always)]
@@ -381,4 +517,11 @@ pub fn kp_sk_peer4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn kp_sk_peer6(ctx: SockAddrContext) -> i32 {
     reverse6(&ctx)
+}
+
+/// `kproxy_common::sock::PROG_SOCK_RELEASE`. The return value is ignored for this hook.
+#[cgroup_sock(sock_release)]
+pub fn kp_sk_release(ctx: SockContext) -> i32 {
+    forget(&ctx);
+    ALLOW
 }

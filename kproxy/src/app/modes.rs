@@ -25,11 +25,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use aya::programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier};
+use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier};
 use kproxy_common::ct::PROG_TC_INGRESS;
 use kproxy_common::ct6::PROG_TC6_INGRESS;
 use kproxy_common::layout::LAYOUTS;
-use kproxy_common::sock::PROG_SOCK_CONNECT4;
+use kproxy_common::sock::{PROG_SOCK_CONNECT4, PROG_SOCK_RELEASE};
 
 use anyhow::{Context, bail};
 use ipnet::IpNet;
@@ -466,6 +466,18 @@ fn probe_ebpf(bpffs: &Path, cgroup: Option<&Path>) -> Result<(), String> {
         tc.load()
             .map_err(|e| format!("the verifier rejected {name}: {}", object::error_chain(&e)))?;
     }
+    // Attached beside connect4 (kernel ≥ 5.9); loading it checks the hook and its helpers.
+    let release: &mut CgroupSock = ebpf
+        .program_mut(PROG_SOCK_RELEASE)
+        .ok_or("the BPF object has no socket-release program")?
+        .try_into()
+        .map_err(|e: aya::programs::ProgramError| e.to_string())?;
+    release.load().map_err(|e| {
+        format!(
+            "the verifier rejected {PROG_SOCK_RELEASE} (cgroup/sock_release): {}",
+            object::error_chain(&e)
+        )
+    })?;
     let prog: &mut CgroupSockAddr = ebpf
         .program_mut(PROG_SOCK_CONNECT4)
         .ok_or("the BPF object has no socket-LB program")?

@@ -7,8 +7,9 @@
 //!
 //! Asserted: both connections keep exchanging data across the kill and the restart (each
 //! `kp-probe hold` is still running once the new agent has synced, then finishes without an
-//! error); every pinned link (8 socket-LB links, 4 TC links per device) has the same id before
-//! and after; the NodePort flow's `KP_CT` entries (read from the pinned map) are the same
+//! error); every pinned link (9 socket-LB links: the 8 `sock_addr` hooks and `sock_release`,
+//! which deletes a closed socket's reverse-NAT entries; 4 TC links per device) has the same id
+//! before and after; the NodePort flow's `KP_CT` entries (read from the pinned map) are the same
 //! before and after apart from their last-used time; new connections through both services
 //! work after the restart. The agent's metrics server counts the one SCTP service port in
 //! `kproxy_bpf_skipped_service_ports{protocol="SCTP"}` (the eBPF datapath does not translate
@@ -182,7 +183,9 @@ fn kill_9_and_restart_keeps_connections_links_and_conntrack() {
         .filter(|n| !n.starts_with("tc-"))
         .count();
     let tc_links = links_before.keys().filter(|n| n.starts_with("tc-")).count();
-    assert_eq!(sock_links, 8, "socket-LB links: {links_before:?}");
+    // connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6 and sock_release (issue #22: a
+    // closed socket's KP_SOCK_RNAT/KP_SOCK_FWD entries are deleted).
+    assert_eq!(sock_links, 9, "socket-LB links: {links_before:?}");
     assert!(tc_links >= 4, "TC links on eth0 and eth1: {links_before:?}");
     let ct_before = nodeport_flow(&bpffs);
     assert!(

@@ -10,11 +10,11 @@
 //! a few lines of `/usr/bin/python3`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::IpAddr;
 use std::path::Path;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData};
 use kproxy::dataplane::Dataplane;
@@ -27,8 +27,11 @@ use kproxy::model::{ChangedSet, Endpoint, Protocol, ServicePort, ServiceType, Sn
 use kproxy_common::frontend_filter::{FILTER_WORDS, MAP_FRONTEND_FILTER, filter_slot};
 use kproxy_common::service::{
     AffinityKey, AffinityValue, BackendSlotKey, BackendValue, MAP_AFFINITY, MAP_BACKEND_SLOTS,
-    MAP_BACKENDS, MAP_SERVICES, ServiceKey, ServiceValue, SlotValue,
+    MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT, MAP_SOCK_SENT, ServiceKey,
+    ServiceValue, SlotValue, SockFwdKey, SockFwdValue, SockRevNatKey, SockRevNatValue,
+    SockSentValue,
 };
+use kproxy_common::sock::PROG_SOCK_RELEASE;
 use kproxy_tests::netns::{Bpffs, TestCgroup, require_root};
 use kproxy_tests::topology::{
     POD_PORT, Pod, PodNode, Probe, ProbeResult, Topology, TopologySpec, assert_spread,
@@ -694,5 +697,225 @@ fn internal_traffic_policy_local_reaches_only_local_endpoints() {
     let result = rig.probe(Probe::tcp(addr(VIP_V4), CONNECTIONS));
     assert_eq!(result.total_answers(), u64::from(CONNECTIONS), "{result:?}");
     assert_spread(&result, &local);
+    dp.cleanup().unwrap();
+}
+
+/// `python3 -c HOLD FAMILY VIP PORT N`: opens N TCP connections, N connected UDP sockets and
+/// N unconnected UDP sockets to the VIP (each exchanging once), prints `open`, waits for a
+/// line on stdin, closes them all and prints `closed`.
+const HOLD: &str = r#"
+import socket, sys
+fam, vip, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+af = socket.AF_INET if fam == '4' else socket.AF_INET6
+socks = []
+for i in range(n):
+    s = socket.socket(af, socket.SOCK_STREAM); s.settimeout(5)
+    s.connect((vip, port)); s.recv(64); socks.append(s)
+    s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5)
+    s.connect((vip, port)); s.send(b'x\n'); s.recv(256); socks.append(s)
+    s = socket.socket(af, socket.SOCK_DGRAM); s.settimeout(5)
+    s.sendto(b'x\n', (vip, port)); s.recvfrom(256); socks.append(s)
+print('open', flush=True)
+sys.stdin.readline()
+for s in socks:
+    s.close()
+print('closed', flush=True)
+"#;
+
+/// `python3 -c FLOOD VIP4 VIP6 PORT N`: per family, a connected and an unconnected UDP socket
+/// exchange with the VIP; then, per family, N short TCP connections (asking `getpeername()`)
+/// and N short connected UDP sockets (asking `recvfrom()`, like a DNS client checking the
+/// reply's source) come and go; then the long-lived sockets exchange again. Prints the reply
+/// sources `recvfrom()` reported to each long-lived socket before and after, one JSON object.
+const FLOOD: &str = r#"
+import socket, sys, json
+vips, port, n = {'4': sys.argv[1], '6': sys.argv[2]}, int(sys.argv[3]), int(sys.argv[4])
+afs = {'4': socket.AF_INET, '6': socket.AF_INET6}
+def src(s):
+    _, a = s.recvfrom(256); return '%s:%d' % a[:2]
+live, seen = {}, {}
+for f, vip in vips.items():
+    a = socket.socket(afs[f], socket.SOCK_DGRAM); a.settimeout(5); a.connect((vip, port))
+    b = socket.socket(afs[f], socket.SOCK_DGRAM); b.settimeout(5)
+    a.send(b'x\n'); b.sendto(b'x\n', (vip, port))
+    live[f] = (a, b); seen['v%s connected' % f] = [src(a)]; seen['v%s unconnected' % f] = [src(b)]
+for f, vip in vips.items():
+    for i in range(n):
+        s = socket.socket(afs[f], socket.SOCK_STREAM); s.settimeout(5)
+        s.connect((vip, port)); s.getpeername(); s.recv(64); s.close()
+        s = socket.socket(afs[f], socket.SOCK_DGRAM); s.settimeout(5)
+        s.connect((vip, port)); s.send(b'x\n'); src(s); s.close()
+for f, vip in vips.items():
+    a, b = live[f]
+    a.send(b'x\n'); b.sendto(b'x\n', (vip, port))
+    seen['v%s connected' % f].append(src(a)); seen['v%s unconnected' % f].append(src(b))
+print(json.dumps(seen))
+"#;
+
+/// Entries of the per-socket maps: `KP_SOCK_RNAT`, `KP_SOCK_FWD`, `KP_SOCK_SENT`.
+fn sock_entries(bpffs: &Bpffs) -> [usize; 3] {
+    [
+        dump_map::<SockRevNatKey, SockRevNatValue>(bpffs, MAP_SOCK_REV_NAT).len(),
+        dump_map::<SockFwdKey, SockFwdValue>(bpffs, MAP_SOCK_FWD).len(),
+        dump_map::<u64, SockSentValue>(bpffs, MAP_SOCK_SENT).len(),
+    ]
+}
+
+/// Polls until the per-socket maps are empty (release runs when a socket's last reference
+/// goes, which `close()` is here; the bound is only liveness) and returns what is left.
+fn wait_sock_maps_empty(bpffs: &Bpffs) -> [usize; 3] {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = sock_entries(bpffs);
+        if left == [0; 3] || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Both protocols on both VIPs of one service name.
+fn tcp_and_udp(rig: &Rig) -> Snapshot {
+    snapshot(vec![
+        (
+            service("web", Protocol::Tcp, &[VIP_V4, VIP_V6], None),
+            rig.endpoints(),
+        ),
+        (
+            service("web", Protocol::Udp, &[VIP_V4, VIP_V6], None),
+            rig.endpoints(),
+        ),
+    ])
+}
+
+#[test]
+fn released_sockets_leave_no_per_socket_entries() {
+    if !require_root() {
+        return;
+    }
+    const N: usize = 40;
+    let rig = Rig::new("sock-rel");
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
+    sync(&mut dp, &tcp_and_udp(&rig));
+    for (family, vip) in [("4", VIP_V4), ("6", VIP_V6)] {
+        let mut cmd = rig.client_ns().command("/usr/bin/python3");
+        cmd.args(["-c", HOLD, family, vip, &PORT.to_string(), &N.to_string()]);
+        rig.cgroup.enter_on_spawn(&mut cmd).unwrap();
+        let mut client = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "open", "IPv{family} client");
+        // Open: one reverse entry per socket (TCP, connected UDP: connect; unconnected UDP:
+        // sendmsg), and the unconnected sockets' forward choices and their lists.
+        assert_eq!(
+            sock_entries(&rig.bpffs),
+            [3 * N, N, N],
+            "IPv{family}: entries of the open sockets (RNAT, FWD, SENT)"
+        );
+        writeln!(client.stdin.take().unwrap()).unwrap();
+        assert_eq!(lines.next().unwrap().unwrap(), "closed");
+        assert!(client.wait().unwrap().success());
+        assert_eq!(
+            wait_sock_maps_empty(&rig.bpffs),
+            [0; 3],
+            "IPv{family}: entries left after every socket closed (RNAT, FWD, SENT)"
+        );
+    }
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn a_live_udp_socket_keeps_its_reverse_translation_while_short_connections_come_and_go() {
+    if !require_root() {
+        return;
+    }
+    // More short connections than `KP_SOCK_RNAT` holds: without deletes on release the LRU
+    // evicts the idle long-lived sockets' entries. The short ones are looked up too
+    // (getpeername, recvfrom), as real clients do: the kernel's LRU evicts entries never
+    // looked up first, so only a flood of looked-up ones reaches the long-lived entries.
+    const MAP: u32 = 1024;
+    const SHORT: u32 = MAP;
+    let rig = Rig::new("sock-flood");
+    let mut cfg = rig.config();
+    cfg.map_sizes.sock_rev_nat = MAP;
+    let mut dp = ServiceMaps::new(cfg).unwrap();
+    sync(&mut dp, &tcp_and_udp(&rig));
+    let mut cmd = rig.client_ns().command("/usr/bin/python3");
+    cmd.args([
+        "-c",
+        FLOOD,
+        VIP_V4,
+        VIP_V6,
+        &PORT.to_string(),
+        &SHORT.to_string(),
+    ]);
+    rig.cgroup.enter_on_spawn(&mut cmd).unwrap();
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "python client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: BTreeMap<String, Vec<String>> = serde_json::from_slice(&out.stdout).unwrap();
+    let want: BTreeMap<String, Vec<String>> = [("4", VIP_V4), ("6", VIP_V6)]
+        .into_iter()
+        .flat_map(|(family, vip)| {
+            ["connected", "unconnected"].map(|kind| {
+                (
+                    format!("v{family} {kind}"),
+                    vec![format!("{vip}:{PORT}"); 2],
+                )
+            })
+        })
+        .collect();
+    assert_eq!(
+        seen, want,
+        "reply sources of the long-lived UDP sockets before and after {SHORT} short \
+         connections per family"
+    );
+    dp.cleanup().unwrap();
+}
+
+#[test]
+fn a_restart_over_pins_without_the_release_link_attaches_it_beside_the_others() {
+    if !require_root() {
+        return;
+    }
+    let rig = Rig::new("sock-relpin");
+    let dp = ServiceMaps::new(rig.config()).unwrap();
+    let links: BTreeMap<&str, u32> = dp.link_ids().iter().copied().collect();
+    assert_eq!(links.len(), kproxy_common::sock::PROGRAMS.len());
+    drop(dp);
+    // The pins of a build before `kp_sk_release`: the same links without that one.
+    std::fs::remove_file(
+        rig.bpffs
+            .path()
+            .join("kproxy/links")
+            .join(PROG_SOCK_RELEASE),
+    )
+    .unwrap();
+
+    let mut dp = ServiceMaps::new(rig.config()).unwrap();
+    let after: BTreeMap<&str, u32> = dp.link_ids().iter().copied().collect();
+    for (name, id) in &links {
+        if *name == PROG_SOCK_RELEASE {
+            assert_ne!(after[name], *id, "{name}: the removed link came back");
+        } else {
+            assert_eq!(after[name], *id, "{name}: a pinned link was replaced");
+        }
+    }
+    // The new link works: closed sockets leave nothing behind.
+    sync(&mut dp, &tcp_and_udp(&rig));
+    let tcp = rig.probe(Probe::tcp(addr(VIP_V4), 20));
+    let udp = rig.probe(Probe::udp(addr(VIP_V4), 20));
+    assert_eq!(
+        tcp.total_answers() + udp.total_answers(),
+        40,
+        "{tcp:?} {udp:?}"
+    );
+    assert_eq!(wait_sock_maps_empty(&rig.bpffs), [0; 3]);
     dp.cleanup().unwrap();
 }

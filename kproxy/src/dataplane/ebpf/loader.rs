@@ -4,10 +4,13 @@
 //! Layout under `<bpffs>/kproxy/`:
 //! - `<MAP NAME>`: every map of the object that is declared pinned (the service maps, and the
 //!   TC maps of the same object), created on first start and reused afterwards;
-//! - `links/<program>`: one pinned `bpf_link` per socket-LB program. A link that is already
+//! - `links/<program>`: one pinned `bpf_link` per socket-LB program (`kproxy_common::sock::
+//!   PROGRAMS`: the eight `sock_addr` hooks and `sock_release`). A link that is already
 //!   pinned is kept as it is (same link id, no detach/attach gap), so a restarted agent (even
 //!   after kill -9) neither interrupts nor re-attaches; the programs behind those links read
-//!   the same pinned maps, which the new agent reconciles.
+//!   the same pinned maps, which the new agent reconciles. A program without a pinned link
+//!   (pins of a build that did not have it, such as `kp_sk_release` over pins from before it
+//!   existed) is attached beside the reused ones, which stay attached throughout.
 //!
 //! Before loading, [`super::layout::reconcile`] makes every pinned map this build's layout
 //! (reused, carried over or replaced, recorded in `KP_LAYOUT`; socket-LB links of a previous
@@ -28,7 +31,7 @@ use std::path::{Path, PathBuf};
 use aya::Ebpf;
 use aya::maps::MapData;
 use aya::programs::links::{FdLink, PinnedLink};
-use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+use aya::programs::{CgroupAttachMode, Program};
 use kproxy_common::ct::MAP_CT;
 use kproxy_common::ct6::MAP_CT6;
 use kproxy_common::frontend_filter::MAP_FRONTEND_FILTER;
@@ -37,7 +40,7 @@ use kproxy_common::maglev::{
 };
 use kproxy_common::service::{
     MAP_AFFINITY, MAP_BACKEND_SLOTS, MAP_BACKENDS, MAP_SERVICES, MAP_SOCK_FWD, MAP_SOCK_REV_NAT,
-    MAP_SOURCE_RANGES,
+    MAP_SOCK_SENT, MAP_SOURCE_RANGES,
 };
 use kproxy_common::sock;
 
@@ -149,6 +152,7 @@ pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
             (MAP_SOURCE_RANGES, sizes.source_ranges),
             (MAP_SOCK_REV_NAT, sizes.sock_rev_nat),
             (MAP_SOCK_FWD, sizes.sock_rev_nat),
+            (MAP_SOCK_SENT, sizes.sock_rev_nat),
             (MAP_CT, sizes.ct),
             (MAP_CT6, sizes.ct),
             (MAP_MAGLEV, maglev_entries),
@@ -313,32 +317,13 @@ fn attach_sock(
             path: cgroup_path.clone(),
             reason: e.to_string(),
         })?;
-        let program: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .ok_or(BpfError::MissingProgram { name })?
-            .try_into()
-            .map_err(|e: aya::programs::ProgramError| perr(e.to_string()))?;
-        if program.fd().is_err() {
-            program
-                .load()
-                .map_err(|e| perr(format!("loading: {}", error_chain(&e))))?;
-        }
-        let link_id = program
-            // bpf_link_create takes no flags for cgroups (links always coexist with others).
-            .attach(&cgroup, CgroupAttachMode::Single)
-            .map_err(|e| {
-                perr(format!(
-                    "attaching to {}: {}",
-                    cgroup_path.display(),
-                    error_chain(&e)
-                ))
-            })?;
-        let link = program
-            .take_link(link_id)
-            .map_err(|e| perr(e.to_string()))?;
-        let fd: FdLink = link
-            .try_into()
-            .map_err(|e: aya::programs::links::LinkError| perr(e.to_string()))?;
+        let fd = attach_link(ebpf, name, &cgroup).map_err(|e| match e {
+            AttachError::Missing => LoaderError::from(BpfError::MissingProgram { name }),
+            AttachError::Attach(reason) => {
+                perr(format!("attaching to {}: {reason}", cgroup_path.display()))
+            }
+            AttachError::Other(reason) => perr(reason),
+        })?;
         let id = fd.info().map_err(|e| perr(e.to_string()))?.id();
         fd.pin(&pin)
             .map_err(|e| perr(format!("pinning the link at {}: {e}", pin.display())))?;
@@ -346,6 +331,45 @@ fn attach_sock(
         links.push((name, id));
     }
     Ok(links)
+}
+
+/// Why [`attach_link`] failed.
+enum AttachError {
+    Missing,
+    Attach(String),
+    Other(String),
+}
+
+/// Loads socket-LB program `name` if it is not yet and attaches it to `cgroup` through a new
+/// link: the `sock_addr` programs and the `sock_release` one (`CgroupSock`).
+fn attach_link(ebpf: &mut Ebpf, name: &str, cgroup: &fs::File) -> Result<FdLink, AttachError> {
+    // The two program types have the same calls but no common trait.
+    macro_rules! attach {
+        ($program:expr) => {{
+            let program = $program;
+            if program.fd().is_err() {
+                program
+                    .load()
+                    .map_err(|e| AttachError::Other(format!("loading: {}", error_chain(&e))))?;
+            }
+            let link_id = program
+                // bpf_link_create takes no flags for cgroups (links always coexist with others).
+                .attach(cgroup, CgroupAttachMode::Single)
+                .map_err(|e| AttachError::Attach(error_chain(&e)))?;
+            let link = program
+                .take_link(link_id)
+                .map_err(|e| AttachError::Other(e.to_string()))?;
+            FdLink::try_from(link).map_err(|e| AttachError::Other(e.to_string()))
+        }};
+    }
+    match ebpf.program_mut(name).ok_or(AttachError::Missing)? {
+        Program::CgroupSockAddr(p) => attach!(p),
+        Program::CgroupSock(p) => attach!(p),
+        other => Err(AttachError::Other(format!(
+            "unexpected program type {:?}",
+            other.prog_type()
+        ))),
+    }
 }
 
 impl Kernel {

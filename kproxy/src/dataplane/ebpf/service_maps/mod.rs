@@ -80,7 +80,7 @@ pub struct MapSizes {
     pub backends: u32,
     pub affinity: u32,
     pub source_ranges: u32,
-    /// Socket-LB per-socket maps (`KP_SOCK_RNAT` and `KP_SOCK_FWD`, LRU).
+    /// Socket-LB per-socket maps (`KP_SOCK_RNAT`, `KP_SOCK_FWD` and `KP_SOCK_SENT`, LRU).
     pub sock_rev_nat: u32,
     /// Maglev tables (`--bpf-map-sizes maglev=N`, maglev mode only): `KP_MAGLEV` holds
     /// `N × table size` entries, `KP_MAGLEV_REF` `N`.
