@@ -249,10 +249,10 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
     })
 }
 
-/// Starts the agent while `mode`'s datapath is built on a blocking thread (the other modes'
-/// leftovers removed first or beside it, [`modes::build_cleaned`]): the Service,
-/// EndpointSlice and Node lists run meanwhile, and the first sync waits for both. A failed
-/// build ends the agent with its error.
+/// Starts the agent while `mode`'s datapath is built on a blocking thread (after the other
+/// modes' leftovers are removed, [`modes::build_cleaned`]): the Service, EndpointSlice and
+/// Node lists run meanwhile, and the first sync waits for both. A failed build ends the agent
+/// with its error.
 async fn start(
     opts: AgentOptions,
     mode: kproxy::dataplane::ProxyMode,
