@@ -199,13 +199,23 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             cfg.primary_node_ips = ips.known();
         }
         let cfg = &cfg;
-        let (dataplane, metrics) = modes::select(
-            cfg.mode,
-            cfg,
-            pod_cidrs.as_deref().unwrap_or_default(),
-            &resync,
-        )?;
-        let mode = dataplane.mode();
+        // A forced mode is built while the agent lists (see `start`); detection builds first,
+        // since a mode that fails to build falls back to the next one (other metrics).
+        let (built, mode, metrics) = match cfg.mode {
+            kproxy::config::ModeChoice::Forced(mode) => {
+                (None, mode, kproxy::observe::metrics::Metrics::new(mode))
+            }
+            kproxy::config::ModeChoice::Detect => {
+                let (dp, metrics) = modes::select(
+                    cfg.mode,
+                    cfg,
+                    pod_cidrs.as_deref().unwrap_or_default(),
+                    &resync,
+                )?;
+                let mode = dp.mode();
+                (Some(dp), mode, metrics)
+            }
+        };
         let mut opts = AgentOptions::new(
             cfg.node_name.clone(),
             cfg.source.clone(),
@@ -224,13 +234,50 @@ fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
             "NodePorts accepted on the node's addresses inside these CIDRs (none: every address)"
         );
         opts.oom_score_adj = Some(cfg.oom_score_adj);
-        opts.metrics = Some(metrics);
-        opts.exit_on_pod_cidr_change = pod_cidrs;
-        opts.resync = Some(resync);
+        opts.metrics = Some(metrics.clone());
+        opts.exit_on_pod_cidr_change = pod_cidrs.clone();
+        opts.resync = Some(resync.clone());
         info!(%mode, node = %opts.node_name, "kproxy starting");
-        let agent = Agent::start(opts, dataplane, shutdown).await?;
-        agent.wait().await?;
+        let agent = match built {
+            Some(dp) => Agent::start(opts, dp, shutdown).await?,
+            None => start(opts, mode, cfg, pod_cidrs, metrics, resync, shutdown).await?,
+        };
+        // Stopped while the datapath was being built: nothing was programmed, nothing to keep.
+        agent.finish().await?;
         info!("stopped");
         Ok(())
     })
+}
+
+/// Starts the agent while `mode`'s datapath is built on a blocking thread (after the other
+/// modes' leftovers are removed, [`modes::build_cleaned`]): the Service, EndpointSlice and
+/// Node lists run meanwhile, and the first sync waits for both. A failed build ends the agent
+/// with its error.
+async fn start(
+    opts: AgentOptions,
+    mode: kproxy::dataplane::ProxyMode,
+    cfg: &ProxyConfig,
+    pod_cidrs: Option<Vec<ipnet::IpNet>>,
+    metrics: kproxy::observe::metrics::Metrics,
+    resync: kproxy::sync::SyncRequester,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Agent> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let agent = Agent::start_building(opts, metrics.clone(), rx, shutdown).await?;
+    let cfg = cfg.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        modes::build_cleaned(
+            mode,
+            &cfg,
+            pod_cidrs.as_deref().unwrap_or_default(),
+            &metrics,
+            &resync,
+        )
+    })
+    .await
+    .context("building the datapath panicked")?
+    .with_context(|| format!("--proxy-mode={mode}"))?;
+    // The loop only stops before taking it on shutdown.
+    let _ = tx.send(built);
+    Ok(agent)
 }

@@ -24,6 +24,12 @@
 //! The schedule is pure (it takes `now` as an argument) and unit-tested; [`Runner::run`] is
 //! the thin async loop around it.
 //!
+//! The datapath may still be under construction when the loop starts ([`Runner::deferred`]):
+//! the agent then lists Services and EndpointSlices into the tracker while the datapath loads
+//! (and the other modes' leftovers are removed), so a cold start pays the longer of the two
+//! rather than their sum. The first sync still waits for every source's initial list, and the
+//! loop counts as started (observers' `loop_started`) only once the datapath is there.
+//!
 //! Health and metrics watch the loop through [`SyncObserver`]s ([`Runner::observe`]): they are
 //! told when the loop starts, when source changes arrive (and whether a sync got queued), and
 //! when each sync starts and finishes. Observers run on the loop's task, so they must be quick
@@ -32,13 +38,24 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::dataplane::{Dataplane, SyncReport};
 
 /// Most queued events taken into one sync (bounds the drain when sources outpace it).
 const MAX_DRAINED: usize = 100_000;
+
+/// The datapath under construction, once built (`Err`: the builder gave up); never resolves
+/// when nothing is being built.
+async fn arrival(
+    building: &mut Option<oneshot::Receiver<Box<dyn Dataplane>>>,
+) -> Result<Box<dyn Dataplane>, oneshot::error::RecvError> {
+    match building {
+        Some(rx) => rx.await,
+        None => std::future::pending().await,
+    }
+}
 use crate::model::input::{Delta, Event};
 use crate::model::tracker::Pending;
 use crate::model::{ChangedSet, Snapshot, Tracker};
@@ -256,6 +273,8 @@ pub struct Runner {
     cfg: RunnerConfig,
     tracker: Tracker,
     dataplane: Option<Box<dyn Dataplane>>,
+    /// Where the datapath comes from while it is being built ([`Runner::deferred`]).
+    building: Option<oneshot::Receiver<Box<dyn Dataplane>>>,
     status: watch::Sender<RunnerStatus>,
     /// Changes of failed syncs, handed again to the next one.
     carried: ChangedSet,
@@ -265,11 +284,33 @@ pub struct Runner {
 
 impl Runner {
     pub fn new(cfg: RunnerConfig, tracker: Tracker, dataplane: Box<dyn Dataplane>) -> Self {
+        Self::with(cfg, tracker, Some(dataplane), None)
+    }
+
+    /// A loop whose datapath is still being built: it arrives on `dataplane`. Events are
+    /// folded into the tracker meanwhile; no sync runs (and observers are not told the loop
+    /// started) before it arrives. When the sender is dropped instead (the build failed, and
+    /// its error ends the agent), [`Runner::run_deferred`] returns `None`.
+    pub fn deferred(
+        cfg: RunnerConfig,
+        tracker: Tracker,
+        dataplane: oneshot::Receiver<Box<dyn Dataplane>>,
+    ) -> Self {
+        Self::with(cfg, tracker, None, Some(dataplane))
+    }
+
+    fn with(
+        cfg: RunnerConfig,
+        tracker: Tracker,
+        dataplane: Option<Box<dyn Dataplane>>,
+        building: Option<oneshot::Receiver<Box<dyn Dataplane>>>,
+    ) -> Self {
         let (status, _) = watch::channel(RunnerStatus::default());
         Runner {
             cfg,
             tracker,
-            dataplane: Some(dataplane),
+            dataplane,
+            building,
             status,
             carried: ChangedSet::default(),
             observers: vec![],
@@ -296,27 +337,42 @@ impl Runner {
     /// are synced. Returns the dataplane (left
     /// programmed: stopping the agent does not remove its rules, as with kube-proxy).
     pub async fn run(
+        self,
+        events: mpsc::Receiver<Event>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Box<dyn Dataplane> {
+        assert!(
+            self.building.is_none(),
+            "a deferred runner runs with run_deferred"
+        );
+        self.run_deferred(events, shutdown)
+            .await
+            .expect("a runner made with its datapath returns it")
+    }
+
+    /// [`Runner::run`] for a loop made by [`Runner::deferred`] (or not): `None` when it stopped
+    /// before the datapath arrived.
+    pub async fn run_deferred(
         mut self,
         mut events: mpsc::Receiver<Event>,
         shutdown: impl std::future::Future<Output = ()>,
-    ) -> Box<dyn Dataplane> {
+    ) -> Option<Box<dyn Dataplane>> {
         let mut schedule = Schedule::new(self.cfg, Instant::now());
-        let started = SystemTime::now();
-        for o in &self.observers {
-            o.loop_started(started);
+        if self.dataplane.is_some() {
+            self.loop_started();
         }
         tokio::pin!(shutdown);
         let requests = self.requests.0.clone();
         let mut events_open = true;
         loop {
             let now = Instant::now();
-            let synced = self.tracker.is_synced();
-            let wake = if synced {
+            let ready = self.tracker.is_synced() && self.dataplane.is_some();
+            let wake = if ready {
                 schedule.next_run(now)
             } else {
                 now + Duration::from_secs(3600)
             };
-            if synced && wake <= now {
+            if ready && wake <= now {
                 // Every change already queued goes into this sync, as upstream's
                 // syncProxyRules takes all pending changes: taking one event per sync, a
                 // datapath whose syncs are slower than the changes arrive (iptables at
@@ -338,6 +394,15 @@ impl Runner {
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
+                built = arrival(&mut self.building) => match built {
+                    Ok(dp) => {
+                        self.building = None;
+                        self.dataplane = Some(dp);
+                        self.loop_started();
+                    }
+                    // The build failed: its caller reports why.
+                    Err(_) => return None,
+                },
                 ev = events.recv(), if events_open => match ev {
                     Some(ev) => self.apply(ev, &mut schedule),
                     None => {
@@ -357,9 +422,14 @@ impl Runner {
                 break;
             }
         }
-        self.dataplane
-            .take()
-            .expect("dataplane is present between syncs")
+        self.dataplane.take()
+    }
+
+    fn loop_started(&self) {
+        let started = SystemTime::now();
+        for o in &self.observers {
+            o.loop_started(started);
+        }
     }
 
     fn apply(&mut self, ev: Event, schedule: &mut Schedule) {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
 use crate::app::nodeip::NodeIps;
@@ -123,10 +123,69 @@ pub async fn start_source(
     })
 }
 
+/// The healthz and metrics servers an agent runs (each `None`: disabled).
+struct Servers {
+    healthz: Option<SocketAddr>,
+    metrics: Option<SocketAddr>,
+    health: HealthHandle,
+    metrics_handle: Metrics,
+}
+
+impl Servers {
+    async fn start(self) -> (Option<Served>, Option<Served>) {
+        let healthz = match self.healthz {
+            Some(addr) => Some(
+                crate::observe::health::server::start(
+                    addr,
+                    self.health,
+                    self.metrics_handle.clone(),
+                )
+                .await,
+            ),
+            None => None,
+        };
+        let metrics = match self.metrics {
+            Some(addr) => {
+                Some(crate::observe::metrics::server::start(addr, self.metrics_handle).await)
+            }
+            None => None,
+        };
+        (healthz, metrics)
+    }
+}
+
+/// Tells once that the sync loop started (its datapath arrived).
+struct LoopStart(std::sync::Mutex<Option<oneshot::Sender<()>>>);
+
+impl crate::sync::SyncObserver for LoopStart {
+    fn loop_started(&self, _now: std::time::SystemTime) {
+        let started = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(tx) = started {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A task aborted when this is dropped (the servers started late, which it owns).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The datapath an agent starts with: built, or still being built.
+enum Datapath {
+    Ready(Box<dyn Dataplane>),
+    Building(oneshot::Receiver<Box<dyn Dataplane>>),
+}
+
 /// A running agent: its status, and the task that returns the datapath when it stops.
 pub struct Agent {
     pub status: watch::Receiver<RunnerStatus>,
-    pub task: tokio::task::JoinHandle<Box<dyn Dataplane>>,
+    /// `None` when the loop stopped before a datapath under construction arrived.
+    pub task: tokio::task::JoinHandle<Option<Box<dyn Dataplane>>>,
     /// The metrics every part reports into.
     pub metrics: Metrics,
     /// The proxy's health (what `/healthz` and `/livez` answer from).
@@ -137,8 +196,11 @@ pub struct Agent {
     pub node: watch::Receiver<Option<Arc<Node>>>,
     source: tokio::task::JoinHandle<()>,
     tap: tokio::task::JoinHandle<()>,
+    /// `None` when the datapath was still being built at start: then the servers start (in
+    /// `_later_servers`) once it is there.
     healthz: Option<Served>,
     metrics_server: Option<Served>,
+    _later_servers: Option<AbortOnDrop>,
     _health_checks: ServiceHealthServers,
 }
 
@@ -150,15 +212,38 @@ impl Agent {
         dataplane: Box<dyn Dataplane>,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Agent> {
+        let metrics = opts
+            .metrics
+            .clone()
+            .unwrap_or_else(|| Metrics::new(dataplane.mode()));
+        Self::start_with(opts, metrics, Datapath::Ready(dataplane), shutdown).await
+    }
+
+    /// [`Agent::start`] while the datapath is still being built: the source starts listing
+    /// at once and the tracker folds what it lists; the datapath arrives on `dataplane`, and
+    /// the first sync runs once it is there (and every source listed). `metrics` are those
+    /// the datapath reports into (its mode's). When the sender is dropped, [`Agent::wait`]
+    /// fails; the builder's error says why.
+    pub async fn start_building(
+        opts: AgentOptions,
+        metrics: Metrics,
+        dataplane: oneshot::Receiver<Box<dyn Dataplane>>,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<Agent> {
+        Self::start_with(opts, metrics, Datapath::Building(dataplane), shutdown).await
+    }
+
+    async fn start_with(
+        opts: AgentOptions,
+        metrics: Metrics,
+        dataplane: Datapath,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<Agent> {
         if let Some(adj) = opts.oom_score_adj
             && let Err(e) = super::process::apply_oom_score_adj(adj)
         {
             warn!(oom_score_adj = adj, error = %e, "cannot set the OOM score adjustment");
         }
-        let metrics = opts
-            .metrics
-            .clone()
-            .unwrap_or_else(|| Metrics::new(dataplane.mode()));
         let families = metrics.families().to_vec();
         let standalone = matches!(opts.source, SourceConfig::Manifests(_));
         let health = HealthHandle::new(
@@ -209,7 +294,12 @@ impl Agent {
 
         let health_checks =
             ServiceHealthServers::start(health.clone(), events, opts.node_port_addresses.clone());
-        let mut runner = Runner::new(opts.runner, Tracker::new(opts.node_name.clone()), dataplane);
+        let tracker = Tracker::new(opts.node_name.clone());
+        let building = matches!(dataplane, Datapath::Building(_));
+        let mut runner = match dataplane {
+            Datapath::Ready(dp) => Runner::new(opts.runner, tracker, dp),
+            Datapath::Building(rx) => Runner::deferred(opts.runner, tracker, rx),
+        };
         if let Some(r) = &opts.resync {
             runner.set_requester(r.clone());
         }
@@ -218,17 +308,29 @@ impl Agent {
         runner.observe(Arc::new(health_checks.observer()));
         let status = runner.status();
 
-        let healthz = match opts.healthz_bind {
-            Some(addr) => Some(
-                crate::observe::health::server::start(addr, health.clone(), metrics.clone()).await,
-            ),
-            None => None,
+        let servers = Servers {
+            healthz: opts.healthz_bind,
+            metrics: opts.metrics_bind,
+            health: health.clone(),
+            metrics_handle: metrics.clone(),
         };
-        let metrics_server = match opts.metrics_bind {
-            Some(addr) => Some(crate::observe::metrics::server::start(addr, metrics.clone()).await),
-            None => None,
+        // The servers listen once the datapath exists (as they did when it was built first):
+        // `/healthz` and `/proxyMode` never answer for a datapath still loading.
+        let (healthz, metrics_server, later) = if building {
+            let (started, at_start) = oneshot::channel();
+            runner.observe(Arc::new(LoopStart(std::sync::Mutex::new(Some(started)))));
+            let later = tokio::spawn(async move {
+                if at_start.await.is_ok() {
+                    let _serving = servers.start().await;
+                    std::future::pending::<()>().await;
+                }
+            });
+            (None, None, Some(AbortOnDrop(later)))
+        } else {
+            let (h, m) = servers.start().await;
+            (h, m, None)
         };
-        let task = tokio::spawn(runner.run(rx, shutdown));
+        let task = tokio::spawn(runner.run_deferred(rx, shutdown));
         Ok(Agent {
             status,
             task,
@@ -240,6 +342,7 @@ impl Agent {
             tap,
             healthz,
             metrics_server,
+            _later_servers: later,
             _health_checks: health_checks,
         })
     }
@@ -257,6 +360,14 @@ impl Agent {
     /// Waits for the sync loop to stop; stops the source and the servers; returns the (still
     /// programmed) datapath.
     pub async fn wait(self) -> anyhow::Result<Box<dyn Dataplane>> {
+        self.finish()
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the agent stopped before its datapath was built"))
+    }
+
+    /// [`Agent::wait`], `None` when the loop stopped (shut down) before a datapath under
+    /// construction ([`Agent::start_building`]) arrived.
+    pub async fn finish(self) -> anyhow::Result<Option<Box<dyn Dataplane>>> {
         let dp = self.task.await?;
         self.source.abort();
         self.tap.abort();

@@ -74,8 +74,8 @@ pub const IPVS_DEPRECATION: &str = "The ipvs proxier is now deprecated and may b
 
 /// Builds the forced mode, or the first mode of [`DETECT_ORDER`] whose probe
 /// ([`probe`]) passes and that builds; logs why each earlier mode was
-/// rejected. Before building, removes what the other modes (and upstream kube-proxy) left
-/// ([`cleanup_others`]). Returns the datapath and the metrics it reports into; the datapath
+/// rejected. Removes what the other modes (and upstream kube-proxy) left
+/// ([`build_cleaned`]). Returns the datapath and the metrics it reports into; the datapath
 /// asks `resync` for syncs it needs on its own (hand it to the sync loop too).
 /// `node_pod_cidrs` as for [`super::build::build`].
 pub fn select(
@@ -85,13 +85,8 @@ pub fn select(
     resync: &SyncRequester,
 ) -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
     let attempt = |mode: ProxyMode| -> anyhow::Result<(Box<dyn Dataplane>, Metrics)> {
-        if mode == ProxyMode::Ipvs {
-            // Upstream logs it at error level (and records an `IPVSDeprecation` event).
-            tracing::error!("{IPVS_DEPRECATION}");
-        }
-        cleanup_others(mode, cfg);
         let metrics = Metrics::new(mode);
-        let dp = build_with_resync(mode, cfg, node_pod_cidrs, Some(&metrics), Some(resync))?;
+        let dp = build_cleaned(mode, cfg, node_pod_cidrs, &metrics, resync)?;
         Ok((dp, metrics))
     };
     match choice {
@@ -118,6 +113,23 @@ pub fn select(
             bail!("no proxy mode can run here ({})", reasons.join("; "))
         }
     }
+}
+
+/// Builds `mode`'s datapath, reporting into `metrics`, after removing what the other modes
+/// left ([`cleanup_others`], as upstream's `CleanupLeftovers` before its proxier is built).
+pub fn build_cleaned(
+    mode: ProxyMode,
+    cfg: &ProxyConfig,
+    node_pod_cidrs: &[IpNet],
+    metrics: &Metrics,
+    resync: &SyncRequester,
+) -> anyhow::Result<Box<dyn Dataplane>> {
+    if mode == ProxyMode::Ipvs {
+        // Upstream logs it at error level (and records an `IPVSDeprecation` event).
+        tracing::error!("{IPVS_DEPRECATION}");
+    }
+    cleanup_others(mode, cfg);
+    build_with_resync(mode, cfg, node_pod_cidrs, Some(metrics), Some(resync))
 }
 
 /// One cleanup step's outcome, for the log and [`cleanup_all`]'s error.
@@ -340,14 +352,17 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     if mode != ProxyMode::Ebpf {
         cleanup_ebpf(cfg, &mut errors);
     }
-    let here = Evidence::here(cfg);
     // The ebpf and nftables modes share no chain with iptables: its rules always go (as
-    // upstream's nftables mode removes the iptables mode's leftovers).
-    let iptables = mode != ProxyMode::Iptables
-        && (matches!(mode, ProxyMode::Ebpf | ProxyMode::Nftables) || here.iptables);
+    // upstream's nftables mode removes the iptables mode's leftovers), so only the ipvs mode
+    // reads the nat tables for the iptables mode's evidence.
+    let iptables = match mode {
+        ProxyMode::Iptables => false,
+        ProxyMode::Ebpf | ProxyMode::Nftables => true,
+        ProxyMode::Ipvs => Evidence::here(cfg).iptables,
+    };
     // IPVS may serve others on this host: its services are flushed only when kube-proxy's
     // ipvs mode demonstrably ran here.
-    let ipvs = mode != ProxyMode::Ipvs && here.ipvs;
+    let ipvs = mode != ProxyMode::Ipvs && ipvs_mode_evidence();
     match (iptables, ipvs) {
         (true, true) => {
             info!(%mode, "removing the iptables and ipvs modes' leftovers");

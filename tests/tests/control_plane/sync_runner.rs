@@ -273,6 +273,70 @@ async fn changes_after_sources_close_are_synced_before_the_runner_returns() {
     assert!(last.snapshot.services.is_empty(), "the delete was synced");
 }
 
+/// A runner whose datapath is still being built folds the lists meanwhile (its status says
+/// every source synced) and syncs nothing; once the datapath arrives, its first sync holds
+/// everything listed.
+#[tokio::test]
+async fn a_datapath_still_being_built_gets_one_first_sync_of_everything_listed_meanwhile() {
+    let (dp, rec) = RecordingDataplane::new();
+    let (built, building) = oneshot::channel::<Box<dyn kproxy::dataplane::Dataplane>>();
+    let (tx, rx) = mpsc::channel(64);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let runner = Runner::deferred(fast(), Tracker::new("node-a"), building);
+    let mut status = runner.status();
+    let task = tokio::spawn(runner.run_deferred(rx, async move {
+        let _ = stopped.await;
+    }));
+    tx.send(Event::Service(Delta::Replace(vec![
+        service("web", "10.96.0.10"),
+        service("api", "10.96.0.11"),
+    ])))
+    .await
+    .unwrap();
+    tx.send(Event::EndpointSlice(Delta::Replace(vec![slice(
+        "web",
+        &["10.0.0.1"],
+    )])))
+    .await
+    .unwrap();
+    tx.send(Event::Node(Delta::Replace(vec![node()])))
+        .await
+        .unwrap();
+    tokio::time::timeout(LIVENESS, status.wait_for(|s| s.synced))
+        .await
+        .expect("the lists were folded while the datapath was being built")
+        .unwrap();
+    assert_eq!(status.borrow().syncs, 0, "no sync without a datapath");
+    built.send(Box::new(dp)).ok().unwrap();
+    let calls = rec
+        .wait_for(LIVENESS, "first sync", |c| !c.is_empty())
+        .await;
+    assert_eq!(names(&calls[0]), ["default/api:http", "default/web:http"]);
+    assert_eq!(calls[0].snapshot.endpoints.len(), 1);
+    stop.send(()).unwrap();
+    let dp = tokio::time::timeout(LIVENESS, task).await.unwrap().unwrap();
+    assert!(dp.is_some(), "the runner returns the datapath it got");
+}
+
+/// A build that fails (its sender dropped) ends the runner without a datapath.
+#[tokio::test]
+async fn a_datapath_whose_build_failed_ends_the_runner_without_one() {
+    let (built, building) = oneshot::channel::<Box<dyn kproxy::dataplane::Dataplane>>();
+    let (tx, rx) = mpsc::channel(64);
+    let runner = Runner::deferred(fast(), Tracker::new("node-a"), building);
+    let task = tokio::spawn(runner.run_deferred(rx, std::future::pending()));
+    tx.send(Event::Node(Delta::Replace(vec![node()])))
+        .await
+        .unwrap();
+    drop(built);
+    let dp = tokio::time::timeout(LIVENESS, task)
+        .await
+        .expect("the runner stopped")
+        .unwrap();
+    assert!(dp.is_none());
+    drop(tx);
+}
+
 fn write(dir: &std::path::Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     std::fs::write(&tmp, text).unwrap();

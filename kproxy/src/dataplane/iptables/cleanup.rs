@@ -34,13 +34,12 @@ fn existing_chains(b: &mut dyn IptablesBackend, table: &str) -> Result<Vec<Strin
 }
 
 /// Removes our (and upstream kube-proxy's) iptables objects through `b`.
+///
+/// The tables are read first (one save each): where none declares a chain of ours, there is
+/// nothing to remove — a jump rule needs its target chain — and no rule is touched. This is
+/// what every start in another mode pays for each backend and family, so the common case
+/// (nothing left) costs three saves instead of a delete attempt per jump rule.
 pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesError> {
-    for j in jump_rules() {
-        if j.to == KUBE_FIREWALL {
-            continue;
-        }
-        b.delete_rule(j.table, j.from, &j.args)?;
-    }
     let mut tables = vec![];
     for (table, fixed) in [
         ("nat", &NAT_CHAINS[..]),
@@ -68,6 +67,13 @@ pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesErro
     }
     if tables.is_empty() {
         return Ok(());
+    }
+    // The jumps into our chains first: a chain still referenced cannot be deleted.
+    for j in jump_rules() {
+        if j.to == KUBE_FIREWALL {
+            continue;
+        }
+        b.delete_rule(j.table, j.from, &j.args)?;
     }
     b.restore(&render_tables(&tables), RestoreMode::NoFlush)
 }
@@ -109,5 +115,97 @@ mod tests {
         );
         assert!(!filter.contains("KUBE-SERVICES"), "{filter}");
         assert!(!f.save("mangle").unwrap().contains(KUBE_PROXY_CANARY));
+    }
+
+    /// Counts rule deletions and restores on the way to a [`FakeIptables`].
+    struct Counting {
+        inner: FakeIptables,
+        deletes: usize,
+    }
+
+    impl IptablesBackend for Counting {
+        fn restore(&mut self, input: &str, mode: RestoreMode) -> Result<(), IptablesError> {
+            self.inner.restore(input, mode)
+        }
+        fn save(&mut self, table: &str) -> Result<String, IptablesError> {
+            self.inner.save(table)
+        }
+        fn ensure_chain(&mut self, table: &str, chain: &str) -> Result<bool, IptablesError> {
+            self.inner.ensure_chain(table, chain)
+        }
+        fn chain_exists(&mut self, table: &str, chain: &str) -> Result<bool, IptablesError> {
+            self.inner.chain_exists(table, chain)
+        }
+        fn ensure_rule_prepend(
+            &mut self,
+            table: &str,
+            chain: &str,
+            args: &[String],
+        ) -> Result<bool, IptablesError> {
+            self.inner.ensure_rule_prepend(table, chain, args)
+        }
+        fn rule_exists(
+            &mut self,
+            table: &str,
+            chain: &str,
+            args: &[String],
+        ) -> Result<bool, IptablesError> {
+            self.inner.rule_exists(table, chain, args)
+        }
+        fn delete_rule(
+            &mut self,
+            table: &str,
+            chain: &str,
+            args: &[String],
+        ) -> Result<(), IptablesError> {
+            self.deletes += 1;
+            self.inner.delete_rule(table, chain, args)
+        }
+        fn delete_chain(&mut self, table: &str, chain: &str) -> Result<(), IptablesError> {
+            self.inner.delete_chain(table, chain)
+        }
+    }
+
+    #[test]
+    fn tables_without_our_chains_are_only_read() {
+        let mut f = Counting {
+            inner: FakeIptables::new(),
+            deletes: 0,
+        };
+        f.inner.ensure_chain("filter", KUBE_FIREWALL).unwrap();
+        f.inner.inject("nat", "DOCKER", "-j RETURN");
+        f.inner.inject("nat", "PREROUTING", "-j DOCKER");
+        cleanup_leftovers(&mut f).unwrap();
+        assert_eq!(f.deletes, 0, "no rule deleted");
+        assert!(f.inner.restores.is_empty(), "no restore");
+        assert!(
+            f.inner
+                .save("nat")
+                .unwrap()
+                .contains("-A PREROUTING -j DOCKER")
+        );
+    }
+
+    /// Skipping the jump deletions is sound only if every jump rule's target is a chain the
+    /// cleanup looks for in that table.
+    #[test]
+    fn every_jump_rule_targets_a_chain_the_cleanup_removes() {
+        for j in jump_rules() {
+            if j.to == KUBE_FIREWALL {
+                continue;
+            }
+            let fixed: &[&str] = match j.table {
+                "nat" => &NAT_CHAINS,
+                "filter" => &FILTER_CHAINS,
+                _ => &[],
+            };
+            assert!(
+                fixed.contains(&j.to) || j.to == KUBE_PROXY_CANARY,
+                "{} -> {} in {}",
+                j.from,
+                j.to,
+                j.table
+            );
+        }
     }
 }
