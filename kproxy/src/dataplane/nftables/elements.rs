@@ -81,6 +81,11 @@ impl ElementStorage {
         *self.holders.entry(key).or_insert(0) += 1;
     }
 
+    /// Whether a service port holds `key`.
+    pub fn is_held(&self, key: &str) -> bool {
+        self.holders.contains_key(key)
+    }
+
     /// Whether `key` is known and neither ensured in this sync nor held by a service port.
     pub fn is_leftover(&self, key: &str) -> bool {
         self.leftover.contains(key)

@@ -86,8 +86,9 @@
 //!   elements from what they held before: the same operations, for work proportional to
 //!   the change. (Where two service ports claim one map key with different values — the
 //!   same external IP and port on two services — upstream rewrites the key on every sync,
-//!   ending with whichever port its map iteration visits last; kproxy writes it when one of
-//!   the claimants changes, and it keeps that one's value.)
+//!   ending with whichever port its map iteration visits last; kproxy reconciles the other
+//!   claimants' elements after a claimant was rewritten, so the key ends with an unchanged
+//!   claimant's value and never keeps one of a port that no longer claims it.)
 
 pub mod config;
 pub mod dataplane;

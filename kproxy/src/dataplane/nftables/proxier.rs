@@ -13,7 +13,7 @@ use crate::model::{ChangedSet, Protocol, ServicePortName, Snapshot};
 use super::config::NftablesConfig;
 use super::fake::FakeTable;
 use super::names::{is_affinity_set, is_endpoint_chain, is_service_chain};
-use super::service::{PortRecord, Storages, SyncContext};
+use super::service::{PortRecord, Storages, Store, SyncContext};
 use super::setup::{BASE_CHAINS, CLUSTER_IPS, SERVICES, TABLE, setup};
 use super::transaction::{Object, Transaction, Verb};
 
@@ -251,7 +251,7 @@ impl Proxier {
                 continue;
             };
             port_starts.push(ctx.tx.ops.len());
-            let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name));
+            let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name), false);
             self.held.insert(svc.name.clone(), record);
         }
         Ok(Plan {
@@ -274,6 +274,7 @@ impl Proxier {
             .map(|n| (n.namespace.as_str(), n.name.as_str()))
             .collect();
         let mut rewritten = Rewritten::default();
+        let mut released = BTreeSet::new();
         for &(ns, name) in &services {
             let before: Vec<ServicePortName> = ports_of(&self.held.records, ns, name)
                 .map(|(k, _)| k.clone())
@@ -283,10 +284,16 @@ impl Proxier {
                 for (store, key) in &record.elements {
                     self.storages.get_mut(*store).release(key);
                 }
+                released.extend(record.elements);
                 rewritten.before.0.extend(record.chains);
                 rewritten.before.1.extend(record.affinity_sets);
             }
         }
+        // Keys another service still holds (the same external IP and port on two services):
+        // that service's elements are reconciled again after the rewritten ones, so the key
+        // never keeps the value of a port that no longer holds it.
+        released.retain(|(store, key)| self.storages.get_mut(*store).is_held(key));
+        let sharing = self.held.holders_of(&released);
         let tx = self.new_tx();
         let mut ctx = SyncContext::new(&self.cfg, &snap.node, tx, &mut self.storages, None);
         for &(ns, name) in &services {
@@ -294,11 +301,28 @@ impl Proxier {
                 let Some(cluster_ip) = svc.cluster_ip(self.cfg.family) else {
                     continue;
                 };
-                let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(port));
+                let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(port), false);
                 self.held.insert(port.clone(), record);
             }
         }
-        rewritten.after = (ctx.active_chains, ctx.active_affinity_sets);
+        rewritten.after = (
+            std::mem::take(&mut ctx.active_chains),
+            std::mem::take(&mut ctx.active_affinity_sets),
+        );
+        for port in sharing {
+            let (Some(svc), Some(old)) = (snap.services.get(&port), self.held.records.get(&port))
+            else {
+                continue;
+            };
+            let Some(cluster_ip) = svc.cluster_ip(self.cfg.family) else {
+                continue;
+            };
+            for (store, key) in &old.elements {
+                ctx.storages.get_mut(*store).release(key);
+            }
+            let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(&port), true);
+            self.held.insert(port, record);
+        }
         Plan {
             tx: ctx.tx,
             port_starts: vec![],
@@ -662,6 +686,19 @@ impl Held {
     fn forget(&mut self, record: &PortRecord) {
         self.no_local_internal -= usize::from(record.no_local_internal);
         self.no_local_external -= usize::from(record.no_local_external);
+    }
+
+    /// The service ports holding any of `keys` (one scan of every port: called only when a
+    /// partial sync released keys that other service ports hold too).
+    fn holders_of(&self, keys: &BTreeSet<(Store, String)>) -> Vec<ServicePortName> {
+        if keys.is_empty() {
+            return vec![];
+        }
+        self.records
+            .iter()
+            .filter(|(_, r)| r.elements.iter().any(|e| keys.contains(e)))
+            .map(|(port, _)| port.clone())
+            .collect()
     }
 
     /// Every chain and affinity set a service port holds.
@@ -1602,6 +1639,69 @@ mod tests {
             prev = snap;
         }
         assert!(partial >= 20, "{partial} steps changed something");
+    }
+
+    /// Two services claim one external IP and port: whichever wrote the `service-ips`
+    /// element last, once one is gone (or changes) the other's value is what stays — the
+    /// table a full sync of the remaining snapshot writes.
+    #[test]
+    fn a_key_two_services_share_keeps_the_remaining_ones_value() {
+        let shared = |name: &str, ip: &str, ep: &str| {
+            (
+                service_port(name, name, "p")
+                    .cluster_ip(ip)
+                    .external_ip("192.168.99.1")
+                    .build(),
+                vec![endpoint(ep, 80).build()],
+            )
+        };
+        let both = snapshot("n")
+            .service(
+                shared("a", "172.30.0.1", "10.0.1.1").0,
+                shared("a", "172.30.0.1", "10.0.1.1").1,
+            )
+            .service(
+                shared("b", "172.30.0.2", "10.0.2.1").0,
+                shared("b", "172.30.0.2", "10.0.2.1").1,
+            )
+            .build();
+        let a_only = snapshot("n")
+            .service(
+                shared("a", "172.30.0.1", "10.0.1.1").0,
+                shared("a", "172.30.0.1", "10.0.1.1").1,
+            )
+            .build();
+        let value = |t: &FakeTable| -> Option<String> {
+            t.list_elements("service-ips")
+                .into_iter()
+                .find(|(k, _)| k.starts_with("192.168.99.1 "))
+                .and_then(|(_, v)| v)
+        };
+        let mut t = FakeTable::new("ip", TABLE);
+        let mut p = Proxier::new(cfg(IpFamily::V4));
+        p.sync(&both, &ChangedSet::default(), Duration::ZERO, &mut t)
+            .expect("full");
+        assert!(
+            value(&t).expect("element").contains("b/b/tcp/p"),
+            "{:?}",
+            value(&t)
+        );
+        p.sync(&a_only, &changed(&[("b", "b")]), Duration::ZERO, &mut t)
+            .expect("b removed");
+        assert!(
+            value(&t).expect("element").contains("a/a/tcp/p"),
+            "{:?}",
+            value(&t)
+        );
+        p.sync(
+            &a_only,
+            &ChangedSet::default(),
+            Duration::from_secs(2),
+            &mut t,
+        )
+        .expect("stale chains deleted");
+        assert_eq!(render(&a_only, &p.cfg).expect("render"), canonical(&t));
+        assert_eq!(p.cleanup_failures, 0);
     }
 
     #[test]

@@ -39,7 +39,7 @@ impl Default for Storages {
 }
 
 /// Which of [`Storages`] an element key is in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Store {
     ClusterIps,
     ServiceIps,
@@ -193,7 +193,8 @@ impl<'a> SyncContext<'a> {
         }
     }
 
-    /// `kept`: an existing endpoint chain a full sync keeps as it is (not written).
+    /// `kept`: not written (an existing endpoint chain a full sync keeps as it is, or a port
+    /// whose elements alone are reconciled).
     fn ensure_chain(&mut self, chain: &str, kept: bool) {
         self.record.chains.push(chain.to_string());
         ensure_chain(&mut self.tx, &mut self.active_chains, chain, kept);
@@ -225,13 +226,15 @@ impl<'a> SyncContext<'a> {
             }
     }
 
-    /// Plans one service port (`eps`: all its endpoints, any family): writes its chains,
-    /// reconciles its elements and returns what it holds in the table.
+    /// Plans one service port (`eps`: all its endpoints, any family): writes its chains
+    /// (unless `elements_only`), reconciles its elements and returns what it holds in the
+    /// table.
     pub fn service_port(
         &mut self,
         svc: &ServicePort,
         cluster_ip: IpAddr,
         eps: &[Endpoint],
+        elements_only: bool,
     ) -> PortRecord {
         let family = self.cfg.family;
         let eps = ServicePort::family_endpoints(eps, family);
@@ -242,8 +245,8 @@ impl<'a> SyncContext<'a> {
             let chain = endpoint_chain(&svc.name, ep);
             let set = affinity_set(&svc.name, ep);
             let current = self.endpoint_chain_current(&chain, affinity.then_some(set.as_str()));
-            self.ensure_chain(&chain, current);
-            if current {
+            self.ensure_chain(&chain, current || elements_only);
+            if current && !elements_only {
                 self.kept_chains.insert(chain);
             }
             if affinity {
@@ -252,21 +255,23 @@ impl<'a> SyncContext<'a> {
             }
         }
         if s.uses_cluster_chain {
-            self.ensure_chain(&s.ch.cluster, false);
+            self.ensure_chain(&s.ch.cluster, elements_only);
         }
         if s.uses_local_chain {
-            self.ensure_chain(&s.ch.local, false);
+            self.ensure_chain(&s.ch.local, elements_only);
         }
         if s.uses_ext_chain {
-            self.ensure_chain(&s.ch.external, false);
+            self.ensure_chain(&s.ch.external, elements_only);
         }
         if s.uses_fw_chain {
-            self.ensure_chain(&s.ch.firewall, false);
+            self.ensure_chain(&s.ch.firewall, elements_only);
         }
         self.record.no_local_internal = s.has_endpoints && !s.has_internal;
         self.record.no_local_external = s.has_endpoints && !s.has_external;
         self.elements(&svc, cluster_ip, &s);
-        self.chains(&svc, cluster_ip, &s);
+        if !elements_only {
+            self.chains(&svc, cluster_ip, &s);
+        }
         std::mem::take(&mut self.record)
     }
 
