@@ -273,27 +273,7 @@ impl Proxier {
             .iter()
             .map(|n| (n.namespace.as_str(), n.name.as_str()))
             .collect();
-        let mut rewritten = Rewritten::default();
-        let mut released = BTreeSet::new();
-        for &(ns, name) in &services {
-            let before: Vec<ServicePortName> = ports_of(&self.held.records, ns, name)
-                .map(|(k, _)| k.clone())
-                .collect();
-            for port in before {
-                let record = self.held.remove(&port);
-                for (store, key) in &record.elements {
-                    self.storages.get_mut(*store).release(key);
-                }
-                released.extend(record.elements);
-                rewritten.before.0.extend(record.chains);
-                rewritten.before.1.extend(record.affinity_sets);
-            }
-        }
-        // Keys another service still holds (the same external IP and port on two services):
-        // that service's elements are reconciled again after the rewritten ones, so the key
-        // never keeps the value of a port that no longer holds it.
-        released.retain(|(store, key)| self.storages.get_mut(*store).is_held(key));
-        let sharing = self.held.holders_of(&released);
+        let (mut rewritten, sharing) = self.release(&services);
         let tx = self.new_tx();
         let mut ctx = SyncContext::new(&self.cfg, &snap.node, tx, &mut self.storages, None);
         for &(ns, name) in &services {
@@ -309,6 +289,10 @@ impl Proxier {
             std::mem::take(&mut ctx.active_chains),
             std::mem::take(&mut ctx.active_affinity_sets),
         );
+        // Ports of other services that hold a key the rewritten ports released (the same
+        // external IP and port on two services): their elements are reconciled again after
+        // the rewritten ones, so the key never keeps the value of a port that no longer
+        // holds it (their chains stay as they are).
         for port in sharing {
             let (Some(svc), Some(old)) = (snap.services.get(&port), self.held.records.get(&port))
             else {
@@ -328,6 +312,30 @@ impl Proxier {
             port_starts: vec![],
             in_use: InUse::Rewritten(rewritten),
         }
+    }
+
+    /// Forgets what the ports of `services` held (their records, their hold on element
+    /// keys): what they held before, and the ports of other services that hold one of the
+    /// element keys they released.
+    fn release(&mut self, services: &BTreeSet<(&str, &str)>) -> (Rewritten, Vec<ServicePortName>) {
+        let mut rewritten = Rewritten::default();
+        let mut released = BTreeSet::new();
+        for &(ns, name) in services {
+            let before: Vec<ServicePortName> = ports_of(&self.held.records, ns, name)
+                .map(|(k, _)| k.clone())
+                .collect();
+            for port in before {
+                let record = self.held.remove(&port);
+                for (store, key) in &record.elements {
+                    self.storages.get_mut(*store).release(key);
+                }
+                released.extend(record.elements);
+                rewritten.before.0.extend(record.chains);
+                rewritten.before.1.extend(record.affinity_sets);
+            }
+        }
+        released.retain(|(store, key)| self.storages.get_mut(*store).is_held(key));
+        (rewritten, self.held.holders_of(&released))
     }
 
     /// Makes the table match `snap`. `now` is the caller's monotonic clock.
