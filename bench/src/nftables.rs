@@ -13,6 +13,12 @@
 //!   cold-start figure; two samples, each into a fresh namespace);
 //! - `change-floor/nftables/N`: each endpoint change's partial sync (the floor of the
 //!   one-change figure);
+//! - `change-floor-cache/nftables/N`: what of that floor is `nft` building its cache (the
+//!   dump of every chain and set of the table that any `add rule` or `add element` makes it
+//!   take), measured as `nft -f` of one element the table already holds (the same dump, an
+//!   empty commit) on the table the changes left, as many times as there were changes. The
+//!   rest of the floor (parsing, the commit and its validation) is what writing the same
+//!   transaction as a netlink batch without `nft` would still cost;
 //! - `cold-nft/nftables/N`: the agent's own `nft -f` time of the cold start's parts (from the
 //!   dump headers): what of the cold start was the kernel and `nft`;
 //! - loading variants of the same operations, each into a fresh namespace:
@@ -278,7 +284,7 @@ fn floor_figure(id: String, n: u32, unit: &str, samples: Vec<f64>) -> Figure {
 pub fn samples(plan: &Plan, f: &Figure) -> usize {
     match f.id.split('/').next().unwrap_or_default() {
         "cold-floor" => 2,
-        "change-floor" => plan.changes as usize,
+        "change-floor" | "change-floor-cache" => plan.changes as usize,
         _ => 1,
     }
 }
@@ -299,6 +305,7 @@ pub fn floors(results: &mut Results, dir: &Path, n: u32, changes: usize) -> anyh
     // The whole sequence, so each change meets the table it met in the agent.
     let ns = Netns::new("bench-nftfloor")?;
     let times = replay(&ns, &dumps)?;
+    let cache = cache_floor(&ns, &dumps[cold.clone()], changes);
     drop(ns);
     let secs = |r: std::ops::Range<usize>| -> f64 {
         times[r].iter().flatten().map(Duration::as_secs_f64).sum()
@@ -334,6 +341,15 @@ pub fn floors(results: &mut Results, dir: &Path, n: u32, changes: usize) -> anyh
         "ms",
         change,
     ));
+    let id = format!("change-floor-cache/nftables/{n}");
+    match cache {
+        Ok(samples) => {
+            let mut f = floor_figure(id, n, "ms", samples);
+            f.baseline = Some(format!("change-floor/nftables/{n}"));
+            results.push(f);
+        }
+        Err(e) => results.unavailable(id, format!("{e:#}")),
+    }
     // The same cold-start operations loaded other ways.
     let text = concatenated(&dumps[cold])?;
     let scratch = ScratchDir::new("bench-nftvar")?;
@@ -360,6 +376,23 @@ pub fn floors(results: &mut Results, dir: &Path, n: u32, changes: usize) -> anyh
         }
     }
     Ok(())
+}
+
+/// `samples` timings (ms) of `nft -f` adding one `cluster-ips` element the table in `ns`
+/// already holds (the first one the cold start's `dumps` add): nft dumps the table's chains
+/// and sets into its cache as for any partial sync, and the commit is empty.
+fn cache_floor(ns: &Netns, dumps: &[Dumped], samples: usize) -> anyhow::Result<Vec<f64>> {
+    let text = concatenated(dumps)?;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("add element ") && l.contains(" cluster-ips { "))
+        .context("the cold start added no cluster-ips element")?;
+    let scratch = ScratchDir::new("bench-nftcache")?;
+    let file = scratch.path().join("noop.nft");
+    std::fs::write(&file, format!("{line}\n"))?;
+    (0..samples)
+        .map(|_| Ok(timed_nft(ns, &file)?.as_secs_f64() * 1e3))
+        .collect()
 }
 
 /// The `resync` group: see the module docs. Runs only when `nftables` is among the modes.

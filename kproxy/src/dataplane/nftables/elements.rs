@@ -1,7 +1,14 @@
 //! Upstream `nftElementStorage`: what a set or map holds, so a sync adds only new elements,
 //! replaces changed values and deletes the leftovers.
+//!
+//! Upstream marks every known key leftover at the start of each sync and ensures every
+//! service port's keys again, so each sync walks all of them. kproxy counts how many
+//! service ports hold each key instead ([`ElementStorage::release`]): a full sync still
+//! ensures every key (and deletes what nobody ensured), a partial sync releases the keys of
+//! the service ports it rewrites and ensures their new ones, and deletes only the keys
+//! nobody holds any more — the same operations for the work of the changed ports alone.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::transaction::{Object, Transaction};
 
@@ -11,6 +18,9 @@ pub struct ElementStorage {
     /// key → value (`None` for set elements).
     pub elements: BTreeMap<String, Option<String>>,
     leftover: BTreeSet<String>,
+    /// How many service ports hold each key (every [`Self::ensure`] since the last
+    /// [`Self::reset`], minus every [`Self::release`]).
+    holders: HashMap<String, u32>,
 }
 
 impl ElementStorage {
@@ -21,15 +31,24 @@ impl ElementStorage {
         }
     }
 
-    /// Replaces the known content (what the kernel holds) and marks every key leftover.
+    /// Starts a full sync: replaces the known content (what the kernel holds), marks every
+    /// key leftover until ensured and forgets who held what.
     pub fn reset(&mut self, content: impl IntoIterator<Item = (String, Option<String>)>) {
         self.elements = content.into_iter().collect();
         self.leftover = self.elements.keys().cloned().collect();
+        self.holders.clear();
     }
 
-    /// Starts a sync: every known key is leftover until ensured.
-    pub fn begin(&mut self) {
-        self.leftover = self.elements.keys().cloned().collect();
+    /// A service port no longer holds `key` (a partial sync rewrites it): once nobody
+    /// holds it, it is leftover unless ensured again in this sync.
+    pub fn release(&mut self, key: &str) {
+        if let Some(n) = self.holders.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.holders.remove(key);
+                self.leftover.insert(key.to_string());
+            }
+        }
     }
 
     /// Upstream `ensureElem`.
@@ -59,9 +78,15 @@ impl ElementStorage {
             }
         }
         self.leftover.remove(&key);
+        *self.holders.entry(key).or_insert(0) += 1;
     }
 
-    /// Whether `key` was ensured in this sync (or is not known at all).
+    /// Whether a service port holds `key`.
+    pub fn is_held(&self, key: &str) -> bool {
+        self.holders.contains_key(key)
+    }
+
+    /// Whether `key` is known and neither ensured in this sync nor held by a service port.
     pub fn is_leftover(&self, key: &str) -> bool {
         self.leftover.contains(key)
     }
@@ -77,7 +102,6 @@ impl ElementStorage {
             });
             self.elements.remove(&key);
         }
-        self.begin();
     }
 }
 

@@ -76,8 +76,19 @@
 //!   which is empty at that moment; elements after the rules would walk every service's
 //!   chains.
 //!
-//! What is left above the floor in a partial sync is the planner's walk over every service
-//! port (names, element reconciliation) and the agent's sync machinery.
+//! - **A partial sync plans only the changed services.** Upstream's loop visits every
+//!   service port on every sync (hashed chain names, every element ensured again) and only
+//!   skips writing the unchanged ones' chains: ≈ 250 ms of CPU per sync at 10k services.
+//!   kproxy keeps what each service port holds in the table (its chains, affinity sets and
+//!   element keys, [`service::PortRecord`]) and counts the holders of each element key
+//!   ([`elements::ElementStorage::release`]), so a partial sync plans the ports of the
+//!   services in the model's `ChangedSet` alone and finds their stale chains, sets and
+//!   elements from what they held before: the same operations, for work proportional to
+//!   the change. (Where two service ports claim one map key with different values — the
+//!   same external IP and port on two services — upstream rewrites the key on every sync,
+//!   ending with whichever port its map iteration visits last; kproxy reconciles the other
+//!   claimants' elements after a claimant was rewritten, so the key ends with an unchanged
+//!   claimant's value and never keeps one of a port that no longer claims it.)
 
 pub mod config;
 pub mod dataplane;

@@ -1,6 +1,5 @@
 //! One service port's part of a sync (upstream `syncProxyRules`' loop body): its map and set
-//! elements (always reconciled) and its own chains (written unless a partial sync skips an
-//! unchanged service).
+//! elements and its own chains, and the [`PortRecord`] of what it holds in the table.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -39,7 +38,43 @@ impl Default for Storages {
     }
 }
 
+/// Which of [`Storages`] an element key is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Store {
+    ClusterIps,
+    ServiceIps,
+    FirewallIps,
+    NoEndpointServices,
+    NoEndpointNodeports,
+    ServiceNodeports,
+}
+
+/// What one service port holds in the table after the sync that last planned it: its
+/// chains, affinity sets and element keys (each key once per time the port ensured it), and
+/// whether it counts for upstream's no-local-endpoints metric. A partial sync replaces the
+/// records of the services it rewrites, so it knows what they no longer hold without
+/// walking the others.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PortRecord {
+    pub chains: Vec<String>,
+    pub affinity_sets: Vec<String>,
+    pub elements: Vec<(Store, String)>,
+    pub no_local_internal: bool,
+    pub no_local_external: bool,
+}
+
 impl Storages {
+    pub fn get_mut(&mut self, store: Store) -> &mut ElementStorage {
+        match store {
+            Store::ClusterIps => &mut self.cluster_ips,
+            Store::ServiceIps => &mut self.service_ips,
+            Store::FirewallIps => &mut self.firewall_ips,
+            Store::NoEndpointServices => &mut self.no_endpoint_services,
+            Store::NoEndpointNodeports => &mut self.no_endpoint_nodeports,
+            Store::ServiceNodeports => &mut self.service_nodeports,
+        }
+    }
+
     pub fn all_mut(&mut self) -> [&mut ElementStorage; 6] {
         [
             &mut self.cluster_ips,
@@ -58,16 +93,16 @@ pub struct SyncContext<'a> {
     pub node: &'a NodeInfo,
     pub tx: Transaction,
     pub storages: &'a mut Storages,
-    /// Service/endpoint chains in use (upstream `activeChains`).
+    /// Service/endpoint chains of the service ports planned so far (upstream `activeChains`).
     pub active_chains: BTreeSet<String>,
     pub active_affinity_sets: BTreeSet<String>,
     /// Full sync only: chains and sets already in the table; an existing endpoint chain whose
     /// affinity set existence matches is not rewritten (its rules follow from its name).
     pub existing: Option<(BTreeSet<String>, BTreeSet<String>)>,
-    pub no_local_internal: usize,
-    pub no_local_external: usize,
     /// Existing endpoint chains this full sync keeps as they are.
     pub kept_chains: BTreeSet<String>,
+    /// The record of the service port being planned.
+    record: PortRecord,
 }
 
 fn l3l4(ip: &IpAddr, proto: &str, port: u16) -> String {
@@ -137,9 +172,46 @@ fn shape(svc: &ServicePort, eps: &[Endpoint], node: &NodeInfo, family: IpFamily)
     }
 }
 
-impl SyncContext<'_> {
-    fn ensure_chain(&mut self, chain: &str, skip: bool) {
-        ensure_chain(&mut self.tx, &mut self.active_chains, chain, skip);
+impl<'a> SyncContext<'a> {
+    pub fn new(
+        cfg: &'a NftablesConfig,
+        node: &'a NodeInfo,
+        tx: Transaction,
+        storages: &'a mut Storages,
+        existing: Option<(BTreeSet<String>, BTreeSet<String>)>,
+    ) -> Self {
+        SyncContext {
+            cfg,
+            node,
+            tx,
+            storages,
+            active_chains: BTreeSet::new(),
+            active_affinity_sets: BTreeSet::new(),
+            existing,
+            kept_chains: BTreeSet::new(),
+            record: PortRecord::default(),
+        }
+    }
+
+    /// `kept`: not written (an existing endpoint chain a full sync keeps as it is, or a port
+    /// whose elements alone are reconciled).
+    fn ensure_chain(&mut self, chain: &str, kept: bool) {
+        self.record.chains.push(chain.to_string());
+        ensure_chain(&mut self.tx, &mut self.active_chains, chain, kept);
+    }
+
+    /// Upstream `ensureElem` into `store`, recorded as held by the port being planned.
+    fn ensure(
+        &mut self,
+        store: Store,
+        key: String,
+        value: Option<String>,
+        comment: Option<String>,
+    ) {
+        self.record.elements.push((store, key.clone()));
+        self.storages
+            .get_mut(store)
+            .ensure(&mut self.tx, key, value, comment);
     }
 
     /// Whether a full sync can leave an existing endpoint chain as it is.
@@ -154,15 +226,16 @@ impl SyncContext<'_> {
             }
     }
 
-    /// Plans one service port (`eps`: all its endpoints, any family). `skip`: a partial sync
-    /// and the service is unchanged, so only its elements are reconciled.
+    /// Plans one service port (`eps`: all its endpoints, any family): writes its chains
+    /// (unless `elements_only`), reconciles its elements and returns what it holds in the
+    /// table.
     pub fn service_port(
         &mut self,
         svc: &ServicePort,
         cluster_ip: IpAddr,
         eps: &[Endpoint],
-        skip: bool,
-    ) {
+        elements_only: bool,
+    ) -> PortRecord {
         let family = self.cfg.family;
         let eps = ServicePort::family_endpoints(eps, family);
         let svc = svc.for_family(family);
@@ -172,55 +245,51 @@ impl SyncContext<'_> {
             let chain = endpoint_chain(&svc.name, ep);
             let set = affinity_set(&svc.name, ep);
             let current = self.endpoint_chain_current(&chain, affinity.then_some(set.as_str()));
-            self.ensure_chain(&chain, skip || current);
-            if current && !skip {
+            self.ensure_chain(&chain, current || elements_only);
+            if current && !elements_only {
                 self.kept_chains.insert(chain);
             }
             if affinity {
+                self.record.affinity_sets.push(set.clone());
                 self.active_affinity_sets.insert(set);
             }
         }
         if s.uses_cluster_chain {
-            self.ensure_chain(&s.ch.cluster, skip);
+            self.ensure_chain(&s.ch.cluster, elements_only);
         }
         if s.uses_local_chain {
-            self.ensure_chain(&s.ch.local, skip);
+            self.ensure_chain(&s.ch.local, elements_only);
         }
         if s.uses_ext_chain {
-            self.ensure_chain(&s.ch.external, skip);
+            self.ensure_chain(&s.ch.external, elements_only);
         }
         if s.uses_fw_chain {
-            self.ensure_chain(&s.ch.firewall, skip);
+            self.ensure_chain(&s.ch.firewall, elements_only);
         }
-        if s.has_endpoints {
-            self.no_local_internal += usize::from(!s.has_internal);
-            self.no_local_external += usize::from(!s.has_external);
-        }
+        self.record.no_local_internal = s.has_endpoints && !s.has_internal;
+        self.record.no_local_external = s.has_endpoints && !s.has_external;
         self.elements(&svc, cluster_ip, &s);
-        if skip {
-            return;
+        if !elements_only {
+            self.chains(&svc, cluster_ip, &s);
         }
-        self.chains(&svc, cluster_ip, &s);
+        std::mem::take(&mut self.record)
     }
 
     fn elements(&mut self, svc: &ServicePort, cluster_ip: IpAddr, s: &PortShape) {
         let proto = svc.protocol.lower();
         let port = svc.port;
         let name = Some(svc.name.to_string());
-        let st = &mut *self.storages;
-        let tx = &mut self.tx;
-        st.cluster_ips
-            .ensure(tx, cluster_ip.to_string(), None, None);
+        self.ensure(Store::ClusterIps, cluster_ip.to_string(), None, None);
         if s.has_internal {
-            st.service_ips.ensure(
-                tx,
+            self.ensure(
+                Store::ServiceIps,
                 l3l4(&cluster_ip, proto, port),
                 Some(format!("goto {}", s.internal_chain)),
                 None,
             );
         } else {
-            st.no_endpoint_services.ensure(
-                tx,
+            self.ensure(
+                Store::NoEndpointServices,
                 l3l4(&cluster_ip, proto, port),
                 Some(s.internal_verdict.clone()),
                 name.clone(),
@@ -229,12 +298,12 @@ impl SyncContext<'_> {
         let ext_goto = format!("goto {}", s.ch.external);
         for ip in &svc.external_ips {
             if s.has_endpoints {
-                st.service_ips
-                    .ensure(tx, l3l4(ip, proto, port), Some(ext_goto.clone()), None);
+                let key = l3l4(ip, proto, port);
+                self.ensure(Store::ServiceIps, key, Some(ext_goto.clone()), None);
             }
             if !s.has_external {
-                st.no_endpoint_services.ensure(
-                    tx,
+                self.ensure(
+                    Store::NoEndpointServices,
                     l3l4(ip, proto, port),
                     Some(s.external_verdict.clone()),
                     name.clone(),
@@ -244,12 +313,12 @@ impl SyncContext<'_> {
         let vips: Vec<IpAddr> = svc.load_balancer_vips(self.cfg.family).collect();
         for ip in &vips {
             if s.has_endpoints {
-                st.service_ips
-                    .ensure(tx, l3l4(ip, proto, port), Some(ext_goto.clone()), None);
+                let key = l3l4(ip, proto, port);
+                self.ensure(Store::ServiceIps, key, Some(ext_goto.clone()), None);
             }
             if s.uses_fw_chain {
-                st.firewall_ips.ensure(
-                    tx,
+                self.ensure(
+                    Store::FirewallIps,
                     l3l4(ip, proto, port),
                     Some(format!("goto {}", s.ch.firewall)),
                     None,
@@ -258,8 +327,8 @@ impl SyncContext<'_> {
         }
         if !s.has_external {
             for ip in &vips {
-                st.no_endpoint_services.ensure(
-                    tx,
+                self.ensure(
+                    Store::NoEndpointServices,
                     l3l4(ip, proto, port),
                     Some(s.external_verdict.clone()),
                     name.clone(),
@@ -269,12 +338,12 @@ impl SyncContext<'_> {
         if svc.node_port != 0 {
             let key = format!("{proto} . {}", svc.node_port);
             if s.has_endpoints {
-                st.service_nodeports
-                    .ensure(tx, key.clone(), Some(ext_goto.clone()), None);
+                let goto = Some(ext_goto.clone());
+                self.ensure(Store::ServiceNodeports, key.clone(), goto, None);
             }
             if !s.has_external {
-                st.no_endpoint_nodeports
-                    .ensure(tx, key, Some(s.external_verdict.clone()), name);
+                let verdict = Some(s.external_verdict.clone());
+                self.ensure(Store::NoEndpointNodeports, key, verdict, name);
             }
         }
     }
