@@ -90,7 +90,8 @@ pub struct NftSyncStats {
     pub full: bool,
     /// Operations in the main transaction.
     pub operations: usize,
-    /// Stale chains deleted in the separate transaction before it.
+    /// Stale chains deleted at the start of the sync's own transaction (0 when that failed and
+    /// the sync ran without them: the next sync tries them again).
     pub stale_chains_deleted: usize,
     pub service_ports: usize,
     /// Upstream's `sync_proxy_rules_no_local_endpoints_total` (internal / external).
