@@ -1,6 +1,7 @@
 //! Expiry of the eBPF connection tables (`KP_CT`, `KP_CT6`) with real traffic (issue #22):
 //! the agent's ebpf mode (`EbpfDataplane`, TC programs on the node devices of the shared topology,
-//! socket LB off, XDP off) with timeouts of seconds, so the tests take seconds:
+//! socket LB off, XDP off unless a test says so) with timeouts of seconds, so the tests take
+//! seconds:
 //!
 //! - closed flows leave the tables after the TIME_WAIT timeout, by the expiry timer alone (no
 //!   sync after they closed): NodePort (IPv4 and IPv6) and ClusterIP routed from outside;
@@ -11,7 +12,10 @@
 //! - a client port reused toward another frontend of the same backend (the pattern behind the
 //!   soak's leftover entries and connect timeouts, issue #22): both flows close and leave, and
 //!   a later connection from that port to the first frontend connects (IPv4 and IPv6, local
-//!   and SNATed remote backend).
+//!   and SNATed remote backend; TC and XDP);
+//! - endpoint changes while a client connects over and over from a few ports: every
+//!   connection succeeds, and every one started after a change reaches a current endpoint
+//!   (IPv4 and IPv6; TC and XDP).
 //!
 //! Timeouts are set as the agent sets them from `conntrack.tcpCloseWaitTimeout` and the
 //! `bpf.conntrack` extension (`kproxy::app::build::ebpf_config`).
@@ -51,6 +55,7 @@ const WEB6_NODE_PORT: u16 = 30082;
 const HALF_NODE_PORT: u16 = 30090;
 const HALF_POD_PORT: u16 = 9090;
 const FLIP_NODE_PORT: u16 = 30089;
+const FLIP6_NODE_PORT: u16 = 30079;
 /// Twin NodePorts (two services with the same single backend): `(first, second, backend)`
 /// per case of [`a_client_port_reused_toward_another_frontend_of_the_same_backend`].
 const TWINS: [(u16, u16, Twin); 3] = [
@@ -132,12 +137,12 @@ fn twins(topo: &Topology) -> Vec<(ServicePort, Vec<Endpoint>)> {
 /// `web` (NodePort + ClusterIP, both pods), `web6` (the same over IPv6), `idle` (NodePort to the remote pod
 /// only, so its flows are SNATed and break if their entries go), `half` (NodePort to the
 /// test's own half-close server on the remote pod), the [`TWINS`] and `flip` (NodePort to
-/// pod-l0; see [`snapshot_with`]).
+/// pod-l0; `flip6` the same over IPv6; see [`snapshot_with`]).
 fn snapshot(topo: &Topology) -> Snapshot {
     snapshot_with(topo, &["pod-l0"])
 }
 
-/// [`snapshot`] with `flip`'s endpoints on the pods named (every pod stays an endpoint of
+/// [`snapshot`] with `flip`'s and `flip6`'s endpoints on the pods named (every pod stays an endpoint of
 /// `web`, so it keeps its backend id and its flows are not purged).
 fn snapshot_with(topo: &Topology, flip: &[&str]) -> Snapshot {
     let (l0, r0) = (topo.pod("pod-l0"), topo.pod("pod-r0"));
@@ -165,10 +170,25 @@ fn snapshot_with(topo: &Topology, flip: &[&str]) -> Snapshot {
             )
         })
         .collect();
-    let mut snap = testing::snapshot("node").service(
-        service("flip", FLIP_NODE_PORT, Ipv4Addr::new(10, 96, 0, 13)),
-        flip_eps,
-    );
+    let flip6_eps = flip
+        .iter()
+        .map(|name| {
+            let ip = topo.pod(name).ip6.unwrap();
+            endpoint(ip.into(), POD_PORT, name.starts_with("pod-l"))
+        })
+        .collect();
+    let flip6 = testing::service_port("default", "flip6", "p")
+        .protocol(Protocol::Tcp)
+        .cluster_ip("fd00:96::13".parse::<IpAddr>().unwrap())
+        .port(80)
+        .node_port(FLIP6_NODE_PORT)
+        .build();
+    let mut snap = testing::snapshot("node")
+        .service(
+            service("flip", FLIP_NODE_PORT, Ipv4Addr::new(10, 96, 0, 13)),
+            flip_eps,
+        )
+        .service(flip6, flip6_eps);
     for (svc, eps) in twins(topo) {
         snap = snap.service(svc, eps);
     }
@@ -596,7 +616,15 @@ type Attempt = (Instant, Result<String, String>);
 #[test]
 fn new_connects_after_an_endpoint_change_reach_a_current_endpoint() {
     if require_root() {
-        new_connects_after_endpoint_changes("ct-flip", false);
+        new_connects_after_endpoint_changes("ct-flip", false, false);
+    }
+}
+
+/// [`new_connects_after_an_endpoint_change_reach_a_current_endpoint`] over IPv6.
+#[test]
+fn new_connects_after_an_endpoint_change_reach_a_current_endpoint_ipv6() {
+    if require_root() {
+        new_connects_after_endpoint_changes("ct-flip6", false, true);
     }
 }
 
@@ -605,11 +633,11 @@ fn new_connects_after_an_endpoint_change_reach_a_current_endpoint() {
 #[test]
 fn new_connects_after_an_endpoint_change_reach_a_current_endpoint_xdp() {
     if require_root() {
-        new_connects_after_endpoint_changes("ct-flip-x", true);
+        new_connects_after_endpoint_changes("ct-flip-x", true, false);
     }
 }
 
-fn new_connects_after_endpoint_changes(hint: &str, xdp: bool) {
+fn new_connects_after_endpoint_changes(hint: &str, xdp: bool, v6: bool) {
     let t = flows::Timeouts {
         tcp_time_wait: Duration::from_secs(300),
         ..timeouts()
@@ -631,7 +659,11 @@ fn new_connects_after_endpoint_changes(hint: &str, xdp: bool) {
         &["pod-l0"],
     ];
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let to = SocketAddr::new(NODE_IP.into(), FLIP_NODE_PORT);
+    let to = if v6 {
+        SocketAddr::new(NODE_IP6.into(), FLIP6_NODE_PORT)
+    } else {
+        SocketAddr::new(NODE_IP.into(), FLIP_NODE_PORT)
+    };
     // (begin, end, set) of each change: connections started in [end, next begin) must reach
     // the set.
     let mut changes: Vec<(Instant, Instant, &[&str])> = vec![];
