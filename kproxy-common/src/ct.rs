@@ -23,6 +23,14 @@
 //! still read such an entry for a flow whose `RevDnat` entry lacks [`CT_F_SNAT_HERE`], so flows
 //! survive an upgrade, but no longer create one.
 //!
+//! A `RevDnat` key names no frontend: a client `C:cp` reaching one backend through two
+//! frontends (the same source port toward two NodePorts of services sharing a pod) gives two
+//! flows one `RevDnat` key. The newer flow takes it over and deletes the older flow's other
+//! entries, which without it would outlive the flow (`kproxy-ebpf/src/flow.rs`,
+//! `release_reply_tuple`; netfilter would remap the second flow's source port instead). A SYN
+//! that finds a closed flow's `Service` entry (FIN or RST seen) ends that flow and is
+//! load-balanced afresh (`reopens`), as conntrack treats a SYN in TIME_WAIT / CLOSE.
+//!
 //! DNAT happens at ingress before routing and SNAT at egress after it, like netfilter's
 //! PREROUTING/POSTROUTING, so every rewrite leaves a packet whose source is valid for the
 //! device it crosses: the reverse DNAT of a reply (source becomes a node/VIP address) is done

@@ -26,7 +26,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
-    CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
+    CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
     FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
 };
 use kproxy_common::service::{
@@ -125,6 +125,49 @@ pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8, fin: u16)
             }
         }
     }
+}
+
+/// Whether a packet with TCP flags `tcp_flags` that found a flow's `Service` entry `svc` (a
+/// packet `C:cp → F:fp`) opens a new connection on the tuple instead: a SYN without ACK after
+/// the client sent a FIN or a RST on it (the client reused its port; a retransmitted SYN of
+/// the connection itself comes before any FIN). The caller then ends the old flow
+/// ([`end_flow`]) and load-balances the packet as a new flow, as netfilter does: conntrack
+/// takes a SYN on a closed (TIME_WAIT / CLOSE) connection for a new one and the rules choose
+/// its endpoint afresh (issue #22: before, the new connection went to the closed flow's
+/// backend, even after that backend had left the service). Only the `Service` entry is read:
+/// a reset sent by the backend alone is not seen here (the flow is then reopened to its old
+/// backend, as before).
+///
+/// Per-packet cost: one test of the packet's flags; the entry is read only for a SYN.
+#[inline(always)]
+pub(crate) fn reopens<F: Family>(svc: *mut F::Entry, tcp_flags: u8) -> bool {
+    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN {
+        return false;
+    }
+    // SAFETY: lookup result, read by value.
+    unsafe { *F::stamps(svc).1 & CT_F_CLOSE_MASK != 0 }
+}
+
+/// Deletes every entry of the flow whose `Service` entry `svc` a packet from `saddr:sport`
+/// found (see [`reopens`]): its `RevDnat` entry (at the backend the `Service` entry names),
+/// through it the `SnatIn` entry, and the `Service` entry itself. A BPF-to-BPF call with its
+/// own small stack frame (the IPv6 programs' stack is tight), on the rare path only.
+#[inline(never)]
+pub(crate) fn end_flow<F: Family>(svc: *mut F::Entry, saddr: &F::Addr, sport: u16, proto: u8) {
+    // SAFETY: lookup result, fields read by value.
+    let (k, created) = unsafe {
+        let (be, be_port) = F::nat_slot(svc);
+        (
+            F::key(*be, *saddr, *be_port, sport, proto, CtKind::RevDnat),
+            F::created(svc),
+        )
+    };
+    match F::ct().get_ptr_mut(&k) {
+        Some(rev) if F::created(rev) == created => {}
+        _ => return,
+    }
+    release_reply_tuple::<F>(&k, saddr, sport, proto);
+    let _ = F::ct().remove(&k);
 }
 
 /// [`touch_in`] for IPv4.
@@ -309,8 +352,72 @@ pub(crate) fn insert_flow_in<F: Family>(
     // source from it, allocated once the egress device is known.
     k = F::key(be_addr, saddr, be_port, sport, proto, CtKind::RevDnat);
     entry = F::with_nat(&entry, daddr, dport);
-    ok &= F::ct().insert(&k, &entry, 0).is_ok();
+    // `BPF_NOEXIST` costs nothing more than the plain insert while the tuple is free (every
+    // flow but a client port reused toward another frontend of the same backend).
+    if F::ct().insert(&k, &entry, BPF_NOEXIST as u64).is_err() {
+        release_reply_tuple::<F>(&k, &saddr, sport, proto);
+        ok &= F::ct().insert(&k, &entry, 0).is_ok();
+    }
     if ok { Ok(()) } else { Err(()) }
+}
+
+/// A new flow's reply tuple `B:bp → C:cp` (`k`, its `RevDnat` key) is another flow's: the
+/// client `C:cp` reached the same backend through another frontend (another NodePort, node
+/// address or VIP of a service with that backend; the key holds no frontend) or through the
+/// same one after its `Service` entry went. The new flow takes the tuple over (the caller
+/// overwrites the entry); here the old flow's other entries are deleted — its `Service`
+/// entry `C:cp → F':fp'` (`F'` from the old entry's NAT address) and, when it was SNATed,
+/// its `SnatIn` entry `B:bp → N:np` —, each only if it still belongs to that flow (same
+/// creation time). Left behind, they outlived the flow (issue #22): without its `RevDnat`
+/// entry the old flow's close state lacked the backend's FIN (read as half-closed, held for
+/// the close-wait timeout), and a later connection from `C:cp` to `F'` found the `Service`
+/// entry and sent its backend's replies out untranslated (connects timed out). `k` is left
+/// as scratch.
+///
+/// Upstream (netfilter) keeps both flows: `nf_nat` gives the second one another source port
+/// when its reply tuple is taken. kproxy does not remap client ports: when the old flow is
+/// still open, it loses its translation (the backend sees both connections on one tuple
+/// anyway). Documented in the user guide (`docs/src/differences.md`).
+///
+/// A BPF-to-BPF call whose state lives in this CPU's [`PortSearch`] scratch (free here: a
+/// port search is over before a flow is inserted), so it adds only a small frame to its
+/// caller's stack.
+#[inline(never)]
+fn release_reply_tuple<F: Family>(k: &F::Key, saddr: &F::Addr, sport: u16, proto: u8) {
+    let Some(sp) = F::port_search() else {
+        return;
+    };
+    let Some(old) = F::ct().get_ptr_mut(k) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch value (programs are not preempted on a CPU) and a lookup
+    // result, copied; then fields of the copy.
+    unsafe {
+        let s = &mut *sp;
+        s.entry = *old;
+        let e = &raw mut s.entry;
+        let created = F::created(e);
+        let (snat, snat_port) = F::snat_slot(e);
+        // The SNAT source is in the `RevDnat` entry (this build's flows) once allocated.
+        if *F::stamps(e).1 & CT_F_SNAT_HERE != 0 && *snat_port != 0 {
+            let (be, be_port) = F::key_src(k);
+            F::write_key(&mut s.key, be, &*snat, be_port, *snat_port, proto, CtKind::SnatIn);
+            delete_if_of::<F>(&s.key, created);
+        }
+        let (front, front_port) = F::nat_slot(e);
+        F::write_key(&mut s.key, saddr, &*front, sport, *front_port, proto, CtKind::Service);
+        delete_if_of::<F>(&s.key, created);
+    }
+}
+
+/// Deletes the entry at `k` if it was created at `created` (belongs to that flow).
+#[inline(always)]
+fn delete_if_of<F: Family>(k: &F::Key, created: u64) {
+    if let Some(e) = F::ct().get_ptr(k)
+        && F::created(e.cast_mut()) == created
+    {
+        let _ = F::ct().remove(k);
+    }
 }
 
 /// What [`create_flow`] recorded for a new flow.
@@ -349,6 +456,21 @@ pub(crate) trait Family {
     type Packet;
     /// Where an entry keeps `last_seen_ns` and `flags` (see [`touch_in`]).
     fn stamps(e: *mut Self::Entry) -> (*mut u64, *mut u16);
+    /// An entry's `created_ns` (what every entry of one flow shares).
+    fn created(e: *mut Self::Entry) -> u64;
+    /// A key's source address and port.
+    fn key_src(k: &Self::Key) -> (&Self::Addr, u16);
+    /// Writes the CT key [`Family::key`] makes into `out` (in place: no copy on the stack).
+    #[allow(clippy::too_many_arguments)]
+    fn write_key(
+        out: &mut Self::Key,
+        saddr: &Self::Addr,
+        daddr: &Self::Addr,
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    );
     /// Whether Maglev tables may apply (IPv4 only: the planner builds none for IPv6).
     const MAGLEV: bool;
     /// A packet's `(saddr, daddr, sport, dport, proto)`, network order.
@@ -417,6 +539,30 @@ impl Family for V4 {
     fn stamps(e: *mut CtEntry) -> (*mut u64, *mut u16) {
         // SAFETY: field addresses of a valid entry pointer, no access.
         unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+    }
+
+    #[inline(always)]
+    fn created(e: *mut CtEntry) -> u64 {
+        // SAFETY: a valid entry pointer (lookup result), read by value.
+        unsafe { (*e).created_ns }
+    }
+
+    #[inline(always)]
+    fn key_src(k: &CtKey) -> (&u32, u16) {
+        (&k.saddr, k.sport)
+    }
+
+    #[inline(always)]
+    fn write_key(
+        out: &mut CtKey,
+        saddr: &u32,
+        daddr: &u32,
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    ) {
+        *out = Self::key(*saddr, *daddr, sport, dport, proto, kind);
     }
 
     #[inline(always)]

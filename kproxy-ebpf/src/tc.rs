@@ -50,7 +50,7 @@ use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT
 // the old paths.
 use crate::flow::{
     Egress, Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
-    choose_backend, create_flow, egress_entry_in, in_snat_range, now, touch,
+    choose_backend, create_flow, egress_entry_in, end_flow, in_snat_range, now, reopens, touch,
 };
 pub(crate) use crate::flow::{KP_CT, key};
 use crate::frontend::{candidates, new_flow_entry, source_allowed};
@@ -228,14 +228,18 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    // An established flow keeps its backend (one lookup; see the module docs).
+    // An established flow keeps its backend (one lookup; see the module docs); a new
+    // connection on a closed flow's tuple is a new flow (`crate::flow::reopens`).
     if let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::Service)) {
-        touch(e, p.tcp_flags, CT_F_FIN_ORIG);
-        // SAFETY: as above.
-        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
-        rewrite(ctx, p, true, addr, port)?;
-        stat(TcStat::Established);
-        return Ok(NEXT);
+        if !reopens::<V4>(e, p.tcp_flags) {
+            touch(e, p.tcp_flags, CT_F_FIN_ORIG);
+            // SAFETY: as above.
+            let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+            rewrite(ctx, p, true, addr, port)?;
+            stat(TcStat::Established);
+            return Ok(NEXT);
+        }
+        end_flow::<V4>(e, &p.saddr, p.sport, p.proto);
     }
     // Not a frontend (most such packets stop at the filter): not ours.
     let Some(svc) = new_flow_entry(p, candidates(p)) else {

@@ -46,7 +46,7 @@ use kproxy_common::service::{
 
 use crate::flow::{
     Egress, Family, PortSearch, TCP_RST, allocate_port_in, choose_backend_in, create_flow_in,
-    egress_entry_in, in_snat_range, now, touch_in,
+    egress_entry_in, end_flow, in_snat_range, now, reopens, touch_in,
 };
 use crate::frontend::{candidates_at, new_flow_entry_at, source_allowed_at};
 use crate::packet::{ETH_HLEN, at, fold, l4_check_in_place};
@@ -234,14 +234,18 @@ fn ingress6(ctx: &mut TcContext, p: &Packet6) -> Result<Verdict, ()> {
         stat(TcStat::Reply);
         return Ok(NEXT);
     }
-    // Established first, as in `crate::tc` (see its module docs).
+    // Established first, as in `crate::tc` (see its module docs), and a new connection on a
+    // closed flow's tuple is a new flow there too.
     if let Some(e) = KP_CT6.get_ptr_mut(key6(p, CtKind::Service)) {
-        touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
-        // SAFETY: as above.
-        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
-        rewrite6(ctx, p, true, &addr, port)?;
-        stat(TcStat::Established);
-        return Ok(NEXT);
+        if !reopens::<V6>(e, p.tcp_flags) {
+            touch_in::<V6>(e, p.tcp_flags, CT_F_FIN_ORIG);
+            // SAFETY: as above.
+            let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+            rewrite6(ctx, p, true, &addr, port)?;
+            stat(TcStat::Established);
+            return Ok(NEXT);
+        }
+        end_flow::<V6>(e, &p.saddr, p.sport, p.proto);
     }
     let c = candidates_at(&p.daddr, p.dport, p.proto);
     let Some(svc) = new_flow_entry_at(p.daddr, p.dport, p.proto, c) else {
@@ -358,6 +362,36 @@ impl Family for V6 {
     fn stamps(e: *mut CtEntry6) -> (*mut u64, *mut u16) {
         // SAFETY: field addresses of a valid entry pointer, no access.
         unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+    }
+
+    #[inline(always)]
+    fn created(e: *mut CtEntry6) -> u64 {
+        // SAFETY: a valid entry pointer (lookup result), read by value.
+        unsafe { (*e).created_ns }
+    }
+
+    #[inline(always)]
+    fn key_src(k: &CtKey6) -> (&[u32; 4], u16) {
+        (&k.saddr, k.sport)
+    }
+
+    #[inline(always)]
+    fn write_key(
+        out: &mut CtKey6,
+        saddr: &[u32; 4],
+        daddr: &[u32; 4],
+        sport: u16,
+        dport: u16,
+        proto: u8,
+        kind: CtKind,
+    ) {
+        out.saddr = *saddr;
+        out.daddr = *daddr;
+        out.sport = sport;
+        out.dport = dport;
+        out.proto = proto;
+        out.kind = kind as u8;
+        out._pad = [0; 2];
     }
 
     #[inline(always)]

@@ -28,7 +28,7 @@ use aya_ebpf::{
 use kproxy_common::ct::{CtKind, PROTO_ICMP, XDP_STATS, XdpStat};
 use kproxy_common::service::SVC_F_REJECT;
 
-use crate::flow::{KP_CT, in_snat_range, key};
+use crate::flow::{KP_CT, V4, end_flow, in_snat_range, key, reopens};
 use crate::frontend::{candidates, new_flow_entry, source_allowed};
 use crate::packet::{Parsed, parse};
 use crate::xdp_fwd::{forward, new_flow, plain, reply};
@@ -74,13 +74,17 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     }
     if let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::Service)) {
-        let h = match plain(&ctx, &p) {
-            Ok(h) => h,
-            Err(s) => return pass(s),
-        };
-        // SAFETY: lookup result, read by value.
-        let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
-        return forward(&ctx, &p, &h, (addr, port), flags, e);
+        if !reopens::<V4>(e, p.tcp_flags) {
+            let h = match plain(&ctx, &p) {
+                Ok(h) => h,
+                Err(s) => return pass(s),
+            };
+            // SAFETY: lookup result, read by value.
+            let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
+            return forward(&ctx, &p, &h, (addr, port), flags, e);
+        }
+        // A new connection on a closed flow's tuple: a new flow, as in TC.
+        end_flow::<V4>(e, &p.saddr, p.sport, p.proto);
     }
     let Some(svc) = new_flow_entry(&p, c) else {
         return xdp_action::XDP_PASS;

@@ -210,6 +210,18 @@ impl EbpfDataplane {
             .unwrap_or_default()
     }
 
+    /// Enables or disables the XDP forwarding fast path on `device` (one the XDP program is
+    /// attached to), overriding the driver default (`node_path::xdp`, off for veth): for veth
+    /// setups prepared as that module describes, e.g. tests. `device` is resolved in the calling
+    /// thread's network namespace.
+    pub fn set_xdp_fast_path(&self, device: &str, on: bool) -> Result<(), EbpfError> {
+        if let Some(tc) = &self.tc {
+            let mut ebpf = tc.ebpf.lock().expect("poisoned");
+            XdpPath::set_fast_path(&mut ebpf, device, on)?;
+        }
+        Ok(())
+    }
+
     /// Devices the TC path is attached to.
     pub fn tc_devices(&self) -> Vec<String> {
         self.tc

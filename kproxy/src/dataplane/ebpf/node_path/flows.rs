@@ -216,15 +216,34 @@ pub fn entries6(ebpf: &Ebpf) -> Result<Vec<(CtKey6, CtEntry6)>, TcError> {
     entries_of(ebpf, MAP_CT6)
 }
 
+/// Deletes the entries at `keys` of the dump `dumped` (whose entries they were planned from)
+/// that still belong to the same flow. The programs may have replaced an entry since the
+/// dump — a SYN on a closed flow's tuple ends the flow and records a new one under the same
+/// keys (`kproxy-ebpf/src/flow.rs`, `reopens`) —, so each is read again and deleted only if
+/// its creation time is the dumped one (a lookup, then the delete: the window left is that
+/// of two syscalls, not of the whole dump).
 fn delete<K: FlowKey, E: FlowEntry>(
     ebpf: &mut Ebpf,
     name: &'static str,
     keys: &[K],
+    dumped: &[(K, E)],
 ) -> Result<usize, TcError> {
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    let created: HashMap<K, u64> = dumped.iter().map(|(k, e)| (*k, e.created_ns())).collect();
     let map = ebpf.map_mut(name).ok_or(TcError::MissingMap(name))?;
     let mut table = BpfHashMap::<_, K, E>::try_from(map).map_err(TcError::map(name))?;
     // An entry the LRU evicted meanwhile is already gone: not an error.
-    Ok(keys.iter().filter(|k| table.remove(k).is_ok()).count())
+    Ok(keys
+        .iter()
+        .filter(|k| {
+            let same = table
+                .get(k, 0)
+                .is_ok_and(|e| created.get(k) == Some(&e.created_ns()));
+            same && table.remove(k).is_ok()
+        })
+        .count())
 }
 
 /// Deletes every connection-table entry (IPv4 and IPv6) of flows to the backends `removed`;
@@ -234,20 +253,24 @@ pub fn purge_backends(ebpf: &mut Ebpf, removed: &[u32]) -> Result<usize, TcError
         return Ok(0);
     }
     let removed: HashSet<u32> = removed.iter().copied().collect();
-    let keys = plan_purge(&entries(ebpf)?, &removed);
-    let mut n = delete::<CtKey, CtEntry>(ebpf, MAP_CT, &keys)?;
-    let keys6 = plan_purge(&entries6(ebpf)?, &removed);
-    n += delete::<CtKey6, CtEntry6>(ebpf, MAP_CT6, &keys6)?;
+    let dump = entries(ebpf)?;
+    let keys = plan_purge(&dump, &removed);
+    let mut n = delete(ebpf, MAP_CT, &keys, &dump)?;
+    let dump6 = entries6(ebpf)?;
+    let keys6 = plan_purge(&dump6, &removed);
+    n += delete(ebpf, MAP_CT6, &keys6, &dump6)?;
     Ok(n)
 }
 
 /// Deletes idle flows (IPv4 and IPv6); returns how many entries were deleted.
 pub fn expire(ebpf: &mut Ebpf, timeouts: &Timeouts) -> Result<usize, TcError> {
     let now = monotonic_ns();
-    let keys = plan_expiry(&entries(ebpf)?, now, timeouts);
-    let mut n = delete::<CtKey, CtEntry>(ebpf, MAP_CT, &keys)?;
-    let keys6 = plan_expiry(&entries6(ebpf)?, now, timeouts);
-    n += delete::<CtKey6, CtEntry6>(ebpf, MAP_CT6, &keys6)?;
+    let dump = entries(ebpf)?;
+    let keys = plan_expiry(&dump, now, timeouts);
+    let mut n = delete(ebpf, MAP_CT, &keys, &dump)?;
+    let dump6 = entries6(ebpf)?;
+    let keys6 = plan_expiry(&dump6, now, timeouts);
+    n += delete(ebpf, MAP_CT6, &keys6, &dump6)?;
     Ok(n)
 }
 
