@@ -282,6 +282,21 @@ fn setup_with(hint: &str, ct_entries: u32, ct_timeouts: flows::Timeouts, xdp: bo
     Setup { topo, bpffs, mode }
 }
 
+/// Waits (the suite's liveness bound) until neither connection table holds a TCP entry: the
+/// expiry timer alone must remove every closed flow.
+fn assert_tcp_entries_expire(bpffs: &Bpffs) {
+    let mut last = (usize::MAX, usize::MAX);
+    let gone = eventually(|| {
+        last = tcp_entries(bpffs);
+        last == (0, 0)
+    });
+    assert!(
+        gone,
+        "closed flows still hold {} KP_CT and {} KP_CT6 entries",
+        last.0, last.1
+    );
+}
+
 /// TCP entries in `KP_CT` and `KP_CT6` (every TCP flow of a test goes through these tables).
 fn tcp_entries(bpffs: &Bpffs) -> (usize, usize) {
     let pin = |name: &str| {
@@ -422,16 +437,7 @@ fn closed_flows_leave_the_connection_tables_by_the_expiry_timer() {
     );
     // No sync from here on: only the expiry timer runs. Fully closed flows go after the
     // TIME_WAIT timeout (1 s), long before the close-wait one (120 s).
-    let mut last = (v4, v6);
-    let gone = eventually(|| {
-        last = tcp_entries(&s.bpffs);
-        last == (0, 0)
-    });
-    assert!(
-        gone,
-        "closed flows still hold {} KP_CT and {} KP_CT6 entries",
-        last.0, last.1
-    );
+    assert_tcp_entries_expire(&s.bpffs);
     s.mode.cleanup().unwrap();
 }
 
@@ -589,16 +595,7 @@ fn client_port_reused_toward_another_frontend(hint: &str, xdp: bool) {
         // The IPv4 ones (XDP has no IPv6 path).
         assert_xdp_new_flows(&s.bpffs, 6);
     }
-    let mut last = (usize::MAX, usize::MAX);
-    let gone = eventually(|| {
-        last = tcp_entries(&s.bpffs);
-        last == (0, 0)
-    });
-    assert!(
-        gone,
-        "closed flows still hold {} KP_CT and {} KP_CT6 entries",
-        last.0, last.1
-    );
+    assert_tcp_entries_expire(&s.bpffs);
     s.mode.cleanup().unwrap();
 }
 
