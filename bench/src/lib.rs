@@ -65,6 +65,9 @@ pub struct Results {
     pub started_unix: u64,
     pub duration_s: f64,
     pub quick: bool,
+    /// The groups `--only` asked for (`None`: every group of the run's size).
+    #[serde(default)]
+    pub only: Option<String>,
     pub machine: Machine,
     pub figures: Vec<Figure>,
     pub unavailable: Vec<Unavailable>,

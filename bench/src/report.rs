@@ -242,9 +242,10 @@ pub fn markdown(results: &Results) -> String {
     let _ = writeln!(md, "# kproxy benchmark report\n");
     let _ = writeln!(
         md,
-        "- commit `{}`, {} run, {:.0} s\n- machine: {} CPUs ({}), {:.1} GiB, kernel {}\n",
+        "- commit `{}`, {} run{}, {:.0} s\n- machine: {} CPUs ({}), {:.1} GiB, kernel {}\n",
         results.commit,
         if results.quick { "quick" } else { "full" },
+        only_note(results),
         results.duration_s,
         m.cpus,
         m.cpu_model,
@@ -490,15 +491,26 @@ fn series_of(results: &Results, group: &str) -> Series {
     out
 }
 
+/// ` of the groups X only (…)` when `--only` chose the groups, else nothing.
+fn only_note(results: &Results) -> String {
+    results.only.as_ref().map_or(String::new(), |g| {
+        format!(" of the groups `{g}` only (the other groups were not run)")
+    })
+}
+
 /// A short summary for README (`cargo xtask bench` splices it between README's
 /// `<!-- bench:start -->` / `<!-- bench:end -->` markers): the modes side by side and the run's
 /// provenance. Every figure, with its baseline and target, is in REPORT.md.
 pub fn readme_section(results: &Results) -> String {
     let mut md = format!(
-        "Measured by `cargo xtask bench{}` at commit `{}` on {} CPUs, kernel {} \
+        "Measured by `cargo xtask bench{}{}` at commit `{}` on {} CPUs, kernel {} \
          (every figure, with its baseline and target: `bench/REPORT.md`).\n\n\
          Modes side by side:\n\n{}",
         if results.quick { " --quick" } else { "" },
+        results
+            .only
+            .as_ref()
+            .map_or(String::new(), |g| format!(" --only {g}")),
         &results.commit[..results.commit.len().min(12)],
         results.machine.cpus,
         results.machine.kernel,
@@ -689,5 +701,22 @@ mod tests {
         let committed =
             std::fs::read_to_string(dir.join("README-section.md")).expect("README-section.md");
         assert_eq!(readme_section(&results), committed);
+    }
+
+    #[test]
+    fn a_run_of_chosen_groups_says_so_in_the_report_and_the_readme_section() {
+        let r = Results {
+            commit: "c0ffee".into(),
+            only: Some("packet,soak".into()),
+            ..Default::default()
+        };
+        assert!(markdown(&r).contains("full run of the groups `packet,soak` only"));
+        assert!(readme_section(&r).contains("`cargo xtask bench --only packet,soak`"));
+        let all = Results {
+            commit: "c0ffee".into(),
+            ..Default::default()
+        };
+        assert!(markdown(&all).contains("full run, "));
+        assert!(readme_section(&all).contains("`cargo xtask bench` at"));
     }
 }

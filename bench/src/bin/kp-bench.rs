@@ -73,6 +73,7 @@ fn main() -> anyhow::Result<()> {
             .duration_since(SystemTime::UNIX_EPOCH)?
             .as_secs(),
         quick,
+        only: only.clone(),
         machine: machine(),
         ..Default::default()
     };
