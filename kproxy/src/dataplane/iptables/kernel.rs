@@ -144,6 +144,8 @@ pub struct FakeIptables {
     pub tables: BTreeMap<String, FakeTable>,
     /// Every restore input received, with its mode.
     pub restores: Vec<(String, RestoreMode)>,
+    /// Every `delete_rule` call received (table, chain, rule), whether or not the rule existed.
+    pub rule_deletes: Vec<(String, String, String)>,
 }
 
 impl FakeIptables {
@@ -321,6 +323,8 @@ impl IptablesBackend for FakeIptables {
         args: &[String],
     ) -> Result<(), IptablesError> {
         let rule = args.join(" ");
+        self.rule_deletes
+            .push((table.to_string(), chain.to_string(), rule.clone()));
         if let Some(r) = self.table(table).chain(chain)
             && let Some(i) = r.iter().position(|x| *x == rule)
         {
