@@ -268,9 +268,14 @@ fn variant_id(budget: usize, n: u32) -> String {
 }
 
 fn floor_figure(id: String, n: u32, unit: &str, samples: Vec<f64>) -> Figure {
+    nft_figure("nft-floor", id, n, unit, samples)
+}
+
+/// A figure of the nftables mode in `group`, without baseline or target.
+fn nft_figure(group: &str, id: String, n: u32, unit: &str, samples: Vec<f64>) -> Figure {
     Figure {
         id,
-        group: "nft-floor".into(),
+        group: group.into(),
         mode: "nftables".into(),
         services: n,
         unit: unit.into(),
@@ -473,16 +478,8 @@ fn measure_resync(results: &mut Results, n: u32) -> anyhow::Result<()> {
     agent.check_alive().map_err(anyhow::Error::msg)?;
     let rss = agent.peak_rss_mb()?;
     drop(agent);
-    let fig = |id: String, unit: &str, samples: Vec<f64>| Figure {
-        id,
-        group: "resync".into(),
-        mode: "nftables".into(),
-        services: n,
-        unit: unit.into(),
-        samples,
-        baseline: None,
-        target: None,
-    };
+    let fig =
+        |id: String, unit: &str, samples: Vec<f64>| nft_figure("resync", id, n, unit, samples);
     results.push(fig(
         format!("resync-cold/nftables/{n}"),
         "min",
