@@ -42,6 +42,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::dataplane::{Dataplane, SyncReport};
+use crate::model::input::{Delta, Event};
+use crate::model::tracker::Pending;
+use crate::model::{ChangedSet, Snapshot, Tracker};
 
 /// Most queued events taken into one sync (bounds the drain when sources outpace it).
 const MAX_DRAINED: usize = 100_000;
@@ -56,9 +59,6 @@ async fn arrival(
         None => std::future::pending().await,
     }
 }
-use crate::model::input::{Delta, Event};
-use crate::model::tracker::Pending;
-use crate::model::{ChangedSet, Snapshot, Tracker};
 
 /// Asks the sync loop for a sync as soon as the rate limit allows (upstream
 /// `BoundedFrequencyRunner.Run()`); cheap to clone, callable from any thread.
