@@ -225,6 +225,28 @@ impl RunningAgent {
         Ok(ticks / hz)
     }
 
+    /// Waits until the agent has settled after its syncs: two consecutive half-second
+    /// intervals in which it and its children (`nft`, `iptables-restore`) used under 20 ms of
+    /// CPU, or `timeout`. A latency measured while the agent still works (an nftables agent's
+    /// follow-up syncs after its first, at 10k services) measures the contention for the
+    /// 2 cores, not the datapath. Returns whether it settled.
+    pub fn wait_settled(&self, timeout: Duration) -> anyhow::Result<bool> {
+        let deadline = std::time::Instant::now() + timeout;
+        let used =
+            || -> anyhow::Result<f64> { Ok(self.cpu_seconds()? + self.children_cpu_seconds()?) };
+        let (mut last, mut quiet) = (used()?, 0);
+        while std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(500));
+            let now = used()?;
+            quiet = if now - last < 0.02 { quiet + 1 } else { 0 };
+            if quiet == 2 {
+                return Ok(true);
+            }
+            last = now;
+        }
+        Ok(false)
+    }
+
     /// Waits until `addr` answers from `client` (inside `cgroup` when given), by `name` when
     /// given; returns the wall clock of the first answer. Fails with the agent's log as soon as
     /// the agent exits, or at `timeout`.

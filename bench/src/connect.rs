@@ -9,7 +9,7 @@ use kproxy_tests::netns::{Bpffs, Netns, TestCgroup, run_checked};
 use kproxy_tests::topology::{Topology, TopologySpec, target_bin};
 
 use super::agent::{AgentSpec, ScratchDir, Source, check_backend, iptables_backend};
-use super::services::ServiceSet;
+use super::services::{SERVICE_PORT, ServiceSet};
 use super::{Figure, Plan, Results, Target};
 
 /// TCP connect latencies (µs) from `ns` (inside `cgroup` when given) to `addr`.
@@ -89,6 +89,20 @@ fn figure(
     }
 }
 
+/// Rounds a mode's connects are split into. Each round measures the direct connect and (for
+/// the netfilter modes) the DNAT floor right before the mode, the same number of connects
+/// each, so a mode and the references it is divided by meet the same load: on this shared
+/// 2-core machine a reference measured minutes before the mode moved its ratio by ±0.15.
+const ROUNDS: u32 = 10;
+
+/// What each mode's connects are measured beside, each in its own topology without an agent:
+/// the direct connect (pod → backend pod, no rules at all) and the floor of the netfilter
+/// modes (the same pod → a ClusterIP one nftables DNAT rule translates; [`floor_topology`]).
+struct References {
+    direct: Topology,
+    floor: Option<Topology>,
+}
+
 pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
     let direct_id = &plan.direct;
     for &n in &plan.connect_scales {
@@ -115,9 +129,21 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
                 vec![v],
             ));
         }
+        let floor = floor_topology()
+            .inspect_err(|e| {
+                results.unavailable(format!("connect-floor/dnat/{n}"), format!("{e:#}"))
+            })
+            .ok();
+        // A fresh topology: the short-connection requests/s above leave thousands of the
+        // client's ports in TIME_WAIT, which made its next connects wait ≈ 1.3 ms each for
+        // a free port.
         drop(topo);
+        let refs = References {
+            direct: topology("bench-direct")?,
+            floor,
+        };
         for mode in &plan.modes {
-            if let Err(e) = measure_mode(plan, results, mode, n) {
+            if let Err(e) = measure_mode(plan, results, mode, n, &refs) {
                 results.unavailable(format!("connect/{mode}/{n}"), format!("{e:#}"));
             }
         }
@@ -125,7 +151,90 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyhow::Result<()> {
+/// The floor's ClusterIP: `svc-0`'s address (no agent runs in the floor's topology).
+fn floor_vip() -> String {
+    format!("{}:{SERVICE_PORT}", ServiceSet::cluster_ip(0))
+}
+
+/// The floor of every netfilter mode's connect (issue #19: "where an aim sits below the
+/// floor, show the floor"): a topology like the modes' whose node has one nftables rule that
+/// DNATs [`floor_vip`] to the two backends the services' target has (`numgen random mod 2`),
+/// and an empty `postrouting` NAT chain beside it as every kube-proxy ruleset has one. A
+/// connection through it pays conntrack, NAT on both hooks and one rule — nothing of a
+/// proxier's ruleset.
+fn floor_topology() -> anyhow::Result<Topology> {
+    let topo = topology("bench-floor")?;
+    let vip = ServiceSet::cluster_ip(0);
+    let (b1, b2) = (topo.pod("pod-l1").ip, topo.pod("pod-l2").ip);
+    let port = kproxy_tests::topology::POD_PORT;
+    let rules = format!(
+        "table ip kproxy-bench-dnat-floor {{\n  chain pre {{\n    type nat hook prerouting priority dstnat; policy accept;\n    ip daddr {vip} tcp dport {SERVICE_PORT} dnat to numgen random mod 2 map {{ 0 : {b1}, 1 : {b2} }} : {port}\n  }}\n  chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n  }}\n}}\n"
+    );
+    let path = std::env::temp_dir().join(format!("kp-dnat-floor-{}.nft", std::process::id()));
+    std::fs::write(&path, rules)?;
+    let mut cmd = topo.node.command("nft");
+    cmd.arg("-f").arg(&path);
+    let loaded = run_checked(&mut cmd).context("loading the DNAT floor's table");
+    let _ = std::fs::remove_file(&path);
+    loaded?;
+    Ok(topo)
+}
+
+/// Connect latencies (µs) of a mode's client to `vip`, measured in [`ROUNDS`] rounds, each
+/// after the same number of direct connects and (netfilter modes) floor connects; pushes the
+/// mode's `connect-direct/` and `connect-floor/` figures and returns the mode's samples.
+fn paired(
+    plan: &Plan,
+    results: &mut Results,
+    (mode, n): (&str, u32),
+    refs: &References,
+    (client, cgroup): (&Netns, Option<&TestCgroup>),
+    vip: &str,
+) -> anyhow::Result<Vec<f64>> {
+    let direct_client = &refs.direct.pod("pod-l0").ns;
+    let direct_addr = refs.direct.pod("pod-l1").addr(false);
+    let floor = refs.floor.as_ref().filter(|_| mode != "ebpf");
+    let (mut own, mut direct, mut floor_samples) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..ROUNDS {
+        // `connects` split into ROUNDS shares that add up to it.
+        let k = plan.connects * (r + 1) / ROUNDS - plan.connects * r / ROUNDS;
+        direct.extend(latency_us(direct_client, None, &direct_addr, k)?);
+        if let Some(f) = floor {
+            floor_samples.extend(latency_us(&f.pod("pod-l0").ns, None, &floor_vip(), k)?);
+        }
+        own.extend(latency_us(client, cgroup, vip, k)?);
+    }
+    let base = format!("connect-direct/{mode}/{n}");
+    results.push(figure(
+        base.clone(),
+        "connect-direct",
+        mode,
+        n,
+        "us",
+        direct,
+    ));
+    if floor.is_some() {
+        let mut f = figure(
+            format!("connect-floor/{mode}/{n}"),
+            "connect-floor",
+            mode,
+            n,
+            "us",
+            floor_samples,
+        );
+        f.baseline = Some(base);
+        results.push(f);
+    }
+    Ok(own)
+}
+
+fn measure_mode(
+    plan: &Plan,
+    results: &mut Results,
+    mode: &str,
+    n: u32,
+    refs: &References,
+) -> anyhow::Result<()> {
     let topo = topology(&format!("bench-{mode}"))?;
     let scratch = ScratchDir::new("bench-conn")?;
     let set = ServiceSet {
@@ -170,15 +279,28 @@ fn measure_mode(plan: &Plan, results: &mut Results, mode: &str, n: u32) -> anyho
     if let Some(backend) = iptables_backend(mode) {
         check_backend(&topo.node, backend)?;
     }
+    if !agent.wait_settled(Duration::from_secs(60))? {
+        eprintln!(
+            "kp-bench: connect/{mode}/{n}: the agent still used CPU 60 s after the service answered"
+        );
+    }
+    let samples = paired(
+        plan,
+        results,
+        (mode, n),
+        refs,
+        (client, cgroup.as_ref()),
+        &vip,
+    )?;
     let mut f = figure(
         format!("connect/{mode}/{n}"),
         "connect",
         mode,
         n,
         "us",
-        latency_us(client, cgroup.as_ref(), &vip, plan.connects)?,
+        samples,
     );
-    f.baseline = Some(format!("connect/{}/{n}", plan.direct));
+    f.baseline = Some(format!("connect-direct/{mode}/{n}"));
     if ebpf && n >= 10_000 {
         f.target = Some(Target {
             max_ratio: Some(1.05),

@@ -10,7 +10,7 @@
 //! | group | figure | baseline |
 //! |---|---|---|
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
-//! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services | the same from the pod directly to the backend pod |
+//! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services, in 10 rounds each after the same number of direct connects (`connect-direct/<mode>`) and, for the netfilter modes, of floor connects (`connect-floor/<mode>`: the same pod → a ClusterIP that one nftables DNAT rule translates, no proxier) | the direct connects measured alongside: the same pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
 //! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows by source port) toward two backends behind the second node. Generator ([`flood`]): in-kernel, `BPF_PROG_TEST_RUN` in live-frames mode (`BPF_F_TEST_XDP_LIVE_FRAMES`) of a small XDP program that writes the headers, picks a flow at random and redirects into the client's veth, so the frames reach the node's device as XDP frames, the way a NIC driver hands them over (`KP_BENCH_THROUGHPUT_GEN=af-packet` sends skbs from an `AF_PACKET` socket instead). Delivered packets/s counted at the backends (an nftables counter-and-drop in each pod, matching the translated address and port) and CPU ns per delivered packet (the generator thread's CPU, which carries the softirq work of the whole veth path, plus `ksoftirqd`'s), and the node's own share of it (minus the `floor` mode's: the same flood started at the node's link to the second node), per datapath: kproxy XDP (`--bpf-xdp=native`, fast path switched on for the veths, proven by its counters: ≥ 90 % of the delivered packets forwarded by XDP), kproxy TC (`--bpf-xdp=off`), iptables-nft, iptables-legacy, nftables; every link end with GRO (a NAPI ring) in every mode; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet and the node's share: iptables-nft |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets; for iptables and nftables also the floor: the same kernel work alone (`iptables-restore` / `nft -f` of the agent's own input) |
@@ -317,7 +317,7 @@ impl Plan {
     pub fn expected_samples(&self, figure: &Figure) -> usize {
         match figure.group.as_str() {
             "packet" => self.packet_samples,
-            "connect" => self.connects as usize,
+            "connect" | "connect-direct" | "connect-floor" => self.connects as usize,
             "rps" => 1,
             "cold-start" => 1,
             "change" => self.changes as usize,

@@ -12,9 +12,20 @@ use super::stats::Summary;
 use super::{Figure, Results};
 
 /// Group id → heading, in report order.
-const GROUPS: [(&str, &str); 13] = [
+const GROUPS: [(&str, &str); 15] = [
     ("packet", "Per packet (BPF_PROG_TEST_RUN)"),
-    ("connect", "TCP connect latency, pod → service"),
+    (
+        "connect",
+        "TCP connect latency, pod → service (vs the direct connects measured alongside)",
+    ),
+    (
+        "connect-direct",
+        "TCP connect latency, pod → backend pod directly, measured alongside each mode",
+    ),
+    (
+        "connect-floor",
+        "TCP connect through the kernel's NAT alone (one nftables DNAT rule), alongside each netfilter mode: its floor (vs direct)",
+    ),
     ("rps", "Requests per second, pod → service"),
     ("cold-start", "Cold start through the API server"),
     (
@@ -145,8 +156,15 @@ pub fn summary(results: &Results) -> String {
     for n in scales {
         for (group, label) in [
             ("connect", "connect median, vs direct"),
+            (
+                "connect-floor",
+                "its floor (one DNAT rule, no proxier), vs direct",
+            ),
             ("rps", "req/s keep-alive, vs direct"),
         ] {
+            if group == "connect-floor" && !results.figures.iter().any(|f| f.group == group) {
+                continue;
+            }
             let cells = modes
                 .iter()
                 .map(|m| {
@@ -688,6 +706,50 @@ mod tests {
                 ..r
             })
             .contains("Real packets (`throughput`)")
+        );
+    }
+
+    /// A mode's connect ratio is to the direct connects measured alongside it, and the
+    /// netfilter floor gets its own row only when the run measured one.
+    #[test]
+    fn summary_takes_each_modes_own_direct_and_shows_the_floor_when_measured() {
+        let fig = |id: &str, v: f64, baseline: Option<&str>| Figure {
+            id: id.into(),
+            group: id.split('/').next().unwrap().into(),
+            mode: id.split('/').nth(1).unwrap().into(),
+            services: 1,
+            unit: "us".into(),
+            samples: vec![v],
+            baseline: baseline.map(String::from),
+            target: None,
+        };
+        let mut r = Results {
+            figures: vec![
+                fig("connect/direct/1", 10.0, None),
+                fig("connect-direct/nftables/1", 8.0, None),
+                fig(
+                    "connect/nftables/1",
+                    12.0,
+                    Some("connect-direct/nftables/1"),
+                ),
+            ],
+            ..Default::default()
+        };
+        r.figures[0].mode = "baseline".into();
+        let t = summary(&r);
+        assert!(t.contains("| 12.0 us (1.50×) |"), "{t}");
+        assert!(!t.contains("floor"), "{t}");
+        r.figures.push(fig(
+            "connect-floor/nftables/1",
+            11.0,
+            Some("connect-direct/nftables/1"),
+        ));
+        let t = summary(&r);
+        assert!(
+            t.contains(
+                "| its floor (one DNAT rule, no proxier), vs direct, 1 service | 11.0 us (1.38×) |"
+            ),
+            "{t}"
         );
     }
 

@@ -65,6 +65,10 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
     for mode in ["ebpf", "iptables-nft", "iptables-legacy", "nftables"] {
         for &scale in &plan.connect_scales {
             measured.push(format!("connect/{mode}/{scale}"));
+            measured.push(format!("connect-direct/{mode}/{scale}"));
+            if mode != "ebpf" {
+                measured.push(format!("connect-floor/{mode}/{scale}"));
+            }
             measured.push(format!("rps-keepalive/{mode}/{scale}"));
             measured.push(format!("rps-short/{mode}/{scale}"));
         }
