@@ -60,7 +60,7 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     if ipvs_guest {
         return run_guest(&root, &args);
     }
-    let mut bench = Command::new(root.join("target/release/kp-bench"));
+    let mut bench = Command::new(crate::target_dir().join("release/kp-bench"));
     bench.args(&args).current_dir(&root);
     println!("bench: $ {}", display(&bench));
     let status = bench
@@ -85,7 +85,7 @@ fn run_guest(root: &std::path::Path, args: &[String]) -> anyhow::Result<ExitCode
             _ => bail!("--ipvs-guest takes only --out DIR and --only GROUPS, got {args:?}"),
         }
     }
-    let release = root.join("target/release");
+    let release = crate::target_dir().join("release");
     let files: Vec<_> = ["kp-bench", "kproxy", "kp-probe"]
         .iter()
         .map(|b| release.join(b))
