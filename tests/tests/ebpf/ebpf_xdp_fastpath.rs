@@ -948,3 +948,66 @@ fn a_source_policy_rule_turns_the_per_backend_cache_off() {
         "{after:?} vs {before:?}"
     );
 }
+
+/// Rewriting the node addresses (`KP_NODE_ADDR4`, the SNAT source per device; the agent's
+/// address watcher polls, so this may come after the announcement) moves the generation: the
+/// next new flow takes its SNAT source from the new table, not from the backend's cached
+/// route. (The new source is no address of the node; node2 reaches it through a permanent
+/// neighbour entry toward the node, whose XDP translates the replies from the flow's
+/// `SnatIn` entry.)
+#[test]
+fn new_flows_take_a_rewritten_node_address() {
+    if !require_root() {
+        return;
+    }
+    const OTHER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(192, 168, 78, 77);
+    // One CPU sends (and so runs the node's XDP for) every client packet: the flows below
+    // share one per-CPU cache entry.
+    let mut cpu = nix::sched::CpuSet::new();
+    cpu.set(0).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu).unwrap();
+    let mut rig = Rig::new("xdp-beaddr");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    let before = rig.stats();
+    let _conns = open_remote(&rig, 2);
+    assert!(
+        rig.stats().xdp_delta(&before, "new_flow_cached") >= 1,
+        "the second flow used the first one's route"
+    );
+    let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+    assert_eq!(entries.len(), 1, "one CPU cached the route: {entries:?}");
+    assert_eq!(
+        entries[0].snat_addr,
+        u32::from_ne_bytes(NODE_LINK_IP.octets())
+    );
+    let node_mac = mac_str(&entries[0].fwd.eth[6..]);
+    let node2 = rig.topo.node2.as_ref().unwrap();
+    node2
+        .ip(&[
+            "neigh",
+            "replace",
+            &OTHER.to_string(),
+            "lladdr",
+            &node_mac,
+            "dev",
+            PEER_IF,
+            "nud",
+            "permanent",
+        ])
+        .unwrap();
+    let (client_if, peer_if) = rig
+        .topo
+        .node
+        .run(|| {
+            (
+                nix::net::if_::if_nametoindex(NODE_CLIENT_IF).unwrap(),
+                nix::net::if_::if_nametoindex(NODE_PEER_IF).unwrap(),
+            )
+        })
+        .unwrap();
+    TcPath::set_node_addresses(&mut rig.ebpf, &[(client_if, NODE_IP), (peer_if, OTHER)]).unwrap();
+    let c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_eq!(c.backend, "pod-r0");
+    assert_eq!(*c.peer_seen.ip(), OTHER, "SNAT source: {}", c.peer_seen);
+}
