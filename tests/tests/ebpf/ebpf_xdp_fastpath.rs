@@ -899,7 +899,8 @@ fn new_flows_look_their_route_up_again_after_a_neighbour_change() {
 
 /// With a policy rule that selects by source (routing may then depend on the client), the
 /// per-backend cache is off: every new flow looks its route up (`new_flow_cached` stays 0)
-/// and is still forwarded by XDP; with the rule gone, the cache is on again.
+/// and is still forwarded by XDP; with the rule gone, the cache is on again; a multipath
+/// route turns it off as well.
 #[test]
 fn a_source_policy_rule_turns_the_per_backend_cache_off() {
     if !require_root() {
@@ -947,6 +948,26 @@ fn a_source_policy_rule_turns_the_per_backend_cache_off() {
         after.xdp_delta(&before, "new_flow_cached") >= 1,
         "{after:?} vs {before:?}"
     );
+    // A multipath route anywhere (its next hop is hashed from the source): off again.
+    let (node2_ip, client) = (NODE2_IP.to_string(), CLIENT_IP.to_string());
+    node.ip(&[
+        "route",
+        "add",
+        "10.99.0.0/24",
+        "nexthop",
+        "via",
+        &node2_ip,
+        "nexthop",
+        "via",
+        &client,
+    ])
+    .unwrap();
+    assert!(
+        eventually(|| !per_backend_allowed(&rig.ebpf)),
+        "a multipath route turns the per-backend cache off"
+    );
+    node.ip(&["route", "del", "10.99.0.0/24"]).unwrap();
+    assert!(eventually(|| per_backend_allowed(&rig.ebpf)));
 }
 
 /// Rewriting the node addresses (`KP_NODE_ADDR4`, the SNAT source per device; the agent's
