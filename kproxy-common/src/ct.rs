@@ -81,10 +81,27 @@ pub const MAP_XDP_FWD_DEVS: &str = "KP_XDP_FWD_DEVS";
 /// (node NICs are created at boot and have small ones; pod veths, which churn ifindexes
 /// upward, are no fast-path devices anyway).
 pub const XDP_FWD_DEVS_MAX: u32 = 16_384;
-/// `Array<u32>` of one entry, not pinned (one per loaded object, like
-/// [`MAP_XDP_FWD_DEVS`]): the generation of the routing state the XDP fast path's forwarding
-/// caches ([`FwdCache`]) must match; 0 (never written) turns the caches off.
+/// `Array<u32>` of [`FWD_GEN_WORDS`] entries, not pinned (one per loaded object, like
+/// [`MAP_XDP_FWD_DEVS`]): at [`FWD_GEN_CURRENT`] the generation of the routing state the XDP
+/// fast path's forwarding caches ([`FwdCache`], [`BackendFwd`]) must match, 0 (never
+/// written) turning them all off; at [`FWD_GEN_PER_BACKEND`] whether new flows may use the
+/// per-backend cache ([`MAP_BACKEND_FWD`]): non-zero only while the agent has seen that the
+/// node's IPv4 routing answers do not depend on the client's address.
 pub const MAP_FWD_GEN: &str = "KP_FWD_GEN";
+/// Index of [`MAP_FWD_GEN`]: the current generation.
+pub const FWD_GEN_CURRENT: u32 = 0;
+/// Index of [`MAP_FWD_GEN`]: non-zero when the per-backend cache of new flows is allowed.
+pub const FWD_GEN_PER_BACKEND: u32 = 1;
+/// Entries of [`MAP_FWD_GEN`].
+pub const FWD_GEN_WORDS: u32 = 2;
+/// Per-CPU array of [`BACKEND_FWD_ENTRIES`] [`BackendFwd`], not pinned, indexed by backend id
+/// modulo its size (a direct-mapped cache tagged with the backend address): the forwarding
+/// result of the last new flow to each backend, which the next new flow to it reuses instead
+/// of `bpf_fib_lookup` (see [`BackendFwd`]).
+pub const MAP_BACKEND_FWD: &str = "KP_BE_FWD";
+/// Entries of [`MAP_BACKEND_FWD`] per CPU (a power of two: the index is a mask of the
+/// backend id). 32 B each: 128 KiB per CPU.
+pub const BACKEND_FWD_ENTRIES: u32 = 4096;
 /// Every node-device service-path program.
 pub const PROGRAMS: [&str; 3] = [PROG_TC_INGRESS, PROG_TC_EGRESS, PROG_XDP];
 /// Fully closed TCP flows (FIN both ways) stay this long: the kernel's
@@ -319,6 +336,30 @@ pub struct FwdCache {
     pub eth: [u8; 12],
 }
 
+/// The XDP fast path's forwarding result for new flows to one backend ([`MAP_BACKEND_FWD`]):
+/// what `bpf_fib_lookup` answered for a new flow to [`Self::backend`] and the node address
+/// of the egress device (`KP_NODE_ADDR4`), the flow's SNAT source address.
+///
+/// A new flow's lookup uses the client's address as source, so its answer is one backend's
+/// answer for every client only when routing does not look at the source: with the kernel's
+/// default policy rules alone (local, main, default: no source, iif, fwmark selectors) and no
+/// multipath (ECMP hashes the source) or TOS-keyed routes. The agent checks this on every
+/// routing announcement and allows the cache ([`FWD_GEN_PER_BACKEND`]) only then. Valid, as
+/// [`FwdCache`], while [`FwdCache::generation`] is [`MAP_FWD_GEN`]'s current one, for a frame
+/// from the same device with the same TOS, within the MTU, out of a fast-path device; the
+/// agent also moves the generation after it rewrites `KP_NODE_ADDR4`. Per CPU, so each
+/// entry has one writer and no torn answer can be read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendFwd {
+    pub fwd: FwdCache,
+    /// The backend address the answer is for (network order; several backend ids share an
+    /// index).
+    pub backend: u32,
+    /// The node address of the egress device (network order).
+    pub snat_addr: u32,
+}
+
 /// Value of [`MAP_NAT_CONFIG`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -425,10 +466,13 @@ pub enum XdpStat {
     /// The ingress or the egress device is not a fast-path device (`MAP_XDP_FWD_DEVS`):
     /// passed.
     PassDevice = 10,
+    /// New flows forwarded with their backend's cached forwarding result ([`BackendFwd`]),
+    /// without a FIB lookup (also counted in `NewFlow` and `Forward`).
+    NewFlowCached = 11,
 }
 
 impl XdpStat {
-    pub const ALL: [XdpStat; 11] = [
+    pub const ALL: [XdpStat; 12] = [
         XdpStat::SourceRangeDrop,
         XdpStat::NoEndpointsDrop,
         XdpStat::NewFlow,
@@ -440,6 +484,7 @@ impl XdpStat {
         XdpStat::PassHeader,
         XdpStat::PassState,
         XdpStat::PassDevice,
+        XdpStat::NewFlowCached,
     ];
     pub const fn index(self) -> u32 {
         self as u32
@@ -449,12 +494,14 @@ impl XdpStat {
 /// Entries of [`MAP_XDP_STATS`].
 pub const XDP_STATS: u32 = XdpStat::ALL.len() as u32;
 
-// SAFETY (all four): `#[repr(C)]`, `Copy`, every bit pattern valid, and no implicit padding
+// SAFETY (all five): `#[repr(C)]`, `Copy`, every bit pattern valid, and no implicit padding
 // (explicit `_pad` fields; sizes checked by the tests below).
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for CtKey {}
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for CtEntry {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for BackendFwd {}
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for NatConfig {}
 #[cfg(feature = "user")]
@@ -473,6 +520,8 @@ mod tests {
             size_of::<CtEntry>(),
             4 + 2 + 2 + 4 + 4 + 8 + 8 + 4 + 2 + 2 + size_of::<FwdCache>()
         );
+        assert_eq!(size_of::<BackendFwd>(), size_of::<FwdCache>() + 4 + 4);
+        assert!(BACKEND_FWD_ENTRIES.is_power_of_two());
         assert_eq!(size_of::<NatConfig>(), 8);
         assert_eq!(size_of::<NodeAddr4>(), 4);
     }

@@ -30,8 +30,21 @@
 //! take the full path, which refreshes every entry of the flow; a cached packet refreshes only
 //! the entry it hit (the agent's expiry takes a flow's most recent entry, so flows live as
 //! before; under LRU pressure the unrefreshed `RevDnat` entry ages first). A new flow fills
-//! no cache: its FIB lookup uses the client's source (the SNAT source is chosen from its
+//! no flow cache: its FIB lookup uses the client's source (the SNAT source is chosen from its
 //! answer), its second packet's lookup the SNAT source, as before, and fills it.
+//!
+//! **Per-backend cache of new flows.** A new flow's route (egress device, MTU, MACs) and the
+//! egress device's node address (its SNAT source) are kept per CPU per backend
+//! (`KP_BE_FWD`, `kproxy_common::ct::BackendFwd`, indexed by backend id, tagged with the
+//! backend address), so the next new flow to the same backend skips `bpf_fib_lookup` and the
+//! `KP_NODE_ADDR4` lookup (counted in `NewFlowCached`), under the checks of the flow cache:
+//! the current generation, the same ingress device and TOS, within the MTU, out of a device
+//! still enabled for the fast path. **Exactness**: that lookup uses the client's address as
+//! source, so one answer serves every client only when routing ignores the source — the
+//! kernel's default policy rules only (no source, iif or fwmark selectors) and no multipath
+//! or TOS-keyed routes. The agent checks that on every routing announcement and allows the
+//! cache (`KP_FWD_GEN[FWD_GEN_PER_BACKEND]` ≠ 0) only then; otherwise every new flow looks
+//! its route up, as before. It also moves the generation after it rewrites `KP_NODE_ADDR4`.
 //!
 //! Everything else is passed (`XDP_PASS`) untouched, and TC handles it as if XDP were off:
 //! flows to a local backend (their CT entries are created here when the flow starts here, so
@@ -48,11 +61,12 @@ use aya_ebpf::{
     bindings::xdp_action,
     helpers::{bpf_fib_lookup, bpf_redirect},
     macros::map,
-    maps::Array,
+    maps::{Array, PerCpuArray},
     programs::XdpContext,
 };
 use kproxy_common::ct::{
-    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND, CT_F_SNAT, CtEntry, CtKey, CtKind,
+    BACKEND_FWD_ENTRIES, BackendFwd, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND,
+    CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, FWD_GEN_WORDS,
     FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
@@ -72,14 +86,30 @@ use crate::xdp::stat;
 static KP_XDP_FWD_DEVS: Array<u32> = Array::with_max_entries(XDP_FWD_DEVS_MAX, 0);
 
 /// `kproxy_common::ct::MAP_FWD_GEN`: the generation forwarding caches must match (module
-/// docs); written by the agent, 0 (never written) = no caching.
+/// docs), and whether new flows may use the per-backend cache; written by the agent, 0
+/// (never written) = no caching.
 #[map]
-static KP_FWD_GEN: Array<u32> = Array::with_max_entries(1, 0);
+static KP_FWD_GEN: Array<u32> = Array::with_max_entries(FWD_GEN_WORDS, 0);
+
+/// `kproxy_common::ct::MAP_BACKEND_FWD`: new flows' forwarding results per backend (module
+/// docs), per CPU.
+#[map]
+static KP_BE_FWD: PerCpuArray<BackendFwd> = PerCpuArray::with_max_entries(BACKEND_FWD_ENTRIES, 0);
 
 /// The current forwarding-cache generation (0: caching off).
 #[inline(always)]
 fn fwd_gen() -> u32 {
-    KP_FWD_GEN.get(0).copied().unwrap_or(0)
+    KP_FWD_GEN.get(FWD_GEN_CURRENT).copied().unwrap_or(0)
+}
+
+/// This CPU's per-backend cache entry for `backend_id` when new flows may use one under
+/// `generation` (module docs), else `None`.
+#[inline(always)]
+fn backend_slot(generation: u32, backend_id: u32) -> Option<*mut BackendFwd> {
+    if generation == 0 || KP_FWD_GEN.get(FWD_GEN_PER_BACKEND).is_none_or(|v| *v == 0) {
+        return None;
+    }
+    KP_BE_FWD.get_ptr_mut(backend_id & (BACKEND_FWD_ENTRIES - 1))
 }
 
 /// Whether the fast path may use device `ifindex`.
@@ -252,6 +282,105 @@ fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain)
         && c_tos == h.tos
         && u16::from_be(h.tot_len) <= c_mtu
         && fast_path_device(u32::from(c_out))
+}
+
+/// Whether the per-backend entry `c` holds the answer for a new flow to `be_addr` (headers
+/// `h`) arriving on `in_if` under generation `generation`: the checks of [`cached`], on the
+/// backend instead of the flow (a new flow's SYN included).
+#[inline(always)]
+fn backend_cached(
+    c: *const BackendFwd,
+    generation: u32,
+    in_if: u32,
+    be_addr: u32,
+    h: &Plain,
+) -> bool {
+    // SAFETY: lookup result (this CPU's); fields read by value.
+    let (c_gen, c_be, c_in, c_tos, c_mtu, c_out) = unsafe {
+        (
+            (*c).fwd.generation,
+            (*c).backend,
+            (*c).fwd.in_ifindex,
+            (*c).fwd.tos,
+            (*c).fwd.mtu,
+            (*c).fwd.out_ifindex,
+        )
+    };
+    c_gen == generation
+        && c_be == be_addr
+        && u32::from(c_in) == in_if
+        && c_tos == h.tos
+        && u16::from_be(h.tot_len) <= c_mtu
+        && fast_path_device(u32::from(c_out))
+}
+
+/// A new flow's route to a remote backend: egress device, node address (the SNAT source) and
+/// Ethernet addresses.
+struct NewRoute {
+    out_if: u32,
+    node: u32,
+    eth: [u8; 12],
+}
+
+/// The route of new flow `p` (headers `h`) to backend `be` (`backend_id`): from this CPU's
+/// per-backend cache when it holds the answer, else `bpf_fib_lookup` with the client's
+/// source and `KP_NODE_ADDR4`, which then fill the cache if allowed (module docs). `Err`:
+/// pass, with the counter to bump (`None`: `fib` counted it).
+#[inline(always)]
+fn new_flow_route(
+    ctx: &XdpContext,
+    p: &Packet,
+    h: &Plain,
+    backend_id: u32,
+    be: (u32, u16),
+) -> Result<NewRoute, Option<XdpStat>> {
+    // Read before the lookups: a change after them moves it past what the fill records.
+    let generation = fwd_gen();
+    let in_if = ingress(ctx);
+    let slot = backend_slot(generation, backend_id);
+    if let Some(c) = slot
+        && backend_cached(c, generation, in_if, be.0, h)
+    {
+        stat(XdpStat::NewFlowCached);
+        // SAFETY: lookup result (this CPU's), read by value.
+        return Ok(unsafe {
+            NewRoute {
+                out_if: u32::from((*c).fwd.out_ifindex),
+                node: (*c).snat_addr,
+                eth: (*c).fwd.eth,
+            }
+        });
+    }
+    let f = fib(ctx, h, p.proto, (p.saddr, p.sport), be).map_err(|()| None)?;
+    // SAFETY: read by value right away.
+    let node = (unsafe { KP_NODE_ADDR4.get(f.ifindex) })
+        .copied()
+        .ok_or(Some(XdpStat::PassState))?;
+    let eth = eth_of(&f);
+    if let Some(c) = slot {
+        // SAFETY: this CPU's entry: no other writer, and no reader while this program runs.
+        // Both devices are fast-path devices, so their ifindex fits the cache's `u16`.
+        unsafe {
+            *c = BackendFwd {
+                fwd: FwdCache {
+                    generation,
+                    in_ifindex: in_if as u16,
+                    out_ifindex: f.ifindex as u16,
+                    mtu: f.tot_len,
+                    tos: h.tos,
+                    _pad: 0,
+                    eth,
+                },
+                backend: be.0,
+                snat_addr: node.addr,
+            };
+        }
+    }
+    Ok(NewRoute {
+        out_if: f.ifindex,
+        node: node.addr,
+        eth,
+    })
 }
 
 /// Caches FIB answer `f` (and `eth`, from it) with the rewritten source `src` in `e` under
@@ -466,13 +595,9 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
     if flags & CT_F_SNAT == 0 || flags & CT_F_LOCAL_BACKEND != 0 {
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassLocal));
     }
-    let Ok(f) = fib(ctx, h, p.proto, (p.saddr, p.sport), (be_addr, be_port)) else {
-        // `fib` counted why.
-        return record_and_pass(p, be_addr, be_port, &entry, None);
-    };
-    // SAFETY: read by value right away.
-    let Some(node) = (unsafe { KP_NODE_ADDR4.get(f.ifindex) }).copied() else {
-        return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
+    let route = match new_flow_route(ctx, p, h, backend_id, (be_addr, be_port)) {
+        Ok(r) => r,
+        Err(why) => return record_and_pass(p, be_addr, be_port, &entry, why),
     };
     // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
     let out_pkt = Packet {
@@ -486,10 +611,10 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
     };
     // The `SnatIn` entry is the template with the client as NAT address, as when TC egress
     // claims the port from the `RevDnat` entry.
-    let Some(port) = allocate_port(&out_pkt, node.addr, &entry, Some(remix(rnd))) else {
+    let Some(port) = allocate_port(&out_pkt, route.node, &entry, Some(remix(rnd))) else {
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
     };
-    entry.snat_addr = node.addr;
+    entry.snat_addr = route.node;
     entry.snat_port = port;
     if insert_flow_in::<V4>(p, be_addr, be_port, entry).is_err() {
         stat(XdpStat::PassState);
@@ -497,7 +622,14 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
     }
     stat(XdpStat::NewFlow);
     stat(XdpStat::Forward);
-    send(ctx, p, (node.addr, port), (be_addr, be_port), f.ifindex, &eth_of(&f))
+    send(
+        ctx,
+        p,
+        (route.node, port),
+        (be_addr, be_port),
+        route.out_if,
+        &route.eth,
+    )
 }
 
 /// Records new flow `p` (entries without a SNAT source), counts it and `why` (if not counted

@@ -18,7 +18,7 @@ use std::net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use aya::Ebpf;
-use aya::maps::{Array, HashMap as BpfHashMap, MapData};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray};
 use kproxy::dataplane::ebpf::node_path::TcConfig;
 use kproxy::dataplane::ebpf::node_path::TcPath;
 use kproxy::dataplane::ebpf::node_path::xdp::XdpPath;
@@ -27,7 +27,10 @@ use kproxy::dataplane::ebpf::node_path::xdp::driver;
 use kproxy::kernel::addresses::NodeAddresses;
 use kproxy::kernel::addresses::scan;
 use kproxy_common::counter::CounterSlot;
-use kproxy_common::ct::{CtEntry, CtKey, CtKind, MAP_CT, MAP_FWD_GEN};
+use kproxy_common::ct::{
+    BACKEND_FWD_ENTRIES, BackendFwd, CtEntry, CtKey, CtKind, FWD_GEN_PER_BACKEND, MAP_BACKEND_FWD,
+    MAP_CT, MAP_FWD_GEN,
+};
 use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
 };
@@ -701,4 +704,331 @@ fn frames_the_fast_path_cannot_forward_are_passed() {
             }
         }
     }
+}
+
+/// The per-backend forwarding cache of new flows (`KP_BE_FWD`) of backend `id`: the entries
+/// of the CPUs that filled one.
+fn backend_fwd(ebpf: &Ebpf, id: u32) -> Vec<BackendFwd> {
+    let a: PerCpuArray<&MapData, BackendFwd> =
+        PerCpuArray::try_from(ebpf.map(MAP_BACKEND_FWD).expect("KP_BE_FWD")).unwrap();
+    let values = a.get(&(id & (BACKEND_FWD_ENTRIES - 1)), 0).unwrap();
+    values
+        .iter()
+        .filter(|e| e.fwd.generation != 0)
+        .copied()
+        .collect()
+}
+
+/// `KP_FWD_GEN[FWD_GEN_PER_BACKEND]`: whether new flows may use the per-backend cache.
+fn per_backend_allowed(ebpf: &Ebpf) -> bool {
+    let a: Array<&MapData, u32> =
+        Array::try_from(ebpf.map(MAP_FWD_GEN).expect("KP_FWD_GEN")).unwrap();
+    a.get(&FWD_GEN_PER_BACKEND, 0).unwrap() != 0
+}
+
+/// Waits (at most [`NOTIFIED`]) for `cond`; returns its last value.
+fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    loop {
+        if cond() {
+            return true;
+        }
+        if t0.elapsed() > NOTIFIED {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Opens `n` connections to the remote backend (new flows, from `n` client ports), each
+/// SNATed and echoing; returns them.
+fn open_remote(rig: &Rig, n: usize) -> Vec<Conn> {
+    (0..n)
+        .map(|_| {
+            let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+            assert_snat(&c);
+            c.exchange(1);
+            c
+        })
+        .collect()
+}
+
+/// Backend id of pod-r0 in [`Rig::new`].
+const REMOTE_BACKEND_ID: u32 = 1;
+/// New flows per batch in the per-backend cache tests.
+const BATCH: usize = 8;
+
+/// New flows to one backend from many client ports: after the first on each CPU looked its
+/// route up, the others are forwarded by XDP from the backend's cached route (counted in
+/// `new_flow_cached`), leave toward node2's MAC from the node's link device with the node's
+/// link address as SNAT source, and reach the backend. Without the per-backend cache every
+/// new flow looks its route up and `new_flow_cached` stays 0.
+#[test]
+fn new_flows_to_one_backend_reuse_its_cached_route() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-befwd");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    assert!(
+        per_backend_allowed(&rig.ebpf),
+        "default routing policy: the per-backend cache is allowed"
+    );
+    let gen0 = fwd_gen(&rig.ebpf);
+    let before = rig.stats();
+    let conns = open_remote(&rig, BATCH);
+    let after = rig.stats();
+    let moved = fwd_gen(&rig.ebpf) != gen0;
+    assert_eq!(after.tc_translated(&before), 0, "{after:?} vs {before:?}");
+    assert!(
+        after.xdp_delta(&before, "new_flow") >= BATCH as u64,
+        "{after:?}"
+    );
+    let cached = after.xdp_delta(&before, "new_flow_cached");
+    let cpus = aya::util::nr_cpus().unwrap();
+    // One lookup per CPU (per generation, if a neighbour announcement moved it meanwhile).
+    let least = if moved {
+        1
+    } else {
+        BATCH.saturating_sub(cpus).max(1)
+    };
+    assert!(
+        cached >= least as u64,
+        "new flows cached: {cached} of {BATCH} ({cpus} CPUs, generation moved: {moved}): {after:?}"
+    );
+    let (peer_ifindex, node2_mac) = rig
+        .topo
+        .node
+        .run(|| {
+            let idx = nix::net::if_::if_nametoindex(NODE_PEER_IF).unwrap();
+            let neigh = std::process::Command::new("ip")
+                .args(["neigh", "show", &NODE2_IP.to_string(), "dev", NODE_PEER_IF])
+                .output()
+                .unwrap();
+            (idx, String::from_utf8_lossy(&neigh.stdout).to_string())
+        })
+        .unwrap();
+    let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+    assert!(!entries.is_empty(), "a CPU cached the backend's route");
+    for e in &entries {
+        assert_eq!(
+            e.backend,
+            u32::from_ne_bytes(rig.topo.pod("pod-r0").ip.octets())
+        );
+        assert_eq!(u32::from(e.fwd.out_ifindex), peer_ifindex, "{e:?}");
+        assert_eq!(e.snat_addr, u32::from_ne_bytes(NODE_LINK_IP.octets()));
+        assert!(
+            node2_mac.contains(&mac_str(&e.fwd.eth[..6])),
+            "next hop MAC {} is node2's ({node2_mac})",
+            mac_str(&e.fwd.eth[..6])
+        );
+    }
+    drop(conns);
+}
+
+/// A neighbour change moves the generation: the next new flow to the backend looks its route
+/// up again and leaves with the new next-hop MAC (and is lost, as the kernel's forwarding
+/// would lose it, until the neighbour is restored and its SYN is retransmitted), instead of
+/// the cached one.
+#[test]
+fn new_flows_look_their_route_up_again_after_a_neighbour_change() {
+    if !require_root() {
+        return;
+    }
+    const BOGUS_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x98];
+    let mut rig = Rig::new("xdp-beneigh");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    let _conns = open_remote(&rig, 2);
+    let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+    assert!(!entries.is_empty(), "the backend's route is cached");
+    let node2_mac = entries[0].fwd.eth[..6].to_vec();
+    let node = &rig.topo.node;
+    let node2_ip = NODE2_IP.to_string();
+    let neigh = |mac: &[u8]| {
+        node.ip(&[
+            "neigh",
+            "replace",
+            &node2_ip,
+            "lladdr",
+            &mac_str(mac),
+            "dev",
+            NODE_PEER_IF,
+            "nud",
+            "permanent",
+        ])
+        .unwrap();
+    };
+    let generation = fwd_gen(&rig.ebpf);
+    neigh(&BOGUS_MAC);
+    let gen2 = wait_gen_moved(&rig.ebpf, generation);
+    assert_ne!(
+        gen2, generation,
+        "the neighbour change moved the generation"
+    );
+    std::thread::scope(|s| {
+        let client = &rig.topo.client;
+        let opened = s.spawn(move || Conn::open(client, REMOTE_PORT));
+        let refilled = eventually(|| {
+            backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID)
+                .iter()
+                .any(|e| e.fwd.eth[..6] == BOGUS_MAC)
+        });
+        let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+        neigh(&node2_mac);
+        assert!(
+            refilled,
+            "the new flow looked its route up under the new generation: {entries:?}"
+        );
+        // Restored: the SYN's retransmission reaches the backend.
+        let c = opened.join().unwrap();
+        assert_snat(&c);
+    });
+    // And the next new flow's lookup finds node2 again (filled after the restore).
+    wait_gen_moved(&rig.ebpf, gen2);
+    let _more = open_remote(&rig, 1);
+    let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+    assert!(
+        entries.iter().any(|e| e.fwd.eth[..6] == node2_mac[..]
+            && e.fwd.generation != generation
+            && e.fwd.generation != gen2),
+        "{entries:?}"
+    );
+}
+
+/// With a policy rule that selects by source (routing may then depend on the client), the
+/// per-backend cache is off: every new flow looks its route up (`new_flow_cached` stays 0)
+/// and is still forwarded by XDP; with the rule gone, the cache is on again; a multipath
+/// route turns it off as well.
+#[test]
+fn a_source_policy_rule_turns_the_per_backend_cache_off() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-berule");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    assert!(per_backend_allowed(&rig.ebpf));
+    let node = &rig.topo.node;
+    let client = CLIENT_IP.to_string();
+    node.ip(&[
+        "rule", "add", "from", &client, "lookup", "main", "pref", "100",
+    ])
+    .unwrap();
+    assert!(
+        eventually(|| !per_backend_allowed(&rig.ebpf)),
+        "a source rule turns the per-backend cache off"
+    );
+    let before = rig.stats();
+    let _conns = open_remote(&rig, BATCH);
+    let after = rig.stats();
+    assert!(
+        after.xdp_delta(&before, "new_flow") >= BATCH as u64,
+        "{after:?}"
+    );
+    assert!(
+        after.xdp_delta(&before, "forward") >= BATCH as u64,
+        "{after:?}"
+    );
+    assert_eq!(
+        after.xdp_delta(&before, "new_flow_cached"),
+        0,
+        "{after:?} vs {before:?}"
+    );
+    node.ip(&["rule", "del", "pref", "100"]).unwrap();
+    assert!(
+        eventually(|| per_backend_allowed(&rig.ebpf)),
+        "default rules again: the cache is allowed"
+    );
+    let before = rig.stats();
+    let _more = open_remote(&rig, BATCH);
+    let after = rig.stats();
+    assert!(
+        after.xdp_delta(&before, "new_flow_cached") >= 1,
+        "{after:?} vs {before:?}"
+    );
+    // A multipath route anywhere (its next hop is hashed from the source): off again.
+    let (node2_ip, client) = (NODE2_IP.to_string(), CLIENT_IP.to_string());
+    node.ip(&[
+        "route",
+        "add",
+        "10.99.0.0/24",
+        "nexthop",
+        "via",
+        &node2_ip,
+        "nexthop",
+        "via",
+        &client,
+    ])
+    .unwrap();
+    assert!(
+        eventually(|| !per_backend_allowed(&rig.ebpf)),
+        "a multipath route turns the per-backend cache off"
+    );
+    node.ip(&["route", "del", "10.99.0.0/24"]).unwrap();
+    assert!(eventually(|| per_backend_allowed(&rig.ebpf)));
+}
+
+/// Rewriting the node addresses (`KP_NODE_ADDR4`, the SNAT source per device; the agent's
+/// address watcher polls, so this may come after the announcement) moves the generation: the
+/// next new flow takes its SNAT source from the new table, not from the backend's cached
+/// route. (The new source is no address of the node; node2 reaches it through a permanent
+/// neighbour entry toward the node, whose XDP translates the replies from the flow's
+/// `SnatIn` entry.)
+#[test]
+fn new_flows_take_a_rewritten_node_address() {
+    if !require_root() {
+        return;
+    }
+    const OTHER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(192, 168, 78, 77);
+    // One CPU sends (and so runs the node's XDP for) every client packet: the flows below
+    // share one per-CPU cache entry.
+    let mut cpu = nix::sched::CpuSet::new();
+    cpu.set(0).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpu).unwrap();
+    let mut rig = Rig::new("xdp-beaddr");
+    rig.attach_xdp();
+    rig.warm_neighbours();
+    let before = rig.stats();
+    let _conns = open_remote(&rig, 2);
+    assert!(
+        rig.stats().xdp_delta(&before, "new_flow_cached") >= 1,
+        "the second flow used the first one's route"
+    );
+    let entries = backend_fwd(&rig.ebpf, REMOTE_BACKEND_ID);
+    assert_eq!(entries.len(), 1, "one CPU cached the route: {entries:?}");
+    assert_eq!(
+        entries[0].snat_addr,
+        u32::from_ne_bytes(NODE_LINK_IP.octets())
+    );
+    let node_mac = mac_str(&entries[0].fwd.eth[6..]);
+    let node2 = rig.topo.node2.as_ref().unwrap();
+    node2
+        .ip(&[
+            "neigh",
+            "replace",
+            &OTHER.to_string(),
+            "lladdr",
+            &node_mac,
+            "dev",
+            PEER_IF,
+            "nud",
+            "permanent",
+        ])
+        .unwrap();
+    let (client_if, peer_if) = rig
+        .topo
+        .node
+        .run(|| {
+            (
+                nix::net::if_::if_nametoindex(NODE_CLIENT_IF).unwrap(),
+                nix::net::if_::if_nametoindex(NODE_PEER_IF).unwrap(),
+            )
+        })
+        .unwrap();
+    TcPath::set_node_addresses(&mut rig.ebpf, &[(client_if, NODE_IP), (peer_if, OTHER)]).unwrap();
+    let c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_eq!(c.backend, "pod-r0");
+    assert_eq!(*c.peer_seen.ip(), OTHER, "SNAT source: {}", c.peer_seen);
 }

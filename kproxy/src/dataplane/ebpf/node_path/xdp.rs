@@ -27,6 +27,18 @@
 //! next packet (after the few milliseconds the notification takes). Without notifications,
 //! or once this is dropped, the generation is 0 and every packet looks its route up.
 //!
+//! **Per-backend cache of new flows.** A new flow's route (egress device, MTU, MACs) and the
+//! egress device's node address are also kept per CPU per backend (`KP_BE_FWD`,
+//! `kproxy_common::ct::BackendFwd`), so the next new flow to that backend skips the FIB and
+//! node-address lookups under the same generation and checks. That lookup uses the client's
+//! address as source; one answer serves every client only while the namespace's routing
+//! ignores the source: the kernel's default policy rules only and no multipath or TOS-keyed
+//! routes ([`crate::kernel::routing_policy`]). [`FwdGen`] reads that on start and after every
+//! announcement and allows the cache (`KP_FWD_GEN[FWD_GEN_PER_BACKEND]`) only then; otherwise
+//! every new flow looks its route up. Rewriting `KP_NODE_ADDR4`
+//! ([`super::TcPath::set_node_addresses`]) moves the generation ([`move_generation`]), since
+//! the address watcher polls and may write after the announcement already moved it.
+//!
 //! **Redirect choice.** Frames leave through `bpf_redirect(ifindex)` (or `XDP_TX` when the
 //! egress device is the ingress one), not a DEVMAP: the egress device comes from the FIB and
 //! can be any device, and no per-device map state has to follow devices coming and going.
@@ -62,11 +74,13 @@ use aya::maps::{Array, Map, MapData, MapError, PerCpuArray};
 use aya::programs::{Xdp, XdpMode, xdp::XdpLinkId};
 use aya::sys::SyscallError;
 use kproxy_common::ct::{
-    MAP_FWD_GEN, MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP, XDP_FWD_DEVS_MAX, XdpStat,
+    FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, MAP_FWD_GEN, MAP_XDP_FWD_DEVS, MAP_XDP_STATS, PROG_XDP,
+    XDP_FWD_DEVS_MAX, XdpStat,
 };
 
 use crate::dataplane::ebpf::node_path::TcError;
 use crate::kernel::route_events::RouteWatch;
+use crate::kernel::routing_policy;
 
 /// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -271,7 +285,7 @@ impl FwdGen {
         let array = Array::<_, u32>::try_from(Map::Array(data)).map_err(TcError::map(name))?;
         let map = Arc::new(Mutex::new(array));
         let watched = map.clone();
-        let watch = match RouteWatch::spawn(move || bump(&watched)) {
+        let watch = match RouteWatch::spawn(move || bump(&watched, per_backend_allowed())) {
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!(error = %e, "no routing change notifications: the XDP fast path \
@@ -281,7 +295,9 @@ impl FwdGen {
         };
         if watch.is_some() {
             // After the watch joined its groups: a change from here on moves it again.
-            set(&map, fresh_gen());
+            let _w = FWD_GEN_WRITE.lock().expect("poisoned");
+            set(&map, FWD_GEN_CURRENT, fresh_gen());
+            set(&map, FWD_GEN_PER_BACKEND, u32::from(per_backend_allowed()));
         }
         Ok(FwdGen { map, _watch: watch })
     }
@@ -291,8 +307,49 @@ impl Drop for FwdGen {
     fn drop(&mut self) {
         // Stop following first, then turn the caches off.
         self._watch.take();
-        set(&self.map, 0);
+        let _w = FWD_GEN_WRITE.lock().expect("poisoned");
+        set(&self.map, FWD_GEN_PER_BACKEND, 0);
+        set(&self.map, FWD_GEN_CURRENT, 0);
     }
+}
+
+/// Serializes every read-modify-write of a `KP_FWD_GEN` (the route watcher's thread, the
+/// node-address updates of [`move_generation`], the start and the end of caching).
+static FWD_GEN_WRITE: Mutex<()> = Mutex::new(());
+
+/// Whether new flows may share a per-backend forwarding cache: the calling thread's network
+/// namespace routes IPv4 without looking at the source ([`routing_policy`]); an error reading
+/// it counts as no.
+fn per_backend_allowed() -> bool {
+    routing_policy::source_independent().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "reading the routing policy: no per-backend XDP forwarding \
+                       cache");
+        false
+    })
+}
+
+/// Moves the forwarding caches' generation in `ebpf`'s `KP_FWD_GEN` unless caching is off:
+/// what the fast path cached from state the agent just rewrote (the node addresses of
+/// `KP_NODE_ADDR4`, cached per backend as new flows' SNAT source) is stale.
+pub fn move_generation(ebpf: &mut Ebpf) -> Result<(), TcError> {
+    let name = MAP_FWD_GEN;
+    let Some(map) = ebpf.map_mut(name) else {
+        return Ok(());
+    };
+    let mut array = Array::<_, u32>::try_from(map).map_err(TcError::map(name))?;
+    let _w = FWD_GEN_WRITE.lock().expect("poisoned");
+    let old = array.get(&FWD_GEN_CURRENT, 0).map_err(TcError::map(name))?;
+    if old != 0 {
+        array
+            .set(FWD_GEN_CURRENT, next_gen(old), 0)
+            .map_err(TcError::map(name))?;
+    }
+    Ok(())
+}
+
+/// The generation after `old` (never 0; a value repeats only after 2^32 changes).
+fn next_gen(old: u32) -> u32 {
+    old.wrapping_add(1).max(1)
 }
 
 /// A random non-zero generation (the first of an object instance).
@@ -305,17 +362,29 @@ fn fresh_gen() -> u32 {
     u32::from_ne_bytes(b).max(1)
 }
 
-fn set(map: &Mutex<Array<MapData, u32>>, generation: u32) {
-    if let Err(e) = map.lock().expect("poisoned").set(0, generation, 0) {
+fn set(map: &Mutex<Array<MapData, u32>>, index: u32, value: u32) {
+    if let Err(e) = map.lock().expect("poisoned").set(index, value, 0) {
         tracing::warn!(error = %e, "cannot write the XDP forwarding-cache generation");
     }
 }
 
-/// A routing change: every cached forwarding result is stale. The next generation (never 0;
-/// a value repeats only after 2^32 changes).
-fn bump(map: &Mutex<Array<MapData, u32>>) {
-    let old = map.lock().expect("poisoned").get(&0, 0).unwrap_or(0);
-    set(map, old.wrapping_add(1).max(1));
+/// A routing change: every cached forwarding result is stale, and the per-backend cache is
+/// allowed as `per_backend` says (turned off before the generation moves, on after, so no
+/// entry is filled under a rule set that does not allow it).
+fn bump(map: &Mutex<Array<MapData, u32>>, per_backend: bool) {
+    let _w = FWD_GEN_WRITE.lock().expect("poisoned");
+    if !per_backend {
+        set(map, FWD_GEN_PER_BACKEND, 0);
+    }
+    let old = map
+        .lock()
+        .expect("poisoned")
+        .get(&FWD_GEN_CURRENT, 0)
+        .unwrap_or(0);
+    set(map, FWD_GEN_CURRENT, next_gen(old));
+    if per_backend {
+        set(map, FWD_GEN_PER_BACKEND, 1);
+    }
 }
 
 /// Whether a device driven by `driver` is a fast-path device unless told otherwise: every
@@ -388,6 +457,7 @@ pub fn stat_name(s: XdpStat) -> &'static str {
         XdpStat::PassHeader => "pass_header",
         XdpStat::PassState => "pass_state",
         XdpStat::PassDevice => "pass_device",
+        XdpStat::NewFlowCached => "new_flow_cached",
     }
 }
 
