@@ -220,6 +220,23 @@ impl Rig {
         }
     }
 
+    /// The counters once no packet moves them any more (two reads 200 ms apart agree, within
+    /// a 5 s liveness bound): a closed connection's last segments (the server's FIN, the
+    /// client's final ACK) may still be on their way when its socket is dropped, and would
+    /// land in the next part's deltas.
+    fn settled_stats(&self) -> Stats {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut last = self.stats();
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = self.stats();
+            if now == last || std::time::Instant::now() > deadline {
+                return now;
+            }
+            last = now;
+        }
+    }
+
     /// Resolves the node's neighbours (client, node2) with one flow through TC, so the FIB
     /// lookups of later flows succeed from their first packet.
     fn warm_neighbours(&self) {
@@ -228,7 +245,7 @@ impl Rig {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 struct Stats {
     tc: BTreeMap<&'static str, u64>,
     xdp: BTreeMap<&'static str, u64>,
@@ -330,7 +347,7 @@ fn remote_backend_flows_take_the_xdp_fast_path_both_ways() {
     let mut rig = Rig::new("xdp-fast");
     rig.attach_xdp();
     rig.warm_neighbours();
-    let before = rig.stats();
+    let before = rig.settled_stats();
 
     // TCP: 20 round trips on a flow that starts in XDP.
     let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
@@ -365,7 +382,7 @@ fn remote_backend_flows_take_the_xdp_fast_path_both_ways() {
     );
 
     // A flow to the local backend is passed to TC, which translates it (no SNAT).
-    let before = rig.stats();
+    let before = rig.settled_stats();
     let mut c = Conn::open(&rig.topo.client, LOCAL_PORT);
     assert_eq!(c.backend, "pod-l0");
     assert_eq!(
