@@ -33,8 +33,8 @@ type SvcKey = (String, String);
 /// Folds events into state; builds snapshots.
 pub struct Tracker {
     node_name: String,
-    /// Built ports per service.
-    services: HashMap<SvcKey, Vec<ServicePort>>,
+    /// Built ports per service (shared with the snapshots, not copied into them).
+    services: HashMap<SvcKey, Vec<Arc<ServicePort>>>,
     /// Parsed slices per (namespace, slice name).
     slices: HashMap<SvcKey, SliceData>,
     /// Slice names per service, in name order.
@@ -71,19 +71,9 @@ fn unlisted<V>(known: &HashMap<SvcKey, V>, seen: &HashSet<SvcKey>) -> Vec<SvcKey
 
 /// The range of snapshot keys belonging to one service.
 fn service_range(k: &SvcKey) -> (Bound<ServicePortName>, Bound<ServicePortName>) {
-    let lo = ServicePortName {
-        namespace: k.0.clone(),
-        name: k.1.clone(),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let lo = ServicePortName::new(k.0.clone(), k.1.clone(), String::new(), Protocol::Tcp);
     // The next possible service name: the same name followed by '\0'.
-    let hi = ServicePortName {
-        namespace: k.0.clone(),
-        name: format!("{}\0", k.1),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let hi = ServicePortName::new(k.0.clone(), format!("{}\0", k.1), String::new(), Protocol::Tcp);
     (Bound::Included(lo), Bound::Excluded(hi))
 }
 
@@ -295,14 +285,16 @@ impl Tracker {
         let k = key(&s.metadata.namespace, &s.metadata.name);
         let (ports, w) = service_ports(s);
         warnings.extend(w);
-        let old = self.services.get(&k);
-        if old.map(Vec::as_slice).unwrap_or(&[]) != ports.as_slice() {
-            self.dirty_services.insert(k.clone());
+        let old = self.services.get(&k).map(Vec::as_slice).unwrap_or(&[]);
+        if old.len() == ports.len() && old.iter().zip(&ports).all(|(a, b)| **a == *b) {
+            return;
         }
+        self.dirty_services.insert(k.clone());
         if ports.is_empty() {
             self.services.remove(&k);
         } else {
-            self.services.insert(k, ports);
+            self.services
+                .insert(k, ports.into_iter().map(Arc::new).collect());
         }
     }
 
@@ -407,10 +399,10 @@ impl Tracker {
             }
             for p in self.services.get(k).into_iter().flatten() {
                 let arc = match old_svcs.get(&p.name) {
-                    Some(old) if **old == *p => old.clone(),
+                    Some(old) if Arc::ptr_eq(old, p) || **old == **p => old.clone(),
                     _ => {
                         changed.services.insert(p.name.clone());
-                        Arc::new(p.clone())
+                        p.clone()
                     }
                 };
                 next.services.insert(p.name.clone(), arc);

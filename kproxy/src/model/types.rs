@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use serde::Serialize;
@@ -88,15 +89,56 @@ impl fmt::Display for Protocol {
 /// Upstream's `ServicePortName`: namespace/name, the port's name (may be empty) and protocol.
 /// Displays as `ns/name:port` (or `ns/name` when the port is unnamed), like upstream, and
 /// serializes as that string (so it can key JSON maps; port names are unique per service).
+///
+/// The parts are shared behind an `Arc` ([`PortNameParts`], read through `Deref`): a name keys
+/// a dozen maps at once (tracker, snapshot, change sets, planner, id allocator, applier), so a
+/// clone is a reference count, not three string allocations (≈ 170 bytes × 10k service ports
+/// per copy). Ordering, equality and hashing are the parts'.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName(Arc<PortNameParts>);
+
+/// What a [`ServicePortName`] is made of.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServicePortName {
+pub struct PortNameParts {
     pub namespace: String,
     pub name: String,
     pub port: String,
     pub protocol: Protocol,
 }
 
+impl std::ops::Deref for ServicePortName {
+    type Target = PortNameParts;
+    fn deref(&self) -> &PortNameParts {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServicePortName")
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("protocol", &self.protocol)
+            .finish()
+    }
+}
+
 impl ServicePortName {
+    pub fn new(
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        port: impl Into<String>,
+        protocol: Protocol,
+    ) -> Self {
+        ServicePortName(Arc::new(PortNameParts {
+            namespace: namespace.into(),
+            name: name.into(),
+            port: port.into(),
+            protocol,
+        }))
+    }
+
     /// `namespace/name`, the service this port belongs to.
     pub fn service(&self) -> String {
         format!("{}/{}", self.namespace, self.name)

@@ -164,12 +164,7 @@ mod tests {
 
     fn set(name: &str) -> SetKey {
         SetKey {
-            service: ServicePortName {
-                namespace: "ns".into(),
-                name: name.into(),
-                port: String::new(),
-                protocol: Protocol::Tcp,
-            },
+            service: ServicePortName::new("ns", name, "", Protocol::Tcp),
             kind: SetKind::Cluster,
             family: IpFamily::V4,
         }

@@ -1192,10 +1192,12 @@ mod incremental {
     }
 
     fn port_name(i: usize, udp: bool) -> ServicePortName {
-        ServicePortName {
-            protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
-            ..name(&format!("s{i}"))
-        }
+        testing::port_name(
+            "ns",
+            &format!("s{i}"),
+            "http",
+            if udp { Protocol::Udp } else { Protocol::Tcp },
+        )
     }
 
     fn build(i: usize, s: &Spec) -> (ServicePort, Vec<Endpoint>) {
