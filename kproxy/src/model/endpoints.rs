@@ -80,8 +80,9 @@ pub fn parse_slice(
     }
 
     let mut endpoints = vec![];
+    let mut names = Shared::default();
     for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
-        if let Some(e) = parse_endpoint(i, ep, node_name, &mut warn) {
+        if let Some(e) = parse_endpoint(i, ep, node_name, &mut names, &mut warn) {
             endpoints.push(e);
         }
     }
@@ -110,11 +111,30 @@ pub fn parse_slice(
     )
 }
 
+/// The node names and zones of one slice's endpoints so far: an endpoint on the same node or
+/// zone as an earlier one shares its string.
+#[derive(Default)]
+struct Shared(Vec<Arc<str>>);
+
+impl Shared {
+    fn get(&mut self, s: Option<&String>) -> Option<Arc<str>> {
+        let s = s?;
+        if let Some(known) = self.0.iter().find(|k| ***k == **s) {
+            return Some(known.clone());
+        }
+        let new: Arc<str> = Arc::from(s.as_str());
+        // A slice holds up to 100 endpoints (1000 at most): a short list, searched linearly.
+        self.0.push(new.clone());
+        Some(new)
+    }
+}
+
 /// `endpoints[i]` of a slice (its port set later); `None` when it has no usable address.
 fn parse_endpoint(
     i: usize,
     ep: &k8s_openapi::api::discovery::v1::Endpoint,
     node_name: &str,
+    names: &mut Shared,
     warn: &mut impl FnMut(String, String),
 ) -> Option<Endpoint> {
     // Upstream ignores endpoints without addresses.
@@ -150,8 +170,8 @@ fn parse_endpoint(
         serving,
         terminating,
         is_local: ep.node_name.as_deref() == Some(node_name),
-        node_name: ep.node_name.clone(),
-        zone: ep.zone.clone(),
+        node_name: names.get(ep.node_name.as_ref()),
+        zone: names.get(ep.zone.as_ref()),
         zone_hints,
         node_hints,
     })

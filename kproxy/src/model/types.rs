@@ -294,8 +294,10 @@ pub struct Endpoint {
     pub terminating: bool,
     /// `nodeName == this node` (upstream `IsLocal`).
     pub is_local: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    /// `nodeName` and `zone`, shared by the endpoints of a slice on the same node or zone (and
+    /// by the copies of an endpoint for each port of its slice) instead of one string each.
+    pub node_name: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
     pub zone_hints: BTreeSet<String>,
     pub node_hints: BTreeSet<String>,
 }
