@@ -28,11 +28,15 @@ use super::warning::ModelWarning;
 /// Label naming a slice's service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
+/// `(namespace, name)` of an object, as the tracker keys services and slices (shared strings:
+/// a service's key is held by several maps at once).
+pub type ObjectKey = (Arc<str>, Arc<str>);
+
 /// One slice, parsed: its service and endpoints per service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceData {
     /// (namespace, service name)
-    pub service: (String, String),
+    pub service: ObjectKey,
     /// Endpoints per port, in the slice's port order (a Vec, not a map: a slice has one or a
     /// few ports, and the tracker keeps one `SliceData` per slice in the cluster).
     pub ports: Vec<(ServicePortName, Arc<Vec<Endpoint>>)>,
@@ -104,7 +108,7 @@ pub fn parse_slice(
     }
     (
         Some(SliceData {
-            service: (ns, service.clone()),
+            service: (Arc::from(ns), Arc::from(service.as_str())),
             ports,
         }),
         warnings,
