@@ -16,13 +16,13 @@
 //! an `Arc`, so a service port served by one slice — the usual case — shares one list between
 //! the tracker and the snapshot instead of holding two copies.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::service::parse_ip_sloppy;
-use super::types::{Endpoint, Protocol, ServicePortName};
+use super::types::{Endpoint, Hints, Protocol, ServicePortName};
 use super::warning::ModelWarning;
 
 /// Label naming a slice's service.
@@ -155,17 +155,17 @@ fn parse_endpoint(
     let serving = c.and_then(|c| c.serving).unwrap_or(true);
     let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
     let hints = ep.hints.as_ref();
-    let zone_hints: BTreeSet<String> = hints
+    let zone_hints: Hints = hints
         .and_then(|h| h.for_zones.as_ref())
         .into_iter()
         .flatten()
-        .map(|z| z.name.clone())
+        .map(|z| z.name.as_str())
         .collect();
-    let node_hints: BTreeSet<String> = hints
+    let node_hints: Hints = hints
         .and_then(|h| h.for_nodes.as_ref())
         .into_iter()
         .flatten()
-        .map(|n| n.name.clone())
+        .map(|n| n.name.as_str())
         .collect();
     Some(Endpoint {
         ip,

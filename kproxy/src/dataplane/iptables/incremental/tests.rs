@@ -139,7 +139,7 @@ fn random_endpoints(r: &mut Rng, svc: usize) -> Vec<Endpoint> {
                 node_name: Some(if local { "node" } else { "other" }.into()),
                 zone: Some("a".into()),
                 zone_hints: if r.chance(30) {
-                    ["a".to_string()].into()
+                    ["a"].into_iter().collect()
                 } else {
                     Default::default()
                 },
