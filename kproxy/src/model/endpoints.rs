@@ -96,7 +96,12 @@ pub fn parse_slice(
         let Some((protocol, port)) = parse_port(i, p, &mut warn) else {
             continue;
         };
-        let spn = ServicePortName::new(ns.clone(), service.clone(), p.name.clone().unwrap_or_default(), protocol);
+        let spn = ServicePortName::new(
+            ns.clone(),
+            service.clone(),
+            p.name.clone().unwrap_or_default(),
+            protocol,
+        );
         let eps = Arc::new(canonical(
             endpoints.iter().map(|e| Endpoint { port, ..e.clone() }),
         ));

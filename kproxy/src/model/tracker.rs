@@ -63,7 +63,10 @@ fn key(last_ns: &mut Arc<str>, ns: &Option<String>, name: &Option<String>) -> Sv
     if *ns != **last_ns {
         *last_ns = Arc::from(ns);
     }
-    (last_ns.clone(), Arc::from(name.as_deref().unwrap_or_default()))
+    (
+        last_ns.clone(),
+        Arc::from(name.as_deref().unwrap_or_default()),
+    )
 }
 
 /// Keys of `known` a finished list did not hold (`seen`).
@@ -280,7 +283,11 @@ impl Tracker {
     /// One object of an EndpointSlice list: upserted, and remembered as still present.
     fn list_slice(&mut self, s: &EndpointSlice, warnings: &mut Vec<ModelWarning>) {
         if let Some(seen) = &mut self.listing_slices {
-            seen.insert(key(&mut self.last_ns, &s.metadata.namespace, &s.metadata.name));
+            seen.insert(key(
+                &mut self.last_ns,
+                &s.metadata.namespace,
+                &s.metadata.name,
+            ));
         }
         self.upsert_slice(s, warnings);
     }
