@@ -502,10 +502,10 @@ impl Runner {
         }
         let mode = dp.mode();
         let snap2 = snap.clone();
-        let changed2 = changed_all.clone();
-        let (dp, result) = tokio::task::spawn_blocking(move || {
-            let r = dp.sync(&snap2, &changed2);
-            (dp, r)
+        // Moved there and back, not cloned: on a first sync it names every service port.
+        let (dp, result, changed_all) = tokio::task::spawn_blocking(move || {
+            let r = dp.sync(&snap2, &changed_all);
+            (dp, r, changed_all)
         })
         .await
         .expect("dataplane sync panicked");

@@ -823,7 +823,12 @@ fn udp_service_balances_and_drops_removed_endpoints_at_once() -> anyhow::Result<
     let mut dp = t.dataplane()?;
     let mut svc = service("dns", 0, None);
     svc.protocol = Protocol::Udp;
-    svc.name.protocol = Protocol::Udp;
+    svc.name = kproxy::model::ServicePortName::new(
+        &*svc.name.namespace,
+        &*svc.name.name,
+        &*svc.name.port,
+        Protocol::Udp,
+    );
     svc.port = 53;
     let ep = |i| Endpoint {
         port: 5353,

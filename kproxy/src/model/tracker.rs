@@ -13,7 +13,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::endpoints::{SliceData, merge, parse_slice};
+use super::endpoints::{ObjectKey, SliceData, merge, parse_slice};
 use super::service::{parse_cidr_sloppy, parse_ip_sloppy, service_ports};
 use super::service_cidrs::ServiceCidrTracker;
 use super::types::{NodeInfo, Protocol, ServicePort, ServicePortName};
@@ -28,17 +28,17 @@ pub struct Pending {
     pub endpoints: usize,
 }
 
-type SvcKey = (String, String);
+type SvcKey = ObjectKey;
 
 /// Folds events into state; builds snapshots.
 pub struct Tracker {
     node_name: String,
-    /// Built ports per service.
-    services: HashMap<SvcKey, Vec<ServicePort>>,
+    /// Built ports per service (shared with the snapshots, not copied into them).
+    services: HashMap<SvcKey, Box<[Arc<ServicePort>]>>,
     /// Parsed slices per (namespace, slice name).
     slices: HashMap<SvcKey, SliceData>,
     /// Slice names per service, in name order.
-    slices_by_service: HashMap<SvcKey, VecMap<String, ()>>,
+    slices_by_service: HashMap<SvcKey, VecMap<Arc<str>, ()>>,
     node: NodeInfo,
     dirty_services: BTreeSet<SvcKey>,
     dirty_endpoints: BTreeSet<SvcKey>,
@@ -51,12 +51,21 @@ pub struct Tracker {
     listing_node: Option<Option<Node>>,
     service_cidrs: ServiceCidrTracker,
     last: Arc<Snapshot>,
+    /// The namespace of the last key made: objects arrive grouped by namespace (lists are
+    /// sorted), so consecutive keys share one string.
+    last_ns: Arc<str>,
 }
 
-fn key(ns: &Option<String>, name: &Option<String>) -> SvcKey {
+/// The key of an object (`namespace` defaults to `default`), sharing `last_ns` when the
+/// namespace is the same.
+fn key(last_ns: &mut Arc<str>, ns: &Option<String>, name: &Option<String>) -> SvcKey {
+    let ns = ns.as_deref().unwrap_or("default");
+    if *ns != **last_ns {
+        *last_ns = Arc::from(ns);
+    }
     (
-        ns.clone().unwrap_or_else(|| "default".into()),
-        name.clone().unwrap_or_default(),
+        last_ns.clone(),
+        Arc::from(name.as_deref().unwrap_or_default()),
     )
 }
 
@@ -71,19 +80,9 @@ fn unlisted<V>(known: &HashMap<SvcKey, V>, seen: &HashSet<SvcKey>) -> Vec<SvcKey
 
 /// The range of snapshot keys belonging to one service.
 fn service_range(k: &SvcKey) -> (Bound<ServicePortName>, Bound<ServicePortName>) {
-    let lo = ServicePortName {
-        namespace: k.0.clone(),
-        name: k.1.clone(),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let lo = ServicePortName::new(&*k.0, &*k.1, String::new(), Protocol::Tcp);
     // The next possible service name: the same name followed by '\0'.
-    let hi = ServicePortName {
-        namespace: k.0.clone(),
-        name: format!("{}\0", k.1),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let hi = ServicePortName::new(&*k.0, format!("{}\0", k.1), String::new(), Protocol::Tcp);
     (Bound::Included(lo), Bound::Excluded(hi))
 }
 
@@ -151,6 +150,7 @@ impl Tracker {
             listing_slices: None,
             listing_node: None,
             service_cidrs: ServiceCidrTracker::default(),
+            last_ns: Arc::from("default"),
         }
     }
 
@@ -167,7 +167,8 @@ impl Tracker {
             Event::Service(d) => match d {
                 Delta::Apply(s) => self.upsert_service(&s, &mut warnings),
                 Delta::Delete(s) => {
-                    self.remove_service(key(&s.metadata.namespace, &s.metadata.name))
+                    let k = key(&mut self.last_ns, &s.metadata.namespace, &s.metadata.name);
+                    self.remove_service(k)
                 }
                 Delta::Replace(all) => {
                     self.listing_services = Some(HashSet::new());
@@ -187,7 +188,8 @@ impl Tracker {
             Event::EndpointSlice(d) => match d {
                 Delta::Apply(s) => self.upsert_slice(&s, &mut warnings),
                 Delta::Delete(s) => {
-                    self.remove_slice(&key(&s.metadata.namespace, &s.metadata.name))
+                    let k = key(&mut self.last_ns, &s.metadata.namespace, &s.metadata.name);
+                    self.remove_slice(&k)
                 }
                 Delta::Replace(all) => {
                     self.listing_slices = Some(HashSet::new());
@@ -260,7 +262,11 @@ impl Tracker {
     /// One object of a Service list: upserted, and remembered as still present.
     fn list_service(&mut self, s: &Service, warnings: &mut Vec<ModelWarning>) {
         if let Some(seen) = &mut self.listing_services {
-            seen.insert(key(&s.metadata.namespace, &s.metadata.name));
+            seen.insert(key(
+                &mut self.last_ns,
+                &s.metadata.namespace,
+                &s.metadata.name,
+            ));
         }
         self.upsert_service(s, warnings);
     }
@@ -277,7 +283,11 @@ impl Tracker {
     /// One object of an EndpointSlice list: upserted, and remembered as still present.
     fn list_slice(&mut self, s: &EndpointSlice, warnings: &mut Vec<ModelWarning>) {
         if let Some(seen) = &mut self.listing_slices {
-            seen.insert(key(&s.metadata.namespace, &s.metadata.name));
+            seen.insert(key(
+                &mut self.last_ns,
+                &s.metadata.namespace,
+                &s.metadata.name,
+            ));
         }
         self.upsert_slice(s, warnings);
     }
@@ -292,16 +302,19 @@ impl Tracker {
     }
 
     fn upsert_service(&mut self, s: &Service, warnings: &mut Vec<ModelWarning>) {
-        let k = key(&s.metadata.namespace, &s.metadata.name);
+        let k = key(&mut self.last_ns, &s.metadata.namespace, &s.metadata.name);
         let (ports, w) = service_ports(s);
         warnings.extend(w);
-        let old = self.services.get(&k);
-        if old.map(Vec::as_slice).unwrap_or(&[]) != ports.as_slice() {
-            self.dirty_services.insert(k.clone());
+        let old = self.services.get(&k).map(|v| &**v).unwrap_or(&[]);
+        if old.len() == ports.len() && old.iter().zip(&ports).all(|(a, b)| **a == *b) {
+            return;
         }
+        self.dirty_services.insert(k.clone());
         if ports.is_empty() {
             self.services.remove(&k);
         } else {
+            // A boxed slice: a Vec collected in place would keep the ServicePorts' capacity.
+            let ports: Box<[Arc<ServicePort>]> = ports.into_iter().map(Arc::new).collect();
             self.services.insert(k, ports);
         }
     }
@@ -313,12 +326,18 @@ impl Tracker {
     }
 
     fn upsert_slice(&mut self, s: &EndpointSlice, warnings: &mut Vec<ModelWarning>) {
-        let sk = key(&s.metadata.namespace, &s.metadata.name);
+        let sk = key(&mut self.last_ns, &s.metadata.namespace, &s.metadata.name);
         let (data, w) = parse_slice(s, &self.node_name);
         warnings.extend(w);
         match data {
             None => self.remove_slice(&sk),
-            Some(data) => {
+            Some(mut data) => {
+                // Share the strings of keys already held (the service's, the slice's).
+                if let Some((k, _)) = self.services.get_key_value(&data.service) {
+                    data.service = k.clone();
+                } else if data.service.0 == sk.0 {
+                    data.service.0 = sk.0.clone();
+                }
                 if self.slices.get(&sk) == Some(&data) {
                     return;
                 }
@@ -405,12 +424,12 @@ impl Tracker {
             for n in old_eps.keys() {
                 next.endpoints.remove(n);
             }
-            for p in self.services.get(k).into_iter().flatten() {
+            for p in self.services.get(k).map(|v| v.iter()).into_iter().flatten() {
                 let arc = match old_svcs.get(&p.name) {
-                    Some(old) if **old == *p => old.clone(),
+                    Some(old) if Arc::ptr_eq(old, p) || **old == **p => old.clone(),
                     _ => {
                         changed.services.insert(p.name.clone());
-                        Arc::new(p.clone())
+                        p.clone()
                     }
                 };
                 next.services.insert(p.name.clone(), arc);

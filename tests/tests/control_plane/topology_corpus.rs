@@ -63,12 +63,7 @@ fn service_port(s: &Svc) -> ServicePort {
         external_ips.push("192.0.2.1".parse().unwrap());
     }
     ServicePort {
-        name: ServicePortName {
-            namespace: "ns".into(),
-            name: "svc".into(),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        },
+        name: ServicePortName::new("ns", "svc", "", Protocol::Tcp),
         service_type: if s.node_port != 0 {
             ServiceType::NodePort
         } else {

@@ -68,12 +68,16 @@ fn expected_m(dp: &ServiceMaps, i: u32, m: u32) -> Ipv4Addr {
     let inputs: Vec<_> = set
         .backends
         .iter()
-        .map(|id| (plan.backend_addrs[id], *id))
+        .map(|id| (plan.backend_addr(*id).expect("planned"), *id))
         .collect();
     let table = maglev::build(&inputs, m);
     let (cip, cport) = client(i);
     let h = flow_hash(ip4(cip), ip4(NODE), cport.to_be(), NODE_PORT.to_be(), TCP);
-    match plan.backend_addrs[&table[(h % m) as usize]].0 {
+    match plan
+        .backend_addr(table[(h % m) as usize])
+        .expect("planned")
+        .0
+    {
         IpAddr::V4(a) => a,
         other => panic!("unexpected backend {other}"),
     }

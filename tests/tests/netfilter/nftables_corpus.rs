@@ -185,15 +185,17 @@ fn startup_over_a_preexisting_table_matches_upstream() {
 #[test]
 fn chain_names_match_upstream() {
     let v = yaml(&cases().join("chain-names/cases.yaml"));
-    let spn = |c: &Value| ServicePortName {
-        namespace: c["namespace"].as_str().expect("ns").into(),
-        name: c["service"].as_str().expect("svc").into(),
-        port: c["port"].as_str().expect("port").into(),
-        protocol: match c["protocol"].as_str() {
-            Some("sctp") => Protocol::Sctp,
-            Some("udp") => Protocol::Udp,
-            _ => Protocol::Tcp,
-        },
+    let spn = |c: &Value| {
+        ServicePortName::new(
+            c["namespace"].as_str().expect("ns"),
+            c["service"].as_str().expect("svc"),
+            c["port"].as_str().expect("port"),
+            match c["protocol"].as_str() {
+                Some("sctp") => Protocol::Sctp,
+                Some("udp") => Protocol::Udp,
+                _ => Protocol::Tcp,
+            },
+        )
     };
     let mut n = 0;
     for c in v["servicePortChainNameBase"].as_sequence().expect("cases") {

@@ -317,12 +317,8 @@ impl IncrementalPlanner {
         key: &ServiceKey,
     ) -> impl Iterator<Item = &'a PortPlan> + 'a {
         // The smallest name of the service: empty port name, the first protocol.
-        let start = ServicePortName {
-            namespace: key.0.clone(),
-            name: key.1.clone(),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        };
+        let start =
+            ServicePortName::new(key.0.clone(), key.1.clone(), String::new(), Protocol::Tcp);
         let (ns, name) = (key.0.clone(), key.1.clone());
         self.ports
             .range(start..)

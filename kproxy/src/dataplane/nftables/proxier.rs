@@ -729,12 +729,12 @@ fn ports_of<'m, V>(
     ns: &'m str,
     name: &'m str,
 ) -> impl Iterator<Item = (&'m ServicePortName, &'m V)> + 'm {
-    let from = ServicePortName {
-        namespace: ns.to_string(),
-        name: name.to_string(),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let from = ServicePortName::new(
+        ns.to_string(),
+        name.to_string(),
+        String::new(),
+        Protocol::Tcp,
+    );
     map.range(from..)
         .take_while(move |(k, _)| k.namespace == ns && k.name == name)
 }

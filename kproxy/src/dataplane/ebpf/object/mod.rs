@@ -1,8 +1,8 @@
 //! The embedded BPF object and loading it.
 //!
 //! `build.rs` compiles `kproxy-ebpf` (Debian's rustc-web + bpf-linker, see README) and this
-//! module embeds the resulting ELF, completed for the running kernel at first use ([`object`]:
-//! the `sk_buff` checksum-state read, located through the kernel's BTF, [`btf`]). [`load`] is
+//! module embeds the resulting ELF, completed for the running kernel at each load (the
+//! `sk_buff` checksum-state read, located once through the kernel's BTF, [`btf`]). [`load`] is
 //! the only place it becomes an [`aya::Ebpf`] (maps created or reused from pins, programs not
 //! yet loaded). Names and value types come from [`kproxy_common`].
 
@@ -46,37 +46,28 @@ pub enum BpfError {
     },
 }
 
-/// [`object`], computed once: the completed object in u64 words (the ELF parser wants it
-/// 8-byte aligned), its length, and whether the checksum-state reads were completed.
-static COMPLETED: OnceLock<(Vec<u64>, usize, bool)> = OnceLock::new();
+/// Where this kernel keeps the checksum state the programs read ([`kernel_site`]), decided
+/// once per process at the first load.
+static SITE: OnceLock<Option<(i32, i16, i32)>> = OnceLock::new();
 /// Set by [`use_checksum_helpers_only`].
 static HELPERS_ONLY: AtomicBool = AtomicBool::new(false);
 
-/// Makes [`object`] take the helpers-only fallback of `kproxy_common::skb` even where the
+/// Makes [`load`] take the helpers-only fallback of `kproxy_common::skb` even where the
 /// kernel supports the read (how the TC path behaves on a kernel without it; for tests).
 /// Returns false if the object was already completed, i.e. it is too late.
 pub fn use_checksum_helpers_only() -> bool {
     HELPERS_ONLY.store(true, Ordering::SeqCst);
-    COMPLETED.get().is_none()
+    SITE.get().is_none()
 }
 
 /// Whether the TC programs read the packets' checksum state (and update L4 checksums in
 /// place), as opposed to the helpers-only fallback.
 pub fn reads_checksum_state() -> bool {
-    object();
-    COMPLETED.get().is_some_and(|c| c.2)
+    site().is_some()
 }
 
-/// The object to load: [`OBJECT`] with its `struct sk_buff` reads completed for the running
-/// kernel (`kproxy_common::skb`; [`complete_object`]), computed once.
-pub fn object() -> &'static [u8] {
-    let (words, len, _) = COMPLETED.get_or_init(|| {
-        let site = kernel_site();
-        let (words, len) = completed_words(OBJECT, site);
-        (words, len, site.is_some())
-    });
-    // SAFETY: `words` lives for the program's life and holds at least `len` bytes.
-    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), *len) }
+fn site() -> Option<(i32, i16, i32)> {
+    *SITE.get_or_init(kernel_site)
 }
 
 /// Where this kernel keeps the checksum state the programs read (`None`: helpers only).
@@ -207,11 +198,22 @@ pub struct LoadOptions<'a> {
     pub max_entries: Vec<(&'static str, u32)>,
 }
 
-/// The one place the embedded object is loaded: parses the completed [`object`] and creates
+/// The one place the embedded object is loaded: parses the completed object and creates
 /// (or reuses) its maps in the kernel; programs are loaded by their users. Needs CAP_BPF (root).
 /// The socket-LB datapath, the node path, mode detection and the tests' tools all come here.
+///
+/// The object is completed ([`OBJECT`] with its `struct sk_buff` reads completed for the
+/// running kernel, `kproxy_common::skb`; [`complete_object`]) for each load and dropped after
+/// it: an agent loads twice (service maps, node path), and a copy kept for the process's life
+/// would hold 1.5 MB for nothing.
 pub fn load(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
-    load_bytes(if is_built() { object() } else { &[] }, options)
+    if !is_built() {
+        return load_bytes(&[], options);
+    }
+    let (words, len) = completed_words(OBJECT, site());
+    // SAFETY: `words` holds at least `len` bytes and outlives the borrow.
+    let aligned = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
+    load_bytes(aligned, options)
 }
 
 fn load_bytes(object: &[u8], options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {

@@ -477,6 +477,8 @@ impl Applier {
             }
         }
         let mut changed_values: BTreeSet<u32> = BTreeSet::new();
+        // New entries go into the cache in one batch (see `extend_packed`).
+        let mut added = Vec::new();
         for id in &run.backend_ids {
             let Some(value) = plan.backends.get(id) else {
                 continue;
@@ -486,8 +488,12 @@ impl Applier {
             }
             match self.tables.backends.put(id, value) {
                 Ok(()) => {
-                    if self.cache.backends.insert(*id, *value).is_some() {
-                        changed_values.insert(*id);
+                    match self.cache.backends.get_mut(id) {
+                        Some(cached) => {
+                            *cached = *value;
+                            changed_values.insert(*id);
+                        }
+                        None => added.push((*id, *value)),
                     }
                     run.out.writes += 1;
                 }
@@ -496,6 +502,7 @@ impl Applier {
                 }
             }
         }
+        super::extend_packed(&mut self.cache.backends, added);
         self.recopy_slots(&changed_values, &mut run.out)
     }
 
@@ -554,6 +561,9 @@ impl Applier {
     /// Step 2. Per service port: slots, source ranges, frontends; fills `run.finals` with
     /// what each has in the maps now.
     fn apply_service_ports(&mut self, run: &mut ApplyRun<'_>) {
+        // Slots not in the cache yet, cached in one batch at the end (see `extend_packed`;
+        // a slot key belongs to one set, so no service port looks up another's).
+        let mut new_slots = Vec::new();
         for (name, old) in run.names.iter().zip(&run.olds) {
             let Some(sp) = run.plan.services.get(name) else {
                 self.apply_failed.remove(name);
@@ -563,7 +573,7 @@ impl Applier {
             };
             let result = match sp.backend_ids().find_map(|id| run.failed_backends.get(&id)) {
                 Some(err) => Err(err.clone()),
-                None => self.apply_service(sp, run.plan, &mut run.out),
+                None => self.apply_service(sp, run.plan, &mut new_slots, &mut run.out),
             };
             match result {
                 Ok(()) => {
@@ -586,6 +596,10 @@ impl Applier {
                 }
             }
         }
+        for (_, v) in &new_slots {
+            *self.slot_refs.entry(v.backend_id).or_default() += 1;
+        }
+        super::extend_packed(&mut self.cache.slots, new_slots);
     }
 
     /// Records what each service port now has: `applied`, the UDP backend counts (noting
@@ -876,7 +890,7 @@ impl Applier {
     fn apply_maglev(
         &mut self,
         set: &crate::dataplane::ebpf::service_maps::plan::SetPlan,
-        addrs: &BTreeMap<u32, BackendAddr>,
+        plan: &Plan,
         out: &mut ApplyOutcome,
     ) -> Result<(), String> {
         if !set.maglev || set.backends.is_empty() {
@@ -886,9 +900,8 @@ impl Applier {
             .backends
             .iter()
             .map(|id| {
-                addrs
-                    .get(id)
-                    .map(|a| (*a, *id))
+                plan.backend_addr(*id)
+                    .map(|a| (a, *id))
                     .ok_or_else(|| format!("backend {id} has no address in the plan"))
             })
             .collect::<Result<_, _>>()?;
@@ -946,10 +959,13 @@ impl Applier {
         Ok(())
     }
 
+    /// Writes one service port's slots (those new to the cache into `new_slots`), Maglev
+    /// tables, source ranges and frontends.
     fn apply_service(
         &mut self,
         sp: &ServicePlan,
         plan: &Plan,
+        new_slots: &mut Vec<(BackendSlotKey, SlotValue)>,
         out: &mut ApplyOutcome,
     ) -> Result<(), String> {
         for set in &sp.sets {
@@ -968,19 +984,25 @@ impl Applier {
                     backend_id: *id,
                     backend: *backend,
                 };
-                if self.cache.slots.get(&key) == Some(&value) {
+                let cached = self.cache.slots.get(&key);
+                if cached == Some(&value) {
                     continue;
                 }
+                let known = cached.is_some();
                 self.tables
                     .slots
                     .put(&key, &value)
                     .map_err(|e| format!("slot {slot} of set {}: {e}", set.svc_id))?;
-                self.cache_slot(key, value);
+                if known {
+                    self.cache_slot(key, value);
+                } else {
+                    new_slots.push((key, value));
+                }
                 out.writes += 1;
             }
         }
         for set in &sp.sets {
-            self.apply_maglev(set, &plan.backend_addrs, out)?;
+            self.apply_maglev(set, plan, out)?;
         }
         for range in &sp.source_ranges {
             if self.cache.ranges.contains(range) {

@@ -8,7 +8,8 @@
 //! backend. On restart it is seeded from the pinned maps ([`IdAllocator::seed_backend`],
 //! [`IdAllocator::hint_set`]) so the first plan reuses every id still valid.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::hash::Hash;
 use std::net::IpAddr;
 
 use kproxy_common::service::ServiceKey;
@@ -35,24 +36,26 @@ pub struct SetKey {
 /// Identity of a backend: its address (shared by every service that has it).
 pub type BackendAddr = (IpAddr, u16);
 
+/// One id space. Hash tables, not B-trees: nothing iterates them in order, and at 50k backends
+/// a B-tree filled in random order takes about twice the memory.
 #[derive(Debug, Clone)]
-struct Space<K: Ord + Clone> {
-    ids: BTreeMap<K, u32>,
-    used: BTreeSet<u32>,
+struct Space<K: Hash + Eq + Clone> {
+    ids: HashMap<K, u32>,
+    used: HashSet<u32>,
     next: u32,
 }
 
-impl<K: Ord + Clone> Default for Space<K> {
+impl<K: Hash + Eq + Clone> Default for Space<K> {
     fn default() -> Self {
         Space {
-            ids: BTreeMap::new(),
-            used: BTreeSet::new(),
+            ids: HashMap::new(),
+            used: HashSet::new(),
             next: 0,
         }
     }
 }
 
-impl<K: Ord + Clone> Space<K> {
+impl<K: Hash + Eq + Clone + Ord> Space<K> {
     fn get_or_alloc(&mut self, key: &K, hint: Option<u32>) -> u32 {
         if let Some(id) = self.ids.get(key) {
             return *id;
@@ -164,12 +167,7 @@ mod tests {
 
     fn set(name: &str) -> SetKey {
         SetKey {
-            service: ServicePortName {
-                namespace: "ns".into(),
-                name: name.into(),
-                port: String::new(),
-                protocol: Protocol::Tcp,
-            },
+            service: ServicePortName::new("ns", name, "", Protocol::Tcp),
             kind: SetKind::Cluster,
             family: IpFamily::V4,
         }

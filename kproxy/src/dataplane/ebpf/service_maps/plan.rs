@@ -160,13 +160,21 @@ impl ServicePlan {
 pub struct Plan {
     /// Per service port (shared with the applier, which keeps what it programmed).
     pub services: BTreeMap<ServicePortName, Arc<ServicePlan>>,
-    /// Every backend any service references, by id.
+    /// Every backend any service references, by id (its address: [`Plan::backend_addr`]).
     pub backends: BTreeMap<u32, BackendValue>,
-    /// Address of each backend id (for logs and render).
-    pub backend_addrs: BTreeMap<u32, BackendAddr>,
+}
+
+/// The address a backend entry holds.
+pub fn backend_addr(b: &BackendValue) -> BackendAddr {
+    (decode_addr(b.addr), u16::from_be(b.port))
 }
 
 impl Plan {
+    /// Address of backend `id` (for logs, render and Maglev).
+    pub fn backend_addr(&self, id: u32) -> Option<BackendAddr> {
+        self.backends.get(&id).map(backend_addr)
+    }
+
     /// Number of frontends, slots and source-range entries.
     pub fn counts(&self) -> (usize, usize, usize) {
         self.services.values().fold((0, 0, 0), |(f, s, r), p| {
@@ -233,13 +241,26 @@ impl Inputs {
     }
 }
 
-/// References to one backend id from the planned sets.
+/// References to one backend id from the planned sets (its address is in the plan's entry).
 #[derive(Debug, Clone, Copy)]
 struct BackendRefs {
-    addr: BackendAddr,
     refs: u32,
     local: u32,
     terminating: u32,
+}
+
+impl BackendRefs {
+    /// The entry's flags: the OR of what every referencing slot says.
+    fn flags(&self) -> u8 {
+        let mut flags = 0;
+        if self.local > 0 {
+            flags |= BE_F_LOCAL;
+        }
+        if self.terminating > 0 {
+            flags |= BE_F_TERMINATING;
+        }
+        flags
+    }
 }
 
 /// The incremental planner (see the module docs): the current [`Plan`], the ids, who claims
@@ -252,6 +273,9 @@ pub struct Planner {
     /// claimant: a `VecMap` holds it in ≈ 100 bytes where a B-tree set takes ≈ 900.)
     claims: HashMap<ServiceKey, VecMap<ServicePortName, ()>>,
     backend_refs: HashMap<u32, BackendRefs>,
+    /// Backends first referenced during the running re-plan (entered into the plan at its
+    /// end, in one sorted batch).
+    fresh: Vec<(u32, BackendAddr)>,
     /// What the current plan was made from (`None`: nothing planned yet).
     inputs: Option<Inputs>,
 }
@@ -327,7 +351,7 @@ impl Planner {
         let changed = self.replan(snap, &all);
         // Forget ids nothing uses any more (and the startup hints, used once).
         let live_backends: BTreeSet<BackendAddr> =
-            self.backend_refs.values().map(|r| r.addr).collect();
+            self.plan.backends.values().map(backend_addr).collect();
         let live_sets: BTreeSet<SetKey> = self
             .plan
             .services
@@ -427,29 +451,35 @@ impl Planner {
             };
             if r.refs == 0 {
                 self.backend_refs.remove(&id);
-                self.plan.backends.remove(&id);
-                self.plan.backend_addrs.remove(&id);
-                self.ids.release_backend(&r.addr);
+                if let Some(b) = self.plan.backends.remove(&id) {
+                    self.ids.release_backend(&backend_addr(&b));
+                }
                 continue;
             }
-            let mut flags = 0;
-            if r.local > 0 {
-                flags |= BE_F_LOCAL;
+            if let Some(b) = self.plan.backends.get_mut(&id) {
+                b.flags = r.flags();
             }
-            if r.terminating > 0 {
-                flags |= BE_F_TERMINATING;
-            }
-            self.plan.backends.insert(
-                id,
-                BackendValue {
-                    addr: encode_addr(r.addr.0),
-                    port: r.addr.1.to_be(),
-                    flags,
-                    _pad: 0,
-                },
-            );
-            self.plan.backend_addrs.insert(id, r.addr);
         }
+        // Backends new in this re-plan, as one sorted batch (a first sync builds a packed
+        // tree, not one of half-full nodes).
+        let mut fresh = std::mem::take(&mut self.fresh);
+        fresh.sort_unstable_by_key(|(id, _)| *id);
+        let mut batch = Vec::with_capacity(fresh.len());
+        for (id, addr) in fresh {
+            match self.backend_refs.get(&id) {
+                Some(r) => batch.push((
+                    id,
+                    BackendValue {
+                        addr: encode_addr(addr.0),
+                        port: addr.1.to_be(),
+                        flags: r.flags(),
+                        _pad: 0,
+                    },
+                )),
+                None => self.ids.release_backend(&addr),
+            }
+        }
+        super::extend_packed(&mut self.plan.backends, batch);
         // Frontend owners: every claimant of a touched frontend gets its share re-split.
         let mut changed: BTreeSet<ServicePortName> = dirty.clone();
         let mut affected: BTreeSet<ServicePortName> = dirty.clone();
@@ -520,11 +550,13 @@ impl Planner {
     }
 
     fn add_ref(&mut self, id: u32, addr: BackendAddr, flags: u8) {
-        let r = self.backend_refs.entry(id).or_insert(BackendRefs {
-            addr,
-            refs: 0,
-            local: 0,
-            terminating: 0,
+        let r = self.backend_refs.entry(id).or_insert_with(|| {
+            self.fresh.push((id, addr));
+            BackendRefs {
+                refs: 0,
+                local: 0,
+                terminating: 0,
+            }
         });
         r.refs += 1;
         r.local += u32::from(flags & BE_F_LOCAL != 0);
@@ -794,9 +826,8 @@ pub fn render_plan(plan: &Plan) -> String {
             );
             for (slot, id) in set.backends.iter().enumerate() {
                 let addr = plan
-                    .backend_addrs
-                    .get(id)
-                    .map(|(ip, port)| std::net::SocketAddr::new(*ip, *port).to_string())
+                    .backend_addr(*id)
+                    .map(|(ip, port)| std::net::SocketAddr::new(ip, port).to_string())
                     .unwrap_or_default();
                 let _ = write!(s, " [{slot}]={id}({addr})");
             }

@@ -364,10 +364,10 @@ fn ids_stay_stable_when_other_services_change() {
     );
     let p2 = plan(&base(true), &cfg(), &mut ids);
     assert_eq!(p1.services[&name("a")], p2.services[&name("a")]);
-    for (id, addr) in &p1.backend_addrs {
+    for id in p1.backends.keys() {
         assert_eq!(
-            p2.backend_addrs.get(id),
-            Some(addr),
+            p2.backend_addr(*id),
+            p1.backend_addr(*id),
             "backend {id} renumbered"
         );
     }
@@ -949,7 +949,7 @@ fn maglev_tables_are_written_before_frontends_and_hold_the_built_table() {
         let want = crate::dataplane::ebpf::service_maps::maglev::build(
             &set.backends
                 .iter()
-                .map(|id| (p.backend_addrs[id], *id))
+                .map(|id| (p.backend_addr(*id).unwrap(), *id))
                 .collect::<Vec<_>>(),
             MAGLEV_M,
         );
@@ -1192,10 +1192,12 @@ mod incremental {
     }
 
     fn port_name(i: usize, udp: bool) -> ServicePortName {
-        ServicePortName {
-            protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
-            ..name(&format!("s{i}"))
-        }
+        testing::port_name(
+            "ns",
+            &format!("s{i}"),
+            "http",
+            if udp { Protocol::Udp } else { Protocol::Tcp },
+        )
     }
 
     fn build(i: usize, s: &Spec) -> (ServicePort, Vec<Endpoint>) {

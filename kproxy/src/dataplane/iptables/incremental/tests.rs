@@ -38,17 +38,17 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn port_name(svc: usize, port: usize) -> ServicePortName {
-    ServicePortName {
-        // Two namespaces, names that sort differently from their numbers.
-        namespace: format!("ns{}", svc % 2),
-        name: format!("svc{svc}"),
-        port: format!("p{port}"),
-        protocol: if port == 1 {
+    // Two namespaces, names that sort differently from their numbers.
+    ServicePortName::new(
+        format!("ns{}", svc % 2),
+        format!("svc{svc}"),
+        format!("p{port}"),
+        if port == 1 {
             Protocol::Udp
         } else {
             Protocol::Tcp
         },
-    }
+    )
 }
 
 fn random_service(r: &mut Rng, svc: usize, port: usize) -> ServicePort {
@@ -139,7 +139,7 @@ fn random_endpoints(r: &mut Rng, svc: usize) -> Vec<Endpoint> {
                 node_name: Some(if local { "node" } else { "other" }.into()),
                 zone: Some("a".into()),
                 zone_hints: if r.chance(30) {
-                    ["a".to_string()].into()
+                    ["a"].into_iter().collect()
                 } else {
                     Default::default()
                 },

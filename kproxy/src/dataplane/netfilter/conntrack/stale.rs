@@ -81,12 +81,7 @@ fn service_range<'a, V>(
     ns: &str,
     name: &str,
 ) -> impl Iterator<Item = (&'a ServicePortName, &'a V)> {
-    let first = ServicePortName {
-        namespace: ns.to_owned(),
-        name: name.to_owned(),
-        port: String::new(),
-        protocol: Protocol::Tcp,
-    };
+    let first = ServicePortName::new(ns.to_owned(), name.to_owned(), String::new(), Protocol::Tcp);
     let (ns, name) = (ns.to_owned(), name.to_owned());
     map.range(first..)
         .take_while(move |(n, _)| n.namespace == ns && n.name == name)
