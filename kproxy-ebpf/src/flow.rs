@@ -14,7 +14,8 @@
 //! third. The map type is not the lever: measured with the same bench (the table swapped for
 //! one made with other flags), a per-CPU LRU (`BPF_F_NO_COMMON_LRU`) was no faster with one
 //! service and slower with 100k, and a plain preallocated hash map (no LRU eviction) showed
-//! no clear gain.
+//! no clear gain. In the kproxy-vs-Katran harness (2026-11-27) the per-CPU LRU made the XDP
+//! new flow 787–793 ns against 407–424 ns with this one (harness pinned to one CPU).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
