@@ -259,16 +259,14 @@ fn ingress(ctx: &XdpContext) -> u32 {
     unsafe { (*ctx.ctx).ingress_ifindex }
 }
 
-/// Whether `e`'s forwarding cache ([`FwdCache`]) holds the answer for packet `p` (headers
-/// `h`) arriving on `in_if` under generation `generation` (module docs).
+/// Whether forwarding answer `c` (a [`FwdCache`] inside a lookup result) holds for frames like
+/// `h` arriving on `in_if` under generation `generation`: filled under that generation for the
+/// same ingress device and TOS, the frame within its MTU, out of a device still enabled for
+/// the fast path (module docs). The check of both caches, per flow and per backend.
 #[inline(always)]
-fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain) -> bool {
-    if generation == 0 || p.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0 {
-        return false;
-    }
-    // SAFETY: lookup result; fields read by value.
+fn fwd_holds(c: *const FwdCache, generation: u32, in_if: u32, h: &Plain) -> bool {
+    // SAFETY: points into a lookup result; fields read by value.
     let (c_gen, c_in, c_tos, c_mtu, c_out) = unsafe {
-        let c = &raw const (*e).fwd;
         (
             (*c).generation,
             (*c).in_ifindex,
@@ -284,9 +282,20 @@ fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain)
         && fast_path_device(u32::from(c_out))
 }
 
+/// Whether `e`'s forwarding cache holds the answer for packet `p` (headers `h`) arriving on
+/// `in_if` under generation `generation` ([`fwd_holds`]; SYN, FIN and RST never use it).
+#[inline(always)]
+fn cached(e: *const CtEntry, generation: u32, in_if: u32, p: &Packet, h: &Plain) -> bool {
+    if generation == 0 || p.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0 {
+        return false;
+    }
+    // SAFETY: lookup result; a field's address.
+    fwd_holds(unsafe { &raw const (*e).fwd }, generation, in_if, h)
+}
+
 /// Whether the per-backend entry `c` holds the answer for a new flow to `be_addr` (headers
-/// `h`) arriving on `in_if` under generation `generation`: the checks of [`cached`], on the
-/// backend instead of the flow (a new flow's SYN included).
+/// `h`) arriving on `in_if` under generation `generation`: [`fwd_holds`], on the backend
+/// instead of the flow (a new flow's SYN included).
 #[inline(always)]
 fn backend_cached(
     c: *const BackendFwd,
@@ -295,23 +304,8 @@ fn backend_cached(
     be_addr: u32,
     h: &Plain,
 ) -> bool {
-    // SAFETY: lookup result (this CPU's); fields read by value.
-    let (c_gen, c_be, c_in, c_tos, c_mtu, c_out) = unsafe {
-        (
-            (*c).fwd.generation,
-            (*c).backend,
-            (*c).fwd.in_ifindex,
-            (*c).fwd.tos,
-            (*c).fwd.mtu,
-            (*c).fwd.out_ifindex,
-        )
-    };
-    c_gen == generation
-        && c_be == be_addr
-        && u32::from(c_in) == in_if
-        && c_tos == h.tos
-        && u16::from_be(h.tot_len) <= c_mtu
-        && fast_path_device(u32::from(c_out))
+    // SAFETY: lookup result (this CPU's); a field read by value, a field's address.
+    unsafe { (*c).backend == be_addr && fwd_holds(&raw const (*c).fwd, generation, in_if, h) }
 }
 
 /// A new flow's route to a remote backend: egress device, node address (the SNAT source) and
