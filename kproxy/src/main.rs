@@ -21,6 +21,7 @@ use tracing::{info, warn};
 
 fn main() -> ExitCode {
     limit_malloc_arenas();
+    kproxy::app::process::fix_mmap_threshold();
     // Hidden: the user guide's configuration reference (`cargo xtask docs` writes it).
     if std::env::args_os().nth(1).is_some_and(|a| a == "reference") {
         print!("{}", cli::reference::markdown());

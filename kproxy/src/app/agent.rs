@@ -239,7 +239,6 @@ impl Agent {
         dataplane: Datapath,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<Agent> {
-        super::process::fix_mmap_threshold();
         if let Some(adj) = opts.oom_score_adj
             && let Err(e) = super::process::apply_oom_score_adj(adj)
         {

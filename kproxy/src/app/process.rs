@@ -10,7 +10,9 @@ pub const MMAP_THRESHOLD: i32 = 128 * 1024;
 /// parsed at load, 4.7 MB, the list pages), after which the first sync's large temporaries
 /// land in the heap, where they leave holes the kernel never gets back. Fixed, they are mapped
 /// and unmapped: the agent's peak RSS at 10k services × 5 endpoints is about 1 MB lower and no
-/// longer depends on the order in which loading and listing freed their buffers.
+/// longer depends on the order in which loading and listing freed their buffers. Called by
+/// `main` before any thread starts, beside the arena limit: a process-wide allocator policy,
+/// set before the first large buffer is freed (the agent as a library leaves it alone).
 pub fn fix_mmap_threshold() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only changes glibc's allocation policy; it is thread-safe.
