@@ -42,7 +42,9 @@
 //! for flows to remote backends: it creates a new flow's entries exactly like the TC ingress
 //! program (shared BPF code), allocates the SNAT port like the TC egress program (with the FIB
 //! egress device's node address), and translates both directions itself, so a flow may start
-//! in either path and continue in the other.
+//! in either path and continue in the other. A SNATed flow the fast path forwards gets no
+//! `RevDnat` entry until a TC program needs one ([`CT_F_NO_REV`]): XDP translates its replies
+//! from the `SnatIn` entry, which then carries the frontend.
 //!
 //! Addresses are stored in network byte order (the raw bytes of the header, read as a `u32`),
 //! ports likewise; the agent converts with `u32::from_ne_bytes(ip.octets())` /
@@ -123,7 +125,7 @@ pub const MAPS: [&str; 6] = [
     MAP_XDP_FWD_DEVS,
 ];
 
-/// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses three).
+/// Default capacity of [`MAP_CT`] (entries; a SNATed flow uses up to three).
 pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
 /// Capacity of [`MAP_NODE_ADDR4`] (devices).
 pub const NODE_ADDR_ENTRIES: u32 = 256;
@@ -271,6 +273,15 @@ impl TcpCloseState {
 /// `snat_addr`/`snat_port` (every flow this build creates); without, in its legacy
 /// [`CtKind::SnatOut`] entry (see the module docs).
 pub const CT_F_SNAT_HERE: u16 = 1 << 3;
+/// The flow has no [`CtKind::RevDnat`] entry yet: the XDP fast path created it (a SNATed
+/// flow to a remote backend) with its two other entries only, each holding what the missing
+/// one would — the [`CtKind::Service`] entry its SNAT source `N:np` in `snat_addr`/`snat_port`,
+/// the [`CtKind::SnatIn`] entry its frontend `F:fp` there — so XDP translates both directions
+/// without it, and a new flow costs two connection-table inserts instead of three. A TC
+/// program that hits such an entry (a packet of the flow the fast path passed on) creates the
+/// `RevDnat` entry from it, which its egress needs, and clears the bit in that entry
+/// (`kproxy-ebpf/src/flow.rs`, `adopt_xdp_flow`). Introduced with [`MAP_CT`]'s layout version 2.
+pub const CT_F_NO_REV: u16 = 1 << 7;
 
 /// Value of [`MAP_CT`]: the address/port written by this entry's translation, the flow's
 /// backend and service, and when it was created/last used (`bpf_ktime_get_ns`, CLOCK_MONOTONIC
@@ -297,7 +308,8 @@ pub struct CtEntry {
     /// and allocates it (the authoritative copy). Elsewhere a copy kept beside a forwarding
     /// cache ([`Self::fwd`], written by the XDP fast path only; 0 until then): in the
     /// [`CtKind::Service`] entry the same SNAT source, in the [`CtKind::SnatIn`] entry the
-    /// flow's frontend `F` (the source a reply gets).
+    /// flow's frontend `F` (the source a reply gets). With [`CT_F_NO_REV`] (no `RevDnat`
+    /// entry) these two are the flow's own values, written when it is created.
     pub snat_addr: u32,
     /// The port beside [`Self::snat_addr`] (`np`, or `fp` in a `SnatIn` entry), network order.
     pub snat_port: u16,

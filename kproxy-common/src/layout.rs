@@ -197,7 +197,9 @@ pub const LAYOUTS: [MapLayout; 18] = [
         MAP_TYPE_LRU_HASH,
         size_of::<CtKey>(),
         size_of::<CtEntry>(),
-        1,
+        // 2: flows may lack their `RevDnat` entry (`ct::CT_F_NO_REV`), which builds before
+        // it would not create; version-1 entries never carry the bit, so they are carried.
+        2,
         Some(1),
     ),
     layout(

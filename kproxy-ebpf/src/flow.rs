@@ -9,9 +9,11 @@
 //! Per-packet cost: a new flow's connection-table inserts are its most expensive part (each
 //! touches a cold bucket, chain and element: the bench's `floor-ct-insert` figure, two
 //! inserts, is ≈ 0.9 µs under `BPF_PROG_TEST_RUN` here, against ≈ 100 ns for the counter
-//! program measured the same way), so a new flow makes two (`Service`,
+//! program measured the same way), so a new flow through TC makes two at ingress (`Service`,
 //! `RevDnat`) and keeps its SNAT source in the `RevDnat` entry ([`snat_slot_in`]) instead of a
-//! third. The map type is not the lever: measured with the same bench (the table swapped for
+//! third besides its `SnatIn` port claim; a new flow the XDP fast path forwards makes no
+//! `RevDnat` entry at all until a TC program needs one ([`CT_F_NO_REV`], [`adopt_xdp_flow`]):
+//! two inserts in all. The map type is not the lever: measured with the same bench (the table swapped for
 //! one made with other flags), a per-CPU LRU (`BPF_F_NO_COMMON_LRU`) was no faster with one
 //! service and slower with 100k, and a plain preallocated hash map (no LRU eviction) showed
 //! no clear gain. In the kproxy-vs-Katran harness (2026-11-27) the per-CPU LRU made the XDP
@@ -27,7 +29,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
-    CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
+    CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_NO_REV, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
     FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
 };
 use kproxy_common::service::{
@@ -151,10 +153,26 @@ pub(crate) fn reopens<F: Family>(svc: *mut F::Entry, tcp_flags: u8) -> bool {
 
 /// Deletes every entry of the flow whose `Service` entry `svc` a packet from `saddr:sport`
 /// found (see [`reopens`]): its `RevDnat` entry (at the backend the `Service` entry names),
-/// through it the `SnatIn` entry, and the `Service` entry itself. A BPF-to-BPF call with its
-/// own small stack frame (the IPv6 programs' stack is tight), on the rare path only.
+/// through it the `SnatIn` entry, and the `Service` entry itself; for a flow without a
+/// `RevDnat` entry ([`CT_F_NO_REV`]) its `SnatIn` entry, at the SNAT source the `Service`
+/// entry holds (the `Service` entry is overwritten by the new flow). A BPF-to-BPF call with
+/// its own small stack frame (the IPv6 programs' stack is tight), on the rare path only.
 #[inline(never)]
 pub(crate) fn end_flow<F: Family>(svc: *mut F::Entry, saddr: &F::Addr, sport: u16, proto: u8) {
+    // SAFETY: lookup result, fields read by value.
+    if unsafe { *F::stamps(svc).1 } & CT_F_NO_REV != 0 {
+        // SAFETY: as above.
+        let (k, created) = unsafe {
+            let (be, be_port) = F::nat_slot(svc);
+            let (node, node_port) = F::snat_slot(svc);
+            (
+                F::key(*be, *node, *be_port, *node_port, proto, CtKind::SnatIn),
+                F::created(svc),
+            )
+        };
+        delete_if_of::<F>(&k, created);
+        return;
+    }
     // SAFETY: lookup result, fields read by value.
     let (k, created) = unsafe {
         let (be, be_port) = F::nat_slot(svc);
@@ -409,6 +427,71 @@ fn release_reply_tuple<F: Family>(k: &F::Key, saddr: &F::Addr, sport: u16, proto
         F::write_key(&mut s.key, saddr, &*front, sport, *front_port, proto, CtKind::Service);
         delete_if_of::<F>(&s.key, created);
     }
+}
+
+/// A TC program hit the `Service` entry `svc` of the flow `p` (`C:cp → F:fp`), created by the
+/// XDP fast path without its `RevDnat` entry ([`CT_F_NO_REV`]): the fast path passed one of
+/// its packets on (or is gone), and the TC egress program will look for that entry. Creates
+/// it — `B:bp → C:cp`, the frontend as NAT address, the SNAT source the `Service` entry holds —
+/// and clears the bit in `svc`. On the rare path only (once per entry).
+#[inline(never)]
+pub(crate) fn adopt_xdp_flow(svc: *mut CtEntry, p: &Packet) {
+    // SAFETY: lookup result, copied; the flag cleared in place.
+    let rev = unsafe {
+        (*svc).flags &= !CT_F_NO_REV;
+        *svc
+    };
+    let k = V4::key(rev.nat_addr, p.saddr, rev.nat_port, p.sport, p.proto, CtKind::RevDnat);
+    install_rev_dnat(&k, &CtEntry {
+        nat_addr: p.daddr,
+        nat_port: p.dport,
+        fwd: FwdCache::default(),
+        ..rev
+    });
+}
+
+/// [`adopt_xdp_flow`] from the other end: a TC program hit the `SnatIn` entry `snat_in` (at
+/// key `k`, `B:bp → N:np`: a reply, or an ICMP error about the flow) of a flow without a
+/// `RevDnat` entry (its `snat_in` holds the client as NAT address and the frontend beside
+/// it). Creates the `RevDnat` entry `B:bp → C:cp` with the frontend as NAT address and `N:np`
+/// as SNAT source, and clears the bit.
+#[inline(never)]
+pub(crate) fn adopt_xdp_reply(snat_in: *mut CtEntry, k: &CtKey) {
+    // SAFETY: as in `adopt_xdp_flow`.
+    let e = unsafe {
+        (*snat_in).flags &= !CT_F_NO_REV;
+        *snat_in
+    };
+    let rk = V4::key(k.saddr, e.nat_addr, k.sport, e.nat_port, k.proto, CtKind::RevDnat);
+    install_rev_dnat(&rk, &CtEntry {
+        nat_addr: e.snat_addr,
+        nat_port: e.snat_port,
+        snat_addr: k.daddr,
+        snat_port: k.dport,
+        fwd: FwdCache::default(),
+        ..e
+    });
+}
+
+/// Inserts `rev` (its `CT_F_NO_REV` cleared) at its flow's `RevDnat` key `k` (`B:bp → C:cp`)
+/// unless the flow's own entry is there already (another of its entries adopted it first).
+/// Another flow's entry on the tuple (the client port toward the same backend through
+/// another frontend) is taken over as a new flow takes it ([`release_reply_tuple`]).
+#[inline(always)]
+fn install_rev_dnat(k: &CtKey, rev: &CtEntry) {
+    let mut rev = *rev;
+    rev.flags &= !CT_F_NO_REV;
+    if KP_CT.insert(k, &rev, BPF_NOEXIST as u64).is_ok() {
+        return;
+    }
+    if let Some(old) = KP_CT.get_ptr(k)
+        // SAFETY: lookup result, read by value.
+        && unsafe { (*old).created_ns } == rev.created_ns
+    {
+        return;
+    }
+    release_reply_tuple::<V4>(k, &k.daddr, k.dport, k.proto);
+    let _ = KP_CT.insert(k, &rev, 0);
 }
 
 /// Deletes the entry at `k` if it was created at `created` (belongs to that flow).

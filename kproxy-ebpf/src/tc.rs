@@ -42,15 +42,17 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use kproxy_common::ct::{
-    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CtEntry, CtKind, PROTO_ICMP, TC_STATS, TcStat,
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_NO_REV, CtEntry, CtKey, CtKind, PROTO_ICMP, TC_STATS,
+    TcStat,
 };
 use kproxy_common::service::{PROTO_TCP, PROTO_UDP, SVC_F_NODE_PORT, SVC_F_REJECT, ServiceValue};
 
 // The flow state moved to `crate::flow` (shared with the XDP fast path); re-exported under
 // the old paths.
 use crate::flow::{
-    Egress, Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, allocate_port,
-    choose_backend, create_flow, egress_entry_in, end_flow, in_snat_range, now, reopens, touch,
+    Egress, Family, KP_NODE_ADDR4, NewFlow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, V4, adopt_xdp_flow,
+    adopt_xdp_reply, allocate_port, choose_backend, create_flow, egress_entry_in, end_flow,
+    in_snat_range, now, reopens, touch,
 };
 pub(crate) use crate::flow::{KP_CT, key};
 use crate::frontend::{candidates, new_flow_entry, source_allowed};
@@ -218,12 +220,18 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
 #[inline(always)]
 fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     // A reply to a SNATed flow: give it back its client as destination.
+    let k = key(p, CtKind::SnatIn);
     if in_snat_range(p.dport)
-        && let Some(e) = KP_CT.get_ptr_mut(key(p, CtKind::SnatIn))
+        && let Some(e) = KP_CT.get_ptr_mut(&k)
     {
         touch(e, p.tcp_flags, CT_F_FIN_REPLY);
         // SAFETY: lookup result, read by value.
-        let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+        let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
+        if flags & CT_F_NO_REV != 0 {
+            // Started by the XDP fast path: the egress toward the client needs its
+            // `RevDnat` entry.
+            adopt_xdp_reply(e, &k);
+        }
         rewrite(ctx, p, true, addr, port)?;
         stat(TcStat::Reply);
         return Ok(NEXT);
@@ -234,7 +242,12 @@ fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
         if !reopens::<V4>(e, p.tcp_flags) {
             touch(e, p.tcp_flags, CT_F_FIN_ORIG);
             // SAFETY: as above.
-            let (addr, port) = unsafe { ((*e).nat_addr, (*e).nat_port) };
+            let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
+            if flags & CT_F_NO_REV != 0 {
+                // Started by the XDP fast path: the egress toward the backend needs its
+                // `RevDnat` entry (the SNAT source).
+                adopt_xdp_flow(e, p);
+            }
             rewrite(ctx, p, true, addr, port)?;
             stat(TcStat::Established);
             return Ok(NEXT);
@@ -597,6 +610,14 @@ impl IcmpErrors for V4 {
         (e.nat_addr, e.nat_port)
     }
 
+    #[inline(always)]
+    fn adopt_reply(e: *mut CtEntry, k: &CtKey) {
+        // SAFETY: lookup result, read by value.
+        if unsafe { (*e).flags } & CT_F_NO_REV != 0 {
+            adopt_xdp_reply(e, k);
+        }
+    }
+
     /// Rewrites the quoted packet's source (`dst == false`) or destination address and port,
     /// keeping its IP checksum and the ICMP checksum right. The quoted L4 checksum is left as is
     /// (receivers do not verify it on truncated quotes).
@@ -650,6 +671,11 @@ pub(crate) trait IcmpErrors: Family {
     fn quoted_tuple(q: &Self::Quoted) -> (Self::Addr, Self::Addr, u16, u16, u8);
     /// A CT entry's NAT address and port.
     fn nat(e: &Self::Entry) -> (Self::Addr, u16);
+    /// An ICMP error about a SNATed flow found its `SnatIn` entry `e` at `k`: completes a flow
+    /// the XDP fast path started without a `RevDnat` entry (IPv4 only: the fast path has no
+    /// IPv6 flows), which the egress toward the client needs for the quoted packet.
+    #[inline(always)]
+    fn adopt_reply(_e: *mut Self::Entry, _k: &Self::Key) {}
     /// Rewrites the quoted packet's source (`dst == false`) or destination address and port.
     fn rewrite_quoted(
         ctx: &mut TcContext,
@@ -685,10 +711,14 @@ pub(crate) fn icmp_error<F: IcmpErrors, const INGRESS: bool>(
         CtKind::RevDnat
     };
     let key = F::key(q_daddr, q_saddr, q_dport, q_sport, proto, kind);
-    // SAFETY: read by value right away.
-    let Some(e) = (unsafe { F::ct().get(key) }).copied() else {
+    let Some(found) = F::ct().get_ptr_mut(&key) else {
         return Ok(NEXT);
     };
+    if INGRESS {
+        F::adopt_reply(found, &key);
+    }
+    // SAFETY: lookup result, read by value.
+    let e = unsafe { *found };
     let (nat_addr, nat_port) = F::nat(&e);
     let (saddr, daddr, ..) = F::tuple(p);
     if INGRESS {

@@ -4,13 +4,24 @@
 //! ([`crate::flow`]), so a flow may start in either path and continue in the other.
 //!
 //! - **Client → backend** (`C:cp → F:fp`, the flow's `Service` entry exists or is created
-//!   here with TC's own backend choice and entries): dst := `B:bp`, src := `N:np` kept in the
-//!   flow's `RevDnat` entry ([`snat_slot`], as TC egress finds it). When it has no SNAT address
-//!   yet (TC started the flow but none of its packets left through the stack, or the flow is
-//!   new here), `N` is the node address of the FIB's egress device (`KP_NODE_ADDR4`, like TC
-//!   egress) and `np` is claimed with TC's [`allocate_port`].
+//!   here with TC's own backend choice): dst := `B:bp`, src := `N:np` kept in the flow's
+//!   `RevDnat` entry ([`snat_slot`], as TC egress finds it) — or, for a flow started here, in
+//!   its `Service` entry. When it has no SNAT address yet (TC started the flow but none of its
+//!   packets left through the stack, or the flow is new here), `N` is the node address of the
+//!   FIB's egress device (`KP_NODE_ADDR4`, like TC egress) and `np` is claimed with TC's
+//!   [`allocate_port`].
 //! - **Backend → client** (`B:bp → N:np`, its `SnatIn` entry exists): dst := `C:cp`, src :=
-//!   `F:fp` from the flow's `RevDnat` entry.
+//!   `F:fp` from the flow's `RevDnat` entry — or, for a flow started here, from beside the
+//!   client in the `SnatIn` entry.
+//!
+//! **Two entries per new flow.** A SNATed flow to a remote backend that starts here gets its
+//! `Service` and `SnatIn` entries only, marked `CT_F_NO_REV` (`kproxy_common::ct`): the
+//! `RevDnat` entry serves TC egress alone, and each connection-table insert is the largest
+//! part of a new flow's cost (kproxy-vs-Katran harness, 2026-11-27: 484–598 → 370–389 ns per
+//! new flow in one A/B session). A TC program that meets such a flow (a packet the fast path
+//! passed on, an ICMP error about it, XDP detached) creates the `RevDnat` entry then
+//! (`crate::flow::adopt_xdp_flow`, `adopt_xdp_reply`). Flows to local backends and flows whose
+//! fast path stops after the backend choice are recorded as TC records them.
 //!
 //! Then TTL − 1, the IPv4 and L4 checksums are updated by hand (RFC 1624; XDP has no skb
 //! checksum helpers, and a frame here carries a complete checksum), `bpf_fib_lookup` gives
@@ -66,14 +77,14 @@ use aya_ebpf::{
 };
 use kproxy_common::ct::{
     BACKEND_FWD_ENTRIES, BackendFwd, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND,
-    CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, FWD_GEN_WORDS,
+    CT_F_NO_REV, CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, FWD_GEN_WORDS,
     FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
 use crate::flow::{
-    KP_CT, KP_NODE_ADDR4, V4, allocate_port, choose_backend, flow_entry_in, insert_flow_in, now,
-    prandom, remix, snat_slot, touch,
+    Family, KP_CT, KP_NODE_ADDR4, V4, allocate_port, choose_backend, flow_entry_in, insert_flow_in,
+    key, now, prandom, remix, snat_slot, touch,
 };
 use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
@@ -520,9 +531,18 @@ pub(crate) fn forward(
         tcp_flags: p.tcp_flags,
         l4: p.l4,
     };
-    let Some((out, n_slot, np_slot)) = snat_slot(&out_pkt) else {
-        stat(XdpStat::PassState);
-        return xdp_action::XDP_PASS;
+    // The SNAT source: in the `Service` entry itself when the flow has no `RevDnat` entry
+    // (started here), else where TC egress finds it.
+    let no_rev = flags & CT_F_NO_REV != 0;
+    let (out, n_slot, np_slot) = if no_rev {
+        let (addr, port) = V4::snat_slot(svc_entry);
+        (svc_entry, addr, port)
+    } else {
+        let Some(slot) = snat_slot(&out_pkt) else {
+            stat(XdpStat::PassState);
+            return xdp_action::XDP_PASS;
+        };
+        slot
     };
     // SAFETY: fields of a lookup result, read by value.
     let (mut n_addr, mut n_port) = unsafe { (*n_slot, *np_slot) };
@@ -563,19 +583,21 @@ pub(crate) fn forward(
         fill(svc_entry, generation, in_if, h, &f, &eth, (n_addr, n_port));
     }
     touch(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
-    touch(out, p.tcp_flags, CT_F_FIN_ORIG);
+    if !no_rev {
+        touch(out, p.tcp_flags, CT_F_FIN_ORIG);
+    }
     stat(XdpStat::Forward);
     send(ctx, p, (n_addr, n_port), be, f.ifindex, &eth)
 }
 
 /// A new flow `p` of `svc` (source range and endpoints already checked): the backend is
-/// chosen and the flow recorded exactly as TC would (its `Service` and `RevDnat` entries, and
-/// its `SnatIn` entry once the SNAT port is claimed); remote → forwarded, local → passed (TC
-/// then sees an established flow). The FIB lookup and the port claim come before the two
-/// inserts, so the entries are written with their SNAT source (no lookup of the `RevDnat`
-/// entry just inserted, no second write); one random number serves the backend slot and the
-/// port. Whatever stops the fast path after the backend is chosen still records the flow
-/// (without a SNAT source), as before, and passes it to TC.
+/// chosen as TC would; remote → its `SnatIn` entry (the SNAT port claim, with the frontend
+/// beside the client) and its `Service` entry (with the SNAT source), no `RevDnat` entry
+/// (`CT_F_NO_REV`, module docs), and forwarded; local → recorded as TC records a flow and
+/// passed (TC then sees an established flow). The FIB lookup and the port claim come before
+/// the `Service` insert, so it is written once, complete; one random number serves the
+/// backend slot and the port. Whatever stops the fast path after the backend is chosen still
+/// records the flow as TC would (without a SNAT source), and passes it to TC.
 #[inline(always)]
 pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceValue) -> u32 {
     let ts = now();
@@ -603,14 +625,22 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
         tcp_flags: p.tcp_flags,
         l4: p.l4,
     };
-    // The `SnatIn` entry is the template with the client as NAT address, as when TC egress
-    // claims the port from the `RevDnat` entry.
+    // No `RevDnat` entry (`CT_F_NO_REV`): the `SnatIn` entry is the template with the client
+    // as NAT address and the frontend beside it, the `Service` entry holds the SNAT source.
+    entry.flags |= CT_F_NO_REV;
+    entry.snat_addr = p.daddr;
+    entry.snat_port = p.dport;
     let Some(port) = allocate_port(&out_pkt, route.node, &entry, Some(remix(rnd))) else {
+        entry.flags &= !CT_F_NO_REV;
+        entry.snat_addr = 0;
+        entry.snat_port = 0;
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
     };
     entry.snat_addr = route.node;
     entry.snat_port = port;
-    if insert_flow_in::<V4>(p, be_addr, be_port, entry).is_err() {
+    if KP_CT.insert(&key(p, CtKind::Service), &entry, 0).is_err() {
+        let k = V4::key(be_addr, route.node, be_port, port, p.proto, CtKind::SnatIn);
+        let _ = KP_CT.remove(&k);
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
     }
@@ -668,21 +698,29 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
         // SAFETY: lookup result, a field address.
         return send(ctx, p, frontend, client, out_if, unsafe { &(*snat_in).fwd.eth });
     }
-    let rev = CtKey {
-        saddr: p.saddr,
-        daddr: client.0,
-        sport: p.sport,
-        dport: client.1,
-        proto: p.proto,
-        kind: CtKind::RevDnat as u8,
-        _pad: [0; 2],
-    };
-    let Some(r) = KP_CT.get_ptr_mut(rev) else {
-        stat(XdpStat::PassState);
-        return xdp_action::XDP_PASS;
-    };
+    // The frontend: beside the client in the `SnatIn` entry when the flow has no `RevDnat`
+    // entry (started here), else the `RevDnat` entry's NAT address.
     // SAFETY: lookup result, read by value.
-    let frontend = unsafe { ((*r).nat_addr, (*r).nat_port) };
+    let (flags, beside) = unsafe { ((*snat_in).flags, ((*snat_in).snat_addr, (*snat_in).snat_port)) };
+    let (frontend, rev) = if flags & CT_F_NO_REV != 0 {
+        (beside, None)
+    } else {
+        let k = CtKey {
+            saddr: p.saddr,
+            daddr: client.0,
+            sport: p.sport,
+            dport: client.1,
+            proto: p.proto,
+            kind: CtKind::RevDnat as u8,
+            _pad: [0; 2],
+        };
+        let Some(r) = KP_CT.get_ptr_mut(k) else {
+            stat(XdpStat::PassState);
+            return xdp_action::XDP_PASS;
+        };
+        // SAFETY: lookup result, read by value.
+        (unsafe { ((*r).nat_addr, (*r).nat_port) }, Some(r))
+    };
     let Ok(f) = fib(ctx, h, p.proto, frontend, client) else {
         return xdp_action::XDP_PASS;
     };
@@ -691,7 +729,9 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
         fill(snat_in, generation, in_if, h, &f, &eth, frontend);
     }
     touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
-    touch(r, p.tcp_flags, CT_F_FIN_REPLY);
+    if let Some(r) = rev {
+        touch(r, p.tcp_flags, CT_F_FIN_REPLY);
+    }
     stat(XdpStat::Reply);
     send(ctx, p, frontend, client, f.ifindex, &eth)
 }

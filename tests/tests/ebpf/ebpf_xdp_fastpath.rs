@@ -28,8 +28,8 @@ use kproxy::kernel::addresses::NodeAddresses;
 use kproxy::kernel::addresses::scan;
 use kproxy_common::counter::CounterSlot;
 use kproxy_common::ct::{
-    BACKEND_FWD_ENTRIES, BackendFwd, CtEntry, CtKey, CtKind, FWD_GEN_PER_BACKEND, MAP_BACKEND_FWD,
-    MAP_CT, MAP_FWD_GEN,
+    BACKEND_FWD_ENTRIES, BackendFwd, CT_F_NO_REV, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind,
+    FWD_GEN_PER_BACKEND, MAP_BACKEND_FWD, MAP_CT, MAP_FWD_GEN,
 };
 use kproxy_common::service::{
     BE_F_LOCAL, PROTO_TCP, PROTO_UDP, SCOPE_CLUSTER, SCOPE_EXTERNAL, SVC_F_NODE_PORT, ServiceValue,
@@ -282,8 +282,13 @@ impl Conn {
             .run(move || TcpStream::connect_timeout(&dst, LIVENESS))
             .unwrap()
             .unwrap_or_else(|e| panic!("connecting to {dst}: {e}"));
-        stream.set_read_timeout(Some(LIVENESS)).unwrap();
         assert_eq!(stream.peer_addr().unwrap(), dst);
+        Conn::greeted(stream)
+    }
+
+    /// A connected stream, once the backend's greeting is read.
+    fn greeted(stream: TcpStream) -> Conn {
+        stream.set_read_timeout(Some(LIVENESS)).unwrap();
         let mut stream = BufReader::new(stream);
         let mut greeting = String::new();
         stream.read_line(&mut greeting).unwrap();
@@ -1048,4 +1053,237 @@ fn new_flows_take_a_rewritten_node_address() {
     let c = Conn::open(&rig.topo.client, REMOTE_PORT);
     assert_eq!(c.backend, "pod-r0");
     assert_eq!(*c.peer_seen.ip(), OTHER, "SNAT source: {}", c.peer_seen);
+}
+
+/// Every entry of the flow whose `Service` entry is the client's from port `cport`: the
+/// entries sharing its creation time and backend (how the agent's expiry groups a flow).
+fn flow_entries(ebpf: &Ebpf, cport: u16) -> Vec<(CtKey, CtEntry)> {
+    let svc = service_entry(ebpf, cport);
+    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
+    let mut v: Vec<(CtKey, CtEntry)> = ct
+        .iter()
+        .map(Result::unwrap)
+        .filter(|(_, e)| e.created_ns == svc.created_ns && e.backend_id == svc.backend_id)
+        .collect();
+    v.sort_by_key(|(k, _)| k.kind);
+    v
+}
+
+fn kinds(entries: &[(CtKey, CtEntry)]) -> Vec<u8> {
+    entries.iter().map(|(k, _)| k.kind).collect()
+}
+
+fn be32(ip: std::net::Ipv4Addr) -> u32 {
+    u32::from_ne_bytes(ip.octets())
+}
+
+/// A flow the fast path starts gets two connection-table entries, not three
+/// (`kproxy_common::ct::CT_F_NO_REV`): its `Service` entry holds the SNAT source, its `SnatIn`
+/// entry the frontend, and both directions are translated from them. Once XDP is gone, the
+/// first packets through TC create the `RevDnat` entry TC egress needs — from the `Service`
+/// entry going out, from the `SnatIn` entry coming back — with the same translation.
+#[test]
+fn an_xdp_flow_gets_its_reverse_entry_only_when_tc_needs_it() {
+    if !require_root() {
+        return;
+    }
+    let mut rig = Rig::new("xdp-norev");
+    rig.warm_neighbours();
+    rig.attach_xdp();
+    let before = rig.stats();
+    let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
+    assert_snat(&c);
+    c.exchange(3);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "new_flow"), 1, "{after:?}");
+    assert_eq!(after.tc_translated(&before), 0, "{after:?}");
+    let cport = c.stream.get_ref().local_addr().unwrap().port();
+    let (snat, np) = (*c.peer_seen.ip(), c.peer_seen.port());
+    let remote = rig.topo.pod("pod-r0").ip;
+
+    let e = flow_entries(&rig.ebpf, cport);
+    let (svc, snat_in) = (CtKind::Service as u8, CtKind::SnatIn as u8);
+    assert_eq!(kinds(&e), [svc, snat_in], "{e:?}");
+    let (_, s) = e[0];
+    assert_ne!(s.flags & CT_F_NO_REV, 0, "{s:?}");
+    assert_eq!((s.nat_addr, s.nat_port), (be32(remote), POD_PORT.to_be()));
+    assert_eq!((s.snat_addr, s.snat_port), (be32(snat), np.to_be()));
+    let (k, i) = e[1];
+    assert_eq!((k.saddr, k.sport), (be32(remote), POD_PORT.to_be()));
+    assert_eq!((k.daddr, k.dport), (be32(snat), np.to_be()));
+    assert_eq!((i.nat_addr, i.nat_port), (be32(CLIENT_IP), cport.to_be()));
+    assert_eq!(
+        (i.snat_addr, i.snat_port),
+        (be32(NODE_IP), REMOTE_PORT.to_be())
+    );
+    assert_ne!(i.flags & CT_F_NO_REV, 0, "{i:?}");
+
+    rig.detach_xdp();
+    let before = rig.stats();
+    c.exchange(3);
+    let after = rig.stats();
+    assert!(after.tc_delta(&before, "snat") >= 3, "{after:?}");
+    assert!(after.tc_delta(&before, "reply") >= 6, "{after:?}");
+    let e = flow_entries(&rig.ebpf, cport);
+    let rev = CtKind::RevDnat as u8;
+    assert_eq!(kinds(&e), [svc, rev, snat_in], "{e:?}");
+    let (k, r) = e[1];
+    assert_eq!((k.saddr, k.sport), (be32(remote), POD_PORT.to_be()));
+    assert_eq!((k.daddr, k.dport), (be32(CLIENT_IP), cport.to_be()));
+    assert_eq!(
+        (r.nat_addr, r.nat_port),
+        (be32(NODE_IP), REMOTE_PORT.to_be())
+    );
+    assert_eq!((r.snat_addr, r.snat_port), (be32(snat), np.to_be()));
+    assert_eq!(
+        r.flags & (CT_F_SNAT_HERE | CT_F_NO_REV),
+        CT_F_SNAT_HERE,
+        "{r:?}"
+    );
+    for (k, x) in [e[0], e[2]] {
+        assert_eq!(x.flags & CT_F_NO_REV, 0, "cleared in {k:?}: {x:?}");
+    }
+}
+
+/// An ICMP error about a flow the fast path started (no `RevDnat` entry yet) reaches the
+/// client translated: a datagram to a NodePort whose backend has nothing listening on its
+/// port is forwarded by XDP; the backend's port unreachable comes back to the SNAT source,
+/// XDP passes it (ICMP), TC ingress gives it back its client through the `SnatIn` entry and
+/// creates the `RevDnat` entry from it, with which TC egress names the frontend in the quote
+/// and as sender — so the client's connected socket sees "connection refused".
+#[test]
+fn icmp_errors_about_an_xdp_started_flow_reach_the_client_translated() {
+    if !require_root() {
+        return;
+    }
+    const CLOSED_PORT: u16 = 30082;
+    const NOBODY: u16 = 9;
+    let mut rig = Rig::new("xdp-icmp");
+    let remote = rig.topo.pod("pod-r0").ip;
+    backend(&mut rig.ebpf, 3, remote, NOBODY, 0);
+    slots(&mut rig.ebpf, 3, &[3]);
+    for scope in [SCOPE_CLUSTER, SCOPE_EXTERNAL] {
+        frontend(
+            &mut rig.ebpf,
+            NODE_IP,
+            CLOSED_PORT,
+            PROTO_UDP,
+            scope,
+            service(0, 3, 1),
+        );
+    }
+    rig.warm_neighbours();
+    rig.attach_xdp();
+    let before = rig.stats();
+    let refused = rig
+        .topo
+        .client
+        .run(|| {
+            let sock = UdpSocket::bind((CLIENT_IP, 0)).unwrap();
+            sock.connect((NODE_IP, CLOSED_PORT)).unwrap();
+            sock.set_read_timeout(Some(LIVENESS)).unwrap();
+            sock.send(b"anyone?").unwrap();
+            let mut buf = [0u8; 64];
+            (sock.recv(&mut buf), sock.local_addr().unwrap().port())
+        })
+        .unwrap();
+    let after = rig.stats();
+    let (result, cport) = refused;
+    assert_eq!(
+        result.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "{after:?}"
+    );
+    assert_eq!(after.xdp_delta(&before, "new_flow"), 1, "{after:?}");
+    assert_eq!(after.xdp_delta(&before, "forward"), 1, "{after:?}");
+    assert!(after.tc_delta(&before, "icmp_error") >= 2, "{after:?}");
+    let e = flow_entries(&rig.ebpf, cport);
+    assert!(
+        e.iter().any(|(k, _)| k.kind == CtKind::RevDnat as u8),
+        "adopted: {e:?}"
+    );
+}
+
+impl Conn {
+    /// [`Conn::open`] from client port `cport` (bound first, `SO_REUSEADDR`).
+    fn open_from(client: &Netns, cport: u16, port: u16) -> Conn {
+        use nix::sys::socket::{
+            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
+            sockopt,
+        };
+        use std::os::fd::AsRawFd;
+        let stream = client
+            .run(move || -> nix::Result<TcpStream> {
+                let fd = socket(
+                    AddressFamily::Inet,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                )?;
+                setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+                bind(
+                    fd.as_raw_fd(),
+                    &SockaddrIn::from(SocketAddrV4::new(CLIENT_IP, cport)),
+                )?;
+                connect(
+                    fd.as_raw_fd(),
+                    &SockaddrIn::from(SocketAddrV4::new(NODE_IP, port)),
+                )?;
+                Ok(TcpStream::from(fd))
+            })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connecting from port {cport}: {e}"));
+        Conn::greeted(stream)
+    }
+
+    /// Closes with a RST (`SO_LINGER` 0).
+    fn reset(self) {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        setsockopt(self.stream.get_ref(), sockopt::Linger, &linger).unwrap();
+    }
+}
+
+/// A client reusing its port after a reset gets a new flow, and the old flow started by the
+/// fast path (no `RevDnat` entry) leaves nothing behind: its `SnatIn` entry, found through the
+/// SNAT source its `Service` entry holds, goes with it (`crate::flow::end_flow`).
+#[test]
+fn a_reopened_xdp_flow_leaves_no_entry_behind() {
+    if !require_root() {
+        return;
+    }
+    const CPORT: u16 = 43_210;
+    let mut rig = Rig::new("xdp-reopen");
+    rig.warm_neighbours();
+    rig.attach_xdp();
+    let mut old = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
+    assert_snat(&old);
+    old.exchange(1);
+    let created = service_entry(&rig.ebpf, CPORT).created_ns;
+    assert_eq!(flow_entries(&rig.ebpf, CPORT).len(), 2);
+    old.reset();
+    let before = rig.settled_stats();
+    let mut new = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
+    assert_snat(&new);
+    new.exchange(1);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "new_flow"), 1, "{after:?}");
+    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(rig.ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
+    let left: Vec<(CtKey, CtEntry)> = ct
+        .iter()
+        .map(Result::unwrap)
+        .filter(|(_, e)| e.created_ns == created)
+        .collect();
+    assert!(left.is_empty(), "the old flow's entries: {left:?}");
+    let e = flow_entries(&rig.ebpf, CPORT);
+    assert_eq!(
+        kinds(&e),
+        [CtKind::Service as u8, CtKind::SnatIn as u8],
+        "{e:?}"
+    );
 }
