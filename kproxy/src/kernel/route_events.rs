@@ -6,8 +6,11 @@
 //!
 //! The callback runs on the watcher's own thread, at most once per batch of messages read
 //! together (a burst of neighbour updates costs one call), and also when the socket overflowed
-//! (`ENOBUFS`: messages were lost, so something may have changed). Message contents are not
-//! parsed: any announcement counts.
+//! (`ENOBUFS`: messages were lost, so something may have changed). It is told whether the
+//! batch held a route or policy-rule announcement ([`Batch::routes_or_rules`], from the
+//! messages' types; lost messages count as one): what the routing policy check
+//! (`kernel::routing_policy`) reads can change only then, so neighbour and address updates
+//! do not cost a dump of every route.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -93,10 +96,43 @@ fn open(groups: u32) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// What a batch of announcements held, as [`RouteWatch`]'s callback is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Batch {
+    /// A route or policy-rule announcement (`RTM_{NEW,DEL}{ROUTE,RULE}`), or lost messages.
+    pub routes_or_rules: bool,
+}
+
+/// `RTM_*` message types (uapi `linux/rtnetlink.h`).
+const RTM_NEWROUTE: u16 = 24;
+const RTM_DELROUTE: u16 = 25;
+const RTM_NEWRULE: u16 = 32;
+const RTM_DELRULE: u16 = 33;
+/// `struct nlmsghdr`'s size; messages are aligned to 4 bytes (`NLMSG_ALIGN`).
+const NLMSG_HDRLEN: usize = 16;
+
+/// Whether the netlink datagram `msgs` holds a route or rule announcement (walks its
+/// `nlmsghdr`s; a truncated header or an impossible length ends the walk).
+pub fn announces_routes_or_rules(msgs: &[u8]) -> bool {
+    let mut off = 0;
+    while off + NLMSG_HDRLEN <= msgs.len() {
+        let len = u32::from_ne_bytes(msgs[off..off + 4].try_into().expect("4 bytes")) as usize;
+        let ty = u16::from_ne_bytes(msgs[off + 4..off + 6].try_into().expect("2 bytes"));
+        if matches!(ty, RTM_NEWROUTE | RTM_DELROUTE | RTM_NEWRULE | RTM_DELRULE) {
+            return true;
+        }
+        if len < NLMSG_HDRLEN {
+            break;
+        }
+        off += (len + 3) & !3;
+    }
+    false
+}
+
 /// What one receive saw.
 enum Seen {
-    /// At least one announcement, or lost ones (`ENOBUFS`).
-    Change,
+    /// At least one announcement, or lost ones (`ENOBUFS`); what the batch then holds.
+    Change(Batch),
     /// Nothing within the timeout.
     Quiet,
 }
@@ -107,7 +143,8 @@ fn receive(fd: &OwnedFd, buf: &mut [u8], flags: libc::c_int) -> io::Result<Seen>
         // SAFETY: `buf` is a valid writable buffer of the length passed.
         let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), flags) };
         if n > 0 {
-            return Ok(Seen::Change);
+            let routes_or_rules = announces_routes_or_rules(&buf[..n as usize]);
+            return Ok(Seen::Change(Batch { routes_or_rules }));
         }
         if n == 0 {
             return Ok(Seen::Quiet);
@@ -116,7 +153,11 @@ fn receive(fd: &OwnedFd, buf: &mut [u8], flags: libc::c_int) -> io::Result<Seen>
         match e.raw_os_error() {
             Some(libc::EINTR) => continue,
             Some(libc::EAGAIN) => return Ok(Seen::Quiet),
-            Some(libc::ENOBUFS) => return Ok(Seen::Change),
+            Some(libc::ENOBUFS) => {
+                return Ok(Seen::Change(Batch {
+                    routes_or_rules: true,
+                }));
+            }
             _ => return Err(e),
         }
     }
@@ -125,8 +166,9 @@ fn receive(fd: &OwnedFd, buf: &mut [u8], flags: libc::c_int) -> io::Result<Seen>
 impl RouteWatch {
     /// Joins the rtnetlink groups of [`ROUTING_GROUPS`] in the calling thread's network
     /// namespace (before returning, so no change made after this call is missed) and calls
-    /// `on_change` from a thread of its own after each batch of announcements.
-    pub fn spawn(mut on_change: impl FnMut() + Send + 'static) -> io::Result<RouteWatch> {
+    /// `on_change` from a thread of its own after each batch of announcements, with what the
+    /// batch held.
+    pub fn spawn(mut on_change: impl FnMut(Batch) + Send + 'static) -> io::Result<RouteWatch> {
         let fd = open(ROUTING_GROUPS)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -137,22 +179,24 @@ impl RouteWatch {
                 while !flag.load(Ordering::Relaxed) {
                     match receive(&fd, &mut buf, 0) {
                         Ok(Seen::Quiet) => continue,
-                        Ok(Seen::Change) => {
+                        Ok(Seen::Change(mut batch)) => {
                             // Drain what is queued (a bounded number: a steady stream
                             // still calls back), then call back once.
                             for _ in 0..DRAIN_MAX {
-                                if !matches!(
-                                    receive(&fd, &mut buf, libc::MSG_DONTWAIT),
-                                    Ok(Seen::Change)
-                                ) {
-                                    break;
+                                match receive(&fd, &mut buf, libc::MSG_DONTWAIT) {
+                                    Ok(Seen::Change(more)) => {
+                                        batch.routes_or_rules |= more.routes_or_rules;
+                                    }
+                                    _ => break,
                                 }
                             }
-                            on_change();
+                            on_change(batch);
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "routing change notifications failed");
-                            on_change();
+                            on_change(Batch {
+                                routes_or_rules: true,
+                            });
                             std::thread::sleep(POLL);
                         }
                     }
@@ -171,5 +215,47 @@ impl Drop for RouteWatch {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A netlink message of type `ty` with `payload` bytes, padded to 4.
+    fn msg(ty: u16, payload: usize) -> Vec<u8> {
+        let len = NLMSG_HDRLEN + payload;
+        let mut m = Vec::new();
+        m.extend_from_slice(&(len as u32).to_ne_bytes());
+        m.extend_from_slice(&ty.to_ne_bytes());
+        m.extend_from_slice(&[0; 10]);
+        m.resize(len.div_ceil(4) * 4, 0);
+        m
+    }
+
+    const RTM_NEWNEIGH: u16 = 28;
+    const RTM_NEWADDR: u16 = 20;
+    const RTM_NEWLINK: u16 = 16;
+
+    #[test]
+    fn route_and_rule_messages_are_told_apart_from_the_others() {
+        for ty in [RTM_NEWROUTE, RTM_DELROUTE, RTM_NEWRULE, RTM_DELRULE] {
+            assert!(announces_routes_or_rules(&msg(ty, 44)), "type {ty}");
+        }
+        for ty in [RTM_NEWNEIGH, RTM_NEWADDR, RTM_NEWLINK] {
+            assert!(!announces_routes_or_rules(&msg(ty, 44)), "type {ty}");
+        }
+        // Several messages in one datagram (unaligned payload lengths): any route counts.
+        let mut d = msg(RTM_NEWNEIGH, 37);
+        d.extend(msg(RTM_NEWADDR, 5));
+        assert!(!announces_routes_or_rules(&d));
+        d.extend(msg(RTM_DELROUTE, 1));
+        assert!(announces_routes_or_rules(&d));
+        // A zero length ends the walk instead of looping; a truncated header is ignored.
+        let mut z = msg(RTM_NEWNEIGH, 0);
+        z[..4].copy_from_slice(&0u32.to_ne_bytes());
+        z.extend(msg(RTM_NEWROUTE, 0));
+        assert!(!announces_routes_or_rules(&z));
+        assert!(!announces_routes_or_rules(&msg(RTM_NEWROUTE, 0)[..8]));
     }
 }

@@ -79,7 +79,7 @@ use kproxy_common::ct::{
 };
 
 use crate::dataplane::ebpf::node_path::TcError;
-use crate::kernel::route_events::RouteWatch;
+use crate::kernel::route_events::{Batch, RouteWatch};
 use crate::kernel::routing_policy;
 
 /// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
@@ -285,7 +285,14 @@ impl FwdGen {
         let array = Array::<_, u32>::try_from(Map::Array(data)).map_err(TcError::map(name))?;
         let map = Arc::new(Mutex::new(array));
         let watched = map.clone();
-        let watch = match RouteWatch::spawn(move || bump(&watched, per_backend_allowed())) {
+        // The policy check dumps every rule and route: only when routes or rules changed.
+        let mut allowed = None;
+        let watch = match RouteWatch::spawn(move |batch: Batch| {
+            if batch.routes_or_rules || allowed.is_none() {
+                allowed = Some(per_backend_allowed());
+            }
+            bump(&watched, allowed == Some(true));
+        }) {
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!(error = %e, "no routing change notifications: the XDP fast path \
