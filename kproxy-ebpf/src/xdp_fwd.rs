@@ -53,7 +53,7 @@
 //! still enabled for the fast path. **Exactness**: that lookup uses the client's address as
 //! source, so one answer serves every client only when routing ignores the source — the
 //! kernel's default policy rules only (no source, iif or fwmark selectors) and no multipath
-//! or TOS-keyed routes. The agent checks that on every routing announcement and allows the
+//! or TOS-keyed routes. The agent checks that on every route or rule announcement and allows the
 //! cache (`KP_FWD_GEN[FWD_GEN_PER_BACKEND]` ≠ 0) only then; otherwise every new flow looks
 //! its route up, as before. It also moves the generation after it rewrites `KP_NODE_ADDR4`.
 //!
