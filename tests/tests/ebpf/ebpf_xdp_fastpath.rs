@@ -300,6 +300,47 @@ impl Conn {
         }
     }
 
+    /// [`Conn::open`] from client port `cport` (bound first, `SO_REUSEADDR`).
+    fn open_from(client: &Netns, cport: u16, port: u16) -> Conn {
+        use nix::sys::socket::{
+            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
+            sockopt,
+        };
+        use std::os::fd::AsRawFd;
+        let stream = client
+            .run(move || -> nix::Result<TcpStream> {
+                let fd = socket(
+                    AddressFamily::Inet,
+                    SockType::Stream,
+                    SockFlag::SOCK_CLOEXEC,
+                    None,
+                )?;
+                setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+                bind(
+                    fd.as_raw_fd(),
+                    &SockaddrIn::from(SocketAddrV4::new(CLIENT_IP, cport)),
+                )?;
+                connect(
+                    fd.as_raw_fd(),
+                    &SockaddrIn::from(SocketAddrV4::new(NODE_IP, port)),
+                )?;
+                Ok(TcpStream::from(fd))
+            })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connecting from port {cport}: {e}"));
+        Conn::greeted(stream)
+    }
+
+    /// Closes with a RST (`SO_LINGER` 0).
+    fn reset(self) {
+        use nix::sys::socket::{setsockopt, sockopt};
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        setsockopt(self.stream.get_ref(), sockopt::Linger, &linger).unwrap();
+    }
+
     /// `n` request/echo round trips (one data segment each way per trip).
     fn exchange(&mut self, n: usize) {
         for i in 0..n {
@@ -1203,49 +1244,6 @@ fn icmp_errors_about_an_xdp_started_flow_reach_the_client_translated() {
         e.iter().any(|(k, _)| k.kind == CtKind::RevDnat as u8),
         "adopted: {e:?}"
     );
-}
-
-impl Conn {
-    /// [`Conn::open`] from client port `cport` (bound first, `SO_REUSEADDR`).
-    fn open_from(client: &Netns, cport: u16, port: u16) -> Conn {
-        use nix::sys::socket::{
-            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
-            sockopt,
-        };
-        use std::os::fd::AsRawFd;
-        let stream = client
-            .run(move || -> nix::Result<TcpStream> {
-                let fd = socket(
-                    AddressFamily::Inet,
-                    SockType::Stream,
-                    SockFlag::SOCK_CLOEXEC,
-                    None,
-                )?;
-                setsockopt(&fd, sockopt::ReuseAddr, &true)?;
-                bind(
-                    fd.as_raw_fd(),
-                    &SockaddrIn::from(SocketAddrV4::new(CLIENT_IP, cport)),
-                )?;
-                connect(
-                    fd.as_raw_fd(),
-                    &SockaddrIn::from(SocketAddrV4::new(NODE_IP, port)),
-                )?;
-                Ok(TcpStream::from(fd))
-            })
-            .unwrap()
-            .unwrap_or_else(|e| panic!("connecting from port {cport}: {e}"));
-        Conn::greeted(stream)
-    }
-
-    /// Closes with a RST (`SO_LINGER` 0).
-    fn reset(self) {
-        use nix::sys::socket::{setsockopt, sockopt};
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        setsockopt(self.stream.get_ref(), sockopt::Linger, &linger).unwrap();
-    }
 }
 
 /// A client reusing its port after a reset gets a new flow, and the old flow started by the
