@@ -8,7 +8,8 @@
 //! counter ([`BASELINE`]); new flow and reverse NAT can only be timed one run per test run
 //! (see [`super::tc_path`]), which adds the test-run timer's own cost, so their baseline is
 //! the counter measured that way too ([`BASELINE_SINGLE`]). The XDP program with its NodePort
-//! fast path (`kp_xdp`: new flow, established, reverse, miss; see [`super::tc_path::XDP_CASES`])
+//! fast path (`kp_xdp`: new flow, established, reverse, miss, and new flows to one frontend;
+//! see [`super::tc_path::XDP_CASES`])
 //! is timed at every scale too, forwarded cases against [`BASELINE_SINGLE`], `miss` against
 //! [`BASELINE`].
 //!
@@ -252,7 +253,9 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         if xdp {
             for case in super::tc_path::XDP_CASES {
                 let base = super::tc_path::xdp_baseline(case);
-                ids.push((xdp_id(case, scale), "ebpf", scale, Some(base), true));
+                // The one-frontend case is a reference for the anchor harness, no target.
+                let targeted = case != "new-flow-one-frontend";
+                ids.push((xdp_id(case, scale), "ebpf", scale, Some(base), targeted));
             }
         }
     }

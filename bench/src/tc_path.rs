@@ -110,8 +110,18 @@ pub const FLOOR_CASES: [&str; 3] = ["floor-ct-lookup", "floor-ct-insert", "floor
 /// - `reverse`: the backend's ACK to the SNAT address (reverse SNAT + reverse DNAT, from the
 ///   reply direction's cache), one run per test run;
 /// - `miss`: not a frontend (passed after the frontend filter, and the frontend lookups its
-///   false positives let through), `repeat` runs per test run.
-pub const XDP_CASES: [&str; 4] = ["new-flow", "established", "reverse", "miss"];
+///   false positives let through), `repeat` runs per test run;
+/// - `new-flow-one-frontend`: `new-flow` with every flow to one frontend (service 0's), the
+///   workload of the kproxy-vs-Katran harness's `new_1` (every new flow to one VIP), so the
+///   two figures can be compared directly; `new-flow` spreads its flows over 256 services,
+///   whose frontend and slot reads are colder.
+pub const XDP_CASES: [&str; 5] = [
+    "new-flow",
+    "established",
+    "reverse",
+    "miss",
+    "new-flow-one-frontend",
+];
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
@@ -386,11 +396,16 @@ impl TcBench {
     }
 
     fn flow_frames(&mut self, flags: u8) -> Vec<Vec<u8>> {
+        self.flow_frames_to(flags, None)
+    }
+
+    /// [`Self::flow_frames`], all to service `only` when given.
+    fn flow_frames_to(&mut self, flags: u8, only: Option<u32>) -> Vec<Vec<u8>> {
         let base = self.next_port;
         self.next_port += FLOWS;
         (0..FLOWS)
             .map(|j| {
-                let svc = (j.wrapping_mul(7919)) % self.services.max(1);
+                let svc = only.unwrap_or((j.wrapping_mul(7919)) % self.services.max(1));
                 let sport = 1024 + (base + j) % 64_000;
                 let cip = Ipv4Addr::from(u32::from(CLIENT) + (base + j) / 64_000);
                 tcp_frame((cip, sport as u16), (ext_ip(svc), 80), flags)
@@ -475,16 +490,18 @@ impl TcBench {
     ) -> anyhow::Result<Sample> {
         let passes = (runs / FLOWS).max(1);
         // Frames of fresh flows (and, per flow, its service), taken before entering the netns.
-        let warm_up: Vec<Vec<u8>> = if case == "new-flow" {
+        let only = (case == "new-flow-one-frontend").then_some(0);
+        let new_flow = case == "new-flow" || only.is_some();
+        let warm_up: Vec<Vec<u8>> = if new_flow {
             (0..WARM_UP_PASSES)
-                .flat_map(|_| self.flow_frames(SYN))
+                .flat_map(|_| self.flow_frames_to(SYN, only))
                 .collect()
         } else {
             vec![]
         };
         let fresh: Vec<Vec<u8>> = match case {
-            "new-flow" => (0..passes.min(4))
-                .flat_map(|_| self.flow_frames(SYN))
+            "new-flow" | "new-flow-one-frontend" => (0..passes.min(4))
+                .flat_map(|_| self.flow_frames_to(SYN, only))
                 .collect(),
             "established" | "reverse" => self.flow_frames(SYN),
             "miss" => (0..4)
@@ -503,7 +520,7 @@ impl TcBench {
             };
             let mut paired = Paired::new(counter);
             match case {
-                "new-flow" => {
+                "new-flow" | "new-flow-one-frontend" => {
                     // Unrecorded first: the first inserts after other work are slower
                     // (the harness's warm-up).
                     for f in &warm_up {
@@ -583,7 +600,7 @@ impl TcBench {
             }
             Ok(paired.sample())
         })?;
-        if case == "new-flow" {
+        if new_flow {
             Self::clear(&mut self.ebpf, MAP_CT)?;
         }
         sample

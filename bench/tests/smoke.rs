@@ -60,6 +60,8 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
         "packet/tc-service/floor-ct-lookup/1".to_string(),
         "packet/tc-service/floor-ct-insert/1".to_string(),
         "packet/tc-service/floor-new-flow/1".to_string(),
+        "packet/xdp-nodeport/new-flow/1".to_string(),
+        "packet/xdp-nodeport/new-flow-one-frontend/1".to_string(),
         format!("packet/tc-service/established/{}", plan.packet_scales[1]),
     ];
     for mode in ["ebpf", "iptables-nft", "iptables-legacy", "nftables"] {
