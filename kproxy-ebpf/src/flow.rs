@@ -153,24 +153,28 @@ pub(crate) fn reopens<F: Family>(svc: *mut F::Entry, tcp_flags: u8) -> bool {
 
 /// Deletes every entry of the flow whose `Service` entry `svc` a packet from `saddr:sport`
 /// found (see [`reopens`]): its `RevDnat` entry (at the backend the `Service` entry names),
-/// through it the `SnatIn` entry, and the `Service` entry itself; for a flow without a
-/// `RevDnat` entry ([`CT_F_NO_REV`]) its `SnatIn` entry, at the SNAT source the `Service`
-/// entry holds (the `Service` entry is overwritten by the new flow). A BPF-to-BPF call with
+/// through it the `SnatIn` entry, and the `Service` entry itself; for a flow the XDP fast
+/// path started ([`CT_F_NO_REV`] still set in its `Service` entry) its `SnatIn` entry, at the
+/// SNAT source the `Service` entry holds, and its `RevDnat` entry if a reply through TC
+/// created one (the `Service` entry is overwritten by the new flow). A BPF-to-BPF call with
 /// its own small stack frame (the IPv6 programs' stack is tight), on the rare path only.
 #[inline(never)]
 pub(crate) fn end_flow<F: Family>(svc: *mut F::Entry, saddr: &F::Addr, sport: u16, proto: u8) {
     // SAFETY: lookup result, fields read by value.
     if unsafe { *F::stamps(svc).1 } & CT_F_NO_REV != 0 {
         // SAFETY: as above.
-        let (k, created) = unsafe {
+        let (k, rk, created) = unsafe {
             let (be, be_port) = F::nat_slot(svc);
             let (node, node_port) = F::snat_slot(svc);
             (
                 F::key(*be, *node, *be_port, *node_port, proto, CtKind::SnatIn),
+                F::key(*be, *saddr, *be_port, sport, proto, CtKind::RevDnat),
                 F::created(svc),
             )
         };
         delete_if_of::<F>(&k, created);
+        // A reply through TC may have created it ([`adopt_xdp_reply`]).
+        delete_if_of::<F>(&rk, created);
         return;
     }
     // SAFETY: lookup result, fields read by value.

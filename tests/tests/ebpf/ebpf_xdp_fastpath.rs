@@ -1285,3 +1285,61 @@ fn a_reopened_xdp_flow_leaves_no_entry_behind() {
         "{e:?}"
     );
 }
+
+/// [`a_reopened_xdp_flow_leaves_no_entry_behind`] when only the replies went through TC: XDP
+/// on the client's link alone (node2's link a fast-path device for the frames it sends out,
+/// but without `kp_xdp`), so the flow starts in XDP, its replies reach TC ingress, which
+/// creates its `RevDnat` entry from the `SnatIn` entry, while its `Service` entry keeps
+/// `CT_F_NO_REV`. Reopening the tuple (toward another backend) must delete that `RevDnat`
+/// entry too.
+#[test]
+fn a_reopened_xdp_flow_whose_replies_took_tc_leaves_no_entry_behind() {
+    if !require_root() {
+        return;
+    }
+    const CPORT: u16 = 43_211;
+    let mut rig = Rig::new("xdp-reopen-tc");
+    rig.warm_neighbours();
+    let (xdp, ebpf) = (&mut rig.xdp, &mut rig.ebpf);
+    rig.topo
+        .node
+        .run(|| {
+            assert!(xdp.attach(ebpf, NODE_CLIENT_IF, XdpPolicy::Native).unwrap());
+            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                XdpPath::set_fast_path(ebpf, dev, true).unwrap();
+            }
+        })
+        .unwrap();
+    let before = rig.stats();
+    let mut old = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
+    assert_snat(&old);
+    old.exchange(2);
+    let after = rig.stats();
+    assert_eq!(after.xdp_delta(&before, "new_flow"), 1, "{after:?}");
+    assert!(after.tc_delta(&before, "reply") >= 3, "{after:?}");
+    let created = service_entry(&rig.ebpf, CPORT).created_ns;
+    let e = flow_entries(&rig.ebpf, CPORT);
+    let rev = CtKind::RevDnat as u8;
+    assert_eq!(
+        kinds(&e),
+        [CtKind::Service as u8, rev, CtKind::SnatIn as u8],
+        "the replies' RevDnat entry: {e:?}"
+    );
+    assert_ne!(e[0].1.flags & CT_F_NO_REV, 0, "{e:?}");
+    old.reset();
+    rig.settled_stats();
+    // The service now goes to the local pod: the new flow's entries have other keys than the
+    // old flow's, so none of them can hide a leftover by overwriting it.
+    slots(&mut rig.ebpf, 1, &[2]);
+    let mut new = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
+    assert_eq!(new.backend, "pod-l0");
+    new.exchange(1);
+    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(rig.ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
+    let left: Vec<(CtKey, CtEntry)> = ct
+        .iter()
+        .map(Result::unwrap)
+        .filter(|(_, e)| e.created_ns == created)
+        .collect();
+    assert!(left.is_empty(), "the old flow's entries: {left:?}");
+}
