@@ -1111,6 +1111,16 @@ fn flow_entries(ebpf: &Ebpf, cport: u16) -> Vec<(CtKey, CtEntry)> {
     v
 }
 
+/// Every connection-table entry created at `created` (the entries of one flow).
+fn entries_created_at(ebpf: &Ebpf, created: u64) -> Vec<(CtKey, CtEntry)> {
+    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
+        BpfHashMap::try_from(ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
+    ct.iter()
+        .map(Result::unwrap)
+        .filter(|(_, e)| e.created_ns == created)
+        .collect()
+}
+
 fn kinds(entries: &[(CtKey, CtEntry)]) -> Vec<u8> {
     entries.iter().map(|(k, _)| k.kind).collect()
 }
@@ -1270,13 +1280,7 @@ fn a_reopened_xdp_flow_leaves_no_entry_behind() {
     new.exchange(1);
     let after = rig.stats();
     assert_eq!(after.xdp_delta(&before, "new_flow"), 1, "{after:?}");
-    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
-        BpfHashMap::try_from(rig.ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
-    let left: Vec<(CtKey, CtEntry)> = ct
-        .iter()
-        .map(Result::unwrap)
-        .filter(|(_, e)| e.created_ns == created)
-        .collect();
+    let left = entries_created_at(&rig.ebpf, created);
     assert!(left.is_empty(), "the old flow's entries: {left:?}");
     let e = flow_entries(&rig.ebpf, CPORT);
     assert_eq!(
@@ -1334,12 +1338,6 @@ fn a_reopened_xdp_flow_whose_replies_took_tc_leaves_no_entry_behind() {
     let mut new = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
     assert_eq!(new.backend, "pod-l0");
     new.exchange(1);
-    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
-        BpfHashMap::try_from(rig.ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
-    let left: Vec<(CtKey, CtEntry)> = ct
-        .iter()
-        .map(Result::unwrap)
-        .filter(|(_, e)| e.created_ns == created)
-        .collect();
+    let left = entries_created_at(&rig.ebpf, created);
     assert!(left.is_empty(), "the old flow's entries: {left:?}");
 }
