@@ -440,18 +440,15 @@ fn release_reply_tuple<F: Family>(k: &F::Key, saddr: &F::Addr, sport: u16, proto
 /// and clears the bit in `svc`. On the rare path only (once per entry).
 #[inline(never)]
 pub(crate) fn adopt_xdp_flow(svc: *mut CtEntry, p: &Packet) {
-    // SAFETY: lookup result, copied; the flag cleared in place.
-    let rev = unsafe {
-        (*svc).flags &= !CT_F_NO_REV;
-        *svc
+    // SAFETY: lookup result, fields read by value.
+    let (be, snat) = unsafe {
+        (
+            ((*svc).nat_addr, (*svc).nat_port),
+            ((*svc).snat_addr, (*svc).snat_port),
+        )
     };
-    let k = V4::key(rev.nat_addr, p.saddr, rev.nat_port, p.sport, p.proto, CtKind::RevDnat);
-    install_rev_dnat(&k, &CtEntry {
-        nat_addr: p.daddr,
-        nat_port: p.dport,
-        fwd: FwdCache::default(),
-        ..rev
-    });
+    let k = V4::key(be.0, p.saddr, be.1, p.sport, p.proto, CtKind::RevDnat);
+    install_rev_dnat(svc, &k, (p.daddr, p.dport), snat);
 }
 
 /// [`adopt_xdp_flow`] from the other end: a TC program hit the `SnatIn` entry `snat_in` (at
@@ -461,30 +458,37 @@ pub(crate) fn adopt_xdp_flow(svc: *mut CtEntry, p: &Packet) {
 /// as SNAT source, and clears the bit.
 #[inline(never)]
 pub(crate) fn adopt_xdp_reply(snat_in: *mut CtEntry, k: &CtKey) {
-    // SAFETY: as in `adopt_xdp_flow`.
-    let e = unsafe {
-        (*snat_in).flags &= !CT_F_NO_REV;
-        *snat_in
+    // SAFETY: lookup result, fields read by value.
+    let (client, frontend) = unsafe {
+        (
+            ((*snat_in).nat_addr, (*snat_in).nat_port),
+            ((*snat_in).snat_addr, (*snat_in).snat_port),
+        )
     };
-    let rk = V4::key(k.saddr, e.nat_addr, k.sport, e.nat_port, k.proto, CtKind::RevDnat);
-    install_rev_dnat(&rk, &CtEntry {
-        nat_addr: e.snat_addr,
-        nat_port: e.snat_port,
-        snat_addr: k.daddr,
-        snat_port: k.dport,
-        fwd: FwdCache::default(),
-        ..e
-    });
+    let rk = V4::key(k.saddr, client.0, k.sport, client.1, k.proto, CtKind::RevDnat);
+    install_rev_dnat(snat_in, &rk, frontend, (k.daddr, k.dport));
 }
 
-/// Inserts `rev` (its `CT_F_NO_REV` cleared) at its flow's `RevDnat` key `k` (`B:bp → C:cp`)
-/// unless the flow's own entry is there already (another of its entries adopted it first).
-/// Another flow's entry on the tuple (the client port toward the same backend through
-/// another frontend) is taken over as a new flow takes it ([`release_reply_tuple`]).
+/// Clears [`CT_F_NO_REV`] in `hit` (an entry of a flow the XDP fast path started) and inserts
+/// the flow's `RevDnat` entry at `k` (`B:bp → C:cp`): `hit`'s copy with `frontend` as NAT
+/// address and `snat` as SNAT source — unless the flow's own entry is there already (another
+/// of its entries adopted it first). Another flow's entry on the tuple (the client port
+/// toward the same backend through another frontend) is taken over as a new flow takes it
+/// ([`release_reply_tuple`]).
 #[inline(always)]
-fn install_rev_dnat(k: &CtKey, rev: &CtEntry) {
-    let mut rev = *rev;
-    rev.flags &= !CT_F_NO_REV;
+fn install_rev_dnat(hit: *mut CtEntry, k: &CtKey, frontend: (u32, u16), snat: (u32, u16)) {
+    // SAFETY: lookup result: the flag cleared in place, then copied.
+    let rev = unsafe {
+        (*hit).flags &= !CT_F_NO_REV;
+        CtEntry {
+            nat_addr: frontend.0,
+            nat_port: frontend.1,
+            snat_addr: snat.0,
+            snat_port: snat.1,
+            fwd: FwdCache::default(),
+            ..*hit
+        }
+    };
     if KP_CT.insert(k, &rev, BPF_NOEXIST as u64).is_ok() {
         return;
     }

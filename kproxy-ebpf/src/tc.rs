@@ -220,21 +220,21 @@ pub fn kp_tc_eg(mut ctx: TcContext) -> i32 {
 #[inline(always)]
 fn ingress(ctx: &mut TcContext, p: &Packet) -> Result<Verdict, ()> {
     // A reply to a SNATed flow: give it back its client as destination.
-    let k = key(p, CtKind::SnatIn);
-    if in_snat_range(p.dport)
-        && let Some(e) = KP_CT.get_ptr_mut(&k)
-    {
-        touch(e, p.tcp_flags, CT_F_FIN_REPLY);
-        // SAFETY: lookup result, read by value.
-        let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
-        if flags & CT_F_NO_REV != 0 {
-            // Started by the XDP fast path: the egress toward the client needs its
-            // `RevDnat` entry.
-            adopt_xdp_reply(e, &k);
+    if in_snat_range(p.dport) {
+        let k = key(p, CtKind::SnatIn);
+        if let Some(e) = KP_CT.get_ptr_mut(&k) {
+            touch(e, p.tcp_flags, CT_F_FIN_REPLY);
+            // SAFETY: lookup result, read by value.
+            let (addr, port, flags) = unsafe { ((*e).nat_addr, (*e).nat_port, (*e).flags) };
+            if flags & CT_F_NO_REV != 0 {
+                // Started by the XDP fast path: the egress toward the client needs its
+                // `RevDnat` entry.
+                adopt_xdp_reply(e, &k);
+            }
+            rewrite(ctx, p, true, addr, port)?;
+            stat(TcStat::Reply);
+            return Ok(NEXT);
         }
-        rewrite(ctx, p, true, addr, port)?;
-        stat(TcStat::Reply);
-        return Ok(NEXT);
     }
     // An established flow keeps its backend (one lookup; see the module docs); a new
     // connection on a closed flow's tuple is a new flow (`crate::flow::reopens`).

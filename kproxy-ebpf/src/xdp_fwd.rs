@@ -627,15 +627,16 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
     };
     // No `RevDnat` entry (`CT_F_NO_REV`): the `SnatIn` entry is the template with the client
     // as NAT address and the frontend beside it, the `Service` entry holds the SNAT source.
-    entry.flags |= CT_F_NO_REV;
-    entry.snat_addr = p.daddr;
-    entry.snat_port = p.dport;
-    let Some(port) = allocate_port(&out_pkt, route.node, &entry, Some(remix(rnd))) else {
-        entry.flags &= !CT_F_NO_REV;
-        entry.snat_addr = 0;
-        entry.snat_port = 0;
+    let snat_in = CtEntry {
+        flags: entry.flags | CT_F_NO_REV,
+        snat_addr: p.daddr,
+        snat_port: p.dport,
+        ..entry
+    };
+    let Some(port) = allocate_port(&out_pkt, route.node, &snat_in, Some(remix(rnd))) else {
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
     };
+    entry.flags |= CT_F_NO_REV;
     entry.snat_addr = route.node;
     entry.snat_port = port;
     if KP_CT.insert(&key(p, CtKind::Service), &entry, 0).is_err() {
