@@ -29,8 +29,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
-    CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_NO_REV, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey, CtKind, DEFAULT_CT_ENTRIES,
-    FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES, close_state,
+    CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_NO_REV, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey,
+    CtKind, DEFAULT_CT_ENTRIES, FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
+    close_state,
 };
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
@@ -424,11 +425,27 @@ fn release_reply_tuple<F: Family>(k: &F::Key, saddr: &F::Addr, sport: u16, proto
         // The SNAT source is in the `RevDnat` entry (this build's flows) once allocated.
         if *F::stamps(e).1 & CT_F_SNAT_HERE != 0 && *snat_port != 0 {
             let (be, be_port) = F::key_src(k);
-            F::write_key(&mut s.key, be, &*snat, be_port, *snat_port, proto, CtKind::SnatIn);
+            F::write_key(
+                &mut s.key,
+                be,
+                &*snat,
+                be_port,
+                *snat_port,
+                proto,
+                CtKind::SnatIn,
+            );
             delete_if_of::<F>(&s.key, created);
         }
         let (front, front_port) = F::nat_slot(e);
-        F::write_key(&mut s.key, saddr, &*front, sport, *front_port, proto, CtKind::Service);
+        F::write_key(
+            &mut s.key,
+            saddr,
+            &*front,
+            sport,
+            *front_port,
+            proto,
+            CtKind::Service,
+        );
         delete_if_of::<F>(&s.key, created);
     }
 }
@@ -465,7 +482,14 @@ pub(crate) fn adopt_xdp_reply(snat_in: *mut CtEntry, k: &CtKey) {
             ((*snat_in).snat_addr, (*snat_in).snat_port),
         )
     };
-    let rk = V4::key(k.saddr, client.0, k.sport, client.1, k.proto, CtKind::RevDnat);
+    let rk = V4::key(
+        k.saddr,
+        client.0,
+        k.sport,
+        client.1,
+        k.proto,
+        CtKind::RevDnat,
+    );
     install_rev_dnat(snat_in, &rk, frontend, (k.daddr, k.dport));
 }
 
@@ -981,5 +1005,7 @@ pub(crate) fn allocate_port(
     template: &CtEntry,
     rnd: Option<u32>,
 ) -> Option<u16> {
-    allocate_port_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template, rnd)
+    allocate_port_in::<V4>(
+        p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template, rnd,
+    )
 }

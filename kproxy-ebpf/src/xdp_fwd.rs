@@ -77,8 +77,8 @@ use aya_ebpf::{
 };
 use kproxy_common::ct::{
     BACKEND_FWD_ENTRIES, BackendFwd, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND,
-    CT_F_NO_REV, CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, FWD_GEN_WORDS,
-    FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
+    CT_F_NO_REV, CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND,
+    FWD_GEN_WORDS, FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
@@ -697,12 +697,19 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
         touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
         stat(XdpStat::Reply);
         // SAFETY: lookup result, a field address.
-        return send(ctx, p, frontend, client, out_if, unsafe { &(*snat_in).fwd.eth });
+        return send(ctx, p, frontend, client, out_if, unsafe {
+            &(*snat_in).fwd.eth
+        });
     }
     // The frontend: beside the client in the `SnatIn` entry when the flow has no `RevDnat`
     // entry (started here), else the `RevDnat` entry's NAT address.
     // SAFETY: lookup result, read by value.
-    let (flags, beside) = unsafe { ((*snat_in).flags, ((*snat_in).snat_addr, (*snat_in).snat_port)) };
+    let (flags, beside) = unsafe {
+        (
+            (*snat_in).flags,
+            ((*snat_in).snat_addr, (*snat_in).snat_port),
+        )
+    };
     let (frontend, rev) = if flags & CT_F_NO_REV != 0 {
         (beside, None)
     } else {
