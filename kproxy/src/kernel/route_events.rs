@@ -19,6 +19,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::kernel::netlink::messages;
+use crate::kernel::routing_policy::{RTM_DELROUTE, RTM_DELRULE, RTM_NEWROUTE, RTM_NEWRULE};
+
 /// `RTMGRP_*` (uapi `linux/rtnetlink.h`), the legacy group bit masks `bind(2)` takes.
 const RTMGRP_LINK: u32 = 0x1;
 const RTMGRP_NEIGH: u32 = 0x4;
@@ -103,30 +106,15 @@ pub struct Batch {
     pub routes_or_rules: bool,
 }
 
-/// `RTM_*` message types (uapi `linux/rtnetlink.h`).
-const RTM_NEWROUTE: u16 = 24;
-const RTM_DELROUTE: u16 = 25;
-const RTM_NEWRULE: u16 = 32;
-const RTM_DELRULE: u16 = 33;
-/// `struct nlmsghdr`'s size; messages are aligned to 4 bytes (`NLMSG_ALIGN`).
-const NLMSG_HDRLEN: usize = 16;
-
-/// Whether the netlink datagram `msgs` holds a route or rule announcement (walks its
-/// `nlmsghdr`s; a truncated header or an impossible length ends the walk).
+/// Whether the netlink datagram `msgs` holds a route or rule announcement (its messages as
+/// [`messages`] splits them; a length that does not fit ends the walk).
 pub fn announces_routes_or_rules(msgs: &[u8]) -> bool {
-    let mut off = 0;
-    while off + NLMSG_HDRLEN <= msgs.len() {
-        let len = u32::from_ne_bytes(msgs[off..off + 4].try_into().expect("4 bytes")) as usize;
-        let ty = u16::from_ne_bytes(msgs[off + 4..off + 6].try_into().expect("2 bytes"));
-        if matches!(ty, RTM_NEWROUTE | RTM_DELROUTE | RTM_NEWRULE | RTM_DELRULE) {
-            return true;
-        }
-        if len < NLMSG_HDRLEN {
-            break;
-        }
-        off += (len + 3) & !3;
-    }
-    false
+    messages(msgs).map_while(Result::ok).any(|m| {
+        matches!(
+            m.msg_type,
+            RTM_NEWROUTE | RTM_DELROUTE | RTM_NEWRULE | RTM_DELRULE
+        )
+    })
 }
 
 /// What one receive saw.
@@ -221,6 +209,7 @@ impl Drop for RouteWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::netlink::NLMSG_HDRLEN;
 
     /// A netlink message of type `ty` with `payload` bytes, padded to 4.
     fn msg(ty: u16, payload: usize) -> Vec<u8> {

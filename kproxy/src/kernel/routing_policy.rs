@@ -21,9 +21,14 @@ use crate::kernel::netlink::socket::Socket;
 use crate::kernel::netlink::wire::{MsgBuilder, attrs, read_u32};
 use crate::kernel::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
 
-const RTM_NEWROUTE: u16 = 24;
+/// `RTM_*` (uapi `linux/rtnetlink.h`): the route and rule messages; the announcements of
+/// the `NEW`/`DEL` ones are what can change this module's answer
+/// ([`crate::kernel::route_events::Batch::routes_or_rules`]).
+pub(crate) const RTM_NEWROUTE: u16 = 24;
+pub(crate) const RTM_DELROUTE: u16 = 25;
 const RTM_GETROUTE: u16 = 26;
-const RTM_NEWRULE: u16 = 32;
+pub(crate) const RTM_NEWRULE: u16 = 32;
+pub(crate) const RTM_DELRULE: u16 = 33;
 const RTM_GETRULE: u16 = 34;
 /// `struct rtmsg` and `struct fib_rule_hdr`: both 12 bytes, family first, TOS at byte 3.
 const HDR_LEN: usize = 12;
