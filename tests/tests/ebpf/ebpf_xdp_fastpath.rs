@@ -1100,13 +1100,8 @@ fn new_flows_take_a_rewritten_node_address() {
 /// entries sharing its creation time and backend (how the agent's expiry groups a flow).
 fn flow_entries(ebpf: &Ebpf, cport: u16) -> Vec<(CtKey, CtEntry)> {
     let svc = service_entry(ebpf, cport);
-    let ct: BpfHashMap<&MapData, CtKey, CtEntry> =
-        BpfHashMap::try_from(ebpf.map(MAP_CT).expect("KP_CT")).unwrap();
-    let mut v: Vec<(CtKey, CtEntry)> = ct
-        .iter()
-        .map(Result::unwrap)
-        .filter(|(_, e)| e.created_ns == svc.created_ns && e.backend_id == svc.backend_id)
-        .collect();
+    let mut v = entries_created_at(ebpf, svc.created_ns);
+    v.retain(|(_, e)| e.backend_id == svc.backend_id);
     v.sort_by_key(|(k, _)| k.kind);
     v
 }
