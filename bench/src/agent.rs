@@ -202,27 +202,35 @@ impl RunningAgent {
 
     /// User + system CPU seconds so far.
     pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))?;
-        // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
-        let rest = stat.rsplit_once(')').context("bad /proc/pid/stat")?.1;
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: f64 = f[11].parse::<f64>()? + f[12].parse::<f64>()?;
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Ok(ticks / hz)
+        Ok(self.cpu_and_children_seconds()?.0)
     }
 
     /// User + system CPU seconds of the agent's children it waited for (`nft`,
     /// `iptables-restore`, …).
     pub fn children_cpu_seconds(&self) -> anyhow::Result<f64> {
+        Ok(self.cpu_and_children_seconds()?.1)
+    }
+
+    /// [`Self::cpu_seconds`] and [`Self::children_cpu_seconds`] from one read of
+    /// `/proc/<pid>/stat`.
+    fn cpu_and_children_seconds(&self) -> anyhow::Result<(f64, f64)> {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))?;
+        // Fields after the parenthesised command: state is field 3; utime 14, stime 15,
+        // cutime 16, cstime 17.
         let rest = stat.rsplit_once(')').context("bad /proc/pid/stat")?.1;
         let f: Vec<&str> = rest.split_whitespace().collect();
-        // cutime and cstime: fields 16 and 17.
-        let ticks: f64 = f[13].parse::<f64>()? + f[14].parse::<f64>()?;
+        let field = |i: usize| -> anyhow::Result<f64> {
+            f.get(i)
+                .context("short /proc/pid/stat")?
+                .parse::<f64>()
+                .map_err(Into::into)
+        };
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        Ok(ticks / hz)
+        Ok((
+            (field(11)? + field(12)?) / hz,
+            (field(13)? + field(14)?) / hz,
+        ))
     }
 
     /// Waits until the agent has settled after its syncs: two consecutive half-second
@@ -232,8 +240,10 @@ impl RunningAgent {
     /// 2 cores, not the datapath. Returns whether it settled.
     pub fn wait_settled(&self, timeout: Duration) -> anyhow::Result<bool> {
         let deadline = std::time::Instant::now() + timeout;
-        let used =
-            || -> anyhow::Result<f64> { Ok(self.cpu_seconds()? + self.children_cpu_seconds()?) };
+        let used = || -> anyhow::Result<f64> {
+            let (own, children) = self.cpu_and_children_seconds()?;
+            Ok(own + children)
+        };
         let (mut last, mut quiet) = (used()?, 0);
         while std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(500));
