@@ -594,6 +594,15 @@ async fn watch_answered_410_relists_at_once_even_after_backoff_has_grown() {
     populate(&api);
     let mut src = Source::start(&api).await;
     src.initial().await;
+    // `initial` lets the ServiceCIDR list come late (it is probed first); wait for it here, or
+    // a late initial list would pass below for the re-list after a ServiceCIDR 410.
+    if src.cidr_events == 0 {
+        let first = src.next_cidr().await.expect("the initial ServiceCIDR list");
+        assert!(
+            matches!(first, Delta::Replace(_)),
+            "initial ServiceCIDR list: {first:?}"
+        );
+    }
 
     // Grow the backoff: the server is away long enough for several failed attempts.
     api.stop().await;
