@@ -111,11 +111,17 @@ pub fn is_stale_name(name: &str) -> bool {
     owner_pid(name).is_some_and(|pid| !pid_alive(pid))
 }
 
-/// Removes namespaces and empty cgroups left by test processes that no longer exist.
+/// Removes namespaces, empty cgroups and private bpffs mounts ([`Bpffs`], whose pins keep
+/// their maps, tens of MB each, loaded until unmounted) left by test processes that no longer
+/// exist.
 fn sweep_stale() {
     static SWEEP: Once = Once::new();
-    SWEEP.call_once(|| {
-        let stale = is_stale_name;
+    SWEEP.call_once(|| remove_stale(is_stale_name));
+}
+
+/// [`sweep_stale`]'s work, leftovers picked by `stale` (their name).
+fn remove_stale(stale: impl Fn(&str) -> bool) {
+    {
         for entry in fs::read_dir(NETNS_DIR).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if stale(&name) {
@@ -129,7 +135,17 @@ fn sweep_stale() {
                 }
             }
         }
-    });
+        for entry in fs::read_dir(std::env::temp_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if stale(&entry.file_name().to_string_lossy()) && is_bpffs(&entry.path()) {
+                let _ = nix::mount::umount2(&entry.path(), nix::mount::MntFlags::MNT_DETACH);
+                let _ = fs::remove_dir(entry.path());
+            }
+        }
+    }
 }
 
 /// Runs `cmd`, failing with its command line and stderr unless it exits 0; returns stdout.
@@ -407,8 +423,15 @@ pub struct Bpffs {
     dir: PathBuf,
 }
 
+/// Whether `dir` is a bpffs mount point.
+fn is_bpffs(dir: &Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+}
+
 impl Bpffs {
     pub fn new(hint: &str) -> anyhow::Result<Bpffs> {
+        sweep_stale();
         let dir = std::env::temp_dir().join(unique_name(hint));
         fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let mounted = nix::mount::mount(
@@ -586,6 +609,29 @@ impl Drop for TestCgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_killed_runs_bpffs_is_unmounted_and_removed() {
+        if !require_root() {
+            return;
+        }
+        // Two private bpffs mounts; the sweep is told the first one's owner is gone.
+        let (gone, live) = (
+            Bpffs::new("sweep-gone").unwrap(),
+            Bpffs::new("sweep-live").unwrap(),
+        );
+        let gone_name = gone
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let gone_dir = gone.path().to_path_buf();
+        std::mem::forget(gone); // as a killed process would: no unmount
+        remove_stale(|name| name == gone_name);
+        assert!(!gone_dir.exists(), "{} still there", gone_dir.display());
+        assert!(is_bpffs(live.path()), "the live run's bpffs was touched");
+    }
 
     #[test]
     fn cgroup2_mount_is_found_on_hybrid_and_pure_v2_hosts() {
