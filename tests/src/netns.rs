@@ -425,8 +425,8 @@ pub struct Bpffs {
 
 /// Whether `dir` is a bpffs mount point.
 fn is_bpffs(dir: &Path) -> bool {
-    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
-    nix::sys::statfs::statfs(dir).is_ok_and(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+    use nix::sys::statfs::{BPF_FS_MAGIC, statfs};
+    statfs(dir).is_ok_and(|s| s.filesystem_type() == BPF_FS_MAGIC)
 }
 
 impl Bpffs {
