@@ -50,7 +50,12 @@ thread's CPU time for a test run of R repetitions − for one of 3) / (R − 3),
 trials. Every run's output is checked (verdict and rewritten or unchanged frame), so a figure \
 never times a path it does not name. Ratios compare figures measured the same way: a \
 one-run-per-frame figure against `counter-xdp-single`, a repeat-mode one against \
-`counter-xdp`.";
+`counter-xdp`. Against the harness (measured side by side, 2026-11-27): the counter and miss \
+figures agree within noise; `established-one-flow` (the harness's workload, one flow again \
+and again) comes within ≈ 15 % of the harness's, while `established` rotates over 256 flows \
+and costs ≈ 1.5× that; the new-flow figures match the harness's with its connection table \
+out of the caches (`THRASH_MB=512`), not its default, whose new flows reuse the table nodes \
+its previous block just freed, still cache-hot (`bench/anchors/`).";
 
 /// This thread's CPU time in ns (user and system: a test run's time in the kernel counts).
 pub fn thread_cpu_ns() -> u64 {
@@ -253,8 +258,8 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
         if xdp {
             for case in super::tc_path::XDP_CASES {
                 let base = super::tc_path::xdp_baseline(case);
-                // The one-frontend case is a reference for the anchor harness, no target.
-                let targeted = case != "new-flow-one-frontend";
+                // The anchor harness's workloads are references, no target.
+                let targeted = !super::tc_path::xdp_reference(case);
                 ids.push((xdp_id(case, scale), "ebpf", scale, Some(base), targeted));
             }
         }

@@ -112,16 +112,28 @@ pub const FLOOR_CASES: [&str; 3] = ["floor-ct-lookup", "floor-ct-insert", "floor
 /// - `miss`: not a frontend (passed after the frontend filter, and the frontend lookups its
 ///   false positives let through), `repeat` runs per test run;
 /// - `new-flow-one-frontend`: `new-flow` with every flow to one frontend (service 0's), the
-///   workload of the kproxy-vs-Katran harness's `new_1` (every new flow to one VIP), so the
-///   two figures can be compared directly; `new-flow` spreads its flows over 256 services,
-///   whose frontend and slot reads are colder.
-pub const XDP_CASES: [&str; 5] = [
+///   workload of the kproxy-vs-Katran harness's `new_1` (every new flow to one VIP); `new-flow`
+///   spreads its flows over 256 services, whose frontend and slot reads are colder;
+/// - `established-one-flow`: `established` on one flow, again and again, the harness's
+///   `est_1`; `established` rotates over 256 flows, so a run's connection-table entry and
+///   flow state are not the ones the previous run touched.
+///
+/// The two reference cases ([`xdp_reference`]) have no target: they reproduce the harness's
+/// workloads so that its figures and this bench's can be compared (`super::packet::METHOD`).
+pub const XDP_CASES: [&str; 6] = [
     "new-flow",
     "established",
     "reverse",
     "miss",
     "new-flow-one-frontend",
+    "established-one-flow",
 ];
+
+/// Whether XDP case `case` is one of the anchor harness's workloads, kept for comparison
+/// (no target of its own).
+pub fn xdp_reference(case: &str) -> bool {
+    matches!(case, "new-flow-one-frontend" | "established-one-flow")
+}
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
@@ -504,6 +516,7 @@ impl TcBench {
                 .flat_map(|_| self.flow_frames_to(SYN, only))
                 .collect(),
             "established" | "reverse" => self.flow_frames(SYN),
+            "established-one-flow" => self.flow_frames(SYN).into_iter().take(1).collect(),
             "miss" => (0..4)
                 .map(|j| tcp_frame((CLIENT, 1024 + j as u16), (NODE, 22), SYN))
                 .collect(),
@@ -536,7 +549,10 @@ impl TcBench {
                         })?;
                     }
                 }
-                "established" | "reverse" => {
+                "established" | "reverse" | "established-one-flow" => {
+                    let forward = case != "reverse";
+                    // One flow: each pass runs its frame as often as the others run theirs.
+                    let reps = if fresh.len() == 1 { FLOWS } else { 1 };
                     let mut frames = vec![];
                     for f in &fresh {
                         let out = run_xdp(ebpf, f, 1)?;
@@ -544,7 +560,7 @@ impl TcBench {
                             bail!("kp_xdp did not forward the SYN {:?}", addrs(f));
                         }
                         let (src, dst) = addrs(f);
-                        frames.push(if case == "established" {
+                        frames.push(if forward {
                             tcp_frame(src, dst, ACK)
                         } else {
                             // An established flow's reply (the harness's `rev_1`): a
@@ -558,11 +574,11 @@ impl TcBench {
                     for f in &frames {
                         run_xdp(ebpf, f, 1)?;
                     }
-                    for _ in 0..passes {
+                    for _ in 0..passes * reps {
                         for (f, syn) in frames.iter().zip(&fresh) {
                             paired.run(f, || {
                                 let out = run_xdp(ebpf, f, 1)?;
-                                let ok = if case == "established" {
+                                let ok = if forward {
                                     forwarded(&out)
                                 } else {
                                     // Back to the client, from the frontend.

@@ -62,6 +62,7 @@ fn quick_bench_writes_report_json_with_commit_and_expected_samples() {
         "packet/tc-service/floor-new-flow/1".to_string(),
         "packet/xdp-nodeport/new-flow/1".to_string(),
         "packet/xdp-nodeport/new-flow-one-frontend/1".to_string(),
+        "packet/xdp-nodeport/established-one-flow/1".to_string(),
         format!("packet/tc-service/established/{}", plan.packet_scales[1]),
     ];
     for mode in ["ebpf", "iptables-nft", "iptables-legacy", "nftables"] {
