@@ -52,7 +52,7 @@ never times a path it does not name. Ratios compare figures measured the same wa
 one-run-per-frame figure against `counter-xdp-single`, a repeat-mode one against \
 `counter-xdp`. Against the harness (measured side by side, 2026-11-27): the counter and miss \
 figures agree within noise; `established-one-flow` (the harness's workload, one flow again \
-and again) comes within ≈ 15 % of the harness's, while `established` rotates over 256 flows \
+and again) comes within ≈ 20 % of the harness's, while `established` rotates over 256 flows \
 and costs ≈ 1.5× that; the new-flow figures match the harness's with its connection table \
 out of the caches (`THRASH_MB=512`), not its default, whose new flows reuse the table nodes \
 its previous block just freed, still cache-hot (`bench/anchors/`).";

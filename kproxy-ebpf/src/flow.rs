@@ -18,6 +18,10 @@
 //! service and slower with 100k, and a plain preallocated hash map (no LRU eviction) showed
 //! no clear gain. In the kproxy-vs-Katran harness (2026-11-27) the per-CPU LRU made the XDP
 //! new flow 787–793 ns against 407–424 ns with this one (harness pinned to one CPU).
+//! What an insert costs depends mostly on whether the element it takes is in the CPU caches:
+//! the same harness, which frees each block's flows right before the next block reuses their
+//! elements, measured an XDP new flow at 354–376 ns, and at 586–594 ns with 512 MiB written
+//! first (`bench/anchors/2026-11-27-00be049.md`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
