@@ -121,29 +121,27 @@ fn sweep_stale() {
 
 /// [`sweep_stale`]'s work, leftovers picked by `stale` (their name).
 fn remove_stale(stale: impl Fn(&str) -> bool) {
-    {
-        for entry in fs::read_dir(NETNS_DIR).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if stale(&name) {
-                let _ = run_checked(Command::new("ip").args(["netns", "del", &name]));
-            }
+    for entry in fs::read_dir(NETNS_DIR).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if stale(&name) {
+            let _ = run_checked(Command::new("ip").args(["netns", "del", &name]));
         }
-        if let Some(root) = cgroup2_mount() {
-            for entry in fs::read_dir(root).into_iter().flatten().flatten() {
-                if stale(&entry.file_name().to_string_lossy()) {
-                    let _ = fs::remove_dir(entry.path());
-                }
-            }
-        }
-        for entry in fs::read_dir(std::env::temp_dir())
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if stale(&entry.file_name().to_string_lossy()) && is_bpffs(&entry.path()) {
-                let _ = nix::mount::umount2(&entry.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+    if let Some(root) = cgroup2_mount() {
+        for entry in fs::read_dir(root).into_iter().flatten().flatten() {
+            if stale(&entry.file_name().to_string_lossy()) {
                 let _ = fs::remove_dir(entry.path());
             }
+        }
+    }
+    for entry in fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if stale(&entry.file_name().to_string_lossy()) && is_bpffs(&entry.path()) {
+            let _ = nix::mount::umount2(&entry.path(), nix::mount::MntFlags::MNT_DETACH);
+            let _ = fs::remove_dir(entry.path());
         }
     }
 }
