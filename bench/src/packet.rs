@@ -50,8 +50,10 @@ thread's CPU time for a test run of R repetitions − for one of 3) / (R − 3),
 trials. Every run's output is checked (verdict and rewritten or unchanged frame), so a figure \
 never times a path it does not name. Ratios compare figures measured the same way: a \
 one-run-per-frame figure against `counter-xdp-single`, a repeat-mode one against \
-`counter-xdp`. Against the harness (measured side by side, 2026-11-27): the counter and miss \
-figures agree within noise; `established-one-flow` (the harness's workload, one flow again \
+`counter-xdp`. Against the harness (measured side by side, 2026-11-27): the counter figures \
+agree within noise, and so does miss up to 10k services (at 100k this bench's miss address \
+is one of the frontend filter's false positives, ≈ 25 % of its bits then being held: one \
+lookup more, ≈ 40 ns); `established-one-flow` (the harness's workload, one flow again \
 and again) comes within ≈ 20 % of the harness's, while `established` rotates over 256 flows \
 and costs ≈ 1.5× that; the new-flow figures match the harness's with its connection table \
 out of the caches (`THRASH_MB=512`), not its default, whose new flows reuse the table nodes \
