@@ -187,13 +187,22 @@ impl Rig {
     /// fast-path devices by default; their peers are prepared (see [`Rig::new`]), so the test
     /// opts in.
     fn attach_xdp(&mut self) {
+        let both = [NODE_CLIENT_IF, NODE_PEER_IF];
+        self.attach_xdp_to(&both, &both);
+    }
+
+    /// Attaches `kp_xdp` natively to the node devices `attached` (veths) and enables the
+    /// devices `fast_path` as fast-path devices.
+    fn attach_xdp_to(&mut self, attached: &[&str], fast_path: &[&str]) {
         let (xdp, ebpf) = (&mut self.xdp, &mut self.ebpf);
         self.topo
             .node
             .run(|| {
-                for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
+                for &dev in attached {
                     assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
                     assert_eq!(driver(dev).unwrap(), "veth");
+                }
+                for &dev in fast_path {
                     XdpPath::set_fast_path(ebpf, dev, true).unwrap();
                 }
             })
@@ -660,15 +669,7 @@ fn veth_devices_are_not_fast_path_devices_unless_enabled() {
         return;
     }
     let mut rig = Rig::new("xdp-veth");
-    let (xdp, ebpf) = (&mut rig.xdp, &mut rig.ebpf);
-    rig.topo
-        .node
-        .run(|| {
-            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
-                assert!(xdp.attach(ebpf, dev, XdpPolicy::Native).unwrap());
-            }
-        })
-        .unwrap();
+    rig.attach_xdp_to(&[NODE_CLIENT_IF, NODE_PEER_IF], &[]);
     let before = rig.stats();
     let mut c = Conn::open(&rig.topo.client, REMOTE_PORT);
     assert_snat(&c);
@@ -1299,16 +1300,7 @@ fn a_reopened_xdp_flow_whose_replies_took_tc_leaves_no_entry_behind() {
     const CPORT: u16 = 43_211;
     let mut rig = Rig::new("xdp-reopen-tc");
     rig.warm_neighbours();
-    let (xdp, ebpf) = (&mut rig.xdp, &mut rig.ebpf);
-    rig.topo
-        .node
-        .run(|| {
-            assert!(xdp.attach(ebpf, NODE_CLIENT_IF, XdpPolicy::Native).unwrap());
-            for dev in [NODE_CLIENT_IF, NODE_PEER_IF] {
-                XdpPath::set_fast_path(ebpf, dev, true).unwrap();
-            }
-        })
-        .unwrap();
+    rig.attach_xdp_to(&[NODE_CLIENT_IF], &[NODE_CLIENT_IF, NODE_PEER_IF]);
     let before = rig.stats();
     let mut old = Conn::open_from(&rig.topo.client, CPORT, REMOTE_PORT);
     assert_snat(&old);
