@@ -5,9 +5,15 @@
 //! finds cycles between layers in the edges that exist.
 //!
 //! Layers are the top modules (`model`, `source`, …) except `dataplane`, whose root (the trait
-//! and its vocabulary) and each child (`dataplane::ebpf`, `dataplane::iptables`, …) are layers
-//! of their own, so "observe imports `dataplane` but no datapath" can be said. Comments are not
-//! code: doc links do not count.
+//! and its vocabulary), the face trait (`dataplane::face`), each mode (`dataplane::ebpf`,
+//! `dataplane::iptables`, …) and each mode's face (`dataplane::ebpf::face`, …) are layers of
+//! their own, so "observe imports `dataplane` but no datapath" and "app knows a mode only
+//! through its face" can be said. A face may import only its own mode (checked apart from the
+//! table). Comments are not code: doc links do not count.
+//!
+//! A third check looks inside the ebpf mode: its sub-modules (`object`, `layout`, `loader`,
+//! `service_maps`, `socket_lb`, `node_path`, …) must not import each other in a loop, so the
+//! mode stays a stack (object/pins core, then service maps and socket LB, then the datapath).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -27,6 +33,9 @@ struct Violation {
 fn layer_of(path: &[&str]) -> Option<String> {
     match path {
         [] => None,
+        ["dataplane", child, "face", ..] if !is_dataplane_root_file(child) => {
+            Some(format!("dataplane::{child}::face"))
+        }
         ["dataplane", child, ..] if !is_dataplane_root_file(child) => {
             Some(format!("dataplane::{child}"))
         }
@@ -35,9 +44,30 @@ fn layer_of(path: &[&str]) -> Option<String> {
 }
 
 /// Modules directly under `dataplane` that belong to its root layer rather than being a
-/// datapath of their own.
+/// datapath of their own (`face`, the face trait, is a layer of its own: it reads `config`).
 fn is_dataplane_root_file(name: &str) -> bool {
-    name == "with_conntrack" || name.chars().next().is_some_and(|c| c.is_uppercase())
+    matches!(name, "inspect" | "per_family" | "settings")
+        || name.chars().next().is_some_and(|c| c.is_uppercase())
+}
+
+/// The table row a layer falls under: its own, else `dataplane::*::face` for a mode's face,
+/// `dataplane::*` for a mode.
+fn row_key(layer: &str) -> String {
+    match layer.split("::").collect::<Vec<_>>().as_slice() {
+        ["dataplane", "face"] => layer.to_string(),
+        ["dataplane", _, "face"] => "dataplane::*::face".into(),
+        ["dataplane", _] => "dataplane::*".into(),
+        _ => layer.to_string(),
+    }
+}
+
+/// The mode a `dataplane::<mode>` or `dataplane::<mode>::face` layer belongs to.
+fn mode_of(layer: &str) -> Option<&str> {
+    match layer.split("::").collect::<Vec<_>>().as_slice() {
+        ["dataplane", "face"] | ["dataplane", "netfilter", ..] => None,
+        ["dataplane", m] | ["dataplane", m, "face"] => Some(m),
+        _ => None,
+    }
 }
 
 /// The module path of a file under `src/` (`dataplane/ebpf/mod.rs` → `[dataplane, ebpf]`).
@@ -73,7 +103,8 @@ fn code_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
 fn referenced_paths(file_module: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
     let mut out = Vec::new();
     let mut inline: Vec<(usize, String)> = Vec::new();
-    for (line_no, code) in code_lines(text) {
+    for (line_no, code) in joined_uses(code_lines(text)) {
+        let code = code.as_str();
         let indent = code.len() - code.trim_start().len();
         if let Some((open_indent, _)) = inline.last()
             && code.trim() == "}"
@@ -88,7 +119,9 @@ fn referenced_paths(file_module: &[String], text: &str) -> Vec<(usize, Vec<Strin
             if start > 0 && is_ident_char(code.as_bytes()[start - 1]) {
                 continue;
             }
-            out.push((line_no, path_segments(&code[start + "crate::".len()..])));
+            for path in expand_group(&code[start + "crate::".len()..]) {
+                out.push((line_no, path));
+            }
         }
         for (start, _) in code.match_indices("super::") {
             if start > 0
@@ -105,9 +138,11 @@ fn referenced_paths(file_module: &[String], text: &str) -> Vec<(usize, Vec<Strin
             if up > current.len() {
                 continue;
             }
-            let mut path = current[..current.len() - up].to_vec();
-            path.extend(path_segments(rest));
-            out.push((line_no, path));
+            for tail in expand_group(rest) {
+                let mut path = current[..current.len() - up].to_vec();
+                path.extend(tail);
+                out.push((line_no, path));
+            }
         }
         let t = code.trim_start();
         let t = t.strip_prefix("pub ").unwrap_or(t);
@@ -116,6 +151,65 @@ fn referenced_paths(file_module: &[String], text: &str) -> Vec<(usize, Vec<Strin
         }
     }
     out
+}
+
+/// The code lines with every `use …;` that spans lines joined into one (at its first line's
+/// number), so a brace group's items are seen with their path.
+fn joined_uses<'a>(lines: impl Iterator<Item = (usize, &'a str)>) -> Vec<(usize, String)> {
+    let mut out: Vec<(usize, String)> = Vec::new();
+    let mut open = false;
+    for (n, code) in lines {
+        if open {
+            let last = out.last_mut().expect("an open use has a line");
+            last.1.push(' ');
+            last.1.push_str(code.trim());
+            open = !code.contains(';');
+            continue;
+        }
+        let t = code.trim_start();
+        let t = t.strip_prefix("pub ").unwrap_or(t);
+        open = t.starts_with("use ") && !code.contains(';');
+        out.push((n, code.to_string()));
+    }
+    out
+}
+
+/// The paths a path text names: `a::b::X` → `[a, b, X]`; `a::{b, c::{d, e}}` → `[a, b]`,
+/// `[a, c, d]`, `[a, c, e]` (`self` in a group is the group's own path).
+fn expand_group(s: &str) -> Vec<Vec<String>> {
+    let head = path_segments(s);
+    let consumed: usize = head.iter().map(|h| h.len() + 2).sum();
+    let rest = s.get(consumed..).unwrap_or("");
+    let Some(inner) = rest.strip_prefix('{') else {
+        return vec![head];
+    };
+    let mut depth = 0;
+    let mut items = vec![];
+    let mut item_start = 0;
+    for (i, c) in inner.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                items.push(&inner[item_start..i]);
+                break;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&inner[item_start..i]);
+                item_start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    let mut out = vec![];
+    for item in items.iter().map(|i| i.trim()).filter(|i| !i.is_empty()) {
+        for tail in expand_group(item) {
+            let mut p = head.clone();
+            p.extend(tail.into_iter().filter(|seg| seg != "self"));
+            out.push(p);
+        }
+    }
+    if out.is_empty() { vec![head] } else { out }
 }
 
 fn is_ident_char(b: u8) -> bool {
@@ -170,21 +264,22 @@ fn parse_allowed(doc: &str) -> Allowed {
 }
 
 /// Whether `to` is allowed from `from`. A layer may always import itself; `dataplane::*` in the
-/// table stands for every datapath layer.
+/// table stands for every datapath layer, `dataplane::*::face` for every mode's face; a face
+/// may import no mode but its own.
 fn allowed(table: &Allowed, from: &str, to: &str) -> bool {
     if from == to {
         return true;
     }
-    let Some(row) = table.get(from).or_else(|| {
-        from.starts_with("dataplane::")
-            .then(|| table.get("dataplane::*"))
-            .flatten()
-    }) else {
+    if from.ends_with("::face")
+        && let (Some(a), Some(b)) = (mode_of(from), mode_of(to))
+        && a != b
+    {
+        return false;
+    }
+    let Some(row) = table.get(from).or_else(|| table.get(&row_key(from))) else {
         return false;
     };
-    row.contains("*")
-        || row.contains(to)
-        || (to.starts_with("dataplane::") && row.contains("dataplane::*"))
+    row.contains("*") || row.contains(to) || row.contains(&row_key(to))
 }
 
 /// Every layer edge in the given files (`(relative path, text)`), with one place each occurs.
@@ -248,6 +343,29 @@ fn cycle(edges: &BTreeSet<(String, String)>) -> Option<Vec<String>> {
     graph
         .keys()
         .find_map(|n| visit(n, &graph, &mut Vec::new(), &mut done))
+}
+
+/// Edges between the ebpf mode's sub-modules (`loader` → `service_maps`, …).
+fn ebpf_edges(files: &[(PathBuf, String)]) -> BTreeSet<(String, String)> {
+    let child = |path: &[String]| -> Option<String> {
+        match path {
+            [d, e, c, ..] if d == "dataplane" && e == "ebpf" => Some(c.clone()),
+            _ => None,
+        }
+    };
+    let mut out = BTreeSet::new();
+    for (rel, text) in files {
+        let module = module_of(rel);
+        let Some(from) = child(&module) else { continue };
+        for (_, path) in referenced_paths(&module, text) {
+            if let Some(to) = child(&path)
+                && to != from
+            {
+                out.insert((from.clone(), to));
+            }
+        }
+    }
+    out
 }
 
 fn read_tree(dir: &Path, base: &Path, out: &mut Vec<(PathBuf, String)>) {
@@ -323,6 +441,70 @@ mod tests {
         }
     }
 
+    /// The ebpf mode's sub-modules (`dataplane::ebpf::<child>`) import each other without a
+    /// loop.
+    #[test]
+    fn no_cycle_inside_the_ebpf_mode() {
+        let found = ebpf_edges(&crate_files());
+        assert!(found.len() >= 5, "suspiciously few edges: {found:?}");
+        assert_eq!(cycle(&found), None, "edges: {found:?}");
+    }
+
+    /// A face that reaches into another mode, and an `app` that reaches past a face into a
+    /// mode, are caught; a face into its own mode and `app` into a face are not.
+    #[test]
+    fn faces_are_the_only_way_into_a_mode() {
+        let table = parse_allowed(
+            "<!-- layering:begin -->\n| layer | may import |\n|---|---|\n| `model` | — |\n\
+             | `config` | `model` |\n| `dataplane` | `model` |\n\
+             | `dataplane::*` | `model`, `dataplane` |\n\
+             | `dataplane::*::face` | `model`, `dataplane`, `dataplane::*`, `config` |\n\
+             | `app` | `model`, `config`, `dataplane`, `dataplane::*::face` |\n<!-- layering:end -->",
+        );
+        let files = vec![
+            (
+                PathBuf::from("dataplane/ipvs/face.rs"),
+                "use crate::dataplane::ipvs::genl::X;\nuse crate::dataplane::iptables::exec::Y;\n\
+                 use crate::config::ProxyConfig;\n"
+                    .to_string(),
+            ),
+            (
+                PathBuf::from("app/registry.rs"),
+                "fn f() { crate::dataplane::ipvs::face::Face; }\n\
+                 use crate::dataplane::ipvs::genl::Z;\n"
+                    .to_string(),
+            ),
+        ];
+        let bad: Vec<(String, String)> = violations(&files, &table)
+            .into_iter()
+            .map(|v| (v.from, v.to))
+            .collect();
+        assert_eq!(
+            bad,
+            vec![
+                ("app".to_string(), "dataplane::ipvs".to_string()),
+                (
+                    "dataplane::ipvs::face".to_string(),
+                    "dataplane::iptables".to_string()
+                ),
+            ]
+        );
+        let loops = vec![
+            (
+                PathBuf::from("dataplane/ebpf/loader.rs"),
+                "use crate::dataplane::ebpf::service_maps::X;\n".to_string(),
+            ),
+            (
+                PathBuf::from("dataplane/ebpf/service_maps/apply.rs"),
+                "use super::super::loader::Y;\n".to_string(),
+            ),
+        ];
+        assert_eq!(
+            cycle(&ebpf_edges(&loops)),
+            Some(vec!["loader".to_string(), "service_maps".to_string()])
+        );
+    }
+
     /// The checker itself catches a forbidden edge, a relative one and a cycle.
     #[test]
     fn the_checker_finds_forbidden_edges_and_cycles() {
@@ -350,6 +532,11 @@ mod tests {
                 "use crate::dataplane::ProxyMode;\nfn f() { crate::dataplane::iptables::x(); }\n"
                     .to_string(),
             ),
+            (
+                PathBuf::from("sync.rs"),
+                "use crate::{\n    model::Snapshot,\n    dataplane::{Dataplane, ipvs::X},\n};\n"
+                    .to_string(),
+            ),
         ];
         let bad: Vec<(String, String)> = violations(&files, &table)
             .into_iter()
@@ -361,6 +548,9 @@ mod tests {
                 ("dataplane::ebpf".to_string(), "observe".to_string()),
                 ("model".to_string(), "source".to_string()),
                 ("observe".to_string(), "dataplane::iptables".to_string()),
+                ("sync".to_string(), "dataplane".to_string()),
+                ("sync".to_string(), "dataplane::ipvs".to_string()),
+                ("sync".to_string(), "model".to_string()),
             ]
         );
         let found: BTreeSet<(String, String)> = edges(&files).into_keys().collect();

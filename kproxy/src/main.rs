@@ -11,12 +11,10 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use kproxy::app::agent::Agent;
-use kproxy::app::agent::AgentOptions;
 use kproxy::app::logging;
-use kproxy::app::{build, modes};
+use kproxy::app::registry;
 use kproxy::cli::{self, Command, Loaded, RenderOutput, VersionRequest};
-use kproxy::config::{DetectLocal, LoggingConfig, ProxyConfig, SourceConfig};
+use kproxy::config::{LoggingConfig, SourceConfig};
 use tracing::{info, warn};
 
 fn main() -> ExitCode {
@@ -119,7 +117,7 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cleanup => {
-            modes::cleanup_all(&l.config)?;
+            registry::cleanup_all(&l.config)?;
             info!("cleanup done");
             Ok(())
         }
@@ -127,7 +125,7 @@ fn run(l: &Loaded) -> anyhow::Result<()> {
             info!("--init-only: configuration valid; kproxy needs no separate initialization");
             Ok(())
         }
-        Command::Agent => run_agent(&l.config),
+        Command::Agent => kproxy::app::agent::run(&l.config),
     }
 }
 
@@ -148,137 +146,9 @@ fn render(l: &Loaded) -> anyhow::Result<()> {
                 let kproxy::config::ModeChoice::Forced(mode) = l.config.mode else {
                     unreachable!("the plan output is chosen only with --proxy-mode")
                 };
-                build::render_plan(mode, &l.config, &snap)?
+                registry::render_plan(mode, &l.config, &snap)?
             }
         }
     );
     Ok(())
-}
-
-fn run_agent(cfg: &ProxyConfig) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?;
-    rt.block_on(async {
-        // NodeCIDR local-traffic detection needs the Node's podCIDRs before the datapath is
-        // built (upstream waits for them too).
-        let pod_cidrs = if cfg.detect_local == DetectLocal::NodeCidr {
-            Some(
-                kproxy::app::agent::wait_for_pod_cidrs(
-                    &cfg.source.clone(),
-                    &cfg.node_name,
-                    kproxy::app::agent::NODE_POD_CIDR_TIMEOUT,
-                )
-                .await?,
-            )
-        } else {
-            None
-        };
-        // Signal handlers from here on (while waiting above, SIGTERM simply ends the process).
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-        let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
-        let shutdown = async move {
-            let sig = tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            };
-            info!(signal = sig, "stopping; the datapath stays programmed");
-        };
-        let resync = kproxy::sync::SyncRequester::default();
-        let bind = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
-        let mut cfg = cfg.clone();
-        if cfg.node_port_addresses.may_be_primary(cfg.mode) {
-            let ips = kproxy::app::agent::node_ips_at_start(
-                &cfg.source,
-                &cfg.node_name,
-                bind,
-                kproxy::app::agent::NODE_IPS_TIMEOUT,
-            )
-            .await;
-            cfg.primary_node_ips = ips.known();
-        }
-        let cfg = &cfg;
-        // A forced mode is built while the agent lists (see `start`); detection builds first,
-        // since a mode that fails to build falls back to the next one (other metrics).
-        let (built, mode, metrics) = match cfg.mode {
-            kproxy::config::ModeChoice::Forced(mode) => {
-                (None, mode, kproxy::observe::metrics::Metrics::new(mode))
-            }
-            kproxy::config::ModeChoice::Detect => {
-                let (dp, metrics) = modes::select(
-                    cfg.mode,
-                    cfg,
-                    pod_cidrs.as_deref().unwrap_or_default(),
-                    &resync,
-                )?;
-                let mode = dp.mode();
-                (Some(dp), mode, metrics)
-            }
-        };
-        let mut opts = AgentOptions::new(
-            cfg.node_name.clone(),
-            cfg.source.clone(),
-            cfg.runner_config(mode),
-        );
-        opts.healthz_bind = cfg.healthz_bind_address;
-        opts.metrics_bind = cfg.metrics_bind_address;
-        opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
-        opts.node_port_addresses = build::node_port_cidrs(cfg, mode);
-        if cfg.node_port_addresses.for_mode(mode) == kproxy::config::NodePortAddresses::Primary {
-            opts.exit_on_node_ips_change = Some(cfg.primary_node_ips.clone());
-        }
-        info!(
-            %mode,
-            node_port_addresses = ?opts.node_port_addresses,
-            "NodePorts accepted on the node's addresses inside these CIDRs (none: every address)"
-        );
-        opts.oom_score_adj = Some(cfg.oom_score_adj);
-        opts.metrics = Some(metrics.clone());
-        opts.exit_on_pod_cidr_change = pod_cidrs.clone();
-        opts.resync = Some(resync.clone());
-        info!(%mode, node = %opts.node_name, "kproxy starting");
-        let agent = match built {
-            Some(dp) => Agent::start(opts, dp, shutdown).await?,
-            None => start(opts, mode, cfg, pod_cidrs, metrics, resync, shutdown).await?,
-        };
-        // Stopped while the datapath was being built: nothing was programmed, nothing to keep.
-        agent.finish().await?;
-        info!("stopped");
-        Ok(())
-    })
-}
-
-/// Starts the agent while `mode`'s datapath is built on a blocking thread (after the other
-/// modes' leftovers are removed, [`modes::build_cleaned`]): the Service, EndpointSlice and
-/// Node lists run meanwhile, and the first sync waits for both. A failed build ends the agent
-/// with its error.
-async fn start(
-    opts: AgentOptions,
-    mode: kproxy::dataplane::ProxyMode,
-    cfg: &ProxyConfig,
-    pod_cidrs: Option<Vec<ipnet::IpNet>>,
-    metrics: kproxy::observe::metrics::Metrics,
-    resync: kproxy::sync::SyncRequester,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<Agent> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let agent = Agent::start_building(opts, metrics.clone(), rx, shutdown).await?;
-    let cfg = cfg.clone();
-    let built = tokio::task::spawn_blocking(move || {
-        modes::build_cleaned(
-            mode,
-            &cfg,
-            pod_cidrs.as_deref().unwrap_or_default(),
-            &metrics,
-            &resync,
-        )
-    })
-    .await
-    .context("building the datapath panicked")?
-    .with_context(|| format!("--proxy-mode={mode}"))?;
-    // The loop only stops before taking it on shutdown.
-    let _ = tx.send(built);
-    Ok(agent)
 }

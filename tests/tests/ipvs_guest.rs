@@ -917,8 +917,8 @@ fn load_balancer_source_ranges_admit_only_listed_clients() -> anyhow::Result<()>
     Ok(())
 }
 
-/// The agent's path: `build::build` constructs the IPVS mode from a resolved
-/// `ProxyConfig` (flags), it balances a ClusterIP, and `modes::cleanup_all` (`kproxy
+/// The agent's path: `registry::build` constructs the IPVS mode from a resolved
+/// `ProxyConfig` (flags), it balances a ClusterIP, and `registry::cleanup_all` (`kproxy
 /// cleanup`) removes everything.
 #[test]
 #[ignore = "needs IPVS: `cargo xtask guest` (part of `cargo xtask test`) runs it in a QEMU guest"]
@@ -926,7 +926,7 @@ fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::R
     if !ipvs_available() {
         return Ok(());
     }
-    use kproxy::app::{build, modes};
+    use kproxy::app::registry;
     use kproxy::dataplane::ProxyMode;
     let t = Topo::new("ipvs-factory")?;
     let inv = kproxy::cli::parse(
@@ -947,7 +947,7 @@ fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::R
     );
     let c = cfg.clone();
     let dp = t.node.run(move || -> anyhow::Result<_> {
-        let mut dp = build::build(ProxyMode::Ipvs, &c, &[], None)?;
+        let mut dp = registry::build(ProxyMode::Ipvs, &c, &[], None, None)?;
         let r = dp.sync(&snap, &ChangedSet::default())?;
         ensure!(r.services >= 1 && r.failed_services == 0, "{r:?}");
         Ok(dp)
@@ -959,7 +959,7 @@ fn factory_builds_ipvs_from_the_config_and_cleanup_all_removes_it() -> anyhow::R
         BTreeMap::from([("pod1".to_string(), 10), ("pod2".to_string(), 10)])
     );
     let c = cfg.clone();
-    t.node.run(move || modes::cleanup_all(&c))??;
+    t.node.run(move || registry::cleanup_all(&c))??;
     drop(dp);
     assert_clean(&t)
 }

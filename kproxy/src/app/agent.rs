@@ -13,15 +13,17 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, info, warn};
 
+use super::registry;
 use crate::app::nodeip::NodeIps;
 use crate::app::nodeip::detect_node_ips;
 use crate::app::nodeip::node_ips_of;
-use crate::config::SourceConfig;
+use crate::config::{DetectLocal, ProxyConfig, SourceConfig};
 use crate::dataplane::Dataplane;
 use crate::model::input::{Delta, Event};
 use crate::model::{IpFamily, ModelWarning, Snapshot, Tracker};
@@ -51,7 +53,7 @@ pub struct AgentOptions {
     pub node_port_addresses: Vec<IpNet>,
     /// `--oom-score-adj` (upstream default -999); `None` leaves the process' score alone.
     pub oom_score_adj: Option<i32>,
-    /// The metrics handle the datapath reports into (create it with [`Metrics::new`] for the
+    /// The metrics handle the datapath reports into (create it with [`super::registry::metrics`] for the
     /// datapath's mode before building the datapath); `None`: the agent creates one.
     pub metrics: Option<Metrics>,
     /// `detectLocalMode: NodeCIDR`: the pod CIDRs the datapath was built with. When the Node's
@@ -215,7 +217,7 @@ impl Agent {
         let metrics = opts
             .metrics
             .clone()
-            .unwrap_or_else(|| Metrics::new(dataplane.mode()));
+            .unwrap_or_else(|| super::registry::metrics(dataplane.mode()));
         Self::start_with(opts, metrics, Datapath::Ready(dataplane), shutdown).await
     }
 
@@ -670,6 +672,124 @@ pub fn snapshot_from_manifests(
     }
     let (snap, _) = tracker.snapshot();
     Ok((snap, problems))
+}
+
+/// Runs the agent as `kproxy` without a subcommand does, until SIGTERM / SIGINT: waits for
+/// what the datapath needs from the Node (its pod CIDRs with `detectLocalMode: NodeCIDR`, its
+/// primary IPs with `nodePortAddresses: primary`), chooses and builds the mode (a forced one
+/// while the first lists run, [`start_while_building`]), serves, syncs.
+pub fn run(cfg: &ProxyConfig) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    rt.block_on(async {
+        // NodeCIDR local-traffic detection needs the Node's podCIDRs before the datapath is
+        // built (upstream waits for them too).
+        let pod_cidrs = if cfg.detect_local == DetectLocal::NodeCidr {
+            Some(
+                wait_for_pod_cidrs(&cfg.source.clone(), &cfg.node_name, NODE_POD_CIDR_TIMEOUT)
+                    .await?,
+            )
+        } else {
+            None
+        };
+        // Signal handlers from here on (while waiting above, SIGTERM simply ends the process).
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+        let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;
+        let shutdown = async move {
+            let sig = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            info!(signal = sig, "stopping; the datapath stays programmed");
+        };
+        let resync = crate::sync::SyncRequester::default();
+        let bind = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+        let mut cfg = cfg.clone();
+        if registry::may_run_primary(&cfg) {
+            let ips = node_ips_at_start(&cfg.source, &cfg.node_name, bind, NODE_IPS_TIMEOUT).await;
+            cfg.primary_node_ips = ips.known();
+        }
+        let cfg = &cfg;
+        // A forced mode is built while the agent lists (see `start`); detection builds first,
+        // since a mode that fails to build falls back to the next one (other metrics).
+        let (built, mode, metrics) = match cfg.mode {
+            crate::config::ModeChoice::Forced(mode) => (None, mode, registry::metrics(mode)),
+            crate::config::ModeChoice::Detect => {
+                let (dp, metrics) =
+                    registry::select(cfg, pod_cidrs.as_deref().unwrap_or_default(), &resync)?;
+                let mode = dp.mode();
+                (Some(dp), mode, metrics)
+            }
+        };
+        let mut opts = AgentOptions::new(
+            cfg.node_name.clone(),
+            cfg.source.clone(),
+            registry::runner_config(cfg, mode),
+        );
+        opts.healthz_bind = cfg.healthz_bind_address;
+        opts.metrics_bind = cfg.metrics_bind_address;
+        opts.bind_address = (!cfg.bind_address.is_unspecified()).then_some(cfg.bind_address);
+        opts.node_port_addresses = registry::node_port_cidrs(cfg, mode);
+        if registry::runs_primary(cfg, mode) {
+            opts.exit_on_node_ips_change = Some(cfg.primary_node_ips.clone());
+        }
+        info!(
+            %mode,
+            node_port_addresses = ?opts.node_port_addresses,
+            "NodePorts accepted on the node's addresses inside these CIDRs (none: every address)"
+        );
+        opts.oom_score_adj = Some(cfg.oom_score_adj);
+        opts.metrics = Some(metrics.clone());
+        opts.exit_on_pod_cidr_change = pod_cidrs.clone();
+        opts.resync = Some(resync.clone());
+        info!(%mode, node = %opts.node_name, "kproxy starting");
+        let agent = match built {
+            Some(dp) => Agent::start(opts, dp, shutdown).await?,
+            None => {
+                start_while_building(opts, mode, cfg, pod_cidrs, metrics, resync, shutdown).await?
+            }
+        };
+        // Stopped while the datapath was being built: nothing was programmed, nothing to keep.
+        agent.finish().await?;
+        info!("stopped");
+        Ok(())
+    })
+}
+
+/// Starts the agent while `mode`'s datapath is built on a blocking thread (after the other
+/// modes' leftovers are removed, [`registry::build_cleaned`]): the Service, EndpointSlice and
+/// Node lists run meanwhile, and the first sync waits for both. A failed build ends the agent
+/// with its error.
+async fn start_while_building(
+    opts: AgentOptions,
+    mode: crate::dataplane::ProxyMode,
+    cfg: &ProxyConfig,
+    pod_cidrs: Option<Vec<IpNet>>,
+    metrics: Metrics,
+    resync: crate::sync::SyncRequester,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Agent> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let agent = Agent::start_building(opts, metrics.clone(), rx, shutdown).await?;
+    let cfg = cfg.clone();
+    let built = tokio::task::spawn_blocking(move || {
+        registry::build_cleaned(
+            mode,
+            &cfg,
+            pod_cidrs.as_deref().unwrap_or_default(),
+            &metrics,
+            &resync,
+        )
+    })
+    .await
+    .context("building the datapath panicked")?
+    .with_context(|| format!("--proxy-mode={mode}"))?;
+    // The loop only stops before taking it on shutdown.
+    let _ = tx.send(built);
+    Ok(agent)
 }
 
 #[cfg(test)]

@@ -31,9 +31,8 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::dataplane::ProxyMode;
-pub use crate::dataplane::ebpf::node_path::xdp::XdpPolicy;
-pub use crate::dataplane::ebpf::service_maps::LbAlgorithm;
 pub use crate::dataplane::netfilter::local_detect::DetectLocal;
+pub use crate::dataplane::settings::{LbAlgorithm, XdpPolicy};
 use crate::sync::RunnerConfig;
 
 pub mod duration;
@@ -143,7 +142,7 @@ pub struct FeatureGate {
 
 /// The feature gates kproxy implements (upstream's names and defaults).
 pub const FEATURE_GATES: &[FeatureGate] = &[FeatureGate {
-    name: crate::dataplane::nftables::localhost::FEATURE_GATE,
+    name: crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS,
     default: false,
     what: "nftables mode: serve TCP NodePorts on 127.0.0.1 through a userspace proxy (alpha)",
 }];
@@ -228,29 +227,6 @@ pub enum NodePortAddresses {
 }
 
 impl NodePortAddresses {
-    /// What `mode` runs with: [`NodePortAddresses::Unset`] becomes `primary` in nftables mode
-    /// (as upstream defaults it) and stays "every local address" elsewhere.
-    pub fn for_mode(&self, mode: ProxyMode) -> NodePortAddresses {
-        match self {
-            NodePortAddresses::Unset if mode == ProxyMode::Nftables => NodePortAddresses::Primary,
-            other => other.clone(),
-        }
-    }
-
-    /// Whether the mode `choice` may run with `primary` (so the node's primary IPs are needed
-    /// before the datapath is built): always for `primary`; for an unset list when nftables is
-    /// forced or may be detected.
-    pub fn may_be_primary(&self, choice: ModeChoice) -> bool {
-        match self {
-            NodePortAddresses::Primary => true,
-            NodePortAddresses::Unset => matches!(
-                choice,
-                ModeChoice::Detect | ModeChoice::Forced(ProxyMode::Nftables)
-            ),
-            NodePortAddresses::Cidrs(_) => false,
-        }
-    }
-
     /// Upstream's rewrite of `primary` (`NewProxyServer`): each family's node IP that is not
     /// loopback as a /32 or /128. Empty (= every local address, as upstream when the node's
     /// IPs are unknown and only loopback is assumed) when none is known.
@@ -383,23 +359,6 @@ fn ser_log_format<S: serde::Serializer>(f: &LogFormat, s: S) -> Result<S::Ok, S:
 }
 
 impl ProxyConfig {
-    /// The sync periods of `mode`: `iptables.*` for iptables, `ipvs.*` for ipvs, `nftables.*`
-    /// for nftables, the top-level
-    /// (extension) periods for ebpf.
-    pub fn sync_periods(&self, mode: ProxyMode) -> SyncPeriods {
-        match mode {
-            ProxyMode::Iptables => self.iptables.sync,
-            ProxyMode::Nftables => self.nftables.sync,
-            ProxyMode::Ipvs => self.ipvs.sync,
-            ProxyMode::Ebpf => self.ebpf_sync,
-        }
-    }
-
-    /// The sync runner's timing for `mode`.
-    pub fn runner_config(&self, mode: ProxyMode) -> RunnerConfig {
-        self.sync_periods(mode).runner()
-    }
-
     /// The fwmark used to mark packets for SNAT (`1 << masquerade_bit`).
     pub fn masquerade_mark(&self) -> u32 {
         1u32 << self.masquerade_bit

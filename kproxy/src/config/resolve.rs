@@ -729,23 +729,22 @@ fn warn_windows_and_removed(cx: &mut Ctx<'_>, cfg: &KubeProxyConfiguration) {
 
 /// `mode`: "" = detect; ebpf / nftables / ipvs / iptables forced; anything else an error naming the field.
 fn resolve_mode(cx: &mut Ctx<'_>, mode: &str) -> ModeChoice {
-    match mode {
-        "" => ModeChoice::Detect,
-        "ebpf" => ModeChoice::Forced(ProxyMode::Ebpf),
-        "ipvs" => ModeChoice::Forced(ProxyMode::Ipvs),
-        "iptables" => ModeChoice::Forced(ProxyMode::Iptables),
-        "nftables" => ModeChoice::Forced(ProxyMode::Nftables),
-        "kernelspace" => {
+    if mode.is_empty() {
+        return ModeChoice::Detect;
+    }
+    if mode == "kernelspace" {
+        cx.err(
+            "mode",
+            "\"kernelspace\" is the Windows proxy mode; kproxy runs on Linux only",
+        );
+        return ModeChoice::Detect;
+    }
+    match mode.parse::<ProxyMode>() {
+        Ok(m) => ModeChoice::Forced(m),
+        Err(_) => {
             cx.err(
                 "mode",
-                "\"kernelspace\" is the Windows proxy mode; kproxy runs on Linux only",
-            );
-            ModeChoice::Detect
-        }
-        other => {
-            cx.err(
-                "mode",
-                format!("{other:?} is not a proxy mode: expected \"\" (detect), \"ebpf\", \"nftables\", \"ipvs\" or \"iptables\""),
+                format!("{mode:?} is not a proxy mode: expected \"\" (detect), \"ebpf\", \"nftables\", \"ipvs\" or \"iptables\""),
             );
             ModeChoice::Detect
         }
@@ -1015,32 +1014,20 @@ mod tests {
         )
         .unwrap()
         .config;
-        assert_eq!(c.runner_config(ProxyMode::Ebpf).max_interval.as_secs(), 10);
-        assert_eq!(c.runner_config(ProxyMode::Ebpf).min_interval.as_secs(), 2);
-        assert_eq!(
-            c.runner_config(ProxyMode::Iptables).max_interval.as_secs(),
-            20
-        );
-        assert_eq!(
-            c.runner_config(ProxyMode::Iptables).min_interval.as_secs(),
-            1
-        );
-        assert_eq!(c.runner_config(ProxyMode::Ipvs).max_interval.as_secs(), 40);
-        assert_eq!(c.runner_config(ProxyMode::Ipvs).min_interval.as_secs(), 3);
+        assert_eq!(c.ebpf_sync.runner().max_interval.as_secs(), 10);
+        assert_eq!(c.ebpf_sync.runner().min_interval.as_secs(), 2);
+        assert_eq!(c.iptables.sync.runner().max_interval.as_secs(), 20);
+        assert_eq!(c.iptables.sync.runner().min_interval.as_secs(), 1);
+        assert_eq!(c.ipvs.sync.runner().max_interval.as_secs(), 40);
+        assert_eq!(c.ipvs.sync.runner().min_interval.as_secs(), 3);
     }
 
     #[test]
     fn nftables_section_sets_the_modes_periods_and_masquerading() {
         let c = resolve(&cfg(""), &extra()).unwrap().config;
         // Upstream's defaults: 30s / 1s, bit 14, no masquerade-all.
-        assert_eq!(
-            c.runner_config(ProxyMode::Nftables).max_interval.as_secs(),
-            30
-        );
-        assert_eq!(
-            c.runner_config(ProxyMode::Nftables).min_interval.as_secs(),
-            1
-        );
+        assert_eq!(c.nftables.sync.runner().max_interval.as_secs(), 30);
+        assert_eq!(c.nftables.sync.runner().min_interval.as_secs(), 1);
         assert_eq!(c.nftables.masquerade_bit, 14);
         assert!(!c.nftables.masquerade_all);
         let c = resolve(
@@ -1050,14 +1037,8 @@ mod tests {
         .unwrap();
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
         let c = c.config;
-        assert_eq!(
-            c.runner_config(ProxyMode::Nftables).max_interval.as_secs(),
-            50
-        );
-        assert_eq!(
-            c.runner_config(ProxyMode::Nftables).min_interval.as_secs(),
-            4
-        );
+        assert_eq!(c.nftables.sync.runner().max_interval.as_secs(), 50);
+        assert_eq!(c.nftables.sync.runner().min_interval.as_secs(), 4);
         assert_eq!(
             (c.nftables.masquerade_bit, c.nftables.masquerade_all),
             (7, true)
@@ -1083,13 +1064,8 @@ mod tests {
 
     #[test]
     fn modes() {
-        for (m, want) in [
-            ("ebpf", ModeChoice::Forced(ProxyMode::Ebpf)),
-            ("ipvs", ModeChoice::Forced(ProxyMode::Ipvs)),
-            ("iptables", ModeChoice::Forced(ProxyMode::Iptables)),
-            ("nftables", ModeChoice::Forced(ProxyMode::Nftables)),
-            ("\"\"", ModeChoice::Detect),
-        ] {
+        let forced = ProxyMode::ALL.map(|m| (m.as_str(), ModeChoice::Forced(m)));
+        for (m, want) in forced.into_iter().chain([("\"\"", ModeChoice::Detect)]) {
             assert_eq!(
                 resolve(&cfg(&format!("mode: {m}\n")), &extra())
                     .unwrap()
@@ -1431,29 +1407,12 @@ mod tests {
     }
 
     #[test]
-    fn unset_node_port_addresses_default_to_primary_in_nftables_mode_only() {
+    fn unset_node_port_addresses_stay_unset_for_the_mode_to_default() {
         let unset = resolve(&cfg(""), &extra())
             .unwrap()
             .config
             .node_port_addresses;
         assert_eq!(unset, NodePortAddresses::Unset);
-        assert_eq!(
-            unset.for_mode(ProxyMode::Nftables),
-            NodePortAddresses::Primary
-        );
-        for m in [ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Ebpf] {
-            assert_eq!(unset.for_mode(m), NodePortAddresses::Unset, "{m}");
-        }
-        assert!(unset.may_be_primary(ModeChoice::Detect));
-        assert!(unset.may_be_primary(ModeChoice::Forced(ProxyMode::Nftables)));
-        assert!(!unset.may_be_primary(ModeChoice::Forced(ProxyMode::Iptables)));
-        let cidrs = NodePortAddresses::Cidrs(vec!["10.0.0.0/8".parse().unwrap()]);
-        assert_eq!(cidrs.for_mode(ProxyMode::Nftables), cidrs);
-        assert!(!cidrs.may_be_primary(ModeChoice::Detect));
-        assert_eq!(
-            NodePortAddresses::Primary.for_mode(ProxyMode::Iptables),
-            NodePortAddresses::Primary
-        );
         // Upstream's rewrite: /32 and /128 of the known IPs; loopback (unknown) is left out.
         let ips: Vec<std::net::IpAddr> = ["192.0.2.7", "::1", "fd00::7"]
             .iter()
@@ -1510,7 +1469,7 @@ mod tests {
 
     #[test]
     fn known_feature_gates_resolve_without_a_warning() {
-        let gate = crate::dataplane::nftables::localhost::FEATURE_GATE;
+        let gate = crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS;
         let r = resolve(&cfg(&format!("featureGates: {{{gate}: true}}\n")), &extra()).unwrap();
         assert!(
             r.warnings.iter().all(|w| !w.contains(gate)),

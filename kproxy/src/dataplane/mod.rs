@@ -13,10 +13,14 @@ use serde::Serialize;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 pub mod ebpf;
+pub mod face;
+pub mod inspect;
 pub mod iptables;
 pub mod ipvs;
 pub mod netfilter;
 pub mod nftables;
+pub mod per_family;
+pub mod settings;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -62,6 +66,36 @@ impl FromStr for ProxyMode {
             other => Err(format!(
                 "unknown proxy mode {other:?}: expected \"\" (detect), \"ebpf\", \"nftables\", \"ipvs\" or \"iptables\""
             )),
+        }
+    }
+}
+
+/// Which of the mode-specific metric families a mode reports, beside those every mode has
+/// (upstream registers some families only in some modes). Each mode's face says
+/// ([`face::ModeFace::metrics`]); `observe::metrics::Metrics` registers accordingly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModeMetrics {
+    pub mode: ProxyMode,
+    /// `kubeproxy_sync_proxy_rules_iptables_restore_failures_total` (iptables and ipvs).
+    pub iptables_restore: bool,
+    /// The iptables proxier's sync durations, rule gauges and nfacct counters.
+    pub iptables_sync: bool,
+    /// The nftables proxier's sync durations and failure counters.
+    pub nftables_sync: bool,
+    /// The eBPF datapath's series (`kproxy_bpf_skipped_service_ports{protocol="SCTP"}` from
+    /// the start).
+    pub bpf: bool,
+}
+
+impl ModeMetrics {
+    /// Only the metrics every mode has.
+    pub const fn generic(mode: ProxyMode) -> Self {
+        ModeMetrics {
+            mode,
+            iptables_restore: false,
+            iptables_sync: false,
+            nftables_sync: false,
+            bpf: false,
         }
     }
 }
@@ -123,6 +157,26 @@ pub trait Telemetry: Send + Sync {
     fn snat_failures(&self, total: u64);
     /// One conntrack cleanup of `family`: entries deleted and how long it took.
     fn conntrack_cleanup(&self, family: IpFamily, deleted: u64, seconds: f64);
+    /// A netfilter proxier's sync of `family` (full or partial) finished, taking `seconds`.
+    fn proxier_sync(&self, family: IpFamily, full: bool, seconds: f64) {
+        let _ = (family, full, seconds);
+    }
+    /// A netfilter proxier's sync of `family` failed (nftables: a rejected transaction).
+    fn proxier_sync_failed(&self, family: IpFamily) {
+        let _ = family;
+    }
+    /// An `iptables-restore` of `family` failed (`partial`: a partial restore).
+    fn restore_failed(&self, family: IpFamily, partial: bool) {
+        let _ = (family, partial);
+    }
+    /// Rules the last sync of `family` wrote into the nat table.
+    fn nat_rules_last(&self, family: IpFamily, rules: u64) {
+        let _ = (family, rules);
+    }
+    /// Removing a stale nftables chain of `family` failed.
+    fn stale_chain_cleanup_failed(&self, family: IpFamily) {
+        let _ = family;
+    }
 }
 
 /// One datapath. `sync` is called from one thread at a time with successive snapshots.
@@ -134,4 +188,17 @@ pub trait Dataplane: Send {
     fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError>;
     /// Removes everything this datapath put into the kernel.
     fn cleanup(&mut self) -> Result<(), CleanupError>;
+}
+
+/// A boxed datapath is one (the registry wraps a face's boxed datapath for conntrack cleanup).
+impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
+    fn mode(&self) -> ProxyMode {
+        (**self).mode()
+    }
+    fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+        (**self).sync(snap, changed)
+    }
+    fn cleanup(&mut self) -> Result<(), CleanupError> {
+        (**self).cleanup()
+    }
 }

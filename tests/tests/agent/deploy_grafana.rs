@@ -12,7 +12,7 @@ use std::process::Command;
 
 use kproxy::dataplane::ProxyMode;
 use kproxy::model::IpFamily;
-use kproxy::observe::metrics::{IptablesTable, Metrics, NfacctCounter};
+use kproxy::observe::metrics::{IptablesTable, NfacctCounter};
 use kproxy_tests::agentproc::ScratchDir;
 use kproxy_tests::tools::require_tool;
 use serde_json::Value;
@@ -209,7 +209,7 @@ fn skip_string(b: &[char], at: usize) -> usize {
 /// The series names kproxy's registry exports in `mode` once the mode's datapath and the
 /// health server have reported (a labelled family shows no `# TYPE` before its first series).
 fn exported(mode: ProxyMode) -> BTreeSet<String> {
-    let m = Metrics::new(mode);
+    let m = kproxy::app::registry::metrics(mode);
     m.count_health_request(false, 200);
     m.count_health_request(true, 200);
     m.conntrack().deleted(IpFamily::V4, 0);

@@ -11,7 +11,6 @@ use kproxy::app::agent::AgentOptions;
 use kproxy::config::SourceConfig;
 use kproxy::dataplane::ProxyMode;
 use kproxy::model::IpFamily;
-use kproxy::observe::metrics::Metrics;
 use kproxy::sync::RunnerConfig;
 use kproxy_tests::fixtures;
 use kproxy_tests::http::{self, sample};
@@ -247,7 +246,7 @@ fn mode_specific_metrics_exist_exactly_in_their_modes() {
         (ProxyMode::Ebpf, "ebpf"),
         (ProxyMode::Nftables, "nftables"),
     ] {
-        let text = Metrics::new(mode).encode();
+        let text = kproxy::app::registry::metrics(mode).encode();
         for um in &upstream {
             let Some(modes) = &um.registered_for else {
                 continue;

@@ -18,7 +18,7 @@
 //!   (IPv4 and IPv6; TC and XDP).
 //!
 //! Timeouts are set as the agent sets them from `conntrack.tcpCloseWaitTimeout` and the
-//! `bpf.conntrack` extension (`kproxy::app::build::ebpf_config`).
+//! `bpf.conntrack` extension (`kproxy::dataplane::ebpf::face::config`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};

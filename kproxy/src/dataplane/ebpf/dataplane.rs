@@ -74,7 +74,7 @@ pub struct EbpfConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
     #[error("eBPF socket LB: {0}")]
-    Sock(#[from] crate::dataplane::ebpf::loader::LoaderError),
+    Sock(#[from] crate::dataplane::ebpf::service_maps::loader::LoaderError),
     #[error("eBPF socket LB: {0}")]
     Cgroup(#[from] crate::dataplane::ebpf::socket_lb::cgroup::CgroupCheckError),
     #[error("eBPF TC path: {0}")]
@@ -127,7 +127,7 @@ impl EbpfDataplane {
                 .ebpf
                 .cgroup
                 .clone()
-                .or_else(crate::dataplane::ebpf::loader::cgroup2_root)
+                .or_else(crate::dataplane::ebpf::socket_lb::cgroup::cgroup2_root)
             {
                 crate::dataplane::ebpf::socket_lb::cgroup::check(&cg)?;
             }
@@ -135,7 +135,7 @@ impl EbpfDataplane {
         let sock = ServiceMaps::new(cfg.ebpf.clone())?;
         let addresses = Arc::new(Mutex::new(None));
         let tc = if cfg.tc {
-            let pins = crate::dataplane::ebpf::loader::pin_dir(&cfg.ebpf);
+            let pins = crate::dataplane::ebpf::pins::pin_dir(&cfg.ebpf.bpffs);
             let tc_cfg = TcConfig {
                 pin_dir: Some(pins.join("links")),
                 ct_entries: cfg.ebpf.map_sizes.ct,

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::dataplane::per_family::{FamilyError, FamilyPart, PerFamily};
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 use super::cleanup::cleanup_leftovers;
@@ -33,10 +34,8 @@ use super::proxier::Proxier;
 /// Start-up of the iptables dataplane failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    #[error("iptables dataplane needs at least one IP family")]
-    NoFamily,
-    #[error("iptables dataplane: two proxiers for {0:?}")]
-    DuplicateFamily(IpFamily),
+    #[error(transparent)]
+    Families(#[from] FamilyError),
     #[error("setting sysctl {key}: {reason}")]
     Sysctl { key: String, reason: String },
 }
@@ -77,9 +76,55 @@ impl Drop for Monitor {
 
 /// The iptables datapath (one proxier per family).
 pub struct IptablesDataplane {
-    proxiers: Vec<Proxier<ExecIptables>>,
+    families: PerFamily<FamilyProxier>,
     monitors: Vec<Monitor>,
     on_resync: Arc<Mutex<Option<ResyncCallback>>>,
+}
+
+/// One family's proxier, reporting its syncs (upstream's iptables metrics: full or partial
+/// duration, restore failures, nat rules written) to the telemetry sink.
+struct FamilyProxier {
+    proxier: Proxier<ExecIptables>,
+    telemetry: Option<Arc<dyn Telemetry>>,
+}
+
+impl FamilyPart for FamilyProxier {
+    fn family(&self) -> IpFamily {
+        self.proxier.cfg.family
+    }
+
+    fn sync_family(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, String> {
+        let p = &mut self.proxier;
+        if !p.cfg.node_port_addresses.is_empty() {
+            let runner = p.backend.runner.clone();
+            p.cfg.local_addresses = detect_local_addresses(&runner);
+        }
+        let (family, before, start) = (p.cfg.family, p.stats, std::time::Instant::now());
+        let result = p.sync(snap, changed);
+        if let Some(t) = &self.telemetry {
+            let (a, b, seconds) = (p.stats, before, start.elapsed().as_secs_f64());
+            let synced = a.full_syncs + a.partial_syncs > b.full_syncs + b.partial_syncs;
+            if synced {
+                t.proxier_sync(family, a.full_syncs > b.full_syncs, seconds);
+                t.nat_rules_last(family, a.nat_rules_last as u64);
+            }
+            let partial = a.partial_restore_failures > b.partial_restore_failures;
+            for _ in b.restore_failures..a.restore_failures {
+                t.restore_failed(family, partial);
+            }
+        }
+        let out = result.map_err(|e| e.to_string())?;
+        Ok(SyncReport {
+            endpoints: out.total_endpoints,
+            ..SyncReport::default()
+        })
+    }
+
+    fn cleanup_family(&mut self) -> Result<(), String> {
+        cleanup_leftovers(&mut self.proxier.backend).map_err(|e| e.to_string())?;
+        self.proxier.force_full_sync();
+        Ok(())
+    }
 }
 
 const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
@@ -102,11 +147,19 @@ impl IptablesDataplane {
     /// effect, checks `bridge-nf-call-iptables`, and starts the canary monitors (checking
     /// every `sync_period`, at most [`MONITOR_INTERVAL_MAX`] apart).
     pub fn new(cfgs: impl IntoIterator<Item = IptablesConfig>) -> Result<Self, SetupError> {
+        Self::with_telemetry(cfgs, None)
+    }
+
+    /// [`Self::new`], each proxier reporting its syncs to `telemetry`.
+    pub fn with_telemetry(
+        cfgs: impl IntoIterator<Item = IptablesConfig>,
+        telemetry: Option<Arc<dyn Telemetry>>,
+    ) -> Result<Self, SetupError> {
         let mut proxiers = vec![];
         let mut seen = vec![];
         for mut cfg in cfgs {
             if seen.contains(&cfg.family) {
-                return Err(SetupError::DuplicateFamily(cfg.family));
+                return Err(FamilyError::Duplicate(ProxyMode::Iptables, cfg.family).into());
             }
             seen.push(cfg.family);
             let runner = Runner {
@@ -150,13 +203,13 @@ impl IptablesDataplane {
             }
             tracing::info!(family = ?cfg.family, ?flavor, random_fully = cfg.random_fully, "iptables proxier ready");
             let backend = ExecIptables::new(cfg.family, flavor, runner);
-            proxiers.push(Proxier::new(cfg, backend));
-        }
-        if proxiers.is_empty() {
-            return Err(SetupError::NoFamily);
+            proxiers.push(FamilyProxier {
+                proxier: Proxier::new(cfg, backend),
+                telemetry: telemetry.clone(),
+            });
         }
         let mut dp = IptablesDataplane {
-            proxiers,
+            families: PerFamily::new(ProxyMode::Iptables, proxiers)?,
             monitors: vec![],
             on_resync: Arc::new(Mutex::new(None)),
         };
@@ -170,12 +223,13 @@ impl IptablesDataplane {
     }
 
     /// The proxiers (one per family), e.g. to read their stats.
-    pub fn proxiers(&self) -> &[Proxier<ExecIptables>] {
-        &self.proxiers
+    pub fn proxiers(&self) -> Vec<&Proxier<ExecIptables>> {
+        self.families.parts().iter().map(|f| &f.proxier).collect()
     }
 
     fn start_monitors(&mut self) {
-        for p in &self.proxiers {
+        let mut monitors = vec![];
+        for p in self.proxiers() {
             let mut backend = p.backend.clone();
             let force = p.force_full_flag();
             let interval = p
@@ -255,11 +309,12 @@ impl IptablesDataplane {
                     }
                 })
                 .expect("spawn canary monitor");
-            self.monitors.push(Monitor {
+            monitors.push(Monitor {
                 stop,
                 handle: Some(handle),
             });
         }
+        self.monitors = monitors;
     }
 }
 
@@ -269,34 +324,11 @@ impl Dataplane for IptablesDataplane {
     }
 
     fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
-        let mut endpoints = 0;
-        let mut errors = vec![];
-        for p in &mut self.proxiers {
-            if !p.cfg.node_port_addresses.is_empty() {
-                let runner = p.backend.runner.clone();
-                p.cfg.local_addresses = detect_local_addresses(&runner);
-            }
-            match p.sync(snap, changed) {
-                Ok(out) => endpoints += out.total_endpoints,
-                Err(e) => errors.push(format!("{:?}: {e}", p.cfg.family)),
-            }
-        }
-        if !errors.is_empty() {
-            return Err(SyncError::Kernel(errors.join("; ")));
-        }
-        let families: Vec<IpFamily> = self.proxiers.iter().map(|p| p.cfg.family).collect();
-        Ok(SyncReport::of_families(snap, &families, endpoints))
+        self.families.sync(snap, changed)
     }
 
     fn cleanup(&mut self) -> Result<(), CleanupError> {
         self.monitors.clear();
-        for p in &mut self.proxiers {
-            cleanup_leftovers(&mut p.backend).map_err(|e| CleanupError {
-                mode: ProxyMode::Iptables,
-                reason: format!("{:?}: {e}", p.cfg.family),
-            })?;
-            p.force_full_sync();
-        }
-        Ok(())
+        self.families.cleanup()
     }
 }

@@ -7,27 +7,13 @@ use std::process::{Command, Stdio};
 
 use crate::model::IpFamily;
 
+pub use crate::dataplane::netfilter::backend::{Flavor, detect_backend, tool};
+
 use super::config::IptablesBackend as Choice;
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 
 /// How long a command waits for the xtables lock.
 pub const LOCK_WAIT_SECONDS: &str = "5";
-
-/// A resolved backend: nf_tables or legacy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Flavor {
-    Nft,
-    Legacy,
-}
-
-impl Flavor {
-    fn suffix(self) -> &'static str {
-        match self {
-            Flavor::Nft => "nft",
-            Flavor::Legacy => "legacy",
-        }
-    }
-}
 
 /// Runs commands, optionally inside a network namespace.
 #[derive(Debug, Clone, Default)]
@@ -100,30 +86,20 @@ fn sysctl_path(key: &str) -> PathBuf {
     PathBuf::from("/proc/sys").join(key.replace('.', "/"))
 }
 
-fn tool(family: IpFamily, flavor: Flavor, what: &str) -> String {
-    let base = match family {
-        IpFamily::V4 => "iptables",
-        IpFamily::V6 => "ip6tables",
-    };
-    if what.is_empty() {
-        format!("{base}-{}", flavor.suffix())
-    } else {
-        format!("{base}-{}-{what}", flavor.suffix())
-    }
-}
-
-fn count_rules(runner: &Runner, flavor: Flavor) -> (usize, bool) {
-    let mut n = 0;
-    let mut hint = false;
-    for fam in [IpFamily::V4, IpFamily::V6] {
-        if let Ok((_, out, _)) = runner.run(&tool(fam, flavor, "save"), &[], None) {
-            n += out.lines().filter(|l| l.starts_with('-')).count();
-            hint |= out.lines().any(|l| {
-                l.starts_with(":KUBE-IPTABLES-HINT ") || l.starts_with(":KUBE-KUBELET-CANARY ")
-            });
+/// `iptables-save -t nat` of every backend and family here, in the order iptables-nft,
+/// iptables-legacy, ip6tables-nft, ip6tables-legacy (a missing binary or legacy table
+/// contributes nothing and creates nothing).
+pub fn nat_tables_everywhere() -> Vec<String> {
+    let mut out = vec![];
+    for family in [IpFamily::V4, IpFamily::V6] {
+        for flavor in [Flavor::Nft, Flavor::Legacy] {
+            let mut b = ExecIptables::new(family, flavor, Runner::default());
+            if let Ok(text) = b.save("nat") {
+                out.push(text);
+            }
         }
     }
-    (n, hint)
+    out
 }
 
 /// Chooses the backend like upstream's iptables-wrapper: a kubelet hint chain
@@ -135,22 +111,7 @@ pub fn detect_flavor(choice: Choice, runner: &Runner) -> Flavor {
         Choice::Legacy => return Flavor::Legacy,
         Choice::Auto => {}
     }
-    let (nft, nft_hint) = count_rules(runner, Flavor::Nft);
-    let (legacy, legacy_hint) = count_rules(runner, Flavor::Legacy);
-    let flavor = if nft_hint {
-        Flavor::Nft
-    } else if legacy_hint || legacy > nft {
-        Flavor::Legacy
-    } else {
-        Flavor::Nft
-    };
-    tracing::info!(
-        ?flavor,
-        nft_rules = nft,
-        legacy_rules = legacy,
-        "iptables backend detected"
-    );
-    flavor
+    detect_backend(runner.netns.as_deref())
 }
 
 /// `iptables --version` ≥ 1.6.2 supports `MASQUERADE --random-fully`.
@@ -174,6 +135,24 @@ pub struct ExecIptables {
 }
 
 impl ExecIptables {
+    /// The plain binary of this family and backend (`iptables-nft`, `ip6tables-legacy`, …).
+    pub fn binary(&self) -> String {
+        tool(self.family, self.flavor, "")
+    }
+
+    /// Whether `table` exists: always assumed on nf_tables (whose save creates nothing); on
+    /// legacy it is looked up first, since naming a legacy table creates it
+    /// ([`crate::dataplane::netfilter::exec::legacy_tables`]).
+    pub fn table_exists(&self, table: &str) -> bool {
+        if self.flavor == Flavor::Nft {
+            return true;
+        }
+        let family = self.family;
+        self.runner
+            .in_netns(|| crate::dataplane::netfilter::exec::legacy_tables(family))
+            .is_ok_and(|tables| tables.iter().any(|t| t == table))
+    }
+
     pub fn new(family: IpFamily, flavor: Flavor, runner: Runner) -> Self {
         ExecIptables {
             family,
@@ -312,6 +291,9 @@ impl IptablesBackend for ExecIptables {
     }
 
     fn save(&mut self, table: &str) -> Result<String, IptablesError> {
+        if !self.table_exists(table) {
+            return Ok(String::new());
+        }
         let prog = tool(self.family, self.flavor, "save");
         let (ok, out, err) = self
             .runner

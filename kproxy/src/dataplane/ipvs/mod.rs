@@ -35,7 +35,9 @@
 //! The host machines here lack IPVS; the tests run in a QEMU guest (`cargo xtask guest`).
 
 pub mod config;
+pub mod face;
 pub mod genl;
+pub mod inspect;
 pub mod netfilter;
 pub mod plan;
 pub mod rtnl;
@@ -52,7 +54,7 @@ use self::genl::{DestCmd, Destination, IpvsHandle, ServiceKey};
 use self::netfilter::Tools;
 use self::rtnl::Rtnl;
 use super::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
-use crate::model::{ChangedSet, Protocol, Snapshot};
+use crate::model::{ChangedSet, IpFamily, Protocol, Snapshot};
 
 /// Whether this host can run the IPVS proxier: the IPVS generic netlink family resolves
 /// (ip_vs is loaded or built in) and ipset ≥ 6.0 is installed. `Err` says why not.
@@ -325,6 +327,18 @@ impl IpvsDataplane {
             }
         }
         Ok(failed.len())
+    }
+}
+
+impl crate::dataplane::per_family::FamilyPart for IpvsDataplane {
+    fn family(&self) -> IpFamily {
+        self.cfg.family
+    }
+    fn sync_family(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, String> {
+        Dataplane::sync(self, snap, changed).map_err(|e| e.to_string())
+    }
+    fn cleanup_family(&mut self) -> Result<(), String> {
+        Dataplane::cleanup(self).map_err(|e| e.reason)
     }
 }
 

@@ -213,22 +213,45 @@ pub fn apply_rules(tools: &Tools, rules: &Rules, restore: &str) -> Result<(), St
     Ok(())
 }
 
+/// Whether `table` may be touched through the binaries of `restore`: always for the nf_tables
+/// backend; for the legacy one only when the table exists, since naming it creates it
+/// ([`crate::dataplane::netfilter::exec::legacy_tables`]).
+fn table_present(restore: &str, table: &str) -> bool {
+    if !restore.contains("legacy") {
+        return true;
+    }
+    let family = if restore.starts_with("ip6") {
+        IpFamily::V6
+    } else {
+        IpFamily::V4
+    };
+    crate::dataplane::netfilter::exec::legacy_tables(family)
+        .iter()
+        .any(|t| t == table)
+}
+
 /// Unhooks the IPVS mode's rules: deletes its jumps from the built-in chains and flushes its
 /// chains, so nothing of it references a chain any more (chains and sets stay). Run before
 /// another mode's cleanup that deletes chains both modes share (`KUBE-MARK-MASQ`, …).
 /// Missing rules and chains are fine; nothing here fails.
 pub fn unhook(tools: &Tools, restore: &str) {
     let ipt = iptables_binary(restore);
-    delete_jumps(tools, &ipt);
+    delete_jumps(tools, &ipt, restore);
     for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
+        if !table_present(restore, table) {
+            continue;
+        }
         for chain in chains.iter() {
             let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
         }
     }
 }
 
-fn delete_jumps(tools: &Tools, ipt: &str) {
+fn delete_jumps(tools: &Tools, ipt: &str, restore: &str) {
     for (table, from, to, comment) in JUMPS {
+        if !table_present(restore, table) {
+            continue;
+        }
         let spec = ["-m", "comment", "--comment", comment, "-j", to];
         loop {
             let mut del = vec!["-w", "-t", table, "-D", from];
@@ -244,8 +267,11 @@ fn delete_jumps(tools: &Tools, ipt: &str) {
 pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
     let ipt = iptables_binary(restore);
     let mut errors = vec![];
-    delete_jumps(tools, &ipt);
+    delete_jumps(tools, &ipt, restore);
     for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
+        if !table_present(restore, table) {
+            continue;
+        }
         for chain in chains.iter() {
             let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
         }

@@ -48,6 +48,24 @@ pub fn run(mut cmd: Command, stdin: Option<&str>) -> std::io::Result<Output> {
     })
 }
 
+/// The legacy (x_tables) tables of `family` that exist in the calling thread's network
+/// namespace (`/proc/thread-self/net/ip_tables_names` / `ip6_tables_names`).
+///
+/// Naming a table to a legacy binary — `iptables-legacy-save -t nat`, `iptables-legacy -t
+/// nat -F X` — loads and creates it, so a mode that merely looks for (or removes) another's
+/// leftovers would leave empty `filter`/`nat`/`mangle` tables on a node that had none.
+/// Callers ask here first and skip tables that do not exist. An unreadable file (no x_tables
+/// in the kernel) means none exists.
+pub fn legacy_tables(family: crate::model::IpFamily) -> Vec<String> {
+    let file = match family {
+        crate::model::IpFamily::V4 => "ip_tables_names",
+        crate::model::IpFamily::V6 => "ip6_tables_names",
+    };
+    std::fs::read_to_string(Path::new("/proc/thread-self/net").join(file))
+        .map(|s| s.lines().map(|l| l.trim().to_string()).collect())
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
 //! What the netfilter datapaths (iptables, IPVS) share: stale-flow [`conntrack`] cleanup and
 //! [`local_detect`]ion of pod traffic, upstream's [`node_ports`] addresses; [`with_conntrack`] runs the cleanup after each sync.
 
+pub mod backend;
 pub mod conntrack;
 pub mod exec;
 pub mod local_detect;

@@ -16,15 +16,17 @@
 //! With the feature gate `KubeProxyNFTablesLocalhostNodePorts`, TCP NodePorts are also served
 //! on 127.0.0.1 by [`LocalhostNodePorts`], updated after each sync ([`Self::with_localhost`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
+use crate::dataplane::per_family::{FamilyError, FamilyPart, PerFamily};
+use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport, Telemetry};
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 use super::config::NftablesConfig;
 use super::kernel::{KernelTable, NftRunner};
 use super::localhost::LocalhostNodePorts;
-use super::proxier::{NftSyncStats, Proxier};
+use super::proxier::Proxier;
 
 /// How often a full sync is forced: upstream's `proxyutil.FullSyncPeriod` (one hour, the
 /// iptables mode's [`crate::dataplane::iptables::config::FULL_SYNC_PERIOD`] too). The mode's
@@ -33,13 +35,7 @@ use super::proxier::{NftSyncStats, Proxier};
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// Start-up of the nftables dataplane failed.
-#[derive(Debug, thiserror::Error)]
-pub enum SetupError {
-    #[error("nftables dataplane needs at least one IP family")]
-    NoFamily,
-    #[error("nftables dataplane: two proxiers for {0:?}")]
-    DuplicateFamily(IpFamily),
-}
+pub type SetupError = FamilyError;
 
 /// One family's proxier and its table.
 pub struct FamilyProxier {
@@ -48,11 +44,66 @@ pub struct FamilyProxier {
     /// Successful and failed syncs so far.
     pub syncs: u64,
     pub failures: u64,
+    /// Time since the dataplane started, for the proxier's stale-chain bookkeeping (set
+    /// before each sync).
+    now: Duration,
+    /// When the last full sync succeeded (in `now`'s time).
+    full_at: Option<Duration>,
+    telemetry: Option<Arc<dyn Telemetry>>,
+}
+
+impl FamilyPart for FamilyProxier {
+    fn family(&self) -> IpFamily {
+        self.proxier.cfg.family
+    }
+
+    fn sync_family(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, String> {
+        NftablesDataplane::refresh_addresses(&mut self.proxier);
+        let family = self.proxier.cfg.family;
+        let (cleanups, start) = (self.proxier.cleanup_failures, Instant::now());
+        let result = self.proxier.sync(snap, changed, self.now, &mut self.table);
+        let seconds = start.elapsed().as_secs_f64();
+        match &result {
+            Ok(stats) => {
+                self.syncs += 1;
+                if stats.full {
+                    self.full_at = Some(self.now);
+                }
+            }
+            Err(_) => self.failures += 1,
+        }
+        if let Some(t) = &self.telemetry {
+            match &result {
+                Ok(stats) => t.proxier_sync(family, stats.full, seconds),
+                Err(_) => t.proxier_sync_failed(family),
+            }
+            for _ in cleanups..self.proxier.cleanup_failures {
+                t.stale_chain_cleanup_failed(family);
+            }
+        }
+        result.map_err(|e| e.to_string())?;
+        let endpoints = snap
+            .services
+            .values()
+            .filter(|s| s.cluster_ip(family).is_some())
+            .map(|s| snap.endpoints_of(&s.name).len())
+            .sum();
+        Ok(SyncReport {
+            endpoints,
+            ..SyncReport::default()
+        })
+    }
+
+    fn cleanup_family(&mut self) -> Result<(), String> {
+        self.table.delete_table()?;
+        self.proxier = Proxier::new(self.proxier.cfg.clone());
+        Ok(())
+    }
 }
 
 /// The nftables datapath (one proxier per family).
 pub struct NftablesDataplane {
-    families: Vec<FamilyProxier>,
+    families: PerFamily<FamilyProxier>,
     start: Instant,
     full_sync_period: Duration,
     last_full: Option<Duration>,
@@ -67,11 +118,18 @@ impl NftablesDataplane {
         runner: NftRunner,
         full_sync_period: Duration,
     ) -> Result<Self, SetupError> {
+        Self::with_telemetry(cfgs, runner, full_sync_period, None)
+    }
+
+    /// [`Self::new`], each proxier reporting its syncs to `telemetry`.
+    pub fn with_telemetry(
+        cfgs: impl IntoIterator<Item = NftablesConfig>,
+        runner: NftRunner,
+        full_sync_period: Duration,
+        telemetry: Option<Arc<dyn Telemetry>>,
+    ) -> Result<Self, SetupError> {
         let mut families: Vec<FamilyProxier> = vec![];
         for cfg in cfgs {
-            if families.iter().any(|f| f.proxier.cfg.family == cfg.family) {
-                return Err(SetupError::DuplicateFamily(cfg.family));
-            }
             tracing::info!(family = ?cfg.family, "nftables proxier ready");
             // Which source the service CIDRs of `cluster-ips-check` come from (the proxier
             // logs again when ServiceCIDR objects from the API server replace these).
@@ -93,13 +151,13 @@ impl NftablesDataplane {
                 proxier: Proxier::new(cfg),
                 syncs: 0,
                 failures: 0,
+                now: Duration::ZERO,
+                full_at: None,
+                telemetry: telemetry.clone(),
             });
         }
-        if families.is_empty() {
-            return Err(SetupError::NoFamily);
-        }
         Ok(NftablesDataplane {
-            families,
+            families: PerFamily::new(ProxyMode::Nftables, families)?,
             start: Instant::now(),
             full_sync_period,
             last_full: None,
@@ -121,7 +179,7 @@ impl NftablesDataplane {
 
     /// The per-family proxiers, e.g. to read their stats.
     pub fn families(&self) -> &[FamilyProxier] {
-        &self.families
+        self.families.parts()
     }
 
     fn refresh_addresses(p: &mut Proxier) {
@@ -149,40 +207,20 @@ impl Dataplane for NftablesDataplane {
             && self
                 .last_full
                 .is_some_and(|t| now.saturating_sub(t) >= self.full_sync_period);
-        let mut errors = vec![];
-        let mut endpoints = 0;
-        for f in &mut self.families {
-            Self::refresh_addresses(&mut f.proxier);
+        for f in self.families.parts_mut() {
+            f.now = now;
             if force_full {
                 f.proxier.force_full_sync();
             }
-            match f.proxier.sync(snap, changed, now, &mut f.table) {
-                Ok(NftSyncStats { full, .. }) => {
-                    f.syncs += 1;
-                    if full {
-                        self.last_full = Some(now);
-                    }
-                }
-                Err(e) => {
-                    f.failures += 1;
-                    errors.push(format!("{:?}: {e}", f.proxier.cfg.family));
-                }
-            }
-            endpoints += snap
-                .services
-                .values()
-                .filter(|s| s.cluster_ip(f.proxier.cfg.family).is_some())
-                .map(|s| snap.endpoints_of(&s.name).len())
-                .sum::<usize>();
+        }
+        let result = self.families.sync(snap, changed);
+        if self.families.parts().iter().any(|f| f.full_at == Some(now)) {
+            self.last_full = Some(now);
         }
         if let Some(lh) = &mut self.localhost {
             lh.update(snap);
         }
-        if !errors.is_empty() {
-            return Err(SyncError::Kernel(errors.join("; ")));
-        }
-        let families: Vec<IpFamily> = self.families.iter().map(|f| f.proxier.cfg.family).collect();
-        Ok(SyncReport::of_families(snap, &families, endpoints))
+        result
     }
 
     /// Deletes both families' `kube-proxy` tables (upstream's nftables `CleanupLeftovers`).
@@ -190,14 +228,7 @@ impl Dataplane for NftablesDataplane {
         if let Some(lh) = &mut self.localhost {
             lh.stop();
         }
-        for f in &mut self.families {
-            f.table.delete_table().map_err(|reason| CleanupError {
-                mode: ProxyMode::Nftables,
-                reason,
-            })?;
-            f.proxier = Proxier::new(f.proxier.cfg.clone());
-        }
-        Ok(())
+        self.families.cleanup()
     }
 }
 

@@ -38,8 +38,7 @@ use tokio::task::JoinHandle;
 
 use crate::model::{IpFamily, Protocol, ServicePortName, Snapshot};
 
-/// The feature gate's name (upstream's, alpha, off by default).
-pub const FEATURE_GATE: &str = "KubeProxyNFTablesLocalhostNodePorts";
+pub use crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS as FEATURE_GATE;
 
 /// The address the listeners bind.
 pub const LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;

@@ -93,7 +93,9 @@
 pub mod config;
 pub mod dataplane;
 pub mod elements;
+pub mod face;
 pub mod fake;
+pub mod inspect;
 pub mod kernel;
 pub mod localhost;
 pub mod names;

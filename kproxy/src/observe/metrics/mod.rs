@@ -46,7 +46,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets, linear_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::dataplane::ProxyMode;
+use crate::dataplane::{ModeMetrics, ProxyMode};
 use crate::model::IpFamily;
 
 pub mod server;
@@ -481,11 +481,11 @@ impl Generic {
         );
     }
 
-    fn create_series(&self, mode: ProxyMode, families: &[IpFamily]) {
+    fn create_series(&self, set: ModeMetrics, families: &[IpFamily]) {
         drop(self.sync_errors.get_or_create(&ModeLabels {
-            mode: mode.as_str().into(),
+            mode: set.mode.as_str().into(),
         }));
-        if mode == ProxyMode::Ebpf {
+        if set.bpf {
             drop(
                 self.bpf_skipped_service_ports
                     .get_or_create(&ProtocolLabels {
@@ -557,13 +557,13 @@ impl IptablesMetrics {
     }
 
     /// ipvs mode shares only the restore-failure counter (upstream RegisterMetrics).
-    fn register(&self, kp: &mut Registry, mode: ProxyMode) {
+    fn register(&self, kp: &mut Registry, sync: bool) {
         kp.register(
             "sync_proxy_rules_iptables_restore_failures",
             "Cumulative proxy iptables restore failures",
             self.restore_failures.clone(),
         );
-        if mode != ProxyMode::Iptables {
+        if !sync {
             return;
         }
         kp.register(
@@ -658,14 +658,15 @@ impl fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    /// The metrics of a proxy running `mode` for both IP families.
-    pub fn new(mode: ProxyMode) -> Metrics {
-        Metrics::with_families(mode, &[IpFamily::V4, IpFamily::V6])
+    /// The metrics of a proxy running `set.mode` for both IP families.
+    pub fn new(set: ModeMetrics) -> Metrics {
+        Metrics::with_families(set, &[IpFamily::V4, IpFamily::V6])
     }
 
-    /// The metrics of a proxy running `mode` for `families` (the per-family sync metrics
+    /// The metrics of a proxy running `set.mode` for `families` (the per-family sync metrics
     /// get one series per family).
-    pub fn with_families(mode: ProxyMode, families: &[IpFamily]) -> Metrics {
+    pub fn with_families(set: ModeMetrics, families: &[IpFamily]) -> Metrics {
+        let mode = set.mode;
         let mut registry = Registry::default();
         let kp = registry.sub_registry_with_prefix("kubeproxy");
         let generic = Generic::new();
@@ -674,18 +675,18 @@ impl Metrics {
         generic.register_sync(kp);
         generic.register_health(kp);
         conntrack.register(kp);
-        let iptables = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| {
+        let iptables = set.iptables_restore.then(|| {
             let m = IptablesMetrics::new();
-            m.register(kp, mode);
+            m.register(kp, set.iptables_sync);
             m
         });
-        let nftables = (mode == ProxyMode::Nftables).then(|| {
+        let nftables = set.nftables_sync.then(|| {
             let m = NftablesMetrics::new();
             m.register(kp);
             m
         });
         generic.register_kproxy(registry.sub_registry_with_prefix("kproxy"));
-        generic.create_series(mode, families);
+        generic.create_series(set, families);
         for f in families {
             conntrack.create_series(*f);
             if let Some(m) = &iptables {
@@ -883,11 +884,51 @@ impl crate::dataplane::Telemetry for Metrics {
         self.conntrack().deleted(family, deleted);
         self.conntrack().observe(family, seconds);
     }
+    fn proxier_sync(&self, family: IpFamily, full: bool, seconds: f64) {
+        if let Some(m) = self.iptables() {
+            m.observe_sync(family, full, seconds);
+        }
+        if let Some(m) = self.nftables() {
+            m.observe_sync(family, full, seconds);
+        }
+    }
+    fn proxier_sync_failed(&self, family: IpFamily) {
+        if let Some(m) = self.nftables() {
+            m.sync_failed(family);
+        }
+    }
+    fn restore_failed(&self, family: IpFamily, partial: bool) {
+        if let Some(m) = self.iptables() {
+            m.restore_failed(family, partial);
+        }
+    }
+    fn nat_rules_last(&self, family: IpFamily, rules: u64) {
+        if let Some(m) = self.iptables() {
+            m.set_rules_last(family, IptablesTable::Nat, rules as i64);
+        }
+    }
+    fn stale_chain_cleanup_failed(&self, family: IpFamily) {
+        if let Some(m) = self.nftables() {
+            m.cleanup_failed(family);
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sets the modes' faces declare (`app::registry` tests check the faces say these).
+    fn metrics_of(mode: ProxyMode) -> Metrics {
+        let mut set = ModeMetrics::generic(mode);
+        match mode {
+            ProxyMode::Iptables => (set.iptables_restore, set.iptables_sync) = (true, true),
+            ProxyMode::Ipvs => set.iptables_restore = true,
+            ProxyMode::Nftables => set.nftables_sync = true,
+            ProxyMode::Ebpf => set.bpf = true,
+        }
+        Metrics::new(set)
+    }
 
     fn type_line(text: &str, family: &str) -> Option<String> {
         let prefix = format!("# TYPE {family} ");
@@ -897,7 +938,7 @@ mod tests {
 
     #[test]
     fn network_programming_buckets_match_upstream() {
-        let m = Metrics::new(ProxyMode::Ebpf);
+        let m = metrics_of(ProxyMode::Ebpf);
         m.generic()
             .network_programming
             .get_or_create(&fam(IpFamily::V4))
@@ -922,16 +963,16 @@ mod tests {
 
     #[test]
     fn iptables_metrics_only_in_iptables_like_modes() {
-        let e = Metrics::new(ProxyMode::Ebpf);
+        let e = metrics_of(ProxyMode::Ebpf);
         assert!(e.iptables().is_none());
         assert!(type_line(&e.encode(), "kubeproxy_sync_proxy_rules_iptables_total").is_none());
-        let i = Metrics::new(ProxyMode::Iptables);
+        let i = metrics_of(ProxyMode::Iptables);
         let text = i.encode();
         assert_eq!(
             type_line(&text, "kubeproxy_sync_proxy_rules_iptables_total").as_deref(),
             Some("gauge")
         );
-        let v = Metrics::new(ProxyMode::Ipvs);
+        let v = metrics_of(ProxyMode::Ipvs);
         let text = v.encode();
         assert_eq!(
             type_line(
@@ -946,7 +987,7 @@ mod tests {
 
     #[test]
     fn nftables_mode_registers_upstreams_nftables_metrics() {
-        let m = Metrics::new(ProxyMode::Nftables);
+        let m = metrics_of(ProxyMode::Nftables);
         assert!(m.iptables().is_none() && m.nftables().is_some());
         let text = m.encode();
         for (name, kind) in [
@@ -1001,12 +1042,12 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(Metrics::new(ProxyMode::Iptables).nftables().is_none());
+        assert!(metrics_of(ProxyMode::Iptables).nftables().is_none());
     }
 
     #[test]
     fn iptables_api_sets_labelled_series() {
-        let m = Metrics::new(ProxyMode::Iptables);
+        let m = metrics_of(ProxyMode::Iptables);
         let ipt = m.iptables().unwrap();
         ipt.set_rules_last(IpFamily::V4, IptablesTable::Nat, 42);
         ipt.restore_failed(IpFamily::V6, true);
@@ -1027,7 +1068,7 @@ mod tests {
 
     #[test]
     fn bpf_map_pressure_and_health_counts() {
-        let m = Metrics::new(ProxyMode::Ebpf);
+        let m = metrics_of(ProxyMode::Ebpf);
         m.set_bpf_map("SERVICES", 3, 65536);
         m.count_health_request(false, 200);
         m.count_health_request(false, 200);
@@ -1045,13 +1086,13 @@ mod tests {
             m.encode()
                 .contains("kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"} 2\n")
         );
-        let ipt = Metrics::new(ProxyMode::Iptables).encode();
+        let ipt = metrics_of(ProxyMode::Iptables).encode();
         assert!(!ipt.contains("kproxy_bpf_skipped_service_ports{"), "{ipt}");
     }
 
     #[test]
     fn bpf_snat_failures_count_the_programs_counter_growth() {
-        let m = Metrics::new(ProxyMode::Ebpf);
+        let m = metrics_of(ProxyMode::Ebpf);
         assert!(m.encode().contains("kproxy_bpf_snat_failures_total 0\n"));
         m.set_bpf_snat_failures(3);
         m.set_bpf_snat_failures(5);

@@ -82,17 +82,7 @@ use crate::dataplane::ebpf::node_path::TcError;
 use crate::kernel::route_events::{Batch, RouteWatch};
 use crate::kernel::routing_policy;
 
-/// Where the XDP program is attached (`bpf.xdp` / `--bpf-xdp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum XdpPolicy {
-    /// TC only.
-    Off,
-    /// Native (driver) XDP where the driver supports it; elsewhere TC alone, with a warning.
-    BestEffort,
-    /// Native XDP on every device; a device that cannot take it is an error.
-    Native,
-}
+pub use crate::dataplane::settings::XdpPolicy;
 
 /// The XDP program of one loaded object and the devices it is attached to.
 pub struct XdpPath {

@@ -11,7 +11,7 @@
 //!   node-device programs skip service-map lookups that would miss.
 //! - [`tables`]: one map as the applier sees it (kernel or in-memory).
 //!
-//! [`ServiceMaps`] ties them together with the loaded object ([`super::loader`]: pins, the
+//! [`ServiceMaps`] ties them together with the loaded object ([`loader`]: pins, the
 //! socket-LB links) and UDP socket destruction ([`super::socket_lb::sock_destroy`]). It is a
 //! [`Dataplane`] of its own (socket LB without the node path, as some tests run it); the mode's
 //! `Dataplane` is [`super::EbpfDataplane`], which adds the TC/XDP node path reading the same
@@ -48,6 +48,7 @@
 pub mod apply;
 pub mod filter;
 pub mod ids;
+pub mod loader;
 pub mod maglev;
 pub mod plan;
 pub mod tables;
@@ -66,7 +67,7 @@ pub use apply::{Applier, ApplyOutcome, MapPressure};
 pub use plan::{Plan, Planner, plan, render};
 
 use crate::dataplane::ebpf::socket_lb::sock_destroy;
-use crate::dataplane::ebpf::{layout, loader};
+use crate::dataplane::ebpf::{layout, pins};
 use crate::dataplane::{CleanupError, Dataplane, ProxyMode, SyncError, SyncReport};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -106,20 +107,7 @@ impl Default for MapSizes {
     }
 }
 
-/// Backend selection (`--bpf-lb-algorithm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LbAlgorithm {
-    /// A uniformly random slot per new connection (or UDP datagram without affinity).
-    #[default]
-    Random,
-    /// Maglev consistent hashing ([`maglev`]) for new flows the TC path handles (traffic from
-    /// outside the node to NodePort / externalIP / LoadBalancer frontends). Socket LB (traffic
-    /// from the node and its pods) keeps the random choice per connect, as Cilium applies
-    /// Maglev to north-south traffic only: a connect has no 5-tuple yet, only the socket's
-    /// destination, and in-cluster clients gain nothing from consistent hashing.
-    Maglev,
-}
+pub use crate::dataplane::settings::LbAlgorithm;
 
 /// What the eBPF datapath needs from the resolved configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,7 +184,7 @@ pub(crate) fn extend_packed<K: Ord, V>(map: &mut BTreeMap<K, V>, batch: Vec<(K, 
 /// directory is not an error.
 pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
     let dir = bpffs.join("kproxy");
-    loader::remove_pins(&dir).map_err(|e| CleanupError {
+    pins::remove_pins(&dir).map_err(|e| CleanupError {
         mode: ProxyMode::Ebpf,
         reason: format!("removing {}: {e}", dir.display()),
     })
@@ -237,7 +225,7 @@ impl ServiceMaps {
             ids.seed_backend((plan::decode_addr(b.addr), u16::from_be(b.port)), *id);
         }
         let sock_destroyer = sock_destroy::SockDestroyer::new(
-            &loader::pin_dir(&cfg).join(kproxy_common::service::MAP_SOCK_REV_NAT),
+            &pins::pin_dir(&cfg.bpffs).join(kproxy_common::service::MAP_SOCK_REV_NAT),
         );
         Ok(ServiceMaps {
             cfg,
@@ -374,7 +362,7 @@ impl Dataplane for ServiceMaps {
     fn cleanup(&mut self) -> Result<(), CleanupError> {
         self.kernel.cleanup().map_err(|e| CleanupError {
             mode: ProxyMode::Ebpf,
-            reason: format!("removing {}: {e}", loader::pin_dir(&self.cfg).display()),
+            reason: format!("removing {}: {e}", pins::pin_dir(&self.cfg.bpffs).display()),
         })
     }
 }

@@ -221,6 +221,16 @@ pub fn check(path: &Path) -> Result<(), CgroupCheckError> {
     judge(&facts(path)?)
 }
 
+/// The cgroup2 mount point from `/proc/self/mountinfo` (default socket-LB attach point).
+pub fn cgroup2_root() -> Option<PathBuf> {
+    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    text.lines().find_map(|line| {
+        let (mount, fs) = line.split_once(" - ")?;
+        (fs.split_whitespace().next()? == "cgroup2")
+            .then(|| mount.split_whitespace().nth(4).map(PathBuf::from))?
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

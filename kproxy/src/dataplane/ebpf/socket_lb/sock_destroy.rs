@@ -46,8 +46,7 @@ use kproxy_common::service::{
     SockRevNatValue,
 };
 
-use crate::dataplane::ebpf::service_maps::plan::decode_addr;
-use crate::dataplane::ebpf::service_maps::plan::encode_addr;
+use crate::dataplane::ebpf::addr::{decode_addr, encode_addr};
 use crate::dataplane::ebpf::socket_lb::sock_diag::DiagSocket;
 use crate::dataplane::ebpf::socket_lb::sock_diag::UdpSocket;
 

@@ -16,11 +16,11 @@ use std::net::IpAddr;
 
 use anyhow::Context;
 
-use crate::dataplane::nftables::names::endpoint_chain;
+use super::names::endpoint_chain;
 use crate::kernel::nftables::{NFPROTO_IPV4, NFPROTO_IPV6, NftNetlink};
 use crate::model::{ServicePort, ServicePortName, Snapshot};
 
-use super::inspect::ServiceReport;
+use crate::dataplane::inspect::{Selected, ServiceReport};
 
 const TABLE: &str = "kube-proxy";
 /// The element storages a service port has elements in.
@@ -164,9 +164,9 @@ fn port_view(
 }
 
 /// Fills the kernel view of the `selected` ports from both families' tables.
-pub fn nftables_view(
+pub fn view(
     snap: &Snapshot,
-    selected: &[(&ServicePortName, &ServicePort)],
+    selected: &Selected<'_>,
     reports: &mut [ServiceReport],
 ) -> anyhow::Result<()> {
     for (fam, fam_name) in [(NFPROTO_IPV4, "ip"), (NFPROTO_IPV6, "ip6")] {

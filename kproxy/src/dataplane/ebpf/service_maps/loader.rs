@@ -12,7 +12,7 @@
 //!   (pins of a build that did not have it, such as `kp_sk_release` over pins from before it
 //!   existed) is attached beside the reused ones, which stay attached throughout.
 //!
-//! Before loading, [`super::layout::reconcile`] makes every pinned map this build's layout
+//! Before loading, [`crate::dataplane::ebpf::layout::reconcile`] makes every pinned map this build's layout
 //! (reused, carried over or replaced, recorded in `KP_LAYOUT`; socket-LB links of a previous
 //! layout are dropped). A map whose `max_entries` differs from `--bpf-map-sizes` keeps its old
 //! size (warning). A pinned link keeps the program of the agent that created it; upgrading the programs means
@@ -44,15 +44,12 @@ use kproxy_common::service::{
 };
 use kproxy_common::sock;
 
-use super::service_maps::apply::Tables;
-use super::service_maps::tables::{
-    KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError,
-};
-use super::service_maps::{LbAlgorithm, ServiceMapsConfig};
+use super::apply::Tables;
+use super::tables::{KernelFilter, KernelLpmTable, KernelMaglev, KernelTable, TableError};
+use super::{LbAlgorithm, ServiceMapsConfig};
 use crate::dataplane::ebpf::object::{self, BpfError, LoadOptions, error_chain};
-
-/// `BPF_FS_MAGIC` (statfs f_type of a bpffs).
-const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+use crate::dataplane::ebpf::pins::{BpffsError, ensure_bpffs, link_dir, pin_dir, remove_pins};
+use crate::dataplane::ebpf::socket_lb::cgroup::cgroup2_root;
 
 /// Errors of setting up the eBPF datapath.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +58,8 @@ pub enum LoaderError {
     Bpf(#[from] BpfError),
     #[error("bpffs at {path}: {reason}")]
     Bpffs { path: PathBuf, reason: String },
+    #[error(transparent)]
+    BpffsMount(#[from] BpffsError),
     #[error("cgroup {path}: {reason}")]
     Cgroup { path: PathBuf, reason: String },
     #[error("socket-LB program {name}: {reason}")]
@@ -68,40 +67,7 @@ pub enum LoaderError {
     #[error(transparent)]
     Table(#[from] TableError),
     #[error(transparent)]
-    Layout(#[from] super::layout::LayoutError),
-}
-
-/// Makes sure `path` is a bpffs (mounting one if it is not).
-pub fn ensure_bpffs(path: &Path) -> Result<(), LoaderError> {
-    let err = |reason: String| LoaderError::Bpffs {
-        path: path.to_path_buf(),
-        reason,
-    };
-    fs::create_dir_all(path).map_err(|e| err(format!("creating the directory: {e}")))?;
-    let st = nix::sys::statfs::statfs(path).map_err(|e| err(format!("statfs: {e}")))?;
-    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
-        return Ok(());
-    }
-    nix::mount::mount(
-        Some("bpf"),
-        path,
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(|e| err(format!("not a bpffs and mounting one failed: {e}")))?;
-    tracing::info!(path = %path.display(), "mounted bpffs");
-    Ok(())
-}
-
-/// The cgroup2 mount point from `/proc/self/mountinfo` (default socket-LB attach point).
-pub fn cgroup2_root() -> Option<PathBuf> {
-    let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
-    text.lines().find_map(|line| {
-        let (mount, fs) = line.split_once(" - ")?;
-        (fs.split_whitespace().next()? == "cgroup2")
-            .then(|| mount.split_whitespace().nth(4).map(PathBuf::from))?
-    })
+    Layout(#[from] crate::dataplane::ebpf::layout::LayoutError),
 }
 
 /// The loaded object, its pin directory and the ids of the socket-LB links.
@@ -111,16 +77,7 @@ pub struct Kernel {
     /// `(program, link id)` of each attached socket-LB program.
     pub links: Vec<(&'static str, u32)>,
     /// What was done with the maps pinned by a previous agent.
-    pub layout: super::layout::LayoutReport,
-}
-
-/// `<bpffs>/kproxy`.
-pub fn pin_dir(cfg: &ServiceMapsConfig) -> PathBuf {
-    cfg.bpffs.join("kproxy")
-}
-
-fn link_dir(pin_dir: &Path) -> PathBuf {
-    pin_dir.join("links")
+    pub layout: crate::dataplane::ebpf::layout::LayoutReport,
 }
 
 /// Loads the object (reusing pinned maps), returns the service tables and attaches socket LB.
@@ -129,7 +86,7 @@ pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
         return Err(BpfError::NotBuilt.into());
     }
     ensure_bpffs(&cfg.bpffs)?;
-    let dir = pin_dir(cfg);
+    let dir = pin_dir(&cfg.bpffs);
     fs::create_dir_all(link_dir(&dir)).map_err(|e| LoaderError::Bpffs {
         path: dir.clone(),
         reason: format!("creating {}: {e}", link_dir(&dir).display()),
@@ -138,7 +95,7 @@ pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
         .iter()
         .map(|p| link_dir(&dir).join(p))
         .collect();
-    let layout = super::layout::reconcile(&dir, &sock_links)?;
+    let layout = crate::dataplane::ebpf::layout::reconcile(&dir, &sock_links)?;
     let sizes = &cfg.map_sizes;
     let (maglev_entries, maglev_refs) = maglev_sizes(cfg);
     recreate_maglev_if_resized(&dir, maglev_entries)?;
@@ -377,27 +334,4 @@ impl Kernel {
     pub fn cleanup(&self) -> std::io::Result<()> {
         remove_pins(&self.pin_dir)
     }
-}
-
-/// Removes `<bpffs>/kproxy` (links first, so programs detach before their maps go).
-pub fn remove_pins(dir: &Path) -> std::io::Result<()> {
-    let links = link_dir(dir);
-    if links.exists() {
-        for entry in fs::read_dir(&links)? {
-            fs::remove_file(entry?.path())?;
-        }
-        fs::remove_dir(&links)?;
-    }
-    if dir.exists() {
-        for entry in fs::read_dir(dir)? {
-            let path = entry?.path();
-            if path.is_dir() {
-                fs::remove_dir_all(&path)?;
-            } else {
-                fs::remove_file(&path)?;
-            }
-        }
-        fs::remove_dir(dir)?;
-    }
-    Ok(())
 }
