@@ -263,7 +263,7 @@ pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
         .collect();
     if !others.is_empty() {
         let names: Vec<String> = others.iter().map(|f| f.mode().to_string()).collect();
-        info!(%mode, "removing the leftovers of the {} modes", names.join(", "));
+        info!(%mode, "removing the leftovers of other modes: {}", names.join(", "));
     }
     remove(&others, cfg);
 }

@@ -626,3 +626,109 @@ fn a_forced_mode_that_cannot_run_fails_naming_the_mode_and_why() {
         "{err}"
     );
 }
+
+/// The node's netfilter tables: legacy x_tables tables (`/proc/net/ip{,6}_tables_names`, which
+/// listing does not create) and nf_tables tables (`nft list tables`).
+fn netfilter_tables(ns: &Netns) -> BTreeSet<String> {
+    let mut t = BTreeSet::new();
+    for (file, fam) in [
+        ("/proc/net/ip_tables_names", "legacy ip"),
+        ("/proc/net/ip6_tables_names", "legacy ip6"),
+    ] {
+        t.extend(
+            out(ns, "cat", &[file])
+                .lines()
+                .map(|l| format!("{fam} {l}")),
+        );
+    }
+    t.extend(
+        out(ns, "nft", &["list", "tables"])
+            .lines()
+            .map(String::from),
+    );
+    t
+}
+
+/// A start in nftables mode, then in ebpf mode, then `kproxy inspect` and `kproxy cleanup`,
+/// on a node with no netfilter tables: each leaves only what its mode owns. Reading another
+/// mode's leftovers with `iptables-legacy-save -t TABLE` creates that legacy table, which the
+/// start-up cleanup once did for filter, nat and mangle of both families.
+#[test]
+fn a_start_in_any_mode_creates_no_table_it_does_not_own() {
+    if !require_root() {
+        return;
+    }
+    let topo = topology("am-own");
+    let scratch = ScratchDir::new("am-own").unwrap();
+    let bpffs = Bpffs::new("am-own-fs").unwrap();
+    let cg = TestCgroup::new("am-own-cg").unwrap();
+    let m = manifests(&topo, &scratch.0);
+    let before = netfilter_tables(&topo.node);
+    assert!(
+        !before.iter().any(|t| t.starts_with("legacy")),
+        "the test node starts with legacy tables: {before:?}"
+    );
+    let pod0 = &topo.local_pods().next().unwrap().ns;
+    let nft_args = vec![
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        "--proxy-mode=nftables".to_string(),
+        "--metrics-bind-address=127.0.0.1:10249".to_string(),
+    ];
+    let mut agent = AgentProcess::spawn(
+        kproxy_cmd(&topo.node, &nft_args),
+        scratch.0.join("kproxy-nft.log"),
+    );
+    wait_serving(&mut agent, pod0, None, &format!("{CLUSTER_IP}:80"));
+    // Its own tables (`ip6` only where the node runs IPv6), nothing else.
+    let added: BTreeSet<String> = netfilter_tables(&topo.node)
+        .difference(&before)
+        .cloned()
+        .collect();
+    let own = ["table ip kube-proxy", "table ip6 kube-proxy"];
+    assert!(
+        added.contains(own[0]) && added.iter().all(|t| own.contains(&t.as_str())),
+        "tables added by a start in nftables mode: {added:?}\n{}",
+        agent.log()
+    );
+    agent.kill();
+
+    let ebpf_args = vec![
+        format!("--manifests={}", m.display()),
+        format!("--hostname-override={NODE}"),
+        "--proxy-mode=ebpf".to_string(),
+        format!("--bpffs={}", bpffs.path().display()),
+        format!("--bpf-cgroup={}", cg.path().display()),
+        "--metrics-bind-address=127.0.0.1:10249".to_string(),
+    ];
+    let mut agent = AgentProcess::spawn(
+        kproxy_cmd(&topo.node, &ebpf_args),
+        scratch.0.join("kproxy-ebpf.log"),
+    );
+    // The old table's rules answer until the new mode is built (after the leftovers went):
+    // wait for its first sync.
+    let log = scratch.0.join("kproxy-ebpf.log");
+    agent.wait_for("the first sync", || {
+        std::fs::read_to_string(&log)
+            .ok()
+            .filter(|l| l.contains("first sync done"))
+    });
+    wait_serving(&mut agent, pod0, Some(&cg), &format!("{CLUSTER_IP}:80"));
+    // The nftables mode's tables went with its leftovers; nothing else appeared.
+    assert_eq!(netfilter_tables(&topo.node), before, "{}", agent.log());
+    agent.kill();
+
+    let detect: Vec<String> = ebpf_args
+        .iter()
+        .filter(|a| !a.starts_with("--proxy-mode"))
+        .cloned()
+        .collect();
+    let v = inspect(&topo.node, &detect);
+    assert_eq!(v["mode"], "ebpf", "{v:#}");
+    let o = kproxy_cmd(&topo.node, &ebpf_args)
+        .arg("cleanup")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(netfilter_tables(&topo.node), before);
+}
