@@ -8,8 +8,8 @@
 //!
 //! ## Restore mode (a deliberate, documented difference in *how* the input is applied)
 //! Upstream always restores with `--noflush`. With the nf_tables backend a `--noflush` restore
-//! that declares thousands of chains is superlinear (10k services did not finish in 10 min,
-//! see TOOLCHAIN.md §2), while replacing the whole table takes seconds. So on a **full** sync,
+//! that declares thousands of chains is superlinear (10k services did not finish in 10 min),
+//! while replacing the whole table takes seconds. So on a **full** sync,
 //! if the nat table holds nothing but kube-proxy's objects (every user chain is one we write, a
 //! stale per-service chain, or the canary; every rule in a built-in chain is one of our jump
 //! rules), the nat table is restored as a whole (without `--noflush`): the built-in chains are

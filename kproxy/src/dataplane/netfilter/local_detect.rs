@@ -16,7 +16,7 @@
 //! - `NodeCIDR`: the first of the Node's `spec.podCIDRs` of each family. As upstream, the
 //!   agent waits for the Node to get podCIDRs before it builds the datapath
 //!   (`agent::wait_for_pod_cidrs`, at most 5 minutes), hands them to the iptables/ipvs
-//!   datapaths (`app::build`), and exits to restart when they change later
+//!   datapaths (their faces), and exits to restart when they change later
 //!   ([`DetectLocal::needs_node_pod_cidrs`]);
 //! - `BridgeInterface`: `--pod-bridge-interface` for both families;
 //! - `InterfaceNamePrefix`: `--pod-interface-name-prefix` for both families.

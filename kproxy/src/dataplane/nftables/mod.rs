@@ -46,7 +46,7 @@
 //!   its rule (`nf_tables_bind_set` → `__nft_set_trans_bind`) walks the entire commit list
 //!   of the transaction, once per `numgen … vmap` rule. One transaction of n services
 //!   therefore costs O(n²): 45% of the kernel time at 4k services, ≈ 30 s of kernel time
-//!   at 10k × 5 (TOOLCHAIN.md's 129 s for anonymous maps is this walk). A full sync is
+//!   at 10k × 5 (the 129 s once measured for anonymous maps is this walk). A full sync is
 //!   therefore committed in parts of ≈ [`proxier::FULL_SYNC_BATCH_OPERATIONS`] operations,
 //!   cut between service ports ([`proxier::split_points`], which also says why no part
 //!   leaves a service half-programmed); partial syncs stay one transaction.

@@ -918,17 +918,24 @@ impl crate::dataplane::Telemetry for Metrics {
 mod tests {
     use super::*;
 
-    /// The sets the modes' faces declare (`app::registry` tests check the faces say these).
-    fn metrics_of(mode: ProxyMode) -> Metrics {
-        let mut set = ModeMetrics::generic(mode);
-        match mode {
-            ProxyMode::Iptables => (set.iptables_restore, set.iptables_sync) = (true, true),
-            ProxyMode::Ipvs => set.iptables_restore = true,
-            ProxyMode::Nftables => set.nftables_sync = true,
-            ProxyMode::Ebpf => set.bpf = true,
-        }
-        Metrics::new(set)
-    }
+    // The sets the modes' faces declare (`app::registry`'s tests check the faces say these).
+    const EBPF: ModeMetrics = ModeMetrics {
+        bpf: true,
+        ..ModeMetrics::generic(ProxyMode::Ebpf)
+    };
+    const IPTABLES: ModeMetrics = ModeMetrics {
+        iptables_restore: true,
+        iptables_sync: true,
+        ..ModeMetrics::generic(ProxyMode::Iptables)
+    };
+    const IPVS: ModeMetrics = ModeMetrics {
+        iptables_restore: true,
+        ..ModeMetrics::generic(ProxyMode::Ipvs)
+    };
+    const NFTABLES: ModeMetrics = ModeMetrics {
+        nftables_sync: true,
+        ..ModeMetrics::generic(ProxyMode::Nftables)
+    };
 
     fn type_line(text: &str, family: &str) -> Option<String> {
         let prefix = format!("# TYPE {family} ");
@@ -938,7 +945,7 @@ mod tests {
 
     #[test]
     fn network_programming_buckets_match_upstream() {
-        let m = metrics_of(ProxyMode::Ebpf);
+        let m = Metrics::new(EBPF);
         m.generic()
             .network_programming
             .get_or_create(&fam(IpFamily::V4))
@@ -963,16 +970,16 @@ mod tests {
 
     #[test]
     fn iptables_metrics_only_in_iptables_like_modes() {
-        let e = metrics_of(ProxyMode::Ebpf);
+        let e = Metrics::new(EBPF);
         assert!(e.iptables().is_none());
         assert!(type_line(&e.encode(), "kubeproxy_sync_proxy_rules_iptables_total").is_none());
-        let i = metrics_of(ProxyMode::Iptables);
+        let i = Metrics::new(IPTABLES);
         let text = i.encode();
         assert_eq!(
             type_line(&text, "kubeproxy_sync_proxy_rules_iptables_total").as_deref(),
             Some("gauge")
         );
-        let v = metrics_of(ProxyMode::Ipvs);
+        let v = Metrics::new(IPVS);
         let text = v.encode();
         assert_eq!(
             type_line(
@@ -987,7 +994,7 @@ mod tests {
 
     #[test]
     fn nftables_mode_registers_upstreams_nftables_metrics() {
-        let m = metrics_of(ProxyMode::Nftables);
+        let m = Metrics::new(NFTABLES);
         assert!(m.iptables().is_none() && m.nftables().is_some());
         let text = m.encode();
         for (name, kind) in [
@@ -1042,12 +1049,12 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(metrics_of(ProxyMode::Iptables).nftables().is_none());
+        assert!(Metrics::new(IPTABLES).nftables().is_none());
     }
 
     #[test]
     fn iptables_api_sets_labelled_series() {
-        let m = metrics_of(ProxyMode::Iptables);
+        let m = Metrics::new(IPTABLES);
         let ipt = m.iptables().unwrap();
         ipt.set_rules_last(IpFamily::V4, IptablesTable::Nat, 42);
         ipt.restore_failed(IpFamily::V6, true);
@@ -1068,7 +1075,7 @@ mod tests {
 
     #[test]
     fn bpf_map_pressure_and_health_counts() {
-        let m = metrics_of(ProxyMode::Ebpf);
+        let m = Metrics::new(EBPF);
         m.set_bpf_map("SERVICES", 3, 65536);
         m.count_health_request(false, 200);
         m.count_health_request(false, 200);
@@ -1086,13 +1093,13 @@ mod tests {
             m.encode()
                 .contains("kproxy_bpf_skipped_service_ports{protocol=\"SCTP\"} 2\n")
         );
-        let ipt = metrics_of(ProxyMode::Iptables).encode();
+        let ipt = Metrics::new(IPTABLES).encode();
         assert!(!ipt.contains("kproxy_bpf_skipped_service_ports{"), "{ipt}");
     }
 
     #[test]
     fn bpf_snat_failures_count_the_programs_counter_growth() {
-        let m = metrics_of(ProxyMode::Ebpf);
+        let m = Metrics::new(EBPF);
         assert!(m.encode().contains("kproxy_bpf_snat_failures_total 0\n"));
         m.set_bpf_snat_failures(3);
         m.set_bpf_snat_failures(5);
