@@ -179,7 +179,7 @@ pub struct Change {
 
 /// What [`plan`] decided.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct Plan {
+pub struct SysctlPlan {
     pub changes: Vec<Change>,
     /// Already as wanted: (target, current value).
     pub unchanged: Vec<(Target, i64)>,
@@ -193,8 +193,8 @@ pub fn plan(
     desired: &[Desired],
     current: impl Fn(Target) -> Option<i64>,
     sysfs_writable: bool,
-) -> Plan {
-    let mut p = Plan::default();
+) -> SysctlPlan {
+    let mut p = SysctlPlan::default();
     for d in desired {
         let old = current(d.target);
         let ok = match (d.rule, old) {
@@ -350,7 +350,7 @@ pub struct SysctlError {
 /// What [`apply`] did.
 #[derive(Debug, Default)]
 pub struct SysctlReport {
-    pub plan: Plan,
+    pub plan: SysctlPlan,
     /// The changes that were written.
     pub written: Vec<Change>,
     pub errors: Vec<SysctlError>,

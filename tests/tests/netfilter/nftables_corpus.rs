@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kproxy::dataplane::nftables::names::{endpoint_base_of, hash_and_truncate};
-use kproxy::dataplane::nftables::{FakeTable, NftablesConfig, Proxier, canonical_sort};
+use kproxy::dataplane::nftables::{FakeTable, NftablesConfig, NftablesProxier, canonical_sort};
 use kproxy::model::{ChangedSet, IpFamily, Protocol, ServicePortName, Tracker};
 use kproxy_tests::fixtures::upstream;
 use kproxy_tests::nftables_corpus::{default_settings, feed, load_input, objects};
@@ -55,7 +55,7 @@ fn single_sync_rulesets_match_upstream() {
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
         let mut table = table_for(&input.cfg);
-        let mut p = Proxier::new(input.cfg.clone());
+        let mut p = NftablesProxier::new(input.cfg.clone());
         p.sync(&snap, &changed, Duration::ZERO, &mut table)
             .unwrap_or_else(|e| panic!("{case}: {e}"));
         expect_dump(case, &table, &dir.join("expected.nft"));
@@ -85,7 +85,7 @@ fn repeated_syncs_match_upstream_step_by_step() {
     let first = load_input(&steps[0].join("input.yaml"));
     let mut tracker = Tracker::new(&first.node_name);
     let mut table = table_for(&first.cfg);
-    let mut p = Proxier::new(first.cfg.clone());
+    let mut p = NftablesProxier::new(first.cfg.clone());
     let mut now = Duration::from_secs(100);
     let (mut compared, mut counted) = (0, 0);
     for (i, step) in steps.iter().enumerate() {
@@ -148,7 +148,7 @@ fn startup_over_a_preexisting_table_matches_upstream() {
     let input = load_input(&dir.join("input.yaml"));
     // setupOps: a first sync of an empty proxier on an empty table.
     let mut empty_table = table_for(&input.cfg);
-    let mut empty = Proxier::new(input.cfg.clone());
+    let mut empty = NftablesProxier::new(input.cfg.clone());
     let setup_ops = empty
         .sync(
             &Default::default(),
@@ -165,7 +165,7 @@ fn startup_over_a_preexisting_table_matches_upstream() {
         .expect("load preexisting");
     let mut tracker = Tracker::new(&input.node_name);
     let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
-    let mut p = Proxier::new(input.cfg.clone());
+    let mut p = NftablesProxier::new(input.cfg.clone());
     let stats = p
         .sync(&snap, &changed, Duration::ZERO, &mut table)
         .expect("sync");
@@ -259,14 +259,14 @@ fn service_cidrs_match_upstream() {
     assert_eq!(n, 4, "service CIDR cases");
 }
 
-fn sync_objects(objs: &Value) -> (Proxier, FakeTable) {
+fn sync_objects(objs: &Value) -> (NftablesProxier, FakeTable) {
     let base = default_settings(&cases());
     let docs: Vec<Value> = objs.as_sequence().expect("objects").to_vec();
     let (services, slices) = objects(docs);
     let mut tracker = Tracker::new(&base.node_name);
     let (snap, changed) = feed(&mut tracker, &services, &slices);
     let mut table = table_for(&base.cfg);
-    let mut p = Proxier::new(base.cfg.clone());
+    let mut p = NftablesProxier::new(base.cfg.clone());
     p.sync(&snap, &changed, Duration::ZERO, &mut table)
         .expect("sync");
     (p, table)
@@ -453,7 +453,7 @@ fn packet_flows_match_upstream() {
         let input = load_input(&dir.join("input.yaml"));
         let mut tracker = Tracker::new(&input.node_name);
         let mut table = table_for(&input.cfg);
-        let mut p = Proxier::new(input.cfg.clone());
+        let mut p = NftablesProxier::new(input.cfg.clone());
         let mut services = input.services.clone();
         let mut slices = input.slices.clone();
         let mut now = Duration::from_secs(1);

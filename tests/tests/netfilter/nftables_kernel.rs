@@ -10,7 +10,7 @@ use std::fs;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kproxy::dataplane::nftables::{FakeTable, Proxier, Transaction};
+use kproxy::dataplane::nftables::{FakeTable, NftablesProxier, Transaction};
 use kproxy::model::Tracker;
 use kproxy_tests::fixtures::upstream;
 use kproxy_tests::netns::{Netns, require_root, unique_name};
@@ -102,7 +102,7 @@ fn kernel_accepts_every_transaction_of_the_corpus() {
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
         let mut t = FakeTable::new(input.cfg.table_family(), "kube-proxy");
-        let mut p = Proxier::new(input.cfg.clone());
+        let mut p = NftablesProxier::new(input.cfg.clone());
         p.sync(&snap, &changed, Duration::ZERO, &mut t)
             .expect("sync");
         replay(&ns, &t, 0, case);
@@ -120,7 +120,7 @@ fn kernel_accepts_every_transaction_of_the_corpus() {
     let first = load_input(&steps[0].join("input.yaml"));
     let mut tracker = Tracker::new(&first.node_name);
     let mut t = FakeTable::new(first.cfg.table_family(), "kube-proxy");
-    let mut p = Proxier::new(first.cfg.clone());
+    let mut p = NftablesProxier::new(first.cfg.clone());
     let (mut now, mut done) = (Duration::from_secs(100), 0);
     for step in &steps {
         let name = step.file_name().unwrap().to_string_lossy().to_string();
@@ -150,7 +150,7 @@ fn kernel_accepts_every_transaction_of_the_corpus() {
     t.load(&pre).expect("load");
     let mut tracker = Tracker::new(&input.node_name);
     let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
-    Proxier::new(input.cfg.clone())
+    NftablesProxier::new(input.cfg.clone())
         .sync(&snap, &changed, Duration::ZERO, &mut t)
         .expect("sync");
     replay(&ns, &t, 0, "sync-proxy-rules-startup");
@@ -194,8 +194,8 @@ fn kernel_backend_reads_back_what_the_model_holds() {
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
         let (mut pf, mut pk) = (
-            Proxier::new(input.cfg.clone()),
-            Proxier::new(input.cfg.clone()),
+            NftablesProxier::new(input.cfg.clone()),
+            NftablesProxier::new(input.cfg.clone()),
         );
         let sf = pf.sync(&snap, &changed, Duration::ZERO, &mut fake);
         let sk = pk.sync(&snap, &changed, Duration::ZERO, &mut kernel);
@@ -224,8 +224,8 @@ fn kernel_backend_reads_back_what_the_model_holds() {
         }
         // A restart over the table: the same (small) transaction over both.
         let (mut pf, mut pk) = (
-            Proxier::new(input.cfg.clone()),
-            Proxier::new(input.cfg.clone()),
+            NftablesProxier::new(input.cfg.clone()),
+            NftablesProxier::new(input.cfg.clone()),
         );
         let sf = pf.sync(&snap, &changed, Duration::ZERO, &mut fake).unwrap();
         let sk = pk

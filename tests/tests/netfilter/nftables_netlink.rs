@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::dataplane::nftables::kernel::{KernelTable, NftRunner};
-use kproxy::dataplane::nftables::{NftBackend, NftablesConfig, Proxier};
+use kproxy::dataplane::nftables::{NftBackend, NftablesConfig, NftablesProxier};
 use kproxy::kernel::nftables::{NFPROTO_IPV4, NftNetlink};
 use kproxy::model::testing::{endpoint, service_port, snapshot};
 use kproxy::model::{ChangedSet, IpFamily, Snapshot, Tracker};
@@ -122,7 +122,7 @@ fn netlink_reads_what_nft_lists() {
         );
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
-        Proxier::new(input.cfg.clone())
+        NftablesProxier::new(input.cfg.clone())
             .sync(&snap, &changed, Duration::ZERO, &mut kernel)
             .expect("sync");
         let want = nft_view(&ns, family);
@@ -184,7 +184,7 @@ fn a_table_flushed_from_outside_is_restored_by_the_next_sync() {
             netns: Some(ns.path()),
         },
     );
-    let mut p = Proxier::new(cfg());
+    let mut p = NftablesProxier::new(cfg());
     let snap = services(3, 2);
     p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut kernel)
         .expect("full");
@@ -232,7 +232,7 @@ fn readback_at_10k_services_nft_json_vs_netlink() {
         },
     );
     let t = Instant::now();
-    Proxier::new(cfg())
+    NftablesProxier::new(cfg())
         .sync(
             &services(10_000, 5),
             &ChangedSet::default(),

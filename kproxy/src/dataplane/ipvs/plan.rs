@@ -1,5 +1,5 @@
 //! The pure IPVS planner: a [`Snapshot`] and an [`IpvsConfig`] in, the exact kernel objects out
-//! ([`Plan`]): virtual services with their real servers, the addresses bound to the dummy
+//! ([`IpvsPlan`]): virtual services with their real servers, the addresses bound to the dummy
 //! device, the ipsets with their entries, and the iptables rules upstream's IPVS mode puts
 //! around them. No I/O; every decision is unit-tested.
 //!
@@ -24,7 +24,7 @@
 //!
 //! Differences from upstream, on purpose: two service ports mapping to the same virtual
 //! service (e.g. the same external IP:port) are an error for the second one (named in
-//! [`Plan::errors`]) instead of whichever syncs last winning.
+//! [`IpvsPlan::errors`]) instead of whichever syncs last winning.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -285,7 +285,7 @@ pub const JUMPS: &[(&str, &str, &str, &str)] = &[
 
 /// Everything one IPVS dataplane instance should hold in the kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub struct IpvsPlan {
     pub family: IpFamily,
     pub services: BTreeMap<ServiceKey, PlannedService>,
     /// Addresses bound to the dummy device.
@@ -299,7 +299,7 @@ pub struct Plan {
     pub errors: Vec<(ServicePortName, String)>,
 }
 
-impl Plan {
+impl IpvsPlan {
     /// Distinct endpoints (`ip:port`) taking new connections in some virtual service.
     pub fn active_endpoints(&self) -> usize {
         self.services
@@ -327,9 +327,9 @@ fn ip_port_entry(ip: IpAddr, protocol: Protocol, port: u16) -> String {
 }
 
 /// Builds the plan for `cfg.family`.
-pub fn plan(snap: &Snapshot, cfg: &IpvsConfig) -> Plan {
+pub fn plan(snap: &Snapshot, cfg: &IpvsConfig) -> IpvsPlan {
     let family = cfg.family;
-    let mut p = Plan {
+    let mut p = IpvsPlan {
         family,
         services: BTreeMap::new(),
         bound: BTreeSet::new(),
@@ -380,7 +380,7 @@ fn plan_port(
     cfg: &IpvsConfig,
     svc: &ServicePort,
     cluster_ip: IpAddr,
-    p: &mut Plan,
+    p: &mut IpvsPlan,
     no_node_access: &mut BTreeSet<(IpAddr, Protocol, u16)>,
 ) -> Result<(), String> {
     let mut d = PortDraft::new(snap, cfg, svc);
@@ -597,7 +597,7 @@ impl<'a> PortDraft<'a> {
 
     /// Checks for conflicts with what earlier service ports planned, then adds the draft
     /// to `p`.
-    fn commit(self, p: &mut Plan) -> Result<(), String> {
+    fn commit(self, p: &mut IpvsPlan) -> Result<(), String> {
         let mut seen = BTreeSet::new();
         for s in &self.services {
             if !seen.insert(s.service.key) {

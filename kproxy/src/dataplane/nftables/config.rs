@@ -27,7 +27,7 @@ pub struct NftablesConfig {
     pub local_addresses: Vec<IpAddr>,
     /// Service CIDRs (all families; filtered per family): unallocated addresses are dropped.
     /// The configured ones (kproxy's `serviceCIDRs` / `--service-cidrs`); the `ServiceCIDR`
-    /// objects' replace them when the API server serves those (`Proxier::sync`).
+    /// objects' replace them when the API server serves those (`NftablesProxier::sync`).
     pub service_cidrs: Vec<IpNet>,
 }
 

@@ -1,9 +1,9 @@
-//! [`NftablesDataplane`]: the [`Dataplane`] of `--proxy-mode nftables`. One [`Proxier`] per
+//! [`NftablesDataplane`]: the [`Dataplane`] of `--proxy-mode nftables`. One [`NftablesProxier`] per
 //! IP family (`ip kube-proxy`, `ip6 kube-proxy`) over the kernel backend ([`KernelTable`]),
 //! like the iptables mode's per-family proxiers.
 //!
 //! Each sync re-reads the node's interface addresses when `nodePortAddresses` restricts
-//! NodePorts (a change makes the next sync full, [`Proxier::set_config`]); a full sync is
+//! NodePorts (a change makes the next sync full, [`NftablesProxier::set_config`]); a full sync is
 //! forced every `full_sync_period` (the agent passes [`FULL_SYNC_PERIOD`], upstream's hourly
 //! full resync; the mode's `syncPeriod` only paces the partial syncs). A sync that fails
 //! leaves the next one full.
@@ -26,7 +26,7 @@ use crate::model::{ChangedSet, IpFamily, Snapshot};
 use super::config::NftablesConfig;
 use super::kernel::{KernelTable, NftRunner};
 use super::localhost::LocalhostNodePorts;
-use super::proxier::Proxier;
+use super::proxier::NftablesProxier;
 
 /// How often a full sync is forced: upstream's `proxyutil.FullSyncPeriod` (one hour, the
 /// iptables mode's [`crate::dataplane::iptables::config::FULL_SYNC_PERIOD`] too). The mode's
@@ -39,7 +39,7 @@ pub type SetupError = FamilyError;
 
 /// One family's proxier and its table.
 pub struct FamilyProxier {
-    pub proxier: Proxier,
+    pub proxier: NftablesProxier,
     pub table: KernelTable,
     /// Successful and failed syncs so far.
     pub syncs: u64,
@@ -96,7 +96,7 @@ impl FamilyPart for FamilyProxier {
 
     fn cleanup_family(&mut self) -> Result<(), String> {
         self.table.delete_table()?;
-        self.proxier = Proxier::new(self.proxier.cfg.clone());
+        self.proxier = NftablesProxier::new(self.proxier.cfg.clone());
         Ok(())
     }
 }
@@ -148,7 +148,7 @@ impl NftablesDataplane {
             }
             families.push(FamilyProxier {
                 table: KernelTable::new(cfg.table_family(), runner.clone()),
-                proxier: Proxier::new(cfg),
+                proxier: NftablesProxier::new(cfg),
                 syncs: 0,
                 failures: 0,
                 now: Duration::ZERO,
@@ -182,7 +182,7 @@ impl NftablesDataplane {
         self.families.parts()
     }
 
-    fn refresh_addresses(p: &mut Proxier) {
+    fn refresh_addresses(p: &mut NftablesProxier) {
         if p.cfg.node_port_addresses.is_empty() {
             return;
         }

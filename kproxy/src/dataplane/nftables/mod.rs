@@ -107,5 +107,5 @@ pub mod transaction;
 pub use config::NftablesConfig;
 pub use dataplane::{FULL_SYNC_PERIOD, NftablesDataplane};
 pub use fake::FakeTable;
-pub use proxier::{NftBackend, NftSyncError, NftSyncStats, Proxier, render};
+pub use proxier::{NftBackend, NftSyncError, NftSyncStats, NftablesProxier, render};
 pub use transaction::{Transaction, canonical_sort};

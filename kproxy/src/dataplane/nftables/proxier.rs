@@ -101,7 +101,7 @@ pub struct NftSyncStats {
 
 /// One per-family nftables proxier.
 #[derive(Debug, Clone)]
-pub struct Proxier {
+pub struct NftablesProxier {
     pub cfg: NftablesConfig,
     need_full_sync: bool,
     /// The base chains were recreated once (first successful sync).
@@ -131,9 +131,9 @@ pub struct Proxier {
     held: Held,
 }
 
-impl Proxier {
+impl NftablesProxier {
     pub fn new(cfg: NftablesConfig) -> Self {
-        Proxier {
+        NftablesProxier {
             cfg,
             need_full_sync: true,
             base_chains_recreated: false,
@@ -229,7 +229,7 @@ impl Proxier {
         backend: &mut dyn NftBackend,
         distrust_chains: bool,
         (chains, sets): (&BTreeSet<String>, &BTreeSet<String>),
-    ) -> Result<Plan, String> {
+    ) -> Result<SyncPlan, String> {
         let mut tx = self.new_tx();
         setup(&self.cfg, &mut tx, !self.base_chains_recreated);
         for s in self.storages.all_mut() {
@@ -255,7 +255,7 @@ impl Proxier {
             let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(&svc.name), false);
             self.held.insert(svc.name.clone(), record);
         }
-        Ok(Plan {
+        Ok(SyncPlan {
             tx: ctx.tx,
             port_starts,
             in_use: InUse::All(ctx.active_chains, ctx.active_affinity_sets),
@@ -268,7 +268,7 @@ impl Proxier {
     /// on every sync and skips writing the unchanged ones' chains; the operations are the
     /// same (an unchanged port's elements are already in place), the work is not: at 10k
     /// services it was ≈ 250 ms of CPU per sync (hashed names, element reconciliation).
-    fn plan_partial(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Plan {
+    fn plan_partial(&mut self, snap: &Snapshot, changed: &ChangedSet) -> SyncPlan {
         let services: BTreeSet<(&str, &str)> = changed
             .services
             .iter()
@@ -308,7 +308,7 @@ impl Proxier {
             let record = ctx.service_port(svc, cluster_ip, snap.endpoints_of(&port), true);
             self.held.insert(port, record);
         }
-        Plan {
+        SyncPlan {
             tx: ctx.tx,
             port_starts: vec![],
             in_use: InUse::Rewritten(rewritten),
@@ -371,7 +371,7 @@ impl Proxier {
         let err = |e: String| NftSyncError(e);
         let (mut listed_chains, mut listed_sets, listed) =
             self.table_objects(backend).map_err(err)?;
-        let Plan {
+        let SyncPlan {
             mut tx,
             port_starts,
             in_use,
@@ -646,7 +646,7 @@ impl Proxier {
 }
 
 /// A sync's transaction before the stale-object handling and the element cleanup.
-struct Plan {
+struct SyncPlan {
     tx: Transaction,
     /// Where each service port's operations start (full syncs, [`split_points`]).
     port_starts: Vec<usize>,
@@ -811,7 +811,7 @@ fn static_rule_counts(tx: Option<&Transaction>) -> BTreeMap<String, usize> {
 /// text in upstream's canonical order.
 pub fn render(snap: &Snapshot, cfg: &NftablesConfig) -> Result<String, NftSyncError> {
     let mut table = FakeTable::new(cfg.table_family(), TABLE);
-    let mut p = Proxier::new(cfg.clone());
+    let mut p = NftablesProxier::new(cfg.clone());
     p.sync(snap, &ChangedSet::default(), Duration::ZERO, &mut table)?;
     Ok(super::transaction::canonical_sort(&table.dump()))
 }
@@ -885,7 +885,7 @@ mod tests {
     #[test]
     fn partial_sync_writes_only_the_changed_service() {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.sync(
             &two_services("10.0.2.1"),
             &ChangedSet::default(),
@@ -1004,14 +1004,14 @@ mod tests {
     fn a_full_sync_in_parts_gives_the_same_table() {
         let snap = many_services(20);
         let mut one = Recording::new();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.batch_operations = usize::MAX;
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut one)
             .expect("one");
         assert_eq!(one.runs.len(), 1);
         let whole = one.runs[0].clone();
         let mut parts = Recording::new();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.batch_operations = 50;
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut parts)
             .expect("parts");
@@ -1053,7 +1053,7 @@ mod tests {
     #[test]
     fn partial_syncs_list_nothing_and_stale_chains_go_in_the_sync_transaction() {
         let mut b = Recording::new();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let ms = Duration::from_millis;
         p.sync(
             &two_services("10.0.2.1"),
@@ -1122,7 +1122,7 @@ mod tests {
     #[test]
     fn a_failed_stale_chain_deletion_leaves_the_sync_to_run_alone() {
         let mut b = Recording::new();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let ms = Duration::from_millis;
         p.sync(
             &two_services("10.0.2.1"),
@@ -1167,7 +1167,7 @@ mod tests {
     #[test]
     fn stale_chains_are_deleted_after_more_than_a_second() {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
@@ -1199,7 +1199,7 @@ mod tests {
     #[test]
     fn a_failed_sync_makes_the_next_one_full() {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
@@ -1286,7 +1286,7 @@ mod tests {
             "add table ip kube-proxy\nadd chain ip kube-proxy nat-prerouting { type nat hook prerouting priority -90 ; }\nadd chain ip kube-proxy old\nadd rule ip kube-proxy nat-prerouting jump old\n",
         )
         .expect("load");
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("first sync replaces the chain");
@@ -1307,7 +1307,7 @@ mod tests {
     #[test]
     fn a_table_deleted_from_outside_makes_the_next_sync_full() {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
@@ -1348,7 +1348,7 @@ mod tests {
             ),
         ] {
             let mut t = FakeTable::new("ip", TABLE);
-            let mut p = Proxier::new(cfg(IpFamily::V4));
+            let mut p = NftablesProxier::new(cfg(IpFamily::V4));
             p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
                 .expect("full");
             let want = canonical(&t);
@@ -1381,7 +1381,7 @@ mod tests {
         let mut t = FakeTable::new("ip", TABLE);
         let mut c = cfg(IpFamily::V4);
         c.service_cidrs = vec!["172.30.0.0/16".parse().unwrap()];
-        let mut p = Proxier::new(c);
+        let mut p = NftablesProxier::new(c);
         // No ServiceCIDRs delivered: the configured CIDRs.
         let mut snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
@@ -1426,7 +1426,7 @@ mod tests {
         let mut c = cfg(IpFamily::V4);
         c.node_port_addresses = vec!["192.168.0.0/24".parse().unwrap()];
         c.local_addresses = vec!["192.168.0.2".parse().unwrap()];
-        let mut p = Proxier::new(c.clone());
+        let mut p = NftablesProxier::new(c.clone());
         let snap = two_services("10.0.2.1");
         p.sync(&snap, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
@@ -1463,9 +1463,9 @@ mod tests {
 
     /// a's second endpoint moves from 10.0.2.1 to 10.0.2.2 in a partial sync: 10.0.2.1's
     /// chain is flushed (stale, not yet deleted).
-    fn with_a_flushed_endpoint_chain() -> (Proxier, FakeTable) {
+    fn with_a_flushed_endpoint_chain() -> (NftablesProxier, FakeTable) {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.sync(
             &one_service("10.0.2.1"),
             &ChangedSet::default(),
@@ -1506,7 +1506,7 @@ mod tests {
     #[test]
     fn a_new_proxier_rewrites_an_endpoint_chain_an_earlier_one_flushed() {
         let (_, mut t) = with_a_flushed_endpoint_chain();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.sync(
             &one_service("10.0.2.1"),
             &ChangedSet::default(),
@@ -1595,7 +1595,7 @@ mod tests {
     #[test]
     fn partial_syncs_leave_what_a_full_sync_leaves() {
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         let mut now = Duration::ZERO;
         let mut prev = churn(0);
         p.sync(&prev, &ChangedSet::default(), now, &mut t)
@@ -1626,7 +1626,7 @@ mod tests {
                 .expect("stale chains deleted");
             assert!(p.stale_chains.is_empty(), "step {step}");
             let mut fresh_table = FakeTable::new("ip", TABLE);
-            let mut fresh = Proxier::new(cfg(IpFamily::V4));
+            let mut fresh = NftablesProxier::new(cfg(IpFamily::V4));
             let want = fresh
                 .sync(
                     &snap,
@@ -1687,7 +1687,7 @@ mod tests {
                 .and_then(|(_, v)| v)
         };
         let mut t = FakeTable::new("ip", TABLE);
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.sync(&both, &ChangedSet::default(), Duration::ZERO, &mut t)
             .expect("full");
         assert!(
@@ -1753,7 +1753,7 @@ mod tests {
     #[test]
     fn a_new_proxier_over_a_backend_that_cannot_tell_rewrites_every_endpoint_chain() {
         let (_, mut t) = with_a_flushed_endpoint_chain();
-        let mut p = Proxier::new(cfg(IpFamily::V4));
+        let mut p = NftablesProxier::new(cfg(IpFamily::V4));
         p.sync(
             &one_service("10.0.2.1"),
             &ChangedSet::default(),

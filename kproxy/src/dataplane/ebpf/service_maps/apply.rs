@@ -1,4 +1,4 @@
-//! The thin applier: makes the service maps hold a [`Plan`], touching only what differs.
+//! The thin applier: makes the service maps hold a [`MapsPlan`], touching only what differs.
 //!
 //! It keeps a copy of what it believes the agent-written maps hold, seeded from a full dump
 //! when it starts (so a restarted agent reconciles against the pinned maps instead of flushing
@@ -55,7 +55,7 @@ use serde::Serialize;
 
 use crate::dataplane::ebpf::service_maps::filter::FrontendFilter;
 use crate::dataplane::ebpf::service_maps::ids::BackendAddr;
-use crate::dataplane::ebpf::service_maps::plan::Plan;
+use crate::dataplane::ebpf::service_maps::plan::MapsPlan;
 use crate::dataplane::ebpf::service_maps::plan::ServicePlan;
 use crate::dataplane::ebpf::service_maps::plan::SourceRangeEntry;
 use crate::dataplane::ebpf::service_maps::plan::decode_addr;
@@ -203,7 +203,7 @@ fn maglev_sets(p: &ServicePlan) -> impl Iterator<Item = u32> + '_ {
 
 /// The state one apply passes between its steps ([`Applier::apply_inner`]).
 struct ApplyRun<'a> {
-    plan: &'a Plan,
+    plan: &'a MapsPlan,
     /// The service ports this apply compares (all of them in a full apply).
     names: &'a BTreeSet<ServicePortName>,
     full: bool,
@@ -368,7 +368,7 @@ impl Applier {
     /// for stale entries (see the module docs). `now_ns` is CLOCK_MONOTONIC (the BPF
     /// programs' `bpf_ktime_get_ns`), for affinity expiry. Errors only when a map cannot be
     /// read or an entry cannot be deleted; per-service write failures are in the outcome.
-    pub fn apply(&mut self, plan: &Plan, now_ns: u64) -> Result<ApplyOutcome, TableError> {
+    pub fn apply(&mut self, plan: &MapsPlan, now_ns: u64) -> Result<ApplyOutcome, TableError> {
         let names: BTreeSet<ServicePortName> = plan
             .services
             .keys()
@@ -383,7 +383,7 @@ impl Applier {
     /// they reference or referenced, and their affinity entries (see the module docs).
     pub fn apply_changes(
         &mut self,
-        plan: &Plan,
+        plan: &MapsPlan,
         changed: &BTreeSet<ServicePortName>,
         now_ns: u64,
     ) -> Result<ApplyOutcome, TableError> {
@@ -410,7 +410,7 @@ impl Applier {
 
     fn apply_inner(
         &mut self,
-        plan: &Plan,
+        plan: &MapsPlan,
         names: &BTreeSet<ServicePortName>,
         full: bool,
         now_ns: u64,
@@ -890,7 +890,7 @@ impl Applier {
     fn apply_maglev(
         &mut self,
         set: &crate::dataplane::ebpf::service_maps::plan::SetPlan,
-        plan: &Plan,
+        plan: &MapsPlan,
         out: &mut ApplyOutcome,
     ) -> Result<(), String> {
         if !set.maglev || set.backends.is_empty() {
@@ -964,7 +964,7 @@ impl Applier {
     fn apply_service(
         &mut self,
         sp: &ServicePlan,
-        plan: &Plan,
+        plan: &MapsPlan,
         new_slots: &mut Vec<(BackendSlotKey, SlotValue)>,
         out: &mut ApplyOutcome,
     ) -> Result<(), String> {

@@ -1,6 +1,6 @@
 //! The service maps programmed from snapshots, and the socket-LB programs that read them.
 //!
-//! - [`plan`](mod@plan) (pure): [`Snapshot`] + [`ServiceMapsConfig`] → [`plan::Plan`], the exact entries
+//! - [`plan`](mod@plan) (pure): [`Snapshot`] + [`ServiceMapsConfig`] → [`plan::MapsPlan`], the exact entries
 //!   of the service maps (`kproxy_common::service` documents the layout and who reads what);
 //!   [`render`] prints it (`kproxy render --proxy-mode ebpf`).
 //! - [`ids`]: stable backend and set ids across syncs and restarts.
@@ -22,7 +22,7 @@
 //! A sync costs O(changed service ports), not O(all): with 10k service ports one endpoint
 //! change re-plans and writes one service port.
 //!
-//! - What is cached: the [`Planner`] keeps the current [`Plan`] per service port (each
+//! - What is cached: the [`Planner`] keeps the current [`MapsPlan`] per service port (each
 //!   [`plan::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
 //!   claims which frontend, and how many slots reference each backend; the [`Applier`] keeps
 //!   what it believes the agent-written maps hold (it is their only writer) and the plan each
@@ -64,7 +64,7 @@ use kproxy_common::service::{
 };
 
 pub use apply::{Applier, ApplyOutcome, MapPressure};
-pub use plan::{Plan, Planner, plan, render};
+pub use plan::{MapsPlan, Planner, plan, render};
 
 use crate::dataplane::ebpf::socket_lb::sock_destroy;
 use crate::dataplane::ebpf::{layout, pins};
@@ -263,7 +263,7 @@ impl ServiceMaps {
     }
 
     /// The plan of the last sync.
-    pub fn last_plan(&self) -> &Plan {
+    pub fn last_plan(&self) -> &MapsPlan {
         self.planner.plan()
     }
 

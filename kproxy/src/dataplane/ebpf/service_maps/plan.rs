@@ -1,5 +1,5 @@
 //! The pure planner: a [`Snapshot`] and an [`ServiceMapsConfig`] → the exact service-map entries
-//! ([`Plan`]). No I/O; the applier writes what this returns.
+//! ([`MapsPlan`]). No I/O; the applier writes what this returns.
 //!
 //! Per service port and IP family (endpoints are filtered to the family first, then
 //! categorized like upstream's per-family proxiers do):
@@ -134,10 +134,10 @@ impl ServicePlan {
 
 /// The whole desired content of the service maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
+pub struct MapsPlan {
     /// Per service port (shared with the applier, which keeps what it programmed).
     pub services: BTreeMap<ServicePortName, Arc<ServicePlan>>,
-    /// Every backend any service references, by id (its address: [`Plan::backend_addr`]).
+    /// Every backend any service references, by id (its address: [`MapsPlan::backend_addr`]).
     pub backends: BTreeMap<u32, BackendValue>,
 }
 
@@ -146,7 +146,7 @@ pub fn backend_addr(b: &BackendValue) -> BackendAddr {
     (decode_addr(b.addr), u16::from_be(b.port))
 }
 
-impl Plan {
+impl MapsPlan {
     /// Address of backend `id` (for logs, render and Maglev).
     pub fn backend_addr(&self, id: u32) -> Option<BackendAddr> {
         self.backends.get(&id).map(backend_addr)
@@ -186,7 +186,7 @@ fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
 
 /// Plans every service port of `snap` from scratch. `ids` keeps ids stable across calls (pass
 /// the same allocator every time; `render` uses a fresh one).
-pub fn plan(snap: &Snapshot, cfg: &ServiceMapsConfig, ids: &mut IdAllocator) -> Plan {
+pub fn plan(snap: &Snapshot, cfg: &ServiceMapsConfig, ids: &mut IdAllocator) -> MapsPlan {
     let mut planner = Planner::new(std::mem::take(ids));
     planner.full(snap, cfg);
     *ids = planner.ids;
@@ -240,12 +240,12 @@ impl BackendRefs {
     }
 }
 
-/// The incremental planner (see the module docs): the current [`Plan`], the ids, who claims
+/// The incremental planner (see the module docs): the current [`MapsPlan`], the ids, who claims
 /// which frontend and who references which backend.
 #[derive(Debug, Default)]
 pub struct Planner {
     ids: IdAllocator,
-    plan: Plan,
+    plan: MapsPlan,
     /// Every service port wanting a frontend; the first (by name) owns it. (Nearly always one
     /// claimant: a `VecMap` holds it in ≈ 100 bytes where a B-tree set takes ≈ 900.)
     claims: HashMap<ServiceKey, VecMap<ServicePortName, ()>>,
@@ -267,7 +267,7 @@ impl Planner {
     }
 
     /// The current plan.
-    pub fn plan(&self) -> &Plan {
+    pub fn plan(&self) -> &MapsPlan {
         &self.plan
     }
 
@@ -770,7 +770,7 @@ pub fn render(snap: &Snapshot, cfg: &ServiceMapsConfig) -> String {
 }
 
 /// [`render`] of an existing plan.
-pub fn render_plan(plan: &Plan) -> String {
+pub fn render_plan(plan: &MapsPlan) -> String {
     let mut s = String::new();
     let (f, sl, r) = plan.counts();
     let _ = writeln!(

@@ -12,7 +12,7 @@ use crate::dataplane::ebpf::service_maps::apply::Applier;
 use crate::dataplane::ebpf::service_maps::apply::Tables;
 use crate::dataplane::ebpf::service_maps::ids::IdAllocator;
 use crate::dataplane::ebpf::service_maps::ids::SetKind;
-use crate::dataplane::ebpf::service_maps::plan::Plan;
+use crate::dataplane::ebpf::service_maps::plan::MapsPlan;
 use crate::dataplane::ebpf::service_maps::plan::decode_addr;
 use crate::dataplane::ebpf::service_maps::plan::encode_addr;
 use crate::dataplane::ebpf::service_maps::plan::plan;
@@ -69,7 +69,7 @@ fn cfg() -> ServiceMapsConfig {
 }
 
 /// Backend addresses of the set `value` points at.
-fn backends_of(plan: &Plan, n: &str, value: &ServiceValue) -> BTreeSet<IpAddr> {
+fn backends_of(plan: &MapsPlan, n: &str, value: &ServiceValue) -> BTreeSet<IpAddr> {
     let sp = &plan.services[&name(n)];
     let set = sp.sets.iter().find(|s| s.svc_id == value.svc_id).unwrap();
     assert_eq!(set.backends.len() as u32, value.count);
@@ -565,7 +565,7 @@ impl Mem {
 
 /// What a plan says the maps must hold.
 fn expected(
-    p: &Plan,
+    p: &MapsPlan,
 ) -> (
     BTreeMap<ServiceKey, ServiceValue>,
     BTreeMap<BackendSlotKey, u32>,
@@ -988,7 +988,7 @@ fn only_the_service_whose_backends_changed_is_rebuilt_and_only_its_share_moves()
     let mut ids = IdAllocator::new();
     let p1 = plan(&nodeport_services(&[3, 5]), &maglev_cfg(), &mut ids);
     applier.apply(&p1, 0).unwrap();
-    let set_of = |p: &Plan, i: usize| {
+    let set_of = |p: &MapsPlan, i: usize| {
         p.services[&name(&format!("lb-{i}"))]
             .sets
             .iter()

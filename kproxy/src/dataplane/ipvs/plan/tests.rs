@@ -53,11 +53,11 @@ fn key(addr: &str, protocol: Protocol, port: u16) -> ServiceKey {
     }
 }
 
-fn rs(p: &Plan, k: &ServiceKey) -> BTreeMap<(IpAddr, u16), u32> {
+fn rs(p: &IpvsPlan, k: &ServiceKey) -> BTreeMap<(IpAddr, u16), u32> {
     p.services[k].real_servers.clone()
 }
 
-fn entries(p: &Plan, set: &str) -> Vec<String> {
+fn entries(p: &IpvsPlan, set: &str) -> Vec<String> {
     p.sets[set].entries.iter().cloned().collect()
 }
 
