@@ -1,7 +1,8 @@
-//! Raw netlink, shared by kproxy's hand-written netlink clients: ctnetlink
-//! ([`crate::dataplane::netfilter::conntrack::netlink`]), sock_diag ([`crate::dataplane::ebpf::socket_lb::sock_diag`]), IPVS
-//! generic netlink ([`crate::dataplane::ipvs::genl`]) and rtnetlink
-//! ([`crate::dataplane::ipvs::rtnl`]).
+//! Raw netlink, shared by kproxy's hand-written netlink clients of the families no maintained
+//! crate covers here: ctnetlink ([`crate::dataplane::netfilter::conntrack::netlink`]),
+//! sock_diag ([`crate::dataplane::ebpf::socket_lb::sock_diag`]), IPVS generic netlink
+//! ([`crate::dataplane::ipvs::genl`]) and nf_tables ([`crate::kernel::nftables`]).
+//! rtnetlink is not here: [`crate::kernel::rtnl`] uses the `rtnetlink` crates.
 //!
 //! - [`wire`]: the pure part: [`MsgBuilder`] (header, family header, attributes, nested
 //!   attributes), [`messages`] (splits a datagram into [`Msg`]s), [`attrs`] (walks attributes),
