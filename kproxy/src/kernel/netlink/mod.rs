@@ -37,9 +37,6 @@ pub const NLM_F_DUMP_INTR: u16 = 0x10;
 pub const NLM_F_ROOT: u16 = 0x100;
 pub const NLM_F_MATCH: u16 = 0x200;
 pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
-/// For `NEW` requests (same bit as [`NLM_F_MATCH`]).
-pub const NLM_F_EXCL: u16 = 0x200;
-pub const NLM_F_CREATE: u16 = 0x400;
 
 pub const NLA_F_NESTED: u16 = 0x8000;
 pub const NLA_TYPE_MASK: u16 = 0x3fff;
