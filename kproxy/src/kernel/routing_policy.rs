@@ -17,39 +17,15 @@
 
 use std::io;
 
-use crate::kernel::netlink::socket::Socket;
-use crate::kernel::netlink::wire::{MsgBuilder, attrs, read_u32};
-use crate::kernel::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
+use rtnetlink::packet_core::Nla;
+use rtnetlink::packet_route::route::{RouteAttribute, RouteMessage};
+use rtnetlink::packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
+use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
 
-/// `RTM_*` (uapi `linux/rtnetlink.h`): the route and rule messages; the announcements of
-/// the `NEW`/`DEL` ones are what can change this module's answer
-/// ([`crate::kernel::route_events::Batch::routes_or_rules`]).
-pub(crate) const RTM_NEWROUTE: u16 = 24;
-pub(crate) const RTM_DELROUTE: u16 = 25;
-const RTM_GETROUTE: u16 = 26;
-pub(crate) const RTM_NEWRULE: u16 = 32;
-pub(crate) const RTM_DELRULE: u16 = 33;
-const RTM_GETRULE: u16 = 34;
-/// `struct rtmsg` and `struct fib_rule_hdr`: both 12 bytes, family first, TOS at byte 3.
-const HDR_LEN: usize = 12;
-const HDR_TOS: usize = 3;
-/// `fib_rule_hdr`: prefix lengths (bytes 1, 2) and action (byte 7).
-const RULE_DST_LEN: usize = 1;
-const RULE_SRC_LEN: usize = 2;
-const RULE_ACTION: usize = 7;
-const FR_ACT_TO_TBL: u8 = 1;
-/// `FRA_*` attributes a rule without selectors carries.
-const FRA_PRIORITY: u16 = 6;
-const FRA_TABLE: u16 = 15;
+use crate::kernel::rtnl::{RouteSocket, dump_request};
+
+/// `FRA_PAD`: padding a rule may carry (`netlink-packet-route` has no variant for it).
 const FRA_PAD: u16 = 18;
-const FRA_PROTOCOL: u16 = 21;
-/// Reported with -1 ("none") on the default rules.
-const FRA_SUPPRESS_IFGROUP: u16 = 13;
-const FRA_SUPPRESS_PREFIXLEN: u16 = 14;
-/// `fib_rule_hdr.table` (the table id when it fits in a byte).
-const RULE_TABLE: usize = 4;
-const RTA_MULTIPATH: u16 = 9;
-const RTA_NH_ID: u16 = 30;
 
 /// The kernel's default IPv4 rules: (priority, table).
 pub const DEFAULT_RULES: [(u32, u32); 3] = [(0, 255), (32_766, 254), (32_767, 253)];
@@ -74,165 +50,222 @@ pub fn rules_are_default(rules: &[Rule]) -> bool {
     rules.iter().all(|r| !r.selective) && seen == DEFAULT_RULES
 }
 
-/// A rule from an `RTM_NEWRULE` payload; `None` if malformed.
-pub fn parse_rule(payload: &[u8]) -> Option<Rule> {
-    let hdr = payload.get(..HDR_LEN)?;
+/// The rule an `RTM_NEWRULE` describes: prefix lengths, TOS or an action other than
+/// "to table" in the header, and every attribute but the priority, the table, the protocol,
+/// padding and the "none" (-1) suppressors count as selective.
+pub fn rule_of(msg: &RuleMessage) -> Rule {
+    let h = &msg.header;
     let mut rule = Rule {
         priority: 0,
-        table: u32::from(hdr[RULE_TABLE]),
-        selective: hdr[RULE_DST_LEN] != 0
-            || hdr[RULE_SRC_LEN] != 0
-            || hdr[HDR_TOS] != 0
-            || hdr[RULE_ACTION] != FR_ACT_TO_TBL,
+        table: u32::from(h.table),
+        selective: h.dst_len != 0
+            || h.src_len != 0
+            || h.tos != 0
+            || h.action != RuleAction::ToTable,
     };
-    for a in attrs(&payload[HDR_LEN..]) {
-        let (kind, value) = a.ok()?;
-        match kind {
-            FRA_PRIORITY => rule.priority = read_u32(value)?,
-            FRA_TABLE => rule.table = read_u32(value)?,
-            FRA_PAD | FRA_PROTOCOL => {}
-            FRA_SUPPRESS_IFGROUP | FRA_SUPPRESS_PREFIXLEN if read_u32(value) == Some(u32::MAX) => {}
+    for a in &msg.attributes {
+        match a {
+            RuleAttribute::Priority(p) => rule.priority = *p,
+            RuleAttribute::Table(t) => rule.table = *t,
+            RuleAttribute::Protocol(_) => {}
+            RuleAttribute::SuppressIfGroup(u32::MAX)
+            | RuleAttribute::SuppressPrefixLen(u32::MAX) => {}
+            RuleAttribute::Other(nla) if nla.kind() == FRA_PAD => {}
             _ => rule.selective = true,
         }
     }
-    Some(rule)
+    rule
 }
 
-/// Whether the route in an `RTM_NEWROUTE` payload has one next hop and no TOS key; `None`
-/// if malformed.
-pub fn route_is_plain(payload: &[u8]) -> Option<bool> {
-    let hdr = payload.get(..HDR_LEN)?;
-    let mut plain = hdr[HDR_TOS] == 0;
-    for a in attrs(&payload[HDR_LEN..]) {
-        let (kind, _) = a.ok()?;
-        plain &= kind != RTA_MULTIPATH && kind != RTA_NH_ID;
+/// Whether the route of an `RTM_NEWROUTE` has one next hop (no `RTA_MULTIPATH`, no next-hop
+/// object `RTA_NH_ID`) and no TOS key.
+pub fn route_is_plain(msg: &RouteMessage) -> bool {
+    msg.header.tos == 0
+        && !msg
+            .attributes
+            .iter()
+            .any(|a| matches!(a, RouteAttribute::MultiPath(_) | RouteAttribute::NhId(_)))
+}
+
+/// The answers of an `AF_INET` dump of `msg`; `None` when one does not parse.
+fn dump_v4(
+    sock: &mut RouteSocket,
+    msg: RouteNetlinkMessage,
+) -> io::Result<Option<Vec<RouteNetlinkMessage>>> {
+    match sock.collect(dump_request(msg)) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            tracing::debug!(error = %e, "an rtnetlink answer did not parse");
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
-    Some(plain)
-}
-
-/// An `AF_INET` dump request of `msg_type`.
-fn dump(msg_type: u16) -> MsgBuilder {
-    let mut hdr = [0u8; HDR_LEN];
-    hdr[0] = libc::AF_INET as u8;
-    MsgBuilder::new(msg_type, NLM_F_REQUEST | NLM_F_DUMP).header(&hdr)
 }
 
 /// Whether the calling thread's network namespace routes IPv4 without looking at the source
-/// (module docs). A malformed answer counts as "no".
+/// (module docs). An answer that does not parse counts as "no".
 pub fn source_independent() -> io::Result<bool> {
-    let mut sock = Socket::open(libc::NETLINK_ROUTE)?;
-    let mut rules = Vec::new();
-    for m in sock.request(&dump(RTM_GETRULE))? {
-        if m.msg_type == RTM_NEWRULE {
-            match parse_rule(&m.payload) {
-                Some(r) => rules.push(r),
-                None => return Ok(false),
-            }
-        }
-    }
+    let mut sock = RouteSocket::open()?;
+    let mut rule = RuleMessage::default();
+    rule.header.family = AddressFamily::Inet;
+    let Some(answers) = dump_v4(&mut sock, RouteNetlinkMessage::GetRule(rule))? else {
+        return Ok(false);
+    };
+    let rules: Vec<Rule> = answers
+        .iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewRule(r) => Some(rule_of(r)),
+            _ => None,
+        })
+        .collect();
     if !rules_are_default(&rules) {
         return Ok(false);
     }
-    for m in sock.request(&dump(RTM_GETROUTE))? {
-        if m.msg_type == RTM_NEWROUTE && route_is_plain(&m.payload) != Some(true) {
-            return Ok(false);
-        }
-    }
-    Ok(true)
+    let mut route = RouteMessage::default();
+    route.header.address_family = AddressFamily::Inet;
+    let Some(answers) = dump_v4(&mut sock, RouteNetlinkMessage::GetRoute(route))? else {
+        return Ok(false);
+    };
+    Ok(answers.iter().all(|m| match m {
+        RouteNetlinkMessage::NewRoute(r) => route_is_plain(r),
+        _ => true,
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rtnetlink::packet_core::DefaultNla;
+    use rtnetlink::packet_route::route::{RouteAddress, RouteNextHop};
 
-    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
-        let mut a = ((4 + value.len()) as u16).to_ne_bytes().to_vec();
-        a.extend(kind.to_ne_bytes());
-        a.extend(value);
-        a.resize(crate::kernel::netlink::wire::align4(a.len()), 0);
-        a
-    }
-
-    fn rule(priority: u32, table: u32, extra: &[Vec<u8>]) -> Vec<u8> {
-        let mut p = vec![
-            libc::AF_INET as u8,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            FR_ACT_TO_TBL,
-            0,
-            0,
-            0,
-            0,
-        ];
-        p.extend(attr(FRA_TABLE, &table.to_ne_bytes()));
-        p.extend(attr(FRA_SUPPRESS_PREFIXLEN, &u32::MAX.to_ne_bytes()));
+    fn rule(priority: u32, table: u32, extra: Vec<RuleAttribute>) -> RuleMessage {
+        let mut m = RuleMessage::default();
+        m.header.family = AddressFamily::Inet;
+        m.header.action = RuleAction::ToTable;
+        m.header.table = u8::try_from(table).unwrap_or(0);
+        m.attributes.push(RuleAttribute::Table(table));
+        m.attributes
+            .push(RuleAttribute::SuppressPrefixLen(u32::MAX));
         if priority != 0 {
-            p.extend(attr(FRA_PRIORITY, &priority.to_ne_bytes()));
+            m.attributes.push(RuleAttribute::Priority(priority));
         }
-        p.extend(attr(FRA_PROTOCOL, &[2]));
-        for e in extra {
-            p.extend(e);
-        }
-        p
+        m.attributes.push(RuleAttribute::Protocol(2.into()));
+        m.attributes.extend(extra);
+        m
     }
 
     fn defaults() -> Vec<Rule> {
         DEFAULT_RULES
             .iter()
-            .map(|(prio, table)| parse_rule(&rule(*prio, *table, &[])).unwrap())
+            .map(|(prio, table)| rule_of(&rule(*prio, *table, vec![])))
             .collect()
     }
 
     #[test]
     fn the_kernels_default_rules_are_default() {
         assert!(rules_are_default(&defaults()));
+        let padded = rule(
+            32_766,
+            254,
+            vec![RuleAttribute::Other(DefaultNla::new(FRA_PAD, vec![]))],
+        );
+        assert!(!rule_of(&padded).selective, "padding is no selector");
     }
 
     #[test]
     fn a_selector_an_extra_or_a_missing_rule_is_not_default() {
-        const FRA_SRC: u16 = 2;
-        const FRA_FWMARK: u16 = 10;
         let mut with_src = defaults();
-        with_src.push(parse_rule(&rule(100, 100, &[attr(FRA_SRC, &[10, 0, 0, 0])])).unwrap());
+        with_src.push(rule_of(&rule(
+            100,
+            100,
+            vec![RuleAttribute::Source("10.0.0.0".parse().unwrap())],
+        )));
         assert!(with_src.last().unwrap().selective);
         assert!(!rules_are_default(&with_src));
         let mut fwmark = defaults();
-        fwmark[1] =
-            parse_rule(&rule(32_766, 254, &[attr(FRA_FWMARK, &1u32.to_ne_bytes())])).unwrap();
+        fwmark[1] = rule_of(&rule(32_766, 254, vec![RuleAttribute::FwMark(1)]));
         assert!(!rules_are_default(&fwmark));
-        let suppress = rule(
+        let suppress = rule(32_766, 254, vec![RuleAttribute::SuppressPrefixLen(0)]);
+        assert!(rule_of(&suppress).selective);
+        let mut src_len = rule(32_766, 254, vec![]);
+        src_len.header.src_len = 8;
+        assert!(rule_of(&src_len).selective);
+        let mut goto = rule(32_766, 254, vec![]);
+        goto.header.action = RuleAction::Goto;
+        assert!(rule_of(&goto).selective);
+        let unknown = rule(
             32_766,
             254,
-            &[attr(FRA_SUPPRESS_PREFIXLEN, &0u32.to_ne_bytes())],
+            vec![RuleAttribute::Other(DefaultNla::new(99, vec![0; 4]))],
         );
-        assert!(parse_rule(&suppress).unwrap().selective);
-        let mut src_len = rule(32_766, 254, &[]);
-        src_len[RULE_SRC_LEN] = 8;
-        assert!(parse_rule(&src_len).unwrap().selective);
+        assert!(
+            rule_of(&unknown).selective,
+            "an attribute this module does not know selects"
+        );
         let mut extra_table = defaults();
-        extra_table.push(parse_rule(&rule(1000, 100, &[])).unwrap());
+        extra_table.push(rule_of(&rule(1000, 100, vec![])));
         assert!(!rules_are_default(&extra_table));
         assert!(!rules_are_default(&defaults()[1..]));
-        assert!(parse_rule(&[0; 4]).is_none());
     }
 
     #[test]
     fn multipath_next_hop_objects_and_tos_keys_make_a_route_not_plain() {
-        let hdr = vec![libc::AF_INET as u8, 24, 0, 0, 254, 3, 0, 1, 0, 0, 0, 0];
-        let gw = attr(5, &[10, 0, 0, 1]);
-        let plain: Vec<u8> = [hdr.clone(), gw.clone()].concat();
-        assert_eq!(route_is_plain(&plain), Some(true));
-        let multi: Vec<u8> = [hdr.clone(), attr(RTA_MULTIPATH, &[0; 8])].concat();
-        assert_eq!(route_is_plain(&multi), Some(false));
-        let nh: Vec<u8> = [hdr.clone(), attr(RTA_NH_ID, &7u32.to_ne_bytes())].concat();
-        assert_eq!(route_is_plain(&nh), Some(false));
+        let mut plain = RouteMessage::default();
+        plain.header.address_family = AddressFamily::Inet;
+        plain.header.destination_prefix_length = 24;
+        plain.header.table = 254;
+        plain
+            .attributes
+            .push(RouteAttribute::Gateway(RouteAddress::Inet(
+                "10.0.0.1".parse().unwrap(),
+            )));
+        assert!(route_is_plain(&plain));
+        let mut multi = plain.clone();
+        multi
+            .attributes
+            .push(RouteAttribute::MultiPath(vec![RouteNextHop::default()]));
+        assert!(!route_is_plain(&multi));
+        let mut nh = plain.clone();
+        nh.attributes.push(RouteAttribute::NhId(7));
+        assert!(!route_is_plain(&nh));
         let mut tos = plain.clone();
-        tos[HDR_TOS] = 0x10;
-        assert_eq!(route_is_plain(&tos), Some(false));
-        assert_eq!(route_is_plain(&hdr[..4]), None);
+        tos.header.tos = 0x10;
+        assert!(!route_is_plain(&tos));
+    }
+
+    #[test]
+    fn a_fresh_namespace_routes_without_looking_at_the_source() {
+        let Some(r) = crate::kernel::rtnl::tests::in_new_netns(|| {
+            crate::kernel::rtnl::tests::ip(&["link", "set", "lo", "up"]);
+            let fresh = source_independent().unwrap();
+            crate::kernel::rtnl::tests::ip(&["rule", "add", "from", "10.1.0.0/16", "table", "100"]);
+            let with_rule = source_independent().unwrap();
+            crate::kernel::rtnl::tests::ip(&["rule", "del", "from", "10.1.0.0/16", "table", "100"]);
+            crate::kernel::rtnl::tests::ip(&[
+                "link", "add", "kp-d0", "type", "veth", "peer", "name", "kp-d1",
+            ]);
+            crate::kernel::rtnl::tests::ip(&["link", "set", "kp-d0", "up"]);
+            crate::kernel::rtnl::tests::ip(&["addr", "add", "10.9.0.1/24", "dev", "kp-d0"]);
+            crate::kernel::rtnl::tests::ip(&[
+                "route",
+                "add",
+                "10.8.0.0/16",
+                "nexthop",
+                "via",
+                "10.9.0.2",
+                "nexthop",
+                "via",
+                "10.9.0.3",
+            ]);
+            let multipath = source_independent().unwrap();
+            (fresh, with_rule, multipath)
+        }) else {
+            return;
+        };
+        assert_eq!(
+            r,
+            (true, false, false),
+            "(fresh, a source rule, a multipath route)"
+        );
     }
 }

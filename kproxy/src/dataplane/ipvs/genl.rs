@@ -298,8 +298,7 @@ fn decode_family_id(payload: &[u8]) -> Option<u16> {
     read_u16(find_attr(payload.get(4..)?, CTRL_ATTR_FAMILY_ID)?)
 }
 
-/// A socket for the IPVS clients (generic netlink, and rtnetlink in [`super::rtnl`]): a large
-/// kernel receive buffer for big dumps.
+/// A socket for the IPVS generic-netlink client: a large kernel receive buffer for big dumps.
 pub(super) fn open_socket(protocol: libc::c_int) -> io::Result<Socket> {
     let sock = Socket::open(protocol)?.with_recv_len(256 * 1024);
     sock.set_rcvbuf(1 << 20);

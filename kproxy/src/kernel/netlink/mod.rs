@@ -1,7 +1,8 @@
-//! Raw netlink, shared by kproxy's hand-written netlink clients: ctnetlink
-//! ([`crate::dataplane::netfilter::conntrack::netlink`]), sock_diag ([`crate::dataplane::ebpf::socket_lb::sock_diag`]), IPVS
-//! generic netlink ([`crate::dataplane::ipvs::genl`]) and rtnetlink
-//! ([`crate::dataplane::ipvs::rtnl`]).
+//! Raw netlink, shared by kproxy's hand-written netlink clients of the families no maintained
+//! crate covers here: ctnetlink ([`crate::dataplane::netfilter::conntrack::netlink`]),
+//! sock_diag ([`crate::dataplane::ebpf::socket_lb::sock_diag`]), IPVS generic netlink
+//! ([`crate::dataplane::ipvs::genl`]) and nf_tables ([`crate::kernel::nftables`]).
+//! rtnetlink is not here: [`crate::kernel::rtnl`] uses the `rtnetlink` crates.
 //!
 //! - [`wire`]: the pure part: [`MsgBuilder`] (header, family header, attributes, nested
 //!   attributes), [`messages`] (splits a datagram into [`Msg`]s), [`attrs`] (walks attributes),
@@ -36,9 +37,6 @@ pub const NLM_F_DUMP_INTR: u16 = 0x10;
 pub const NLM_F_ROOT: u16 = 0x100;
 pub const NLM_F_MATCH: u16 = 0x200;
 pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
-/// For `NEW` requests (same bit as [`NLM_F_MATCH`]).
-pub const NLM_F_EXCL: u16 = 0x200;
-pub const NLM_F_CREATE: u16 = 0x400;
 
 pub const NLA_F_NESTED: u16 = 0x8000;
 pub const NLA_TYPE_MASK: u16 = 0x3fff;
