@@ -130,7 +130,7 @@ impl FamilyPart for FamilyProxier {
 const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
 
 /// Every address of every interface in the runner's network namespace (what `ip addr show`
-/// lists), read in process through `getifaddrs` (the kproxy image ships no iproute2).
+/// lists), read in process through rtnetlink (the kproxy image ships no iproute2).
 fn detect_local_addresses(runner: &Runner) -> Vec<std::net::IpAddr> {
     match runner.in_netns(crate::kernel::addresses::scan) {
         Ok(Ok(interfaces)) => interfaces.into_iter().flat_map(|i| i.addrs).collect(),

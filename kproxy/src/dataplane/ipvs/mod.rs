@@ -6,12 +6,13 @@
 //! - [`config`]: [`IpvsConfig`], what this datapath needs from the resolved configuration.
 //! - [`plan`]: snapshot → [`plan::IpvsPlan`] (virtual services, real servers, bound addresses,
 //!   ipsets, iptables rules); [`render`] prints it.
-//! - [`crate::kernel::netlink`] / [`genl`] / [`rtnl`]: hand-written netlink for the IPVS generic-netlink
-//!   family and for the dummy link's addresses (no external tools for IPVS itself).
+//! - [`genl`]: the IPVS generic-netlink family, hand-written over [`crate::kernel::netlink`]
+//!   (no maintained crate covers it); [`rtnl`]: the dummy link and its addresses through the
+//!   `rtnetlink` crates. No external tools for IPVS itself.
 //! - [`netfilter`]: `ipset restore` / `iptables-restore` application.
 //! - [`sysctl`]: the sysctls upstream's IPVS mode sets.
-//! - [`dataplane`]: [`IpvsDataplane`], the applier. Each sync diffs the plan against what the kernel holds
-//!   (upstream's syncService / syncEndpoint / cleanLegacyService): only differences are
+//! - [`dataplane`]: [`IpvsDataplane`], the applier. Each sync diffs the plan against what the
+//!   kernel holds (upstream's syncService / syncEndpoint / cleanLegacyService): only differences are
 //!   written, so a restarted kproxy (a new instance) reconciles without disturbing live
 //!   virtual services. Removed TCP endpoints drain gracefully: their weight drops to 0, and
 //!   they are deleted on a later sync once IPVS counts no connections for them (upstream does
