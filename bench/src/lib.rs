@@ -47,6 +47,7 @@
 //! | `KP_BENCH_THROUGHPUT_GEN` | the [`throughput`] group's generator: `xdp-live` (default) or `af-packet` |
 
 pub mod agent;
+pub mod cli;
 pub mod connect;
 pub mod control;
 pub mod flood;
