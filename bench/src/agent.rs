@@ -53,7 +53,10 @@ pub fn iptables_backend(mode: &str) -> Option<&'static str> {
 /// created in the node namespace before the agent starts. No agent flag is involved.
 pub fn plant_backend_hint(node: &Netns, backend: &str) -> anyhow::Result<()> {
     let mut cmd = node.command(format!("iptables-{backend}"));
-    cmd.args(["-w", "5", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
+    // The legacy lock, /run/xtables.lock, is the host's (every network namespace shares it):
+    // another iptables-legacy user on the machine held it > 5 s during a quick run. A
+    // liveness bound, not a timing.
+    cmd.args(["-w", "60", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
     kproxy_tests::netns::run_checked(&mut cmd)
         .with_context(|| format!("hint chain in iptables-{backend}"))?;
     Ok(())

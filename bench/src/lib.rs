@@ -12,7 +12,7 @@
 //! | [`packet`] | `BPF_PROG_TEST_RUN` ns/packet of each datapath program path, at 1 → 100k services | the counter-only XDP program |
 //! | [`connect`] | TCP connect latency pod → ClusterIP (≥ 2,000 connects), requests/s keep-alive and short, per mode, at 1 and 10k services, in 10 rounds each after the same number of direct connects (`connect-direct/<mode>`) and, for the netfilter modes, of floor connects (`connect-floor/<mode>`: the same pod → a ClusterIP that one nftables DNAT rule translates, no proxier) | the direct connects measured alongside: the same pod directly to the backend pod |
 //! | [`maglev`] | Maglev table build and one-change sync at 1k backends (ms) | the same sync in random mode |
-//! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows by source port) toward two backends behind the second node. Generator ([`flood`]): in-kernel, `BPF_PROG_TEST_RUN` in live-frames mode (`BPF_F_TEST_XDP_LIVE_FRAMES`) of a small XDP program that writes the headers, picks a flow at random and redirects into the client's veth, so the frames reach the node's device as XDP frames, the way a NIC driver hands them over (`KP_BENCH_THROUGHPUT_GEN=af-packet` sends skbs from an `AF_PACKET` socket instead). Delivered packets/s counted at the backends (an nftables counter-and-drop in each pod, matching the translated address and port) and CPU ns per delivered packet (the generator thread's CPU, which carries the softirq work of the whole veth path, plus `ksoftirqd`'s), and the node's own share of it (minus the `floor` mode's: the same flood started at the node's link to the second node), per datapath: kproxy XDP (`--bpf-xdp=native`, fast path switched on for the veths, proven by its counters: ≥ 90 % of the delivered packets forwarded by XDP), kproxy TC (`--bpf-xdp=off`), iptables-nft, iptables-legacy, nftables; every link end with GRO (a NAPI ring) in every mode; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet and the node's share: iptables-nft |
+//! | [`throughput`] | real packets: the external client floods a UDP NodePort (60-byte frames with complete checksums, 1,024 flows by source port) toward two backends behind the second node. Generator ([`flood`]): in-kernel, `BPF_PROG_TEST_RUN` in live-frames mode (`BPF_F_TEST_XDP_LIVE_FRAMES`) of a small XDP program that writes the headers, picks a flow at random and redirects into the client's veth, so the frames reach the node's device as XDP frames, the way a NIC driver hands them over (`KP_BENCH_THROUGHPUT_GEN=af-packet` sends skbs from an `AF_PACKET` socket instead). Delivered packets/s counted at the backends (an nftables counter-and-drop in each pod, matching the translated address and port) and CPU ns per delivered packet (the generator thread's CPU, which carries the softirq work of the whole veth path, plus `ksoftirqd`'s), and the node's own share of it (its median minus that of the `floor` mode: the same flood started at the node's link to the second node), per datapath: kproxy XDP (`--bpf-xdp=native`, fast path switched on for the veths, proven by its counters: ≥ 90 % of the delivered packets forwarded by XDP), kproxy TC (`--bpf-xdp=off`), iptables-nft, iptables-legacy, nftables; every link end with GRO (a NAPI ring) in every mode; modes sampled in interleaved rounds | packets/s: plain routing to the pod IPs (the ceiling); CPU/packet and the node's share: iptables-nft |
 //! | [`control`] | cold start (agent exec → the last service answers) with N services × 5 endpoints through the fake API server; one endpoint change (API write → a connection reaches the new backend), per mode; agent peak RSS and CPU seconds | the project's targets; for iptables and nftables also the floor: the same kernel work alone (`iptables-restore` / `nft -f` of the agent's own input) |
 //! | [`nftables`] (in `control`) | the nftables agent's own transactions replayed with `nft -f` into a fresh namespace: cold start and each change (the floors), and the cold start's operations loaded other ways (one transaction as upstream, parts of other sizes) | the agent's figures; the agent's own loading |
 //! | `resync` ([`nftables::resync`]) | nftables full resync: the agent restarted over its own table of 40k services × 1 endpoint (its first sync is full), from the agent's full-sync metric, in minutes | the replay of that sync's transactions onto the same table; upstream's 16 min 44 s at 44k |
@@ -21,6 +21,11 @@
 //!
 //! `soak` and `inspect` run in a full run and when `--only` names them (with `--quick`, their
 //! shorter variants), not in a plain `--quick` run.
+//!
+//! A figure derived from two measured ones (the node's share of `throughput`, the repeat-mode
+//! ns per run of [`packet`]) is the difference of their medians ([`stats::difference`]), never
+//! a difference per sample; where that is not positive the figure is "unavailable", drowned
+//! in noise.
 //!
 //! A mode the agent cannot run (not built yet, or the kernel lacks it) is listed under
 //! "unavailable" with the agent's own error, never silently dropped. Output ([`report`]):
@@ -42,6 +47,7 @@
 //! | `KP_BENCH_THROUGHPUT_GEN` | the [`throughput`] group's generator: `xdp-live` (default) or `af-packet` |
 
 pub mod agent;
+pub mod cli;
 pub mod connect;
 pub mod control;
 pub mod flood;
@@ -77,6 +83,19 @@ pub struct Results {
     /// The figures measured in the QEMU guest (`cargo xtask bench --ipvs-guest`), if merged.
     #[serde(default)]
     pub guest: Option<GuestRun>,
+    /// How each derived figure of [`Results::figures`] was computed ([`Results::push_difference`]).
+    #[serde(default)]
+    pub derived: Vec<Derivation>,
+}
+
+/// A figure derived from two figures of the same run: `median(of) − median(minus)`
+/// ([`stats::difference`]), its one sample. Its spread is that of its two figures' samples
+/// (the report shows the per-round differences where they were sampled in the same rounds).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Derivation {
+    pub id: String,
+    pub of: String,
+    pub minus: String,
 }
 
 /// A run of the ipvs figures inside the TCG guest (the host kernel has no IPVS), merged into
@@ -200,6 +219,33 @@ impl Results {
         eprintln!("kp-bench: {id}: unavailable: {reason}");
         self.unavailable.push(Unavailable { id, reason });
     }
+    /// Pushes `figure` (its samples ignored) derived from the figures `of` and `minus` of this
+    /// run, already pushed: its one sample the difference of their medians
+    /// ([`stats::difference`]); "unavailable" when that is drowned in noise or a figure is
+    /// missing.
+    pub fn push_difference(&mut self, mut figure: Figure, of: &str, minus: &str) {
+        let (Some(a), Some(b)) = (self.figure(of), self.figure(minus)) else {
+            return self.unavailable(figure.id, format!("{of} or {minus} was not measured"));
+        };
+        match stats::difference(&a.samples, &b.samples) {
+            Ok(d) => {
+                figure.samples = vec![d];
+                self.derived.push(Derivation {
+                    id: figure.id.clone(),
+                    of: of.into(),
+                    minus: minus.into(),
+                });
+                self.push(figure);
+            }
+            Err(e) => self.unavailable(figure.id, format!("{of} − {minus}: {e}")),
+        }
+    }
+
+    /// How figure `id` was derived, if it was.
+    pub fn derivation(&self, id: &str) -> Option<&Derivation> {
+        self.derived.iter().find(|d| d.id == id)
+    }
+
     pub fn push(&mut self, figure: Figure) {
         let s = stats::Summary::of(&figure.samples);
         eprintln!(
@@ -326,7 +372,9 @@ impl Plan {
             "restore-floor" if figure.id.starts_with("cold-floor/") => 2,
             "restore-floor" => self.changes.clamp(5, 20) as usize,
             "maglev" => maglev::samples(self),
-            "throughput" | "throughput-cpu" | "throughput-node" => self.throughput_samples,
+            "throughput" | "throughput-cpu" => self.throughput_samples,
+            // Derived: the difference of two figures' medians (`Results::push_difference`).
+            "throughput-node" => 1,
             "nft-floor" | "resync" => nftables::samples(self, figure),
             _ => 0,
         }

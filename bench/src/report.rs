@@ -48,7 +48,7 @@ const GROUPS: [(&str, &str); 15] = [
     ),
     (
         "throughput-node",
-        "UDP flood: the node's share of the CPU per packet (minus `floor`; vs iptables-nft)",
+        "UDP flood: the node's share of the CPU per packet (its median minus `floor`'s; vs iptables-nft)",
     ),
     (
         "nft-floor",
@@ -338,6 +338,7 @@ pub fn markdown(results: &Results) -> String {
                 md,
                 "| figure | n | median | p90 | p99 | unit | vs baseline | target | vs target | met |\n|---|---|---|---|---|---|---|---|---|---|"
             );
+            let mut derived = Vec::new();
             for f in &figs {
                 let s = Summary::of(&f.samples);
                 let r = ratio(results, f).map_or("—".into(), |r| format!("{r:.2}×"));
@@ -348,18 +349,36 @@ pub fn markdown(results: &Results) -> String {
                     Some(false) => "**no**",
                     None => "—",
                 };
+                // A derived figure's one value has no percentiles: its spread is below.
+                let (n, p90, p99) = match results.derivation(&f.id) {
+                    Some(d) => {
+                        derived.push(derivation_line(results, d));
+                        ("—".into(), "—".into(), "—".into())
+                    }
+                    None => (
+                        s.n.to_string(),
+                        format!("{:.2}", s.p90),
+                        format!("{:.2}", s.p99),
+                    ),
+                };
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {r} | {t} | {of} | {met} |",
+                    "| {} | {n} | {:.2} | {p90} | {p99} | {} | {r} | {t} | {of} | {met} |",
                     shown_id(results, f),
-                    s.n,
                     s.median,
-                    s.p90,
-                    s.p99,
                     f.unit
                 );
             }
             md.push('\n');
+            if !derived.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "Derived figures: the difference of two figures' medians (not per sample, \
+                     whose differences can be anything down to negative); their spread is \
+                     that of the two figures:\n\n{}\n",
+                    derived.join("\n")
+                );
+            }
             if figs.iter().any(|f| results.in_guest(&f.id)) {
                 let _ = writeln!(md, "{GUEST_NOTE}\n");
             }
@@ -373,6 +392,33 @@ pub fn markdown(results: &Results) -> String {
     }
     md.push_str(&super::soak::markdown(results));
     md
+}
+
+/// `- `id` = median(`of`) − median(`minus`); per round: min … max (n)`: the per-round
+/// differences when both figures were sampled in the same rounds, else each figure's range.
+fn derivation_line(results: &Results, d: &crate::Derivation) -> String {
+    let (Some(a), Some(b)) = (results.figure(&d.of), results.figure(&d.minus)) else {
+        return format!("- `{}` = median(`{}`) − median(`{}`)", d.id, d.of, d.minus);
+    };
+    let range = |v: &[f64]| {
+        let s = Summary::of(v);
+        format!("{:.2} … {:.2}", s.min, s.max)
+    };
+    let spread = if a.samples.len() == b.samples.len() {
+        let rounds: Vec<f64> = a
+            .samples
+            .iter()
+            .zip(&b.samples)
+            .map(|(x, y)| x - y)
+            .collect();
+        format!("per round {} ({} rounds)", range(&rounds), rounds.len())
+    } else {
+        format!("ranges {} and {}", range(&a.samples), range(&b.samples))
+    };
+    format!(
+        "- `{}` = median(`{}`) − median(`{}`); {spread} {}",
+        d.id, d.of, d.minus, a.unit
+    )
 }
 
 /// One line per mode: (x label, y) points.

@@ -11,7 +11,8 @@
 //! - `floor`: no agent; the flood starts at the node's link to the second node, addressed as
 //!   the node forwards it after SNAT (node link address → pods): what the generator, the
 //!   second node and the pods cost, which every other mode pays too. `throughput-node/<mode>`
-//!   is a mode's CPU per packet minus `floor`'s of the same round: the node's own share, what a
+//!   is the median of a mode's CPU per packet minus the median of `floor`'s (a difference of
+//!   medians, never per round: [`Results::push_difference`]): the node's own share, what a
 //!   load-balancing node spends (vs iptables-nft, the aim's form);
 //! - `ebpf-xdp`: `--proxy-mode=ebpf --bpf-xdp=native` on both node devices, with the XDP
 //!   forwarding fast path switched on for them (veths are no fast-path devices by default, see
@@ -471,13 +472,14 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             cpu[i].push(s.cpu_ns);
         }
     }
-    node_shares(results, &rigs, &cpu, &failed);
+    let mut measured = Vec::new();
     for (i, rig) in rigs.iter().enumerate() {
         let mode = rig.mode;
         if let Some(why) = &failed[i] {
             results.unavailable(format!("throughput/{mode}"), why);
             continue;
         }
+        measured.push(mode);
         results.push(Figure {
             id: format!("throughput/{mode}"),
             group: "throughput".into(),
@@ -505,37 +507,34 @@ pub fn run(plan: &Plan, results: &mut Results) -> anyhow::Result<()> {
             }),
         });
     }
+    node_shares(results, &measured);
     Ok(())
 }
 
-/// The node's share of the CPU per packet, per mode: its CPU per packet minus `floor`'s of the
-/// same round (what the generator, the second node and the pods cost is in both).
-fn node_shares(results: &mut Results, rigs: &[Rig], cpu: &[Vec<f64>], failed: &[Option<String>]) {
-    let Some(f) = rigs.iter().position(|r| r.mode == "floor") else {
-        return;
-    };
-    if failed[f].is_some() {
+/// The node's share of the CPU per packet of each measured mode but `floor`: the median of
+/// its CPU per packet minus the median of `floor`'s (what the generator, the second node and
+/// the pods cost is in both), a derived figure ([`Results::push_difference`]).
+fn node_shares(results: &mut Results, measured: &[&str]) {
+    const FLOOR: &str = "throughput-cpu/floor";
+    if !measured.contains(&"floor") {
         return;
     }
-    for (i, rig) in rigs.iter().enumerate() {
-        let mode = rig.mode;
-        if i == f || failed[i].is_some() || cpu[i].len() != cpu[f].len() {
-            continue;
-        }
-        results.push(Figure {
+    for &mode in measured.iter().filter(|m| **m != "floor") {
+        let figure = Figure {
             id: format!("throughput-node/{mode}"),
             group: "throughput-node".into(),
             mode: mode_label(mode).into(),
             services: 1,
             unit: "ns".into(),
-            samples: cpu[i].iter().zip(&cpu[f]).map(|(c, fl)| c - fl).collect(),
+            samples: Vec::new(),
             baseline: (mode != "iptables-nft").then(|| "throughput-node/iptables-nft".into()),
             target: (mode == "ebpf-xdp").then(|| Target {
                 max_ratio: Some(1.0 / 3.0),
                 max_value: None,
                 text: "the node's CPU per packet with XDP ≤ ⅓ × with iptables-nft".into(),
             }),
-        });
+        };
+        results.push_difference(figure, &format!("throughput-cpu/{mode}"), FLOOR);
     }
 }
 
@@ -564,6 +563,74 @@ mod tests {
         assert_eq!(docs[1]["spec"]["ports"][0]["nodePort"], NODE_PORT);
         assert_eq!(docs[1]["spec"]["ports"][0]["protocol"], "UDP");
         assert_eq!(docs[2]["endpoints"].as_array().unwrap().len(), 2);
+    }
+
+    /// The quick bench's failure (issue #29): a round whose `floor` came out high made the
+    /// old per-round difference negative. The node's share is the difference of the medians.
+    #[test]
+    fn node_share_is_the_difference_of_the_medians_never_a_negative_sample() {
+        let cpu = |mode: &str, samples: &[f64]| Figure {
+            id: format!("throughput-cpu/{mode}"),
+            group: "throughput-cpu".into(),
+            mode: mode_label(mode).into(),
+            services: 1,
+            unit: "ns".into(),
+            samples: samples.to_vec(),
+            baseline: None,
+            target: None,
+        };
+        let floor = [430.0, 700.0, 440.0];
+        let xdp = [610.0, 620.0, 630.0];
+        let mut r = Results::default();
+        r.push(cpu("floor", &floor));
+        r.push(cpu("ebpf-xdp", &xdp));
+        r.push(cpu("iptables-nft", &[1400.0, 1500.0, 1450.0]));
+        // Within the noise: its median is below the floor's.
+        r.push(cpu("ebpf-tc", &[435.0, 900.0, 420.0]));
+        node_shares(&mut r, &["floor", "ebpf-xdp", "iptables-nft", "ebpf-tc"]);
+        let node = |m: &str| {
+            r.figure(&format!("throughput-node/{m}"))
+                .map(|f| f.samples.clone())
+        };
+        assert_eq!(node("ebpf-xdp"), Some(vec![180.0]));
+        assert_eq!(node("iptables-nft"), Some(vec![1010.0]));
+        assert_eq!(node("floor"), None);
+        assert_eq!(node("ebpf-tc"), None);
+        let why = &r
+            .unavailable
+            .iter()
+            .find(|u| u.id == "throughput-node/ebpf-tc");
+        assert!(
+            why.is_some_and(|u| u.reason.contains("drowned in noise")),
+            "{why:?}"
+        );
+        let d = r.derivation("throughput-node/ebpf-xdp").unwrap();
+        assert_eq!(
+            (d.of.as_str(), d.minus.as_str()),
+            ("throughput-cpu/ebpf-xdp", "throughput-cpu/floor")
+        );
+        let xdp_node = r.figure("throughput-node/ebpf-xdp").unwrap();
+        let ratio = crate::report::ratio(&r, xdp_node).unwrap();
+        assert!((ratio - 180.0 / 1010.0).abs() < 1e-9, "{ratio}");
+        // The report shows the value and, as its spread, the per-round differences.
+        let md = crate::report::markdown(&r);
+        assert!(
+            md.contains("| `throughput-node/ebpf-xdp` | — | 180.00 | — | — | ns |")
+                && md.contains(
+                    "- `throughput-node/ebpf-xdp` = median(`throughput-cpu/ebpf-xdp`) − \
+                     median(`throughput-cpu/floor`); per round -80.00 … 190.00 (3 rounds) ns"
+                ),
+            "{md}"
+        );
+        // What the smoke test asserts of every figure (the old per-round samples held −80).
+        for f in &r.figures {
+            assert!(
+                f.samples.iter().all(|s| *s > 0.0),
+                "{}: {:?}",
+                f.id,
+                f.samples
+            );
+        }
     }
 
     #[test]

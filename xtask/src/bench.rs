@@ -20,16 +20,45 @@ use anyhow::{Context as _, bail};
 
 use crate::process::{display, is_root};
 
-pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+/// `cargo xtask bench [--quick] [--out DIR] [--only GROUP,…]`, `cargo xtask bench --ipvs-guest
+/// [--out DIR] [--only GROUP,…]`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The quick plan (under 3 minutes).
+    #[arg(long, conflicts_with = "ipvs_guest")]
+    pub quick: bool,
+    /// Where the report goes (default bench/; README's section is updated only then).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<String>,
+    /// Only these groups, comma-separated (kp-bench checks the names, `kp-bench --help`
+    /// lists them; with --ipvs-guest: connect, control).
+    #[arg(long, value_name = "GROUP,…")]
+    pub only: Option<String>,
+    /// The ipvs figures in the QEMU guest, merged into the report of the host run in DIR.
+    #[arg(long)]
+    pub ipvs_guest: bool,
+}
+
+impl Args {
+    /// kp-bench's arguments for the host run.
+    fn kp_bench_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.quick {
+            args.push("--quick".to_string());
+        }
+        for (flag, value) in [("--out", &self.out), ("--only", &self.only)] {
+            if let Some(v) = value {
+                args.extend([flag.to_string(), v.clone()]);
+            }
+        }
+        args
+    }
+}
+
+pub fn run(args: &Args) -> anyhow::Result<ExitCode> {
     if !is_root() {
         bail!("`cargo xtask bench` needs root (network namespaces, BPF, netfilter)");
     }
-    let ipvs_guest = args.iter().any(|a| a == "--ipvs-guest");
-    let args: Vec<String> = args
-        .iter()
-        .filter(|a| *a != "--ipvs-guest")
-        .cloned()
-        .collect();
     crate::setup::run()?;
     let root = crate::workspace_root();
     // Without `cargo run`'s variables: with them, ring's build script reruns and the release
@@ -57,16 +86,16 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
     {
         bail!("release build failed");
     }
-    if ipvs_guest {
-        return run_guest(&root, &args);
+    if args.ipvs_guest {
+        return run_guest(&root, args);
     }
     let mut bench = Command::new(crate::target_dir().join("release/kp-bench"));
-    bench.args(&args).current_dir(&root);
+    bench.args(args.kp_bench_args()).current_dir(&root);
     println!("bench: $ {}", display(&bench));
     let status = bench
         .status()
         .with_context(|| format!("spawning {}", display(&bench)))?;
-    if status.success() && !args.iter().any(|a| a == "--out" || a == "--only") {
+    if status.success() && args.out.is_none() && args.only.is_none() {
         update_readme(&root)?;
     }
     Ok(ExitCode::from(
@@ -75,16 +104,9 @@ pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 }
 
 /// `--ipvs-guest`: the ipvs figures measured in the QEMU guest, merged into the host report.
-fn run_guest(root: &std::path::Path, args: &[String]) -> anyhow::Result<ExitCode> {
-    let (mut out, mut only) = ("bench".to_string(), None);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match (a.as_str(), it.next()) {
-            ("--out", Some(dir)) => out = dir.clone(),
-            ("--only", Some(groups)) => only = Some(groups.clone()),
-            _ => bail!("--ipvs-guest takes only --out DIR and --only GROUPS, got {args:?}"),
-        }
-    }
+fn run_guest(root: &std::path::Path, args: &Args) -> anyhow::Result<ExitCode> {
+    let out = args.out.clone().unwrap_or_else(|| "bench".into());
+    let only = args.only.clone();
     let release = crate::target_dir().join("release");
     let files: Vec<_> = ["kp-bench", "kproxy", "kp-probe"]
         .iter()
@@ -155,6 +177,21 @@ fn update_readme(root: &std::path::Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_run_hands_its_options_to_kp_bench() {
+        let args = |quick, out: Option<&str>, only: Option<&str>| Args {
+            quick,
+            out: out.map(String::from),
+            only: only.map(String::from),
+            ipvs_guest: false,
+        };
+        assert!(args(false, None, None).kp_bench_args().is_empty());
+        assert_eq!(
+            args(true, Some("/tmp/b"), Some("packet,soak")).kp_bench_args(),
+            ["--quick", "--out", "/tmp/b", "--only", "packet,soak"]
+        );
+    }
 
     #[test]
     fn splice_replaces_only_the_marked_text() {

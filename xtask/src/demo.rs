@@ -45,6 +45,14 @@ with socketserver.TCPServer(("0.0.0.0", 8080), H) as s:
     s.serve_forever()
 "#;
 
+/// Prints the body of one GET (python3 is among setup's packages; curl is not).
+const GET: &str = r#"
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())
+"#;
+/// The agent's metrics server (`--metrics-bind-address`), which answers `GET /proxyMode`.
+const METRICS_ADDR: &str = "127.0.0.1:10249";
+
 /// Sends N requests to a URL, one connection each, and prints who answered.
 const CLIENT: &str = r#"
 import sys, urllib.request, collections
@@ -281,11 +289,9 @@ impl Drop for Bpffs {
     }
 }
 
-/// `cargo xtask demo`: setup, build, run the demo.
-pub fn run(args: &[String]) -> Result<ExitCode> {
-    if !args.is_empty() {
-        bail!("`demo` takes no arguments, got {args:?}");
-    }
+/// `cargo xtask demo`: setup (the same idempotent step as `cargo xtask test`, so the demo
+/// works as the first command on a fresh machine), build, run the demo.
+pub fn run() -> Result<ExitCode> {
     if !crate::process::is_root() {
         bail!("the demo builds network namespaces and needs root");
     }
@@ -295,13 +301,14 @@ pub fn run(args: &[String]) -> Result<ExitCode> {
 }
 
 fn demo(root: &Path) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = Command::new(cargo);
+    // Without `cargo run`'s variables (`crate::process::cargo`): with them, a nested build
+    // recompiles crates whose build scripts watch them, and the next plain build again.
+    let mut build = crate::process::cargo();
     build
-        .args(["build", "--quiet", "-p", "kproxy"])
+        .args(["build", "--quiet", "-p", "kproxy", "--bin", "kproxy"])
         .current_dir(root);
     crate::process::run_step("demo", &mut build)?;
-    let kproxy: PathBuf = root.join("target/debug/kproxy");
+    let kproxy: PathBuf = crate::target_dir().join("debug/kproxy");
     let manifests = root.join("deploy/examples");
     let tag = std::process::id().to_string();
     let mut topo = Topology::build(&tag)?;
@@ -345,7 +352,7 @@ fn demo(root: &Path) -> Result<()> {
             "--healthz-bind-address",
             "127.0.0.1:10256",
             "--metrics-bind-address",
-            "127.0.0.1:10249",
+            METRICS_ADDR,
         ])
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
@@ -360,8 +367,8 @@ fn demo(root: &Path) -> Result<()> {
         Duration::from_secs(30),
         || requests(&pod1, &cluster_url, Some(&cgroup.0)).is_ok_and(|r| r.contains("pod")),
     );
-    let mode = output_in_ns(&node, &["curl", "-s", "http://127.0.0.1:10249/proxyMode"])
-        .unwrap_or_default();
+    let proxy_mode = format!("http://{METRICS_ADDR}/proxyMode");
+    let mode = output_in_ns(&node, &["python3", "-c", GET, &proxy_mode]).unwrap_or_default();
     println!(
         "\n== kproxy runs in mode {:?} (GET /proxyMode) ==",
         mode.trim()

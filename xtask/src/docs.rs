@@ -21,10 +21,7 @@ use crate::process::{display, run_step};
 /// The generated page, relative to the workspace root (`kproxy::cli::reference::PAGE`).
 const REFERENCE_PAGE: &str = "docs/src/reference.md";
 
-pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    if !args.is_empty() {
-        bail!("`docs` takes no arguments, got {args:?}");
-    }
+pub fn run() -> anyhow::Result<ExitCode> {
     let book = build()?;
     println!(
         "docs: the user guide is {}",

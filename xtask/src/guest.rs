@@ -137,8 +137,26 @@ pub struct GuestOutcome {
     pub accel: &'static str,
 }
 
-pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    let outcome = run_suite(args)?;
+/// `cargo xtask guest [ARGS…]`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Arguments for the guest's test binary, as given (e.g. a test name filter).
+    #[arg(allow_hyphen_values = true, value_name = "ARGS")]
+    args: Vec<String>,
+    /// What follows a leading `--` (clap takes that `--` as its own).
+    #[arg(last = true, hide = true)]
+    after_dashes: Vec<String>,
+}
+
+impl Args {
+    /// The arguments as given on the command line.
+    pub fn test_args(&self) -> Vec<String> {
+        crate::rejoin(&self.args, &self.after_dashes)
+    }
+}
+
+pub fn run(args: &Args) -> anyhow::Result<ExitCode> {
+    let outcome = run_suite(&args.test_args())?;
     Ok(if outcome.passed {
         ExitCode::SUCCESS
     } else {

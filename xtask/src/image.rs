@@ -54,7 +54,7 @@ pub const PACKAGES_FILE: &str = "deploy/image/packages.txt";
 /// binary, while a cold release build costs ≈ 20 min on a 2-core machine (measured here,
 /// under other builds' load), which would double the suite's time. The image's files, layers,
 /// labels and the podman runs are the same; only the binary's optimisation differs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Profile {
     Release,
     Dev,
@@ -104,20 +104,20 @@ const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 
-pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
-    let usage =
-        || format!("usage: cargo xtask image [--profile dev|release] [--rootfs DIR]; got {args:?}");
-    let mut profile = Profile::Release;
-    let mut rootfs = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match (a.as_str(), it.next().map(String::as_str)) {
-            ("--profile", Some("dev")) => profile = Profile::Dev,
-            ("--profile", Some("release")) => profile = Profile::Release,
-            ("--rootfs", Some(dir)) => rootfs = Some(PathBuf::from(dir)),
-            _ => bail!(usage()),
-        }
-    }
+/// `cargo xtask image [--profile dev|release] [--rootfs DIR]`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Which build of the binary: `dev` (what `cargo xtask test` runs) goes into
+    /// target/image/kproxy-image-dev.tar.
+    #[arg(long, value_enum, default_value_t = Profile::Release)]
+    pub profile: Profile,
+    /// Only the image's files, into DIR (what deploy/Dockerfile copies).
+    #[arg(long, value_name = "DIR")]
+    pub rootfs: Option<PathBuf>,
+}
+
+pub fn run(args: &Args) -> anyhow::Result<ExitCode> {
+    let (profile, rootfs) = (args.profile, args.rootfs.clone());
     crate::setup::run()?;
     match rootfs {
         Some(dir) => {

@@ -29,7 +29,27 @@ const IMAGE_ARCHIVE_ENV: &str = "KPROXY_IMAGE_ARCHIVE";
 /// hash and recompile them.
 pub const HOST_PACKAGES: &[&str] = &["--workspace", "--exclude", EBPF_PACKAGE];
 
-pub fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+/// `cargo xtask test [ARGS…]`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Arguments for `cargo test`, as given (e.g. a test name filter, `-p kproxy-tests`,
+    /// `-- --nocapture`). One plain word is also the guest suite's filter.
+    #[arg(allow_hyphen_values = true, value_name = "ARGS")]
+    args: Vec<String>,
+    /// What follows a leading `--` (clap takes that `--` as its own).
+    #[arg(last = true, hide = true)]
+    after_dashes: Vec<String>,
+}
+
+impl Args {
+    /// The arguments as given on the command line.
+    pub fn cargo_test_args(&self) -> Vec<String> {
+        crate::rejoin(&self.args, &self.after_dashes)
+    }
+}
+
+pub fn run(args: &Args) -> anyhow::Result<ExitCode> {
+    let args = &args.cargo_test_args()[..];
     if !is_root() {
         bail!(
             "`cargo xtask test` runs the kernel tests (namespaces, BPF, netfilter) and needs root; \

@@ -1,6 +1,7 @@
 //! `kp-bench [--quick] [--out DIR] [--only GROUP,…] [--commit SHA]`: runs kproxy's
 //! benchmarks (see `kproxy_bench`) and writes the report into DIR (default `bench/`).
-//! Needs root. `cargo xtask bench` builds everything in release mode and runs this.
+//! Needs root. `cargo xtask bench` builds everything in release mode and runs this. The
+//! command line is `kproxy_bench::cli::Args` (`kp-bench --help`).
 //!
 //! The ipvs figures (the host kernel has no IPVS) come from two more invocations, both driven
 //! by `cargo xtask bench --ipvs-guest`:
@@ -12,55 +13,27 @@
 //!   rewrites the report (a DIR other than `bench` without a `results.json` gets the guest
 //!   figures alone).
 
-use std::path::PathBuf;
 use std::time::{Instant, SystemTime};
 
 use anyhow::Context as _;
+use clap::Parser as _;
+use kproxy_bench::cli::Args;
 use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json,
     inspect, maglev, nftables, packet, report, soak, throughput,
 };
 
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args().skip(1);
-    let (mut quick, mut out, mut only, mut commit) = (false, PathBuf::from("bench"), None, None);
-    let (mut in_guest, mut merge, mut accel, mut guest_seconds) = (false, None, None, 0.0);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--quick" => quick = true,
-            "--out" => out = args.next().context("--out needs a directory")?.into(),
-            "--only" => only = Some(args.next().context("--only needs groups")?),
-            "--commit" => commit = Some(args.next().context("--commit needs a value")?),
-            "--in-guest" => in_guest = true,
-            "--merge-guest" => {
-                merge = Some(PathBuf::from(
-                    args.next().context("--merge-guest needs a file")?,
-                ))
-            }
-            "--accel" => accel = Some(args.next().context("--accel needs a value")?),
-            "--guest-seconds" => {
-                guest_seconds = args
-                    .next()
-                    .context("--guest-seconds needs a value")?
-                    .parse()
-                    .context("--guest-seconds")?
-            }
-            other => anyhow::bail!("unknown argument {other:?} (see the module docs)"),
-        }
-    }
-    if let Some(file) = merge {
-        return merge_guest(
-            &file,
-            &out,
-            accel.as_deref().unwrap_or("unknown"),
-            guest_seconds,
-        );
+    let args = Args::parse();
+    if let Some(file) = &args.merge_guest {
+        return merge_guest(file, &args.out, &args.accel, args.guest_seconds);
     }
     anyhow::ensure!(
         nix::unistd::geteuid().is_root(),
         "kp-bench needs root (namespaces, BPF)"
     );
-    let wanted = |g: &str| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == g));
+    let (quick, in_guest) = (args.quick, args.in_guest);
+    let wanted = |g: &str| args.wanted(g);
     let mut plan = if in_guest {
         Plan::ipvs_guest()
     } else {
@@ -68,12 +41,12 @@ fn main() -> anyhow::Result<()> {
     };
     let start = Instant::now();
     let mut results = Results {
-        commit: commit.unwrap_or_else(git_commit),
+        commit: args.commit.clone().unwrap_or_else(git_commit),
         started_unix: SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)?
             .as_secs(),
         quick,
-        only: only.clone(),
+        only: args.only_text(),
         machine: machine(),
         ..Default::default()
     };
@@ -122,10 +95,7 @@ fn main() -> anyhow::Result<()> {
         group("resync", &mut results, &nftables::resync)?;
     }
     // Minutes each: in a full run, or when named (a plain --quick run skips them).
-    let named = |g: &str| {
-        only.as_deref()
-            .is_some_and(|o| o.split(',').any(|x| x == g))
-    };
+    let named = |g: &str| args.named(g);
     for (name, f) in [
         (
             "inspect",
@@ -145,13 +115,13 @@ fn main() -> anyhow::Result<()> {
         println!("{GUEST_JSON_END}");
         return Ok(());
     }
-    report::write(&results, &out)?;
+    report::write(&results, &args.out)?;
     eprintln!(
         "kp-bench: {} figures, {} unavailable, {:.0} s; report in {}",
         results.figures.len(),
         results.unavailable.len(),
         results.duration_s,
-        out.join("REPORT.md").display()
+        args.out.join("REPORT.md").display()
     );
     Ok(())
 }
