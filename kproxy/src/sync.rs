@@ -67,7 +67,7 @@ pub struct SyncRequester(Arc<tokio::sync::Notify>);
 
 impl SyncRequester {
     /// Requests a sync (requests before the loop looks are merged into one).
-    pub fn request(&self) {
+    pub(crate) fn request(&self) {
         self.0.notify_one();
     }
 }
@@ -99,7 +99,7 @@ impl RunnerConfig {
 
 /// When to run the next sync. Pure: every method takes the current time.
 #[derive(Debug, Clone)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     cfg: RunnerConfig,
     tokens: f64,
     refilled_at: Instant,
@@ -110,7 +110,7 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    pub fn new(cfg: RunnerConfig, now: Instant) -> Self {
+    pub(crate) fn new(cfg: RunnerConfig, now: Instant) -> Self {
         let burst = cfg.burst.max(1);
         Schedule {
             cfg: RunnerConfig { burst, ..cfg },
@@ -124,12 +124,12 @@ impl Schedule {
     }
 
     /// A change arrived: run as soon as the rate limit allows.
-    pub fn request(&mut self) {
+    pub(crate) fn request(&mut self) {
         self.requested = true;
     }
 
     /// Whether a change is waiting for a sync.
-    pub fn is_requested(&self) -> bool {
+    pub(crate) fn is_requested(&self) -> bool {
         self.requested
     }
 
@@ -155,7 +155,7 @@ impl Schedule {
     }
 
     /// The instant the next sync is due (may be in the past: run now).
-    pub fn next_run(&self, now: Instant) -> Instant {
+    pub(crate) fn next_run(&self, now: Instant) -> Instant {
         let Some(last) = self.last_run else {
             // Nothing ran yet: the first sync is due as soon as it may run.
             return now;
@@ -171,12 +171,13 @@ impl Schedule {
     }
 
     /// Whether a sync should start at `now`.
+    #[cfg(test)]
     pub fn is_due(&self, now: Instant) -> bool {
         self.next_run(now) <= now
     }
 
     /// Records a sync that started at `now` and its outcome.
-    pub fn ran(&mut self, now: Instant, ok: bool) {
+    pub(crate) fn ran(&mut self, now: Instant, ok: bool) {
         self.tokens = (self.tokens_at(now) - 1.0).max(0.0);
         self.refilled_at = now;
         self.requested = false;
@@ -197,6 +198,7 @@ impl Schedule {
     }
 
     /// Consecutive failed syncs.
+    #[cfg(test)]
     pub fn failures(&self) -> u32 {
         self.failures
     }
@@ -228,7 +230,7 @@ pub struct RunnerStatus {
 /// Source changes folded into the tracker by one event (upstream's change-tracker
 /// notifications, which feed the `*_changes_total` / `*_changes_pending` metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ChangeNotice {
+pub(crate) struct ChangeNotice {
     /// Service notifications: 1 per add/update/delete; for a whole-state re-list, the number
     /// of services it made dirty.
     pub service_changes: usize,
@@ -257,7 +259,7 @@ pub struct SyncOutcome<'a> {
 
 /// Sees the sync loop's progress (health, metrics, healthCheckNodePort servers). Every method
 /// has an empty default; implementations must return quickly (they run on the loop's task).
-pub trait SyncObserver: Send + Sync {
+pub(crate) trait SyncObserver: Send + Sync {
     /// The loop started (upstream: `SyncLoop` start, which marks the proxy healthy).
     fn loop_started(&self, _now: SystemTime) {}
     /// One source event was folded into the tracker.
@@ -319,12 +321,12 @@ impl Runner {
     }
 
     /// Makes `requester` trigger this loop's syncs.
-    pub fn set_requester(&mut self, requester: SyncRequester) {
+    pub(crate) fn set_requester(&mut self, requester: SyncRequester) {
         self.requests = requester;
     }
 
     /// Adds an observer of the loop's progress.
-    pub fn observe(&mut self, observer: Arc<dyn SyncObserver>) {
+    pub(crate) fn observe(&mut self, observer: Arc<dyn SyncObserver>) {
         self.observers.push(observer);
     }
 

@@ -92,7 +92,7 @@ impl AgentOptions {
     }
 
     /// The health timeout: 2 × syncPeriod, as kube-proxy passes to its health server.
-    pub fn health_timeout(&self) -> Duration {
+    pub(crate) fn health_timeout(&self) -> Duration {
         self.runner.max_interval * 2
     }
 }
@@ -226,7 +226,7 @@ impl Agent {
     /// the first sync runs once it is there (and every source listed). `metrics` are those
     /// the datapath reports into (its mode's). When the sender is dropped, [`Agent::wait`]
     /// fails; the builder's error says why.
-    pub async fn start_building(
+    pub(crate) async fn start_building(
         opts: AgentOptions,
         metrics: Metrics,
         dataplane: oneshot::Receiver<Box<dyn Dataplane>>,
@@ -369,7 +369,7 @@ impl Agent {
 
     /// [`Agent::wait`], `None` when the loop stopped (shut down) before a datapath under
     /// construction ([`Agent::start_building`]) arrived.
-    pub async fn finish(self) -> anyhow::Result<Option<Box<dyn Dataplane>>> {
+    pub(crate) async fn finish(self) -> anyhow::Result<Option<Box<dyn Dataplane>>> {
         let dp = self.task.await?;
         self.source.abort();
         self.tap.abort();
@@ -484,13 +484,13 @@ async fn node_tap(mut rx: mpsc::Receiver<Event>, tx: mpsc::Sender<Event>, tap: N
 
 /// Upstream's `timeoutForNodePodCIDR`: how long `detectLocalMode: NodeCIDR` waits for the Node
 /// to get pod CIDRs before start-up fails.
-pub const NODE_POD_CIDR_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const NODE_POD_CIDR_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `detectLocalMode: NodeCIDR`: waits (polling every second, at most `timeout`) until the Node
 /// `node_name` has `spec.podCIDRs` (or the legacy `spec.podCIDR`), as upstream waits before it
 /// starts its proxier; returns them. From the API server (`spec`'s client) or, standalone,
 /// from the Node object in the manifests.
-pub async fn wait_for_pod_cidrs(
+pub(crate) async fn wait_for_pod_cidrs(
     spec: &SourceConfig,
     node_name: &str,
     timeout: Duration,
@@ -550,13 +550,13 @@ pub async fn wait_for_pod_cidrs(
 
 /// How long [`node_ips_at_start`] waits for the Node to exist and list an IP (upstream's
 /// `NodeManager` waits "some amount of time" for the node IPs, then goes on without them).
-pub const NODE_IPS_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const NODE_IPS_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The node's IPs at start-up, for `nodePortAddresses: primary` (upstream `NewProxyServer`:
 /// `detectNodeIPs` over the Node object's IPs and `bindAddress`): polls the Node (from the API
 /// server, or the manifests) every second until it lists an IP, at most `timeout`; then goes
 /// on without it (loopback: [`NodeIps::known`] is empty), warning as upstream does.
-pub async fn node_ips_at_start(
+pub(crate) async fn node_ips_at_start(
     spec: &SourceConfig,
     node_name: &str,
     bind_address: Option<IpAddr>,
@@ -619,7 +619,7 @@ pub async fn node_ips_at_start(
 /// [`source::PROXYABLE_LABEL_SELECTOR`]) and the Node `node_name` once from the API server,
 /// and builds the snapshot the agent's tracker would (for `kproxy inspect`). Returns the
 /// snapshot and the model's warnings.
-pub async fn snapshot_from_api(
+pub(crate) async fn snapshot_from_api(
     kubeconfig: Option<&std::path::Path>,
     master: Option<&str>,
     node_name: &str,

@@ -34,13 +34,13 @@ use serde::Serialize;
 use crate::cli::RenderOutput;
 use crate::config::{ModeChoice, ProxyConfig, SourceConfig};
 use crate::dataplane::ProxyMode;
-pub use crate::dataplane::inspect::{BackendState, MapFill, ServiceReport};
+pub(crate) use crate::dataplane::inspect::{BackendState, MapFill, ServiceReport};
 use crate::dataplane::inspect::{frontends, sock};
 use crate::model::{ServicePort, ServicePortName, Snapshot};
 
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
-pub struct Report {
+pub(crate) struct Report {
     pub mode: ProxyMode,
     pub services: Vec<ServiceReport>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -49,7 +49,7 @@ pub struct Report {
 
 /// Builds the report (see the module docs); `service` (`namespace/name`) limits it to that
 /// service's ports.
-pub fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report> {
+pub(crate) fn report(cfg: &ProxyConfig, service: Option<&str>) -> anyhow::Result<Report> {
     let (snap, _) = match &cfg.source {
         SourceConfig::Manifests(path) => {
             crate::app::agent::snapshot_from_manifests(path, &cfg.node_name)?
@@ -122,7 +122,7 @@ fn service_report(snap: &Snapshot, name: &ServicePortName, sp: &ServicePort) -> 
 }
 
 /// The report as a table (one block per service port).
-pub fn table(r: &Report) -> String {
+pub(crate) fn table(r: &Report) -> String {
     let mut s = format!("mode: {}\n", r.mode);
     for svc in &r.services {
         let _ = writeln!(s, "\n{} ({})", svc.name, svc.protocol);

@@ -11,7 +11,7 @@
 pub mod agent;
 pub mod inspect;
 pub mod logging;
-pub mod nodeip;
+pub(crate) mod nodeip;
 pub mod process;
 pub mod registry;
 pub mod sysctl;

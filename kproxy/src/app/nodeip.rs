@@ -30,7 +30,7 @@ pub struct NodeIps {
 
 impl NodeIps {
     /// The IP of `family`.
-    pub fn ip(&self, family: IpFamily) -> IpAddr {
+    pub(crate) fn ip(&self, family: IpFamily) -> IpAddr {
         match family {
             IpFamily::V4 => self.v4,
             IpFamily::V6 => self.v6,
@@ -44,7 +44,7 @@ impl NodeIps {
 
     /// The IPs that are known (not the loopback fallback), the primary one first: what
     /// upstream turns `nodePortAddresses: primary` into.
-    pub fn known(&self) -> Vec<IpAddr> {
+    pub(crate) fn known(&self) -> Vec<IpAddr> {
         let other = match self.primary_family {
             IpFamily::V4 => IpFamily::V6,
             IpFamily::V6 => IpFamily::V4,
@@ -56,7 +56,7 @@ impl NodeIps {
     }
 
     /// Whether the primary IP is only the loopback fallback (the caller should warn).
-    pub fn primary_is_fallback(&self) -> bool {
+    pub(crate) fn primary_is_fallback(&self) -> bool {
         self.primary().is_loopback()
     }
 }
@@ -67,7 +67,7 @@ fn parse(addr: &str) -> Option<IpAddr> {
 
 /// Upstream `GetNodeHostIPs`: InternalIPs before ExternalIPs; the first one, then the first
 /// one of the other family. Empty when the node lists no usable address.
-pub fn node_host_ips(addresses: &[NodeAddress]) -> Vec<IpAddr> {
+pub(crate) fn node_host_ips(addresses: &[NodeAddress]) -> Vec<IpAddr> {
     let ordered: Vec<IpAddr> = ["InternalIP", "ExternalIP"]
         .iter()
         .flat_map(|ty| {
@@ -91,7 +91,7 @@ pub fn node_host_ips(addresses: &[NodeAddress]) -> Vec<IpAddr> {
 }
 
 /// [`node_host_ips`] of a Node object.
-pub fn node_ips_of(node: &Node) -> Vec<IpAddr> {
+pub(crate) fn node_ips_of(node: &Node) -> Vec<IpAddr> {
     node.status
         .as_ref()
         .and_then(|s| s.addresses.as_deref())
@@ -100,7 +100,7 @@ pub fn node_ips_of(node: &Node) -> Vec<IpAddr> {
 }
 
 /// Upstream `detectNodeIPs(rawNodeIPs, bindAddress)`.
-pub fn detect_node_ips(raw: &[IpAddr], bind_address: Option<IpAddr>) -> NodeIps {
+pub(crate) fn detect_node_ips(raw: &[IpAddr], bind_address: Option<IpAddr>) -> NodeIps {
     let mut ips = NodeIps {
         primary_family: IpFamily::V4,
         v4: IpAddr::V4(Ipv4Addr::LOCALHOST),

@@ -3,7 +3,7 @@
 use tracing::info;
 
 /// glibc serves allocations of at least this size from mappings of their own.
-pub const MMAP_THRESHOLD: i32 = 128 * 1024;
+pub(crate) const MMAP_THRESHOLD: i32 = 128 * 1024;
 
 /// Fixes glibc's mmap threshold at its default (`M_MMAP_THRESHOLD`, [`MMAP_THRESHOLD`]):
 /// left dynamic, glibc raises it to the size of each mapped block freed (the kernel's BTF
@@ -22,7 +22,7 @@ pub fn fix_mmap_threshold() {
 }
 
 /// Writes `value` to `/proc/self/oom_score_adj` (`--oom-score-adj`, upstream default -999).
-pub fn apply_oom_score_adj(value: i32) -> std::io::Result<()> {
+pub(crate) fn apply_oom_score_adj(value: i32) -> std::io::Result<()> {
     if !(-1000..=1000).contains(&value) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,

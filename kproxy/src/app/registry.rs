@@ -30,7 +30,7 @@ use crate::observe::metrics::Metrics;
 use crate::sync::{RunnerConfig, SyncRequester};
 
 /// The face of `mode`.
-pub fn face(mode: ProxyMode) -> &'static dyn ModeFace {
+pub(crate) fn face(mode: ProxyMode) -> &'static dyn ModeFace {
     match mode {
         ProxyMode::Ebpf => &crate::dataplane::ebpf::face::Face,
         ProxyMode::Nftables => &crate::dataplane::nftables::face::Face,
@@ -41,7 +41,7 @@ pub fn face(mode: ProxyMode) -> &'static dyn ModeFace {
 
 /// The order `mode: ""` tries the modes in (upstream's empty mode means iptables; kproxy
 /// prefers its eBPF datapath, then nftables, upstream's recommended mode).
-pub const DETECT_ORDER: [ProxyMode; 4] = [
+pub(crate) const DETECT_ORDER: [ProxyMode; 4] = [
     ProxyMode::Ebpf,
     ProxyMode::Nftables,
     ProxyMode::Ipvs,
@@ -73,23 +73,23 @@ pub fn metrics(mode: ProxyMode) -> Metrics {
 }
 
 /// The sync runner's timing for `mode`.
-pub fn runner_config(cfg: &ProxyConfig, mode: ProxyMode) -> RunnerConfig {
+pub(crate) fn runner_config(cfg: &ProxyConfig, mode: ProxyMode) -> RunnerConfig {
     face(mode).sync_periods(cfg).runner()
 }
 
 /// The CIDRs NodePorts are accepted in when `mode` runs (empty: every local address).
-pub fn node_port_cidrs(cfg: &ProxyConfig, mode: ProxyMode) -> Vec<IpNet> {
+pub(crate) fn node_port_cidrs(cfg: &ProxyConfig, mode: ProxyMode) -> Vec<IpNet> {
     face(mode).node_port_cidrs(cfg)
 }
 
 /// Whether `mode` runs `nodePortAddresses: primary` (its node IPs then matter).
-pub fn runs_primary(cfg: &ProxyConfig, mode: ProxyMode) -> bool {
+pub(crate) fn runs_primary(cfg: &ProxyConfig, mode: ProxyMode) -> bool {
     face(mode).node_port_addresses(cfg) == NodePortAddresses::Primary
 }
 
 /// Whether the configured mode may run with `primary` (so the node's primary IPs are needed
 /// before the datapath is built): the forced mode does, or, detecting, any mode would.
-pub fn may_run_primary(cfg: &ProxyConfig) -> bool {
+pub(crate) fn may_run_primary(cfg: &ProxyConfig) -> bool {
     match cfg.mode {
         ModeChoice::Forced(mode) => runs_primary(cfg, mode),
         ModeChoice::Detect => DETECT_ORDER.iter().any(|m| runs_primary(cfg, *m)),
@@ -97,7 +97,7 @@ pub fn may_run_primary(cfg: &ProxyConfig) -> bool {
 }
 
 /// Whether `mode` can run here; `Err` says why not.
-pub fn probe(mode: ProxyMode, cfg: &ProxyConfig) -> Result<(), String> {
+pub(crate) fn probe(mode: ProxyMode, cfg: &ProxyConfig) -> Result<(), String> {
     face(mode).probe(cfg)
 }
 
@@ -106,7 +106,7 @@ pub fn probe(mode: ProxyMode, cfg: &ProxyConfig) -> Result<(), String> {
 /// upstream kube-proxy) left ([`build_cleaned`]). Returns the datapath and the metrics it
 /// reports into; the datapath asks `resync` for syncs it needs on its own (hand it to the
 /// sync loop too). `node_pod_cidrs` as for [`build`].
-pub fn select(
+pub(crate) fn select(
     cfg: &ProxyConfig,
     node_pod_cidrs: &[IpNet],
     resync: &SyncRequester,
@@ -144,7 +144,7 @@ pub fn select(
 
 /// Builds `mode`'s datapath, reporting into `metrics`, after removing what the other modes
 /// left ([`cleanup_others`], as upstream's `CleanupLeftovers` before its proxier is built).
-pub fn build_cleaned(
+pub(crate) fn build_cleaned(
     mode: ProxyMode,
     cfg: &ProxyConfig,
     node_pod_cidrs: &[IpNet],
@@ -240,7 +240,7 @@ pub fn render_plan(mode: ProxyMode, cfg: &ProxyConfig, snap: &Snapshot) -> anyho
 }
 
 /// The mode whose datapath is programmed here ([`INSPECT_ORDER`]), if any.
-pub fn programmed_mode(cfg: &ProxyConfig) -> Option<ProxyMode> {
+pub(crate) fn programmed_mode(cfg: &ProxyConfig) -> Option<ProxyMode> {
     INSPECT_ORDER
         .into_iter()
         .find(|m| face(*m).programmed_here(cfg))
@@ -253,7 +253,7 @@ pub fn programmed_mode(cfg: &ProxyConfig) -> Option<ProxyMode> {
 /// in the same mode never flushes live rules; the IPVS mode's leftovers only where its device
 /// or ipsets exist (IPVS may serve something else on the host). Failures are logged; they
 /// never stop the start.
-pub fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
+pub(crate) fn cleanup_others(mode: ProxyMode, cfg: &ProxyConfig) {
     let running = face(mode);
     let others: Vec<&dyn ModeFace> = REMOVAL_ORDER
         .into_iter()

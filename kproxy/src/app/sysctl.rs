@@ -100,7 +100,7 @@ pub const BRIDGE_NF_CALL_IPTABLES: Target = Target::Sysctl("net.bridge.bridge-nf
 
 /// How a desired value is reconciled with the current one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Rule {
+pub(crate) enum Rule {
     /// Write when different.
     Exactly,
     /// Write only when the current value is smaller (hashsize).
@@ -109,14 +109,14 @@ pub enum Rule {
 
 /// One value upstream wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Desired {
+pub(crate) struct Desired {
     pub target: Target,
     pub value: i64,
     pub rule: Rule,
 }
 
 /// Upstream's `getConntrackMax`: `None` when `maxPerCore` is 0.
-pub fn conntrack_max(cfg: &ConntrackConfig, cpus: usize) -> Option<i64> {
+pub(crate) fn conntrack_max(cfg: &ConntrackConfig, cpus: usize) -> Option<i64> {
     if cfg.max_per_core == 0 {
         return None;
     }
@@ -131,7 +131,7 @@ fn secs(d: Duration) -> Option<i64> {
 
 /// The values upstream sets for `cfg` on a machine with `cpus` CPUs, in the order it sets
 /// them.
-pub fn desired(cfg: &SysctlConfig, cpus: usize) -> Vec<Desired> {
+pub(crate) fn desired(cfg: &SysctlConfig, cpus: usize) -> Vec<Desired> {
     let exactly = |target, value| Desired {
         target,
         value,
@@ -189,7 +189,7 @@ pub struct SysctlPlan {
 
 /// Decides the writes: `current` gives each target's value (`None`: unreadable),
 /// `sysfs_writable` whether the first sysfs mount is `rw`.
-pub fn plan(
+pub(crate) fn plan(
     desired: &[Desired],
     current: impl Fn(Target) -> Option<i64>,
     sysfs_writable: bool,
@@ -236,7 +236,7 @@ pub fn plan(
 
 /// Upstream's `isSysFSWritable` on `/proc/mounts` text: the first `sysfs` mount's first
 /// option is `rw`. `None` when no sysfs is mounted.
-pub fn sysfs_writable(mounts: &str) -> Option<bool> {
+pub(crate) fn sysfs_writable(mounts: &str) -> Option<bool> {
     mounts.lines().find_map(|line| {
         let f: Vec<&str> = line.split_whitespace().collect();
         (f.get(2) == Some(&"sysfs"))
@@ -245,7 +245,7 @@ pub fn sysfs_writable(mounts: &str) -> Option<bool> {
 }
 
 /// The number of CPUs in a sysfs CPU list (`0-3,6,8-9` → 7). `None` when malformed or empty.
-pub fn parse_cpu_list(list: &str) -> Option<usize> {
+pub(crate) fn parse_cpu_list(list: &str) -> Option<usize> {
     let mut n = 0;
     for part in list.trim().split(',').filter(|p| !p.is_empty()) {
         n += match part.split_once('-') {
@@ -263,7 +263,7 @@ pub fn parse_cpu_list(list: &str) -> Option<usize> {
 }
 
 /// The bridge check's verdict: a warning text when the value is readable and not 1.
-pub fn bridge_check(value: Option<i64>) -> Option<String> {
+pub(crate) fn bridge_check(value: Option<i64>) -> Option<String> {
     match value {
         Some(1) | None => None,
         Some(v) => Some(format!(
@@ -323,12 +323,12 @@ impl Host {
         })
     }
 
-    pub fn write(&self, target: Target, value: i64) -> io::Result<()> {
+    pub(crate) fn write(&self, target: Target, value: i64) -> io::Result<()> {
         fs::write(self.path(target), value.to_string())
     }
 
     /// CPUs of the machine (see the module docs).
-    pub fn cpus(&self) -> usize {
+    pub(crate) fn cpus(&self) -> usize {
         fs::read_to_string(&self.cpu_online)
             .ok()
             .and_then(|s| parse_cpu_list(&s))

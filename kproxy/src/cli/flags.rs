@@ -118,7 +118,7 @@ const fn f(
 }
 
 /// Every accepted flag, in help order.
-pub const FLAGS: &[FlagSpec] = &[
+pub(crate) const FLAGS: &[FlagSpec] = &[
     // --- kube-proxy: general ---
     f(
         "config",

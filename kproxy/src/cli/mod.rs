@@ -72,7 +72,7 @@ pub struct Given {
 
 impl Given {
     /// The last value (pflag: the last occurrence wins).
-    pub fn last(&self) -> &str {
+    pub(crate) fn last(&self) -> &str {
         self.values.last().map_or("", String::as_str)
     }
 }
@@ -204,7 +204,7 @@ pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Invocation, cla
 }
 
 impl Invocation {
-    pub fn get(&self, name: &str) -> Option<&Given> {
+    pub(crate) fn get(&self, name: &str) -> Option<&Given> {
         self.given.iter().find(|g| g.spec.name == name)
     }
 
@@ -316,7 +316,7 @@ fn with_port(
 
 /// Applies every given flag to `cfg` (already defaulted) and `extra`, each as its
 /// [`FlagSpec::apply`] says; collects warnings for ignored and removed flags.
-pub fn apply_flags(
+pub(crate) fn apply_flags(
     cfg: &mut KubeProxyConfiguration,
     inv: &Invocation,
     extra: &mut Extra,

@@ -26,9 +26,9 @@ const MIN: i64 = 60 * SEC;
 const HOUR: i64 = 60 * MIN;
 
 impl GoDuration {
-    pub const ZERO: GoDuration = GoDuration(0);
+    pub(crate) const ZERO: GoDuration = GoDuration(0);
 
-    pub fn from_secs(s: i64) -> Self {
+    pub(crate) fn from_secs(s: i64) -> Self {
         GoDuration(s * SEC)
     }
 
@@ -36,17 +36,17 @@ impl GoDuration {
         GoDuration(ms * MS)
     }
 
-    pub fn is_negative(self) -> bool {
+    pub(crate) fn is_negative(self) -> bool {
         self.0 < 0
     }
 
-    pub fn is_zero(self) -> bool {
+    pub(crate) fn is_zero(self) -> bool {
         self.0 == 0
     }
 
     /// The duration as a `std::time::Duration` (negative values clamp to zero; validation
     /// rejects them before this is used).
-    pub fn to_std(self) -> Duration {
+    pub(crate) fn to_std(self) -> Duration {
         Duration::from_nanos(self.0.max(0) as u64)
     }
 

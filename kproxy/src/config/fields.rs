@@ -9,7 +9,7 @@ use super::file::KubeProxyConfiguration;
 
 /// What kproxy does with one field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FieldSupport {
+pub(crate) enum FieldSupport {
     /// Read and acted on.
     Implemented,
     /// Accepted and validated, but without effect (a warning when it differs from its
@@ -20,7 +20,7 @@ pub enum FieldSupport {
 }
 
 /// Fields (or whole sections, by prefix) kproxy accepts without acting on them, with why.
-pub const NOT_IMPLEMENTED: &[(&str, &str)] = &[
+pub(crate) const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     (
         "clientConnection.acceptContentTypes",
         "the API client always speaks JSON",
@@ -50,10 +50,10 @@ pub const NOT_IMPLEMENTED: &[(&str, &str)] = &[
 ];
 
 /// Fields upstream removed from v1alpha1 that kproxy still accepts (with a warning).
-pub const REMOVED: &[&str] = &["udpIdleTimeout", "resourceContainer"];
+pub(crate) const REMOVED: &[&str] = &["udpIdleTimeout", "resourceContainer"];
 
 /// kproxy's additions to the file (not in upstream's v1alpha1), by prefix.
-pub const EXTENSIONS: &[&str] = &["syncPeriod", "minSyncPeriod", "bpf", "serviceCIDRs"];
+pub(crate) const EXTENSIONS: &[&str] = &["syncPeriod", "minSyncPeriod", "bpf", "serviceCIDRs"];
 
 /// Whether `path` (`iptables.masqueradeBit`) is `prefix` or inside it.
 fn under(path: &str, prefix: &str) -> bool {
@@ -64,7 +64,7 @@ fn under(path: &str, prefix: &str) -> bool {
 }
 
 /// What kproxy does with the field at `path`.
-pub fn support(path: &str) -> FieldSupport {
+pub(crate) fn support(path: &str) -> FieldSupport {
     if REMOVED.iter().any(|r| under(path, r)) {
         return FieldSupport::Removed;
     }
@@ -75,7 +75,7 @@ pub fn support(path: &str) -> FieldSupport {
 }
 
 /// Whether `path` is one of kproxy's extensions to the file.
-pub fn is_extension(path: &str) -> bool {
+pub(crate) fn is_extension(path: &str) -> bool {
     EXTENSIONS.iter().any(|e| under(path, e))
 }
 
@@ -83,7 +83,7 @@ pub fn is_extension(path: &str) -> bool {
 /// sections included (`iptables`), read from the serde types themselves: strict decoding of
 /// an unknown key lists the fields a struct expects. A field whose value is itself a struct
 /// is probed the same way; maps, lists and scalars are leaves.
-pub fn field_names() -> Vec<String> {
+pub(crate) fn field_names() -> Vec<String> {
     let mut out = Vec::new();
     probe(&mut out, &[]);
     out

@@ -31,47 +31,48 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::duration::GoDuration;
 
-pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
-pub const KIND: &str = "KubeProxyConfiguration";
+pub(crate) const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub(crate) const KIND: &str = "KubeProxyConfiguration";
 
 /// Upstream defaults (pkg/proxy/apis/config/v1alpha1/defaults.go and the type docs).
-pub mod defaults {
-    pub const BIND_ADDRESS: &str = "0.0.0.0";
-    pub const HEALTHZ_PORT: u16 = 10256;
-    pub const METRICS_PORT: u16 = 10249;
-    pub const OOM_SCORE_ADJ: i32 = -999;
-    pub const MASQUERADE_BIT: i32 = 14;
-    pub const LOCALHOST_NODE_PORTS: bool = true;
-    pub const SYNC_PERIOD_SECS: i64 = 30;
-    pub const MIN_SYNC_PERIOD_SECS: i64 = 1;
-    pub const CONNTRACK_MAX_PER_CORE: i32 = 32 * 1024;
-    pub const CONNTRACK_MIN: i32 = 128 * 1024;
-    pub const CONNTRACK_TCP_ESTABLISHED_SECS: i64 = 24 * 3600;
-    pub const CONNTRACK_TCP_CLOSE_WAIT_SECS: i64 = 3600;
-    pub const CONFIG_SYNC_PERIOD_SECS: i64 = 15 * 60;
-    pub const CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
-    pub const QPS: f32 = 5.0;
-    pub const BURST: i32 = 10;
-    pub const DETECT_LOCAL_MODE: &str = "ClusterCIDR";
-    pub const LOGGING_FORMAT: &str = "text";
-    pub const LOG_FLUSH_FREQUENCY_SECS: i64 = 5;
+pub(crate) mod defaults {
+    pub(crate) const BIND_ADDRESS: &str = "0.0.0.0";
+    pub(crate) const HEALTHZ_PORT: u16 = 10256;
+    pub(crate) const METRICS_PORT: u16 = 10249;
+    pub(crate) const OOM_SCORE_ADJ: i32 = -999;
+    pub(crate) const MASQUERADE_BIT: i32 = 14;
+    pub(crate) const LOCALHOST_NODE_PORTS: bool = true;
+    pub(crate) const SYNC_PERIOD_SECS: i64 = 30;
+    pub(crate) const MIN_SYNC_PERIOD_SECS: i64 = 1;
+    pub(crate) const CONNTRACK_MAX_PER_CORE: i32 = 32 * 1024;
+    pub(crate) const CONNTRACK_MIN: i32 = 128 * 1024;
+    pub(crate) const CONNTRACK_TCP_ESTABLISHED_SECS: i64 = 24 * 3600;
+    pub(crate) const CONNTRACK_TCP_CLOSE_WAIT_SECS: i64 = 3600;
+    pub(crate) const CONFIG_SYNC_PERIOD_SECS: i64 = 15 * 60;
+    pub(crate) const CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
+    pub(crate) const QPS: f32 = 5.0;
+    pub(crate) const BURST: i32 = 10;
+    pub(crate) const DETECT_LOCAL_MODE: &str = "ClusterCIDR";
+    pub(crate) const LOGGING_FORMAT: &str = "text";
+    pub(crate) const LOG_FLUSH_FREQUENCY_SECS: i64 = 5;
     /// kproxy extension: bpffs mount.
-    pub const BPFFS: &str = "/sys/fs/bpf";
+    pub(crate) const BPFFS: &str = "/sys/fs/bpf";
     /// kproxy extension: XDP attachment.
-    pub const BPF_XDP: &str = "best-effort";
+    pub(crate) const BPF_XDP: &str = "best-effort";
     /// kproxy extension: backend selection.
-    pub const BPF_LB_ALGORITHM: &str = "random";
+    pub(crate) const BPF_LB_ALGORITHM: &str = "random";
     /// kproxy extension: Maglev table size (Cilium's default).
-    pub const BPF_MAGLEV_TABLE_SIZE: u32 = kproxy_common::maglev::DEFAULT_TABLE_SIZE;
+    pub(crate) const BPF_MAGLEV_TABLE_SIZE: u32 = kproxy_common::maglev::DEFAULT_TABLE_SIZE;
     /// kproxy extension: eBPF connection table, fully closed TCP flows (the kernel's
     /// `nf_conntrack_tcp_timeout_time_wait` default).
-    pub const BPF_CT_TCP_TIME_WAIT_SECS: i64 =
+    pub(crate) const BPF_CT_TCP_TIME_WAIT_SECS: i64 =
         kproxy_common::ct::DEFAULT_CT_TCP_TIME_WAIT_SECS as i64;
     /// kproxy extension: eBPF connection table, reset TCP flows (the kernel's
     /// `nf_conntrack_tcp_timeout_close` default).
-    pub const BPF_CT_TCP_CLOSE_SECS: i64 = kproxy_common::ct::DEFAULT_CT_TCP_CLOSE_SECS as i64;
+    pub(crate) const BPF_CT_TCP_CLOSE_SECS: i64 =
+        kproxy_common::ct::DEFAULT_CT_TCP_CLOSE_SECS as i64;
     /// kproxy extension: period of the eBPF connection table's expiry.
-    pub const BPF_CT_EXPIRY_INTERVAL_SECS: i64 =
+    pub(crate) const BPF_CT_EXPIRY_INTERVAL_SECS: i64 =
         kproxy_common::ct::DEFAULT_CT_EXPIRY_INTERVAL_SECS as i64;
 }
 
@@ -404,7 +405,7 @@ pub enum LoadError {
 
 impl KubeProxyConfiguration {
     /// Decodes YAML text strictly. `file` names the source in errors.
-    pub fn from_yaml(text: &str, file: &str) -> Result<Self, LoadError> {
+    pub(crate) fn from_yaml(text: &str, file: &str) -> Result<Self, LoadError> {
         let decode = |path: String, reason: String| LoadError::Decode {
             file: file.to_owned(),
             path,
@@ -458,7 +459,7 @@ impl KubeProxyConfiguration {
     }
 
     /// Reads and decodes a config file.
-    pub fn load(path: &std::path::Path) -> Result<Self, LoadError> {
+    pub(crate) fn load(path: &std::path::Path) -> Result<Self, LoadError> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
             file: file.clone(),
@@ -474,7 +475,7 @@ impl KubeProxyConfiguration {
 
     /// Fills unset fields with upstream's defaults (plus kproxy's extension defaults).
     /// Zero durations count as unset where upstream's defaulting treats them so.
-    pub fn apply_defaults(&mut self) {
+    pub(crate) fn apply_defaults(&mut self) {
         use defaults::*;
         let secs = GoDuration::from_secs;
         fn set_if_zero(d: &mut Option<GoDuration>, v: GoDuration) {
@@ -605,7 +606,7 @@ impl KubeProxyConfiguration {
 
 /// Empty ⇒ `host:port`; an address without a port gets `:port` (upstream's
 /// `AppendPortIfNeeded`: only when the text is a bare IP).
-pub fn default_host_port(addr: &mut Option<String>, host: &str, port: u16) {
+pub(crate) fn default_host_port(addr: &mut Option<String>, host: &str, port: u16) {
     match addr.as_deref() {
         None | Some("") => *addr = Some(format!("{host}:{port}")),
         Some(a) => *addr = Some(append_port_if_needed(a, port)),
@@ -614,7 +615,7 @@ pub fn default_host_port(addr: &mut Option<String>, host: &str, port: u16) {
 
 /// Upstream's `AppendPortIfNeeded`: `1.2.3.4` ⇒ `1.2.3.4:port`, `::1` ⇒ `[::1]:port`; anything
 /// else (already host:port, or not an IP) is returned unchanged for validation to judge.
-pub fn append_port_if_needed(addr: &str, port: u16) -> String {
+pub(crate) fn append_port_if_needed(addr: &str, port: u16) -> String {
     match addr.parse::<std::net::IpAddr>() {
         Ok(std::net::IpAddr::V4(ip)) => format!("{ip}:{port}"),
         Ok(std::net::IpAddr::V6(ip)) => format!("[{ip}]:{port}"),

@@ -31,21 +31,22 @@ use ipnet::IpNet;
 use serde::Serialize;
 
 use crate::dataplane::ProxyMode;
-pub use crate::dataplane::netfilter::local_detect::DetectLocal;
-pub use crate::dataplane::settings::{LbAlgorithm, XdpPolicy};
+pub(crate) use crate::dataplane::netfilter::local_detect::DetectLocal;
+pub(crate) use crate::dataplane::settings::{LbAlgorithm, XdpPolicy};
 use crate::sync::RunnerConfig;
 
-pub mod duration;
-pub mod fields;
-pub mod file;
-pub mod resolve;
+pub(crate) mod duration;
+pub(crate) mod fields;
+pub(crate) mod file;
+pub(crate) mod resolve;
 
 pub use duration::GoDuration;
-pub use file::KubeProxyConfiguration;
-pub use resolve::{ConfigErrors, FieldError, Resolved, resolve};
+pub(crate) use file::KubeProxyConfiguration;
+pub(crate) use resolve::resolve;
+pub use resolve::{ConfigErrors, FieldError};
 
 /// Names accepted in `bpf.mapSizes` / `--bpf-map-sizes` (the eBPF datapath's maps).
-pub const BPF_MAP_NAMES: &[&str] = &[
+pub(crate) const BPF_MAP_NAMES: &[&str] = &[
     "services",
     "backendSlots",
     "backends",
@@ -57,7 +58,7 @@ pub const BPF_MAP_NAMES: &[&str] = &[
 ];
 
 /// IPVS schedulers upstream accepts (`""` = the default, `rr`).
-pub const IPVS_SCHEDULERS: &[&str] = &[
+pub(crate) const IPVS_SCHEDULERS: &[&str] = &[
     "", "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "sh", "dh", "sed", "nq",
 ];
 
@@ -134,14 +135,14 @@ pub struct ProxyConfig {
 
 /// A feature gate kproxy implements: its upstream name and default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FeatureGate {
+pub(crate) struct FeatureGate {
     pub name: &'static str,
     pub default: bool,
     pub what: &'static str,
 }
 
 /// The feature gates kproxy implements (upstream's names and defaults).
-pub const FEATURE_GATES: &[FeatureGate] = &[FeatureGate {
+pub(crate) const FEATURE_GATES: &[FeatureGate] = &[FeatureGate {
     name: crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS,
     default: false,
     what: "nftables mode: serve TCP NodePorts on 127.0.0.1 through a userspace proxy (alpha)",
@@ -149,7 +150,7 @@ pub const FEATURE_GATES: &[FeatureGate] = &[FeatureGate {
 
 impl ProxyConfig {
     /// Whether feature gate `name` (one of [`FEATURE_GATES`]) is on: as given, else its default.
-    pub fn feature(&self, name: &str) -> bool {
+    pub(crate) fn feature(&self, name: &str) -> bool {
         let default = FEATURE_GATES
             .iter()
             .find(|g| g.name == name)
@@ -230,7 +231,7 @@ impl NodePortAddresses {
     /// Upstream's rewrite of `primary` (`NewProxyServer`): each family's node IP that is not
     /// loopback as a /32 or /128. Empty (= every local address, as upstream when the node's
     /// IPs are unknown and only loopback is assumed) when none is known.
-    pub fn primary_cidrs(node_ips: &[IpAddr]) -> Vec<IpNet> {
+    pub(crate) fn primary_cidrs(node_ips: &[IpAddr]) -> Vec<IpNet> {
         node_ips
             .iter()
             .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
@@ -248,7 +249,7 @@ pub struct SyncPeriods {
 
 impl SyncPeriods {
     /// The bounded-frequency runner's timing for these periods.
-    pub fn runner(self) -> RunnerConfig {
+    pub(crate) fn runner(self) -> RunnerConfig {
         RunnerConfig::new(self.min_sync_period, self.sync_period)
     }
 }

@@ -82,7 +82,7 @@ pub struct Extra {
 
 /// A resolved configuration and the warnings about accepted-but-ignored settings.
 #[derive(Debug, Clone)]
-pub struct Resolved {
+pub(crate) struct Resolved {
     pub config: ProxyConfig,
     pub warnings: Vec<String>,
 }
@@ -231,7 +231,10 @@ impl Ctx<'_> {
 /// `…IPVSConfiguration`, `…ConntrackConfiguration`, `validateKubeProxyNodePortAddress`, …);
 /// each records its errors, naming the field, in `cx`. They run in the order the fields are
 /// reported.
-pub fn resolve(cfg: &KubeProxyConfiguration, extra: &Extra) -> Result<Resolved, ConfigErrors> {
+pub(crate) fn resolve(
+    cfg: &KubeProxyConfiguration,
+    extra: &Extra,
+) -> Result<Resolved, ConfigErrors> {
     let mut cx = Ctx {
         errors: Vec::new(),
         warnings: Vec::new(),

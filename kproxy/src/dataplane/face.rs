@@ -25,10 +25,10 @@ use crate::model::{IpFamily, Snapshot};
 
 /// Called by a datapath that needs a sync without a service change (the iptables canary
 /// monitor after an external flush); the agent wires it to the sync loop.
-pub type ResyncHook = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type ResyncHook = Arc<dyn Fn() + Send + Sync>;
 
 /// What building a datapath takes besides the configuration.
-pub struct BuildContext<'a> {
+pub(crate) struct BuildContext<'a> {
     pub cfg: &'a ProxyConfig,
     /// The families the host can program ([`host_families`]).
     pub families: &'a [IpFamily],
@@ -39,7 +39,7 @@ pub struct BuildContext<'a> {
 }
 
 /// One proxy mode, as the composition root sees it.
-pub trait ModeFace: Sync {
+pub(crate) trait ModeFace: Sync {
     fn mode(&self) -> ProxyMode;
 
     /// Whether the mode can run here (`mode: ""` tries them in the registry's order); `Err`
@@ -123,7 +123,7 @@ pub trait ModeFace: Sync {
 }
 
 /// The IP families this host can program: IPv4, and IPv6 unless the kernel has it disabled.
-pub fn host_families() -> Vec<IpFamily> {
+pub(crate) fn host_families() -> Vec<IpFamily> {
     let v6 = std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
         .map(|s| s.trim() == "0")
         .unwrap_or(false);
@@ -135,13 +135,13 @@ pub fn host_families() -> Vec<IpFamily> {
 }
 
 /// The first CIDR of `family` in `cidrs`.
-pub fn first_of(cidrs: &[IpNet], family: IpFamily) -> Option<IpNet> {
+pub(crate) fn first_of(cidrs: &[IpNet], family: IpFamily) -> Option<IpNet> {
     cidrs.iter().copied().find(|c| family.matches(&c.addr()))
 }
 
 /// The local-traffic detector of `family` ([`detectors`]); `node_pod_cidrs` are the Node's
 /// `spec.podCIDRs` (used by NodeCIDR only).
-pub fn local_detector(
+pub(crate) fn local_detector(
     cfg: &ProxyConfig,
     family: IpFamily,
     node_pod_cidrs: &[IpNet],
@@ -166,13 +166,13 @@ pub fn local_detector(
 }
 
 /// `bindAddress` as a netfilter proxier's node IP of `family` (unset or another family: none).
-pub fn bind_node_ip(cfg: &ProxyConfig, family: IpFamily) -> Option<IpAddr> {
+pub(crate) fn bind_node_ip(cfg: &ProxyConfig, family: IpFamily) -> Option<IpAddr> {
     (!cfg.bind_address.is_unspecified() && family.matches(&cfg.bind_address))
         .then_some(cfg.bind_address)
 }
 
 /// The `# IPv4` / `# IPv6` header of a family's part of `render`'s output.
-pub fn render_header(family: IpFamily) -> &'static str {
+pub(crate) fn render_header(family: IpFamily) -> &'static str {
     match family {
         IpFamily::V4 => "# IPv4\n",
         IpFamily::V6 => "# IPv6\n",
@@ -180,7 +180,7 @@ pub fn render_header(family: IpFamily) -> &'static str {
 }
 
 /// One cleanup step's outcome, logged and collected for `kproxy cleanup`'s error.
-pub fn cleanup_step(errors: &mut Vec<String>, what: &str, r: Result<(), String>) {
+pub(crate) fn cleanup_step(errors: &mut Vec<String>, what: &str, r: Result<(), String>) {
     match r {
         Ok(()) => tracing::debug!("cleanup: {what} done"),
         Err(e) => {
@@ -191,7 +191,7 @@ pub fn cleanup_step(errors: &mut Vec<String>, what: &str, r: Result<(), String>)
 }
 
 /// Whether `bin --version` runs.
-pub fn have(bin: &str) -> bool {
+pub(crate) fn have(bin: &str) -> bool {
     std::process::Command::new(bin)
         .arg("--version")
         .output()

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::model::{Protocol, ServicePort, ServicePortName};
 
 /// The service ports a report covers, in snapshot order; `reports[i]` is `selected[i]`'s.
-pub type Selected<'a> = [(&'a ServicePortName, &'a ServicePort)];
+pub(crate) type Selected<'a> = [(&'a ServicePortName, &'a ServicePort)];
 
 /// One endpoint and its state.
 #[derive(Debug, Clone, Serialize)]
@@ -43,14 +43,14 @@ pub struct ServiceReport {
 
 /// One map's fill level.
 #[derive(Debug, Clone, Serialize)]
-pub struct MapFill {
+pub(crate) struct MapFill {
     pub map: String,
     pub entries: usize,
     pub capacity: u32,
 }
 
 /// The IP protocol number.
-pub fn proto_num(p: Protocol) -> u8 {
+pub(crate) fn proto_num(p: Protocol) -> u8 {
     match p {
         Protocol::Tcp => 6,
         Protocol::Udp => 17,
@@ -59,7 +59,7 @@ pub fn proto_num(p: Protocol) -> u8 {
 }
 
 /// `addr:port`, IPv6 in brackets.
-pub fn sock(ip: IpAddr, port: u16) -> String {
+pub(crate) fn sock(ip: IpAddr, port: u16) -> String {
     match ip {
         IpAddr::V4(a) => format!("{a}:{port}"),
         IpAddr::V6(a) => format!("[{a}]:{port}"),
@@ -67,7 +67,7 @@ pub fn sock(ip: IpAddr, port: u16) -> String {
 }
 
 /// The frontends of a service port as the report lists them.
-pub fn frontends(sp: &ServicePort) -> Vec<String> {
+pub(crate) fn frontends(sp: &ServicePort) -> Vec<String> {
     let mut v: Vec<String> = sp.cluster_ips.iter().map(|ip| sock(*ip, sp.port)).collect();
     v.extend(sp.external_ips.iter().map(|ip| sock(*ip, sp.port)));
     v.extend(sp.load_balancer_ingress.iter().map(|i| sock(i.ip, sp.port)));
@@ -78,7 +78,7 @@ pub fn frontends(sp: &ServicePort) -> Vec<String> {
 }
 
 /// Whether `ip:port` is a frontend of the service port (NodePort: any address with that port).
-pub fn matches_frontend(sp: &ServicePort, ip: IpAddr, port: u16) -> bool {
+pub(crate) fn matches_frontend(sp: &ServicePort, ip: IpAddr, port: u16) -> bool {
     (port == sp.port
         && (sp.cluster_ips.contains(&ip)
             || sp.external_ips.contains(&ip)

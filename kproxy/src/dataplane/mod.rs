@@ -13,14 +13,14 @@ use serde::Serialize;
 use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 pub mod ebpf;
-pub mod face;
-pub mod inspect;
+pub(crate) mod face;
+pub(crate) mod inspect;
 pub mod iptables;
 pub mod ipvs;
 pub mod netfilter;
 pub mod nftables;
-pub mod per_family;
-pub mod settings;
+pub(crate) mod per_family;
+pub(crate) mod settings;
 
 /// The proxy modes kproxy knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -39,7 +39,7 @@ impl ProxyMode {
         ProxyMode::Iptables,
         ProxyMode::Nftables,
     ];
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ProxyMode::Ebpf => "ebpf",
             ProxyMode::Ipvs => "ipvs",
@@ -74,7 +74,7 @@ impl FromStr for ProxyMode {
 /// (upstream registers some families only in some modes). Each mode's face says
 /// ([`face::ModeFace::metrics`]); `observe::metrics::Metrics` registers accordingly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModeMetrics {
+pub(crate) struct ModeMetrics {
     pub mode: ProxyMode,
     /// `kubeproxy_sync_proxy_rules_iptables_restore_failures_total` (iptables and ipvs).
     pub iptables_restore: bool,
@@ -89,7 +89,7 @@ pub struct ModeMetrics {
 
 impl ModeMetrics {
     /// Only the metrics every mode has.
-    pub const fn generic(mode: ProxyMode) -> Self {
+    pub(crate) const fn generic(mode: ProxyMode) -> Self {
         ModeMetrics {
             mode,
             iptables_restore: false,
@@ -114,7 +114,7 @@ pub struct SyncReport {
 impl SyncReport {
     /// A complete sync of the service ports that have a ClusterIP in one of `families`, with
     /// `endpoints` programmed.
-    pub fn of_families(snap: &Snapshot, families: &[IpFamily], endpoints: usize) -> Self {
+    pub(crate) fn of_families(snap: &Snapshot, families: &[IpFamily], endpoints: usize) -> Self {
         let services = snap
             .services
             .values()

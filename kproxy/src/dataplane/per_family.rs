@@ -11,7 +11,7 @@ use crate::model::{ChangedSet, IpFamily, Snapshot};
 use super::{CleanupError, ProxyMode, SyncError, SyncReport};
 
 /// One IP family's part of a dual-stack datapath.
-pub trait FamilyPart {
+pub(crate) trait FamilyPart {
     fn family(&self) -> IpFamily;
     /// Syncs this family. The report's `endpoints` and `failed_services` are summed over the
     /// families; `services` is recomputed by [`PerFamily::sync`].
@@ -30,14 +30,14 @@ pub enum FamilyError {
 }
 
 /// One part per family, in the order given.
-pub struct PerFamily<P> {
+pub(crate) struct PerFamily<P> {
     mode: ProxyMode,
     parts: Vec<P>,
 }
 
 impl<P: FamilyPart> PerFamily<P> {
     /// `parts` must hold at least one part and at most one per family.
-    pub fn new(mode: ProxyMode, parts: Vec<P>) -> Result<Self, FamilyError> {
+    pub(crate) fn new(mode: ProxyMode, parts: Vec<P>) -> Result<Self, FamilyError> {
         if parts.is_empty() {
             return Err(FamilyError::NoFamily(mode));
         }
@@ -49,25 +49,25 @@ impl<P: FamilyPart> PerFamily<P> {
         Ok(PerFamily { mode, parts })
     }
 
-    pub fn mode(&self) -> ProxyMode {
-        self.mode
-    }
-
-    pub fn parts(&self) -> &[P] {
+    pub(crate) fn parts(&self) -> &[P] {
         &self.parts
     }
 
-    pub fn parts_mut(&mut self) -> &mut [P] {
+    pub(crate) fn parts_mut(&mut self) -> &mut [P] {
         &mut self.parts
     }
 
-    pub fn families(&self) -> Vec<IpFamily> {
+    pub(crate) fn families(&self) -> Vec<IpFamily> {
         self.parts.iter().map(FamilyPart::family).collect()
     }
 
     /// Syncs every part. Service ports are counted once however many families program them
     /// (those with a ClusterIP of one of the parts' families).
-    pub fn sync(&mut self, snap: &Snapshot, changed: &ChangedSet) -> Result<SyncReport, SyncError> {
+    pub(crate) fn sync(
+        &mut self,
+        snap: &Snapshot,
+        changed: &ChangedSet,
+    ) -> Result<SyncReport, SyncError> {
         let mut endpoints = 0;
         let mut failed_services = 0;
         let mut errors = vec![];
@@ -89,7 +89,7 @@ impl<P: FamilyPart> PerFamily<P> {
     }
 
     /// Cleans up every part; stops at the first failure.
-    pub fn cleanup(&mut self) -> Result<(), CleanupError> {
+    pub(crate) fn cleanup(&mut self) -> Result<(), CleanupError> {
         let mode = self.mode;
         for p in &mut self.parts {
             let family = p.family();

@@ -30,4 +30,4 @@ pub enum LbAlgorithm {
 }
 
 /// The nftables mode's localhost-NodePorts feature gate (upstream's, alpha, off by default).
-pub const NFTABLES_LOCALHOST_NODEPORTS: &str = "KubeProxyNFTablesLocalhostNodePorts";
+pub(crate) const NFTABLES_LOCALHOST_NODEPORTS: &str = "KubeProxyNFTablesLocalhostNodePorts";

@@ -44,13 +44,13 @@ pub struct Interface {
 
 impl Interface {
     /// The addresses that count as node addresses.
-    pub fn node_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
+    pub(crate) fn node_addrs(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.addrs.iter().copied().filter(|a| is_node_addr(*a))
     }
 }
 
 /// Global-scope unicast: what NodePorts answer on and SNAT uses as source.
-pub fn is_node_addr(addr: IpAddr) -> bool {
+pub(crate) fn is_node_addr(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(a) => {
             !(a.is_loopback()
@@ -131,7 +131,7 @@ fn link_of(payload: &[u8]) -> Option<Interface> {
 
 /// The address of an `RTM_NEWADDR`: the local one (`IFA_LOCAL`), else `IFA_ADDRESS` (on a
 /// point-to-point device that one is the peer's), as `getifaddrs(3)` reports it.
-pub fn address_of(msg: &AddressMessage) -> Option<IpAddr> {
+pub(crate) fn address_of(msg: &AddressMessage) -> Option<IpAddr> {
     let local = msg.attributes.iter().find_map(|a| match a {
         AddressAttribute::Local(ip) => Some(*ip),
         _ => None,

@@ -6,8 +6,8 @@
 //! notifications) and [`routing_policy`] (whether routing looks at the source address).
 
 pub mod addresses;
-pub mod netlink;
+pub(crate) mod netlink;
 pub mod nftables;
-pub mod route_events;
-pub mod routing_policy;
-pub mod rtnl;
+pub(crate) mod route_events;
+pub(crate) mod routing_policy;
+pub(crate) mod rtnl;

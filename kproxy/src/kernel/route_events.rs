@@ -25,7 +25,7 @@ use rtnetlink::packet_route::RouteNetlinkMessage;
 use crate::kernel::rtnl::{MulticastGroup, Received, Subscription};
 
 /// Every group whose announcements may change what `bpf_fib_lookup` answers for IPv4.
-pub const ROUTING_GROUPS: [MulticastGroup; 5] = [
+pub(crate) const ROUTING_GROUPS: [MulticastGroup; 5] = [
     MulticastGroup::Link,
     MulticastGroup::Neigh,
     MulticastGroup::Ipv4Ifaddr,
@@ -40,7 +40,7 @@ const DRAIN_MAX: usize = 256;
 const POLL: Duration = Duration::from_millis(200);
 
 /// A thread that calls back on routing-state changes; stopped (and joined) on drop.
-pub struct RouteWatch {
+pub(crate) struct RouteWatch {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -53,14 +53,14 @@ impl std::fmt::Debug for RouteWatch {
 
 /// What a batch of announcements held, as [`RouteWatch`]'s callback is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Batch {
+pub(crate) struct Batch {
     /// A route or policy-rule announcement (`RTM_{NEW,DEL}{ROUTE,RULE}`), or lost messages.
     pub routes_or_rules: bool,
 }
 
 /// Whether the messages of one datagram (as [`crate::kernel::rtnl::parse_datagram`] gives
 /// them) hold a route or rule announcement; one that did not parse may have been one.
-pub fn announces_routes_or_rules(msgs: &[Result<RouteNetlinkMessage, DecodeError>]) -> bool {
+pub(crate) fn announces_routes_or_rules(msgs: &[Result<RouteNetlinkMessage, DecodeError>]) -> bool {
     msgs.iter().any(|m| {
         matches!(
             m,
@@ -91,7 +91,9 @@ impl RouteWatch {
     /// namespace (before returning, so no change made after this call is missed) and calls
     /// `on_change` from a thread of its own after each batch of announcements, with what the
     /// batch held.
-    pub fn spawn(mut on_change: impl FnMut(Batch) + Send + 'static) -> io::Result<RouteWatch> {
+    pub(crate) fn spawn(
+        mut on_change: impl FnMut(Batch) + Send + 'static,
+    ) -> io::Result<RouteWatch> {
         let mut sub = Subscription::open(&ROUTING_GROUPS, POLL)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();

@@ -28,11 +28,11 @@ use crate::kernel::rtnl::{RouteSocket, dump_request};
 const FRA_PAD: u16 = 18;
 
 /// The kernel's default IPv4 rules: (priority, table).
-pub const DEFAULT_RULES: [(u32, u32); 3] = [(0, 255), (32_766, 254), (32_767, 253)];
+pub(crate) const DEFAULT_RULES: [(u32, u32); 3] = [(0, 255), (32_766, 254), (32_767, 253)];
 
 /// One IPv4 policy rule, as far as this module looks at it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rule {
+pub(crate) struct Rule {
     pub priority: u32,
     pub table: u32,
     /// A selector or an action other than "look up the table".
@@ -40,7 +40,7 @@ pub struct Rule {
 }
 
 /// Whether `rules` are exactly the kernel's defaults ([`DEFAULT_RULES`], no selectors).
-pub fn rules_are_default(rules: &[Rule]) -> bool {
+pub(crate) fn rules_are_default(rules: &[Rule]) -> bool {
     let mut seen: Vec<(u32, u32)> = rules
         .iter()
         .filter(|r| !r.selective)
@@ -53,7 +53,7 @@ pub fn rules_are_default(rules: &[Rule]) -> bool {
 /// The rule an `RTM_NEWRULE` describes: prefix lengths, TOS or an action other than
 /// "to table" in the header, and every attribute but the priority, the table, the protocol,
 /// padding and the "none" (-1) suppressors count as selective.
-pub fn rule_of(msg: &RuleMessage) -> Rule {
+pub(crate) fn rule_of(msg: &RuleMessage) -> Rule {
     let h = &msg.header;
     let mut rule = Rule {
         priority: 0,
@@ -79,7 +79,7 @@ pub fn rule_of(msg: &RuleMessage) -> Rule {
 
 /// Whether the route of an `RTM_NEWROUTE` has one next hop (no `RTA_MULTIPATH`, no next-hop
 /// object `RTA_NH_ID`) and no TOS key.
-pub fn route_is_plain(msg: &RouteMessage) -> bool {
+pub(crate) fn route_is_plain(msg: &RouteMessage) -> bool {
     msg.header.tos == 0
         && !msg
             .attributes
@@ -104,7 +104,7 @@ fn dump_v4(
 
 /// Whether the calling thread's network namespace routes IPv4 without looking at the source
 /// (module docs). An answer that does not parse counts as "no".
-pub fn source_independent() -> io::Result<bool> {
+pub(crate) fn source_independent() -> io::Result<bool> {
     let mut sock = RouteSocket::open()?;
     let mut rule = RuleMessage::default();
     rule.header.family = AddressFamily::Inet;

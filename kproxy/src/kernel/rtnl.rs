@@ -31,13 +31,13 @@ use std::time::Duration;
 
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
-pub use rtnetlink::MulticastGroup;
+pub(crate) use rtnetlink::MulticastGroup;
 use rtnetlink::packet_core::{
     DecodeError, Emitable, ErrorBuffer, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_ALIGNTO,
     NLMSG_DONE, NLMSG_ERROR, NetlinkBuffer, NetlinkDeserializable, NetlinkHeader, NetlinkMessage,
     Parseable,
 };
-pub use rtnetlink::packet_route::RouteNetlinkMessage;
+pub(crate) use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 /// The user-space receive buffer: larger than any datagram the kernel builds for a dump (it
@@ -46,7 +46,7 @@ const RECV_LEN: usize = 1 << 16;
 
 /// The messages of one datagram as `(header, payload)`; a length that does not fit is an
 /// error and ends the walk; trailing bytes shorter than a header are ignored.
-pub fn messages(
+pub(crate) fn messages(
     datagram: &[u8],
 ) -> impl Iterator<Item = Result<(NetlinkHeader, &[u8]), DecodeError>> {
     let mut at = 0;
@@ -73,27 +73,30 @@ pub fn messages(
 }
 
 /// Every message of one datagram, parsed (a framing error ends the list with that error).
-pub fn parse_datagram(datagram: &[u8]) -> Vec<Result<RouteNetlinkMessage, DecodeError>> {
+pub(crate) fn parse_datagram(datagram: &[u8]) -> Vec<Result<RouteNetlinkMessage, DecodeError>> {
     messages(datagram)
         .map(|m| m.and_then(|(h, p)| parse(&h, p)))
         .collect()
 }
 
 /// The rtnetlink message of `payload` (`header` says which).
-pub fn parse(header: &NetlinkHeader, payload: &[u8]) -> Result<RouteNetlinkMessage, DecodeError> {
+pub(crate) fn parse(
+    header: &NetlinkHeader,
+    payload: &[u8],
+) -> Result<RouteNetlinkMessage, DecodeError> {
     RouteNetlinkMessage::deserialize(header, payload)
 }
 
 /// `msg` as a request with `flags` ([`NLM_F_REQUEST`] added; [`RouteSocket::exchange`] adds
 /// [`NLM_F_ACK`] to what is not a dump and sets the sequence number).
-pub fn request(msg: RouteNetlinkMessage, flags: u16) -> NetlinkMessage<RouteNetlinkMessage> {
+pub(crate) fn request(msg: RouteNetlinkMessage, flags: u16) -> NetlinkMessage<RouteNetlinkMessage> {
     let mut m = NetlinkMessage::from(msg);
     m.header.flags = NLM_F_REQUEST | flags;
     m
 }
 
 /// `msg` as a dump request ([`NLM_F_DUMP`]).
-pub fn dump_request(msg: RouteNetlinkMessage) -> NetlinkMessage<RouteNetlinkMessage> {
+pub(crate) fn dump_request(msg: RouteNetlinkMessage) -> NetlinkMessage<RouteNetlinkMessage> {
     request(msg, NLM_F_DUMP)
 }
 
@@ -113,7 +116,7 @@ fn recv(sock: &Socket, buf: &mut Vec<u8>, flags: libc::c_int) -> io::Result<()> 
 }
 
 /// A bound rtnetlink socket for requests and dumps.
-pub struct RouteSocket {
+pub(crate) struct RouteSocket {
     sock: Socket,
     seq: u32,
     buf: Vec<u8>,
@@ -129,7 +132,7 @@ impl std::fmt::Debug for RouteSocket {
 
 impl RouteSocket {
     /// Opens and binds a socket in the calling thread's network namespace.
-    pub fn open() -> io::Result<RouteSocket> {
+    pub(crate) fn open() -> io::Result<RouteSocket> {
         let mut sock = Socket::new(NETLINK_ROUTE)?;
         sock.bind_auto()?;
         Ok(RouteSocket {
@@ -146,7 +149,7 @@ impl RouteSocket {
 
     /// Sends `req` (from [`request`] or [`dump_request`]) and hands every answer of it to
     /// `each` as `(header, payload)` until the kernel ends the exchange (module docs).
-    pub fn exchange(
+    pub(crate) fn exchange(
         &mut self,
         mut req: NetlinkMessage<RouteNetlinkMessage>,
         mut each: impl FnMut(&NetlinkHeader, &[u8]) -> io::Result<()>,
@@ -190,7 +193,7 @@ impl RouteSocket {
 
     /// [`RouteSocket::exchange`], keeping every answer parsed (one that does not parse is
     /// `InvalidData`).
-    pub fn collect(
+    pub(crate) fn collect(
         &mut self,
         req: NetlinkMessage<RouteNetlinkMessage>,
     ) -> io::Result<Vec<RouteNetlinkMessage>> {
@@ -205,7 +208,7 @@ impl RouteSocket {
 
 /// What one [`Subscription::recv`] saw.
 #[derive(Debug)]
-pub enum Received {
+pub(crate) enum Received {
     /// One datagram of announcements, each parsed (or why not).
     Messages(Vec<Result<RouteNetlinkMessage, DecodeError>>),
     /// The socket overflowed (`ENOBUFS`): announcements were lost.
@@ -215,7 +218,7 @@ pub enum Received {
 }
 
 /// A socket joined to rtnetlink multicast groups: the kernel's announcements of changes.
-pub struct Subscription {
+pub(crate) struct Subscription {
     sock: Socket,
     buf: Vec<u8>,
 }
@@ -229,7 +232,7 @@ impl std::fmt::Debug for Subscription {
 impl Subscription {
     /// Joins `groups` in the calling thread's network namespace; announcements of changes
     /// made from here on are queued. A receive blocks up to `timeout`.
-    pub fn open(groups: &[MulticastGroup], timeout: Duration) -> io::Result<Subscription> {
+    pub(crate) fn open(groups: &[MulticastGroup], timeout: Duration) -> io::Result<Subscription> {
         let mut sock = Socket::new(NETLINK_ROUTE)?;
         sock.bind(&SocketAddr::new(0, 0))?;
         for g in groups {
@@ -251,7 +254,7 @@ impl Subscription {
 
     /// One datagram: waits up to the timeout when `wait`, else takes only what is queued.
     /// Other socket errors are returned.
-    pub fn recv(&mut self, wait: bool) -> io::Result<Received> {
+    pub(crate) fn recv(&mut self, wait: bool) -> io::Result<Received> {
         let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
         match recv(&self.sock, &mut self.buf, flags) {
             Ok(()) if self.buf.is_empty() => Ok(Received::Nothing),

@@ -26,15 +26,15 @@ use super::types::{Endpoint, Hints, Protocol, ServicePortName};
 use super::warning::ModelWarning;
 
 /// Label naming a slice's service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// `(namespace, name)` of an object, as the tracker keys services and slices (shared strings:
 /// a service's key is held by several maps at once).
-pub type ObjectKey = (Arc<str>, Arc<str>);
+pub(crate) type ObjectKey = (Arc<str>, Arc<str>);
 
 /// One slice, parsed: its service and endpoints per service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SliceData {
+pub(crate) struct SliceData {
     /// (namespace, service name)
     pub service: ObjectKey,
     /// Endpoints per port, in the slice's port order (a Vec, not a map: a slice has one or a
@@ -44,7 +44,7 @@ pub struct SliceData {
 
 /// Parses one slice; `None` when it cannot be attributed to a service (with a warning) or is
 /// ignored by design (FQDN).
-pub fn parse_slice(
+pub(crate) fn parse_slice(
     slice: &EndpointSlice,
     node_name: &str,
 ) -> (Option<SliceData>, Vec<ModelWarning>) {
@@ -236,7 +236,7 @@ fn canonical(eps: impl IntoIterator<Item = Endpoint>) -> Vec<Endpoint> {
 /// Merges the slices of one service (given in slice-name order) into endpoints per port,
 /// deduplicated by `IP:port` and sorted. A port only one slice serves gets that slice's list
 /// itself (shared, not copied).
-pub fn merge<'a>(
+pub(crate) fn merge<'a>(
     slices: impl IntoIterator<Item = &'a SliceData>,
 ) -> BTreeMap<ServicePortName, Arc<Vec<Endpoint>>> {
     let mut by_port: BTreeMap<&ServicePortName, Vec<&Arc<Vec<Endpoint>>>> = BTreeMap::new();

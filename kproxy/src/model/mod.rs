@@ -9,23 +9,24 @@
 //! - [`service_cidrs`]: `ServiceCIDR` objects → the cluster's service CIDRs.
 //! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
-pub mod endpoints;
+pub(crate) mod endpoints;
 pub mod input;
-pub mod service;
-pub mod service_cidrs;
-pub mod snapshot;
+pub(crate) mod service;
+pub(crate) mod service_cidrs;
+pub(crate) mod snapshot;
 #[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod topology;
-pub mod tracker;
-pub mod types;
-pub mod vecmap;
+pub(crate) mod tracker;
+pub(crate) mod types;
+pub(crate) mod vecmap;
 pub mod warning;
 
 pub use snapshot::{ChangedSet, Snapshot};
 pub use tracker::Tracker;
 pub use types::*;
-pub use warning::ModelWarning;
+pub(crate) use warning::ModelWarning;
 
 #[cfg(test)]
 mod tests;

@@ -26,13 +26,13 @@ use super::warning::ModelWarning;
 
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (upstream's
 /// `DefaultClientIPServiceAffinitySeconds`).
-pub const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10800;
+pub(crate) const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10800;
 /// Largest allowed affinity timeout (one day, as the API validates).
-pub const MAX_AFFINITY_TIMEOUT_SECONDS: i32 = 86400;
+pub(crate) const MAX_AFFINITY_TIMEOUT_SECONDS: i32 = 86400;
 
 /// Parses an IP the way Go's `netutils.ParseIPSloppy` does: IPv4 octets may carry leading
 /// zeros (read as decimal), as old Kubernetes releases allowed.
-pub fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
+pub(crate) fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
     if let Ok(ip) = s.parse::<IpAddr>() {
         return Some(ip);
     }
@@ -51,7 +51,7 @@ pub fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
 }
 
 /// Parses a CIDR sloppily (leading zeros in IPv4 octets allowed) and masks it.
-pub fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
+pub(crate) fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
     let (ip, len) = s.split_once('/')?;
     let ip = parse_ip_sloppy(ip)?;
     let len: u8 = len.parse().ok()?;
@@ -59,7 +59,7 @@ pub fn parse_cidr_sloppy(s: &str) -> Option<IpNet> {
 }
 
 /// Why a service is not proxied by design (not an error), or `None` if it is proxied.
-pub fn skip_reason(svc: &Service) -> Option<&'static str> {
+pub(crate) fn skip_reason(svc: &Service) -> Option<&'static str> {
     let labels = svc.metadata.labels.as_ref();
     if labels.is_some_and(|l| l.contains_key("service.kubernetes.io/service-proxy-name")) {
         return Some("label service.kubernetes.io/service-proxy-name: served by another proxy");
@@ -91,7 +91,7 @@ impl Warnings {
 }
 
 /// Builds the proxied ports of `svc`, and a warning for every part that was skipped.
-pub fn service_ports(svc: &Service) -> (Vec<ServicePort>, Vec<ModelWarning>) {
+pub(crate) fn service_ports(svc: &Service) -> (Vec<ServicePort>, Vec<ModelWarning>) {
     let ns = svc
         .metadata
         .namespace

@@ -17,7 +17,7 @@ use super::service::parse_cidr_sloppy;
 
 /// Folds `ServiceCIDR` deltas into the current CIDRs.
 #[derive(Debug, Default)]
-pub struct ServiceCidrTracker {
+pub(crate) struct ServiceCidrTracker {
     /// `spec.cidrs` per object name; `None` while no ServiceCIDR event ever came (the source
     /// does not deliver them: an API server without them, or the manifests).
     objects: Option<BTreeMap<String, Vec<IpNet>>>,
@@ -54,7 +54,7 @@ fn parse(o: &ServiceCIDR, warnings: &mut Vec<ModelWarning>) -> Vec<IpNet> {
 
 impl ServiceCidrTracker {
     /// Folds one delta in; returns warnings for skipped entries.
-    pub fn apply(&mut self, d: Delta<ServiceCIDR>) -> Vec<ModelWarning> {
+    pub(crate) fn apply(&mut self, d: Delta<ServiceCIDR>) -> Vec<ModelWarning> {
         let mut warnings = vec![];
         let before = self.cidrs();
         match d {
@@ -91,7 +91,7 @@ impl ServiceCidrTracker {
 
     /// The union of every object's CIDRs, sorted, each once; `None` when no ServiceCIDR was
     /// ever delivered (the caller then uses its configured CIDRs).
-    pub fn cidrs(&self) -> Option<Vec<IpNet>> {
+    pub(crate) fn cidrs(&self) -> Option<Vec<IpNet>> {
         let objects = self.objects.as_ref()?;
         let mut all: Vec<IpNet> = objects.values().flatten().copied().collect();
         all.sort();
@@ -100,12 +100,12 @@ impl ServiceCidrTracker {
     }
 
     /// Whether the CIDRs changed since the last call (and resets that).
-    pub fn take_changed(&mut self) -> bool {
+    pub(crate) fn take_changed(&mut self) -> bool {
         std::mem::take(&mut self.changed)
     }
 
     /// Whether the CIDRs changed and no snapshot has them yet.
-    pub fn is_changed(&self) -> bool {
+    pub(crate) fn is_changed(&self) -> bool {
         self.changed
     }
 }

@@ -28,7 +28,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// The endpoints of `name` (empty if none).
-    pub fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
+    pub(crate) fn endpoints_of(&self, name: &ServicePortName) -> &[Endpoint] {
         self.endpoints
             .get(name)
             .map(|v| v.as_slice())
@@ -36,7 +36,7 @@ impl Snapshot {
     }
 
     /// Upstream `CategorizeEndpoints` for one service port of this snapshot.
-    pub fn categorize(&self, svc: &ServicePort) -> CategorizedEndpoints {
+    pub(crate) fn categorize(&self, svc: &ServicePort) -> CategorizedEndpoints {
         categorize_endpoints(self.endpoints_of(&svc.name), svc, &self.node)
     }
 }

@@ -20,7 +20,7 @@ use super::types::{Endpoint, NodeInfo, ServicePort};
 
 /// Upstream's `PreferSameTrafficDistribution` feature gate (GA, on by default since v1.34):
 /// node hints select same-node endpoints.
-pub const PREFER_SAME_TRAFFIC_DISTRIBUTION: bool = true;
+pub(crate) const PREFER_SAME_TRAFFIC_DISTRIBUTION: bool = true;
 
 /// Result of [`categorize_endpoints`], upstream's four return values.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

@@ -23,7 +23,7 @@ use crate::model::vecmap::VecMap;
 
 /// Counts of changes not yet in a snapshot (upstream's `*_changes_pending` metrics).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Pending {
+pub(crate) struct Pending {
     pub services: usize,
     pub endpoints: usize,
 }
@@ -87,7 +87,7 @@ fn service_range(k: &SvcKey) -> (Bound<ServicePortName>, Bound<ServicePortName>)
 }
 
 /// The proxy's view of a Node object.
-pub fn node_info(node: &Node, name: &str) -> NodeInfo {
+pub(crate) fn node_info(node: &Node, name: &str) -> NodeInfo {
     let labels = node
         .metadata
         .labels
@@ -370,17 +370,17 @@ impl Tracker {
     }
 
     /// True once Services, EndpointSlices and Node each received their first `Delta::Replace`.
-    pub fn is_synced(&self) -> bool {
+    pub(crate) fn is_synced(&self) -> bool {
         self.synced.iter().all(|s| *s)
     }
 
     /// The service CIDRs changed and no snapshot has them yet.
-    pub fn service_cidrs_pending(&self) -> bool {
+    pub(crate) fn service_cidrs_pending(&self) -> bool {
         self.service_cidrs.is_changed()
     }
 
     /// Service/endpoint changes not yet in a snapshot.
-    pub fn pending(&self) -> Pending {
+    pub(crate) fn pending(&self) -> Pending {
         Pending {
             services: self.dirty_services.len(),
             endpoints: self.dirty_endpoints.len(),

@@ -21,14 +21,14 @@ pub enum IpFamily {
 
 impl IpFamily {
     /// `IPv4` / `IPv6`, as upstream names families in messages and health output.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             IpFamily::V4 => "IPv4",
             IpFamily::V6 => "IPv6",
         }
     }
 
-    pub fn of(ip: &IpAddr) -> Self {
+    pub(crate) fn of(ip: &IpAddr) -> Self {
         match ip {
             IpAddr::V4(_) => IpFamily::V4,
             IpAddr::V6(_) => IpFamily::V6,
@@ -49,7 +49,7 @@ pub enum Protocol {
 
 impl Protocol {
     /// Parses the Kubernetes spelling (`TCP`, `UDP`, `SCTP`); an unset protocol means TCP.
-    pub fn parse(s: Option<&str>) -> Option<Self> {
+    pub(crate) fn parse(s: Option<&str>) -> Option<Self> {
         match s {
             None | Some("TCP") => Some(Protocol::Tcp),
             Some("UDP") => Some(Protocol::Udp),
@@ -58,7 +58,7 @@ impl Protocol {
         }
     }
     /// Lower-case name as used in iptables rules and chain-name hashes.
-    pub fn lower(self) -> &'static str {
+    pub(crate) fn lower(self) -> &'static str {
         match self {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
@@ -66,7 +66,7 @@ impl Protocol {
         }
     }
     /// IANA protocol number.
-    pub fn number(self) -> u8 {
+    pub(crate) fn number(self) -> u8 {
         match self {
             Protocol::Tcp => 6,
             Protocol::Udp => 17,
@@ -139,7 +139,7 @@ impl ServicePortName {
     }
 
     /// `namespace/name`, the service this port belongs to.
-    pub fn service(&self) -> String {
+    pub(crate) fn service(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
 }
@@ -212,7 +212,7 @@ pub struct ServicePort {
 impl ServicePort {
     /// The endpoints of `family` among `eps`, sorted by "IP:port" as upstream's rule writers
     /// order them.
-    pub fn family_endpoints(eps: &[Endpoint], family: IpFamily) -> Vec<Endpoint> {
+    pub(crate) fn family_endpoints(eps: &[Endpoint], family: IpFamily) -> Vec<Endpoint> {
         let mut out: Vec<Endpoint> = eps
             .iter()
             .filter(|e| family.matches(&e.ip))
@@ -224,7 +224,7 @@ impl ServicePort {
 
     /// The view of one IP family (upstream's per-family service maps): only this family's
     /// external IPs, LB ingress IPs and source ranges.
-    pub fn for_family(&self, family: IpFamily) -> ServicePort {
+    pub(crate) fn for_family(&self, family: IpFamily) -> ServicePort {
         let mut s = self.clone();
         s.external_ips.retain(|ip| family.matches(ip));
         s.load_balancer_ingress.retain(|i| family.matches(&i.ip));
@@ -234,28 +234,28 @@ impl ServicePort {
     }
 
     /// The cluster IP of `family`, if the service has one.
-    pub fn cluster_ip(&self, family: IpFamily) -> Option<IpAddr> {
+    pub(crate) fn cluster_ip(&self, family: IpFamily) -> Option<IpAddr> {
         self.cluster_ips
             .iter()
             .copied()
             .find(|ip| family.matches(ip))
     }
     /// External IPs of `family`.
-    pub fn external_ips_for(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
+    pub(crate) fn external_ips_for(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
         self.external_ips
             .iter()
             .copied()
             .filter(move |ip| family.matches(ip))
     }
     /// LB ingress IPs the proxy captures (ipMode VIP, upstream's `IsVIPMode`) of `family`.
-    pub fn load_balancer_vips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
+    pub(crate) fn load_balancer_vips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
         self.load_balancer_ingress
             .iter()
             .filter(move |i| i.ip_mode == IpMode::Vip && family.matches(&i.ip))
             .map(|i| i.ip)
     }
     /// Source ranges of `family`.
-    pub fn source_ranges_for(&self, family: IpFamily) -> impl Iterator<Item = IpNet> + '_ {
+    pub(crate) fn source_ranges_for(&self, family: IpFamily) -> impl Iterator<Item = IpNet> + '_ {
         self.load_balancer_source_ranges
             .iter()
             .copied()
@@ -265,7 +265,7 @@ impl ServicePort {
             })
     }
     /// Upstream `ExternallyAccessible`: nodePort, LB VIPs or external IPs.
-    pub fn externally_accessible(&self) -> bool {
+    pub(crate) fn externally_accessible(&self) -> bool {
         self.node_port != 0
             || self
                 .load_balancer_ingress
@@ -274,11 +274,11 @@ impl ServicePort {
             || !self.external_ips.is_empty()
     }
     /// Upstream `UsesClusterEndpoints`.
-    pub fn uses_cluster_endpoints(&self) -> bool {
+    pub(crate) fn uses_cluster_endpoints(&self) -> bool {
         !self.internal_policy_local || self.externally_accessible()
     }
     /// Upstream `UsesLocalEndpoints`.
-    pub fn uses_local_endpoints(&self) -> bool {
+    pub(crate) fn uses_local_endpoints(&self) -> bool {
         self.internal_policy_local || (self.external_policy_local && self.externally_accessible())
     }
 }
@@ -308,13 +308,13 @@ pub struct Endpoint {
 pub struct Hints(Box<[Arc<str>]>);
 
 impl Hints {
-    pub fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.0.binary_search_by(|h| (**h).cmp(name)).is_ok()
     }
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    pub fn iter(&self) -> impl Iterator<Item = &str> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &str> + '_ {
         self.0.iter().map(|h| &**h)
     }
 }
@@ -354,7 +354,7 @@ pub struct NodeInfo {
 
 impl NodeInfo {
     /// The zone label (`topology.kubernetes.io/zone`), if any.
-    pub fn zone(&self) -> Option<&str> {
+    pub(crate) fn zone(&self) -> Option<&str> {
         self.labels
             .get("topology.kubernetes.io/zone")
             .map(String::as_str)

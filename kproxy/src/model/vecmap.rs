@@ -25,7 +25,7 @@ impl<K, V> Default for VecMap<K, V> {
 }
 
 impl<K: Ord, V> VecMap<K, V> {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -37,7 +37,7 @@ impl<K: Ord, V> VecMap<K, V> {
     }
 
     /// Inserts or replaces; returns the previous value.
-    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+    pub(crate) fn insert(&mut self, key: K, value: V) -> Option<V> {
         match self.position(&key) {
             Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, value)),
             Err(i) => {
@@ -50,7 +50,7 @@ impl<K: Ord, V> VecMap<K, V> {
 
     /// Inserts `value` unless `key` is present (the first value wins); returns whether it
     /// inserted.
-    pub fn insert_if_absent(&mut self, key: K, value: V) -> bool {
+    pub(crate) fn insert_if_absent(&mut self, key: K, value: V) -> bool {
         match self.position(&key) {
             Ok(_) => false,
             Err(i) => {
@@ -69,7 +69,7 @@ impl<K: Ord, V> VecMap<K, V> {
         }
     }
 
-    pub fn get<Q: Ord + ?Sized>(&self, key: &Q) -> Option<&V>
+    pub(crate) fn get<Q: Ord + ?Sized>(&self, key: &Q) -> Option<&V>
     where
         K: Borrow<Q>,
     {
@@ -83,7 +83,7 @@ impl<K: Ord, V> VecMap<K, V> {
         self.position(key).is_ok()
     }
 
-    pub fn remove<Q: Ord + ?Sized>(&mut self, key: &Q) -> Option<V>
+    pub(crate) fn remove<Q: Ord + ?Sized>(&mut self, key: &Q) -> Option<V>
     where
         K: Borrow<Q>,
     {
@@ -92,17 +92,17 @@ impl<K: Ord, V> VecMap<K, V> {
 }
 
 impl<K, V> VecMap<K, V> {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
     /// Entries in key order.
-    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> + Clone {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, &V)> + Clone {
         self.entries.iter().map(|(k, v)| (k, v))
     }
-    pub fn keys(&self) -> impl Iterator<Item = &K> + Clone {
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &K> + Clone {
         self.entries.iter().map(|(k, _)| k)
     }
     pub fn values(&self) -> impl Iterator<Item = &V> + Clone {

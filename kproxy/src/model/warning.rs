@@ -14,7 +14,7 @@ pub struct ModelWarning {
 }
 
 impl ModelWarning {
-    pub fn new(
+    pub(crate) fn new(
         object: impl Into<String>,
         field: impl Into<String>,
         reason: impl Into<String>,

@@ -13,11 +13,11 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tracing::{info, warn};
 
 /// Reporting controller name in published events.
-pub const REPORTER: &str = "kproxy";
+pub(crate) const REPORTER: &str = "kproxy";
 
 /// Where events go.
 #[derive(Clone)]
-pub struct Events {
+pub(crate) struct Events {
     recorder: Option<Recorder>,
     node_name: String,
 }
@@ -32,7 +32,7 @@ impl std::fmt::Debug for Events {
 }
 
 /// Upstream's reference to the proxy's Node (uid = the node name, as upstream sets it).
-pub fn node_ref(node_name: &str) -> ObjectReference {
+pub(crate) fn node_ref(node_name: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Node".into()),
@@ -43,7 +43,7 @@ pub fn node_ref(node_name: &str) -> ObjectReference {
 }
 
 /// Upstream's reference to a Service (uid = `namespace/name`).
-pub fn service_ref(namespace: &str, name: &str) -> ObjectReference {
+pub(crate) fn service_ref(namespace: &str, name: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("Service".into()),
@@ -56,7 +56,7 @@ pub fn service_ref(namespace: &str, name: &str) -> ObjectReference {
 
 impl Events {
     /// Events published through `client` (`None`: logged only).
-    pub fn new(client: Option<kube::Client>, node_name: &str) -> Self {
+    pub(crate) fn new(client: Option<kube::Client>, node_name: &str) -> Self {
         let recorder = client.map(|c| {
             Recorder::new(
                 c,
@@ -73,7 +73,7 @@ impl Events {
     }
 
     /// `Normal Starting` on this node.
-    pub fn starting(&self) {
+    pub(crate) fn starting(&self) {
         self.publish(
             EventType::Normal,
             "Starting",
@@ -84,7 +84,13 @@ impl Events {
     }
 
     /// `Warning FailedToStartServiceHealthcheck` on a Service (upstream's message).
-    pub fn failed_service_healthcheck(&self, namespace: &str, name: &str, port: u16, err: &str) {
+    pub(crate) fn failed_service_healthcheck(
+        &self,
+        namespace: &str,
+        name: &str,
+        port: u16,
+        err: &str,
+    ) {
         let note = format!(
             "node {} failed to start healthcheck \"{namespace}/{name}\" on port {port}: {err}",
             self.node_name

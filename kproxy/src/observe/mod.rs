@@ -3,8 +3,8 @@
 //! [`events`], and the HTTP [`server`] plumbing they share. Observers read snapshots and sync
 //! outcomes; they never import a datapath (only the `dataplane` root's vocabulary).
 
-pub mod events;
-pub mod health;
+pub(crate) mod events;
+pub(crate) mod health;
 pub mod metrics;
-pub mod server;
-pub mod service_health;
+pub(crate) mod server;
+pub(crate) mod service_health;

@@ -11,11 +11,11 @@ use tokio::task::JoinHandle;
 use tracing::{error, info};
 
 /// Delay between bind attempts (upstream: 5 s).
-pub const RETRY: Duration = Duration::from_secs(5);
+pub(crate) const RETRY: Duration = Duration::from_secs(5);
 
 /// A running (or still binding) server; dropping it stops it.
 #[derive(Debug)]
-pub struct Served {
+pub(crate) struct Served {
     /// The bound address, when the first bind succeeded (tests bind port 0 and read it here).
     pub local_addr: Option<SocketAddr>,
     task: JoinHandle<()>,
@@ -28,7 +28,7 @@ impl Drop for Served {
 }
 
 /// Binds `addr` and serves `router` on it. `what` names the server in logs.
-pub async fn serve(what: &'static str, addr: SocketAddr, router: Router) -> Served {
+pub(crate) async fn serve(what: &'static str, addr: SocketAddr, router: Router) -> Served {
     match TcpListener::bind(addr).await {
         Ok(listener) => {
             let local_addr = listener.local_addr().ok();

@@ -162,7 +162,7 @@ pub fn spawn(
 
 /// What a probe list of ServiceCIDRs (`limit=1`) says about the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Served {
+pub(crate) enum Served {
     /// It serves them: watch them.
     Yes,
     /// It does not (404: an older API server, or the API disabled) or kproxy may not read them
@@ -173,7 +173,7 @@ pub enum Served {
 }
 
 /// Classifies a probe's outcome (pure).
-pub fn served<T>(r: &Result<T, ::kube::Error>) -> Served {
+pub(crate) fn served<T>(r: &Result<T, ::kube::Error>) -> Served {
     match r {
         Ok(_) => Served::Yes,
         Err(::kube::Error::Api(s)) if s.code == 404 => {
@@ -232,7 +232,7 @@ async fn service_cidrs(api: Api<ServiceCIDR>, tx: &mpsc::Sender<Event>) {
 
 /// How a kind's (re-)lists are delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lists {
+pub(crate) enum Lists {
     /// One [`Delta::Replace`] holding the whole list (the Node watch: one object).
     Whole,
     /// [`Delta::ListStart`], a [`Delta::Listed`] per object as pages arrive, [`Delta::ListDone`]:
@@ -321,14 +321,14 @@ fn display_name<K: Resource>(o: &K) -> String {
 /// Objects per [`Delta::Listed`]: kube-runtime's list page size, so a streamed list holds at
 /// most about one page of raw objects, and the sync loop handles one event per page rather
 /// than per object.
-pub const LIST_BATCH: usize = 500;
+pub(crate) const LIST_BATCH: usize = 500;
 
 /// Folds kube-runtime's watcher events into [`Delta`]s. A re-list (`Init`, `InitApply…`,
 /// `InitDone`) becomes one [`Delta::Replace`] ([`Lists::Whole`]) or `ListStart`, a `Listed`
 /// per [`LIST_BATCH`] objects, `ListDone` ([`Lists::Streamed`]); `Apply`/`Delete` pass
 /// through.
 #[derive(Debug)]
-pub struct Relist<K> {
+pub(crate) struct Relist<K> {
     lists: Lists,
     /// Objects of a re-list in progress not yet passed on; `None` outside one.
     buffer: Option<Vec<K>>,
@@ -337,7 +337,7 @@ pub struct Relist<K> {
 }
 
 impl<K> Relist<K> {
-    pub fn new(lists: Lists) -> Self {
+    pub(crate) fn new(lists: Lists) -> Self {
         Relist {
             lists,
             buffer: None,
@@ -346,7 +346,7 @@ impl<K> Relist<K> {
     }
 
     /// The deltas to emit for `ev`, in order (often none).
-    pub fn push(&mut self, ev: watcher::Event<K>) -> Vec<Delta<K>> {
+    pub(crate) fn push(&mut self, ev: watcher::Event<K>) -> Vec<Delta<K>> {
         match (self.lists, ev) {
             // A new Init drops a re-list that failed half-way (streamed: restarts it in the
             // tracker too).

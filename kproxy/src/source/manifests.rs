@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::model::input::{Delta, Event};
 
 /// Fallback re-read interval when no file event arrives.
-pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const POLL_INTERVAL: Duration = Duration::from_secs(5);
 /// Wait this long after a file event for more before re-reading (editors write in steps).
 const DEBOUNCE: Duration = Duration::from_millis(100);
 
@@ -51,7 +51,7 @@ pub struct Manifests {
 }
 
 /// The files below `path` that are read, in order.
-pub fn files(path: &Path) -> std::io::Result<Vec<PathBuf>> {
+pub(crate) fn files(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     let meta = std::fs::metadata(path)?;
     if meta.is_file() {
         return Ok(vec![path.to_path_buf()]);
@@ -79,7 +79,7 @@ pub fn files(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 /// Reads and parses everything below `path`. I/O errors on `path` itself are returned; a file
 /// or document that cannot be used becomes a [`ManifestError`] and the rest is kept.
-pub fn read(path: &Path) -> std::io::Result<(Manifests, Vec<ManifestError>)> {
+pub(crate) fn read(path: &Path) -> std::io::Result<(Manifests, Vec<ManifestError>)> {
     let mut m = Manifests::default();
     let mut errors = vec![];
     for file in files(path)? {
@@ -158,7 +158,7 @@ fn decode<T: serde::de::DeserializeOwned>(
 
 /// Whether an object passes upstream's label selector
 /// `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`.
-pub fn selected(meta: &ObjectMeta) -> bool {
+pub(crate) fn selected(meta: &ObjectMeta) -> bool {
     meta.labels.as_ref().is_none_or(|l| {
         !l.contains_key("service.kubernetes.io/service-proxy-name")
             && !l.contains_key("service.kubernetes.io/headless")
@@ -206,7 +206,7 @@ fn fingerprint(path: &Path) -> u64 {
 /// every open and close-without-write (`IN_OPEN`, `IN_CLOSE_NOWRITE`) — our own reads
 /// included, so reacting to them re-read everything in a loop, once per debounce interval.
 /// A write is still seen: as `Modify`, and as the close after writing.
-pub fn is_change(ev: &notify::Event) -> bool {
+pub(crate) fn is_change(ev: &notify::Event) -> bool {
     use notify::event::{AccessKind, AccessMode, EventKind};
     match ev.kind {
         EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
@@ -216,7 +216,7 @@ pub fn is_change(ev: &notify::Event) -> bool {
 }
 
 /// Reads `path` now and again after every change, sending the events into `tx` until it closes.
-pub fn spawn(
+pub(crate) fn spawn(
     path: PathBuf,
     node_name: String,
     tx: mpsc::Sender<Event>,

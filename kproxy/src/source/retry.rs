@@ -21,13 +21,13 @@ use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 /// The first retry's (un-jittered) wait.
-pub const FIRST_DELAY: Duration = Duration::from_millis(500);
+pub(crate) const FIRST_DELAY: Duration = Duration::from_millis(500);
 /// The longest wait between two attempts.
 pub const MAX_DELAY: Duration = Duration::from_secs(5);
 
 /// What to do after a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Next {
+pub(crate) enum Next {
     /// Re-list now (a fresh list+watch).
     RelistNow,
     /// Wait this long, then retry where the watcher stands.
@@ -36,7 +36,7 @@ pub enum Next {
 
 /// Backoff state of one list+watch loop.
 #[derive(Debug)]
-pub struct Retry {
+pub(crate) struct Retry {
     /// Failures since the server last answered with data.
     failures: u32,
     /// The last failure was a 410 answered with an immediate re-list.
@@ -52,7 +52,7 @@ impl Default for Retry {
 }
 
 impl Retry {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Retry {
             failures: 0,
             relisted_on_gone: false,
@@ -62,13 +62,13 @@ impl Retry {
     }
 
     /// The server answered with data: the next failure starts from [`FIRST_DELAY`] again.
-    pub fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         self.failures = 0;
         self.relisted_on_gone = false;
     }
 
     /// A failure; `gone` when it was a 410 Gone.
-    pub fn failed(&mut self, gone: bool) -> Next {
+    pub(crate) fn failed(&mut self, gone: bool) -> Next {
         if gone && !self.relisted_on_gone {
             self.relisted_on_gone = true;
             return Next::RelistNow;
@@ -91,7 +91,7 @@ impl Retry {
 
 /// The un-jittered wait after `failures` earlier failures: [`FIRST_DELAY`] × 2^failures,
 /// capped at [`MAX_DELAY`].
-pub fn backoff(failures: u32) -> Duration {
+pub(crate) fn backoff(failures: u32) -> Duration {
     FIRST_DELAY
         .checked_mul(1u32.checked_shl(failures.min(31)).unwrap_or(u32::MAX))
         .map_or(MAX_DELAY, |d| d.min(MAX_DELAY))

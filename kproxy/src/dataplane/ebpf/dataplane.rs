@@ -111,7 +111,7 @@ pub struct EbpfDataplane {
 }
 
 /// Service ports of `snap` the eBPF datapath does not translate (SCTP ones).
-pub fn skipped_sctp_ports(snap: &Snapshot) -> usize {
+pub(crate) fn skipped_sctp_ports(snap: &Snapshot) -> usize {
     snap.services
         .values()
         .filter(|s| s.protocol == Protocol::Sctp)

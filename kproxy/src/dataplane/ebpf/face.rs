@@ -24,10 +24,10 @@ use super::service_maps::{MapSizes, ServiceMapsConfig};
 use super::{EbpfConfig, EbpfDataplane};
 
 /// The ebpf mode.
-pub struct Face;
+pub(crate) struct Face;
 
 /// The ebpf mode's configuration for `families`.
-pub fn config(cfg: &ProxyConfig, families: &[IpFamily]) -> EbpfConfig {
+pub(crate) fn config(cfg: &ProxyConfig, families: &[IpFamily]) -> EbpfConfig {
     let size = |name: &str, default: u32| cfg.bpf.map_sizes.get(name).copied().unwrap_or(default);
     let d = MapSizes::default();
     let map_sizes = MapSizes {

@@ -147,7 +147,7 @@ fn count_by_id(ids: impl Iterator<Item = u32>) -> HashMap<u32, usize> {
     m
 }
 
-pub fn view(
+pub(crate) fn view(
     bpffs: &Path,
     selected: &Selected,
     reports: &mut [ServiceReport],

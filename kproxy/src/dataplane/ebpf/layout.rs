@@ -37,7 +37,7 @@ use kproxy_common::layout::{
 
 /// A pinned map as the kernel describes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pinned {
+pub(crate) struct Pinned {
     pub map_type: u32,
     pub key_size: u32,
     pub value_size: u32,
@@ -84,7 +84,7 @@ fn describe(map_type: u32, key: u32, value: u32, version: u32) -> String {
 }
 
 /// Decides what to do with a pinned map (pure; see the module docs).
-pub fn decide(want: &MapLayout, pinned: &Pinned, recorded: Option<&LayoutRecord>) -> Action {
+pub(crate) fn decide(want: &MapLayout, pinned: &Pinned, recorded: Option<&LayoutRecord>) -> Action {
     let version = match recorded {
         None => UNRECORDED_VERSION,
         Some(r)
@@ -301,7 +301,10 @@ fn record_map(dir: &Path) -> Result<RecordMap, LayoutError> {
 /// Checks every pinned map under `dir` (see the module docs), removes the pins in
 /// `links_on_change` if any map was carried over or replaced, and records this build's
 /// layouts. Run before the object is loaded.
-pub fn reconcile(dir: &Path, links_on_change: &[PathBuf]) -> Result<LayoutReport, LayoutError> {
+pub(crate) fn reconcile(
+    dir: &Path,
+    links_on_change: &[PathBuf],
+) -> Result<LayoutReport, LayoutError> {
     let mut records = record_map(dir)?;
     let mut report = LayoutReport::default();
     for want in &LAYOUTS {

@@ -18,15 +18,15 @@
 //! `layout`, `addr` at the bottom; `socket_lb` on them; `service_maps` on those; `node_path`
 //! and [`dataplane`] on top.
 
-pub mod addr;
-pub mod dataplane;
-pub mod face;
-pub mod inspect;
+pub(crate) mod addr;
+pub(crate) mod dataplane;
+pub(crate) mod face;
+pub(crate) mod inspect;
 pub mod layout;
 pub mod node_path;
 pub mod object;
-pub mod pins;
+pub(crate) mod pins;
 pub mod service_maps;
-pub mod socket_lb;
+pub(crate) mod socket_lb;
 
 pub use dataplane::{EbpfConfig, EbpfDataplane, EbpfError};

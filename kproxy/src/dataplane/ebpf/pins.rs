@@ -16,7 +16,7 @@ pub struct BpffsError {
 }
 
 /// Makes sure `path` is a bpffs (mounting one if it is not).
-pub fn ensure_bpffs(path: &Path) -> Result<(), BpffsError> {
+pub(crate) fn ensure_bpffs(path: &Path) -> Result<(), BpffsError> {
     let err = |reason: String| BpffsError {
         path: path.to_path_buf(),
         reason,
@@ -39,17 +39,17 @@ pub fn ensure_bpffs(path: &Path) -> Result<(), BpffsError> {
 }
 
 /// `<bpffs>/kproxy`.
-pub fn pin_dir(bpffs: &Path) -> PathBuf {
+pub(crate) fn pin_dir(bpffs: &Path) -> PathBuf {
     bpffs.join("kproxy")
 }
 
 /// Where the socket-LB links are pinned, under the pin directory.
-pub fn link_dir(pin_dir: &Path) -> PathBuf {
+pub(crate) fn link_dir(pin_dir: &Path) -> PathBuf {
     pin_dir.join("links")
 }
 
 /// Removes `<bpffs>/kproxy` (links first, so programs detach before their maps go).
-pub fn remove_pins(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn remove_pins(dir: &Path) -> std::io::Result<()> {
     let links = link_dir(dir);
     if links.exists() {
         for entry in fs::read_dir(&links)? {

@@ -8,14 +8,14 @@ use super::genl::Timeouts;
 use crate::model::IpFamily;
 
 /// The dummy interface that carries the service addresses (upstream's name).
-pub const DEFAULT_DUMMY_DEVICE: &str = "kube-ipvs0";
+pub(crate) const DEFAULT_DUMMY_DEVICE: &str = "kube-ipvs0";
 /// Upstream's default scheduler.
-pub const DEFAULT_SCHEDULER: &str = "rr";
+pub(crate) const DEFAULT_SCHEDULER: &str = "rr";
 /// Upstream's default masquerade bit (`--iptables-masquerade-bit`).
-pub const DEFAULT_MASQUERADE_BIT: u8 = 14;
+pub(crate) const DEFAULT_MASQUERADE_BIT: u8 = 14;
 
 /// Schedulers the kernel ships (`ip_vs_<name>` modules); anything else is refused up front.
-pub const KNOWN_SCHEDULERS: &[&str] = &[
+pub(crate) const KNOWN_SCHEDULERS: &[&str] = &[
     "rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf", "twos",
 ];
 
@@ -79,7 +79,7 @@ impl IpvsConfig {
     }
 
     /// The scheduler to use (the default when empty).
-    pub fn scheduler(&self) -> &str {
+    pub(crate) fn scheduler(&self) -> &str {
         if self.scheduler.is_empty() {
             DEFAULT_SCHEDULER
         } else {
@@ -88,12 +88,12 @@ impl IpvsConfig {
     }
 
     /// `0x4000` for the default bit 14.
-    pub fn masquerade_mark(&self) -> String {
+    pub(crate) fn masquerade_mark(&self) -> String {
         format!("{:#x}", 1u32 << self.masquerade_bit.min(31))
     }
 
     /// Checks the fields a kernel would reject later, naming the field.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if !KNOWN_SCHEDULERS.contains(&self.scheduler()) {
             return Err(format!(
                 "ipvs.scheduler {:?} is not an IPVS scheduler (one of {})",

@@ -21,10 +21,10 @@ use super::config::DEFAULT_DUMMY_DEVICE;
 use super::{IpvsConfig, IpvsDataplane};
 
 /// The ipvs mode.
-pub struct Face;
+pub(crate) struct Face;
 
 /// Upstream's warning when the ipvs mode is used (kube-proxy ≥ 1.35).
-pub const IPVS_DEPRECATION: &str = "The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.";
+pub(crate) const IPVS_DEPRECATION: &str = "The ipvs proxier is now deprecated and may be removed in a future release. Please use 'nftables' instead.";
 
 fn secs(d: Option<Duration>) -> u32 {
     d.map_or(0, |d| d.as_secs().min(u64::from(u32::MAX)) as u32)
@@ -33,7 +33,7 @@ fn secs(d: Option<Duration>) -> u32 {
 /// The IPVS proxiers' configurations; `node_ips` gives the NodePort addresses of a family;
 /// the local CIDR is the first `--cluster-cidr` of the family, or with NodeCIDR the first of
 /// `node_pod_cidrs`.
-pub fn configs(
+pub(crate) fn configs(
     cfg: &ProxyConfig,
     families: &[IpFamily],
     node_ips: impl Fn(IpFamily) -> Vec<IpAddr>,

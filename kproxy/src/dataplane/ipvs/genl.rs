@@ -25,7 +25,7 @@ const CTRL_CMD_GETFAMILY: u8 = 3;
 const CTRL_ATTR_FAMILY_ID: u16 = 1;
 const CTRL_ATTR_FAMILY_NAME: u16 = 2;
 
-pub const IPVS_GENL_NAME: &str = "IPVS";
+pub(crate) const IPVS_GENL_NAME: &str = "IPVS";
 const IPVS_GENL_VERSION: u8 = 1;
 
 const CMD_NEW_SERVICE: u8 = 1;
@@ -73,7 +73,7 @@ const FWD_MASQ: u32 = 0;
 /// `IP_VS_SVC_F_PERSISTENT`.
 pub const SVC_F_PERSISTENT: u32 = 0x1;
 /// `IP_VS_SVC_F_HASHED` (set by the kernel; ignored when comparing).
-pub const SVC_F_HASHED: u32 = 0x2;
+pub(crate) const SVC_F_HASHED: u32 = 0x2;
 /// `IP_VS_SVC_F_SCHED1/2/3` (scheduler flags, e.g. `sh-fallback`, `sh-port`, `mh-…`).
 pub const SVC_F_SCHED1: u32 = 0x8;
 pub const SVC_F_SCHED2: u32 = 0x10;
@@ -177,7 +177,7 @@ fn put_service_key(m: &mut MsgBuilder, key: &ServiceKey) {
 }
 
 /// `IPVS_CMD_NEW_SERVICE` / `SET_SERVICE` message for `svc`.
-pub fn encode_service(family: u16, svc: &VirtualService, update: bool) -> MsgBuilder {
+pub(crate) fn encode_service(family: u16, svc: &VirtualService, update: bool) -> MsgBuilder {
     let cmd = if update {
         CMD_SET_SERVICE
     } else {
@@ -201,7 +201,7 @@ pub fn encode_service(family: u16, svc: &VirtualService, update: bool) -> MsgBui
     m
 }
 
-pub fn encode_del_service(family: u16, key: &ServiceKey) -> MsgBuilder {
+pub(crate) fn encode_del_service(family: u16, key: &ServiceKey) -> MsgBuilder {
     let mut m = genl_msg(family, CMD_DEL_SERVICE, NLM_F_ACK);
     m.begin_nested(CMD_ATTR_SERVICE);
     put_service_key(&mut m, key);
@@ -210,7 +210,12 @@ pub fn encode_del_service(family: u16, key: &ServiceKey) -> MsgBuilder {
 }
 
 /// `IPVS_CMD_NEW_DEST` / `SET_DEST` / `DEL_DEST` for `dest` of service `key`.
-pub fn encode_dest(family: u16, key: &ServiceKey, dest: &Destination, cmd: DestCmd) -> MsgBuilder {
+pub(crate) fn encode_dest(
+    family: u16,
+    key: &ServiceKey,
+    dest: &Destination,
+    cmd: DestCmd,
+) -> MsgBuilder {
     let c = match cmd {
         DestCmd::New => CMD_NEW_DEST,
         DestCmd::Set => CMD_SET_DEST,
@@ -235,14 +240,14 @@ pub fn encode_dest(family: u16, key: &ServiceKey, dest: &Destination, cmd: DestC
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DestCmd {
+pub(crate) enum DestCmd {
     New,
     Set,
     Del,
 }
 
 /// Decodes the `IPVS_CMD_ATTR_SERVICE` of one dump reply (payload after `nlmsghdr`).
-pub fn decode_service(payload: &[u8]) -> Option<VirtualService> {
+pub(crate) fn decode_service(payload: &[u8]) -> Option<VirtualService> {
     let body = payload.get(4..)?;
     let svc = find_attr(body, CMD_ATTR_SERVICE)?;
     let family = read_u16(find_attr(svc, SVC_ATTR_AF)?)?;
@@ -274,7 +279,7 @@ pub fn decode_service(payload: &[u8]) -> Option<VirtualService> {
 
 /// Decodes the `IPVS_CMD_ATTR_DEST` of one dump reply. `svc_family` is used when the kernel
 /// does not send `IPVS_DEST_ATTR_ADDR_FAMILY`.
-pub fn decode_dest(payload: &[u8], svc_family: u16) -> Option<Destination> {
+pub(crate) fn decode_dest(payload: &[u8], svc_family: u16) -> Option<Destination> {
     let body = payload.get(4..)?;
     let d = find_attr(body, CMD_ATTR_DEST)?;
     let family = find_attr(d, DEST_ATTR_ADDR_FAMILY)
@@ -363,7 +368,7 @@ impl IpvsHandle {
     }
 
     /// The IPVS version as `(major, minor, patch)`.
-    pub fn version(&mut self) -> Result<(u32, u32, u32), IpvsError> {
+    pub(crate) fn version(&mut self) -> Result<(u32, u32, u32), IpvsError> {
         let m = genl_msg(self.family, CMD_GET_INFO, NLM_F_ACK);
         let replies = self.query("get", "info", &m)?;
         let v = replies
@@ -395,19 +400,19 @@ impl IpvsHandle {
             .collect())
     }
 
-    pub fn add_service(&mut self, svc: &VirtualService) -> Result<(), IpvsError> {
+    pub(crate) fn add_service(&mut self, svc: &VirtualService) -> Result<(), IpvsError> {
         let m = encode_service(self.family, svc, false);
         self.op("add", svc.key.to_string(), &m)
     }
-    pub fn update_service(&mut self, svc: &VirtualService) -> Result<(), IpvsError> {
+    pub(crate) fn update_service(&mut self, svc: &VirtualService) -> Result<(), IpvsError> {
         let m = encode_service(self.family, svc, true);
         self.op("update", svc.key.to_string(), &m)
     }
-    pub fn delete_service(&mut self, key: &ServiceKey) -> Result<(), IpvsError> {
+    pub(crate) fn delete_service(&mut self, key: &ServiceKey) -> Result<(), IpvsError> {
         let m = encode_del_service(self.family, key);
         self.op("delete", key.to_string(), &m)
     }
-    pub fn dest(
+    pub(crate) fn dest(
         &mut self,
         key: &ServiceKey,
         d: &Destination,
@@ -424,7 +429,7 @@ impl IpvsHandle {
     }
 
     /// Sets the tcp/tcpfin/udp timeouts (0 leaves one unchanged).
-    pub fn set_timeouts(&mut self, t: Timeouts) -> Result<(), IpvsError> {
+    pub(crate) fn set_timeouts(&mut self, t: Timeouts) -> Result<(), IpvsError> {
         let mut m = genl_msg(self.family, CMD_SET_CONFIG, NLM_F_ACK);
         m.u32(CMD_ATTR_TIMEOUT_TCP, t.tcp)
             .u32(CMD_ATTR_TIMEOUT_TCP_FIN, t.tcp_fin)
@@ -455,7 +460,7 @@ impl IpvsHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernel::netlink::parse_messages;
+    use crate::kernel::netlink::wire::parse_messages;
 
     fn svc(addr: &str, proto: Protocol) -> VirtualService {
         VirtualService {

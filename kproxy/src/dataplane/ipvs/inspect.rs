@@ -8,7 +8,7 @@ use anyhow::Context;
 use crate::dataplane::inspect::{Selected, ServiceReport, matches_frontend, sock};
 use crate::model::Protocol;
 
-pub fn view(selected: &Selected, reports: &mut [ServiceReport]) -> anyhow::Result<()> {
+pub(crate) fn view(selected: &Selected, reports: &mut [ServiceReport]) -> anyhow::Result<()> {
     use super::genl::IpvsHandle;
     let mut h = IpvsHandle::open().context("opening IPVS generic netlink")?;
     let services = h.services().context("listing IPVS virtual servers")?;

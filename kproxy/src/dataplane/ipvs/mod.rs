@@ -35,16 +35,16 @@
 //! there). Needs `ip_vs` (+ the scheduler's module), `dummy`, ipset ≥ 6.0 and iptables.
 //! The host machines here lack IPVS; the tests run in a QEMU guest (`cargo xtask guest`).
 
-pub mod config;
-pub mod dataplane;
-pub mod face;
+pub(crate) mod config;
+pub(crate) mod dataplane;
+pub(crate) mod face;
 pub mod genl;
-pub mod inspect;
-pub mod netfilter;
-pub mod plan;
-pub mod rtnl;
-pub mod sysctl;
+pub(crate) mod inspect;
+pub(crate) mod netfilter;
+pub(crate) mod plan;
+pub(crate) mod rtnl;
+pub(crate) mod sysctl;
 
 pub use config::IpvsConfig;
 pub use dataplane::{IpvsDataplane, IpvsInitError, RECONCILE_EVERY, cleanup_leftovers, usable};
-pub use plan::{IpvsPlan, render};
+pub use plan::render;

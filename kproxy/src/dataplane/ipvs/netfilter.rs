@@ -38,7 +38,7 @@ fn create_options(set: &PlannedSet, family: IpFamily) -> String {
 
 /// `ipset -exist restore` input that makes every set of `sets` hold exactly its entries
 /// (sets in `unchanged` are only ensured to exist).
-pub fn ipset_restore_input(
+pub(crate) fn ipset_restore_input(
     sets: &BTreeMap<&'static str, PlannedSet>,
     family: IpFamily,
     applied: &BTreeMap<String, BTreeSet<String>>,
@@ -80,13 +80,13 @@ pub fn ipset_restore_input(
 /// Where the tools run: the network namespace the dataplane was created in (kept open), so a
 /// sync called from another thread still changes the right namespace.
 #[derive(Debug)]
-pub struct Tools {
+pub(crate) struct Tools {
     netns: Option<OwnedFd>,
 }
 
 impl Tools {
     /// Pins the calling thread's network namespace.
-    pub fn here() -> std::io::Result<Tools> {
+    pub(crate) fn here() -> std::io::Result<Tools> {
         let f = std::fs::File::open("/proc/thread-self/ns/net")?;
         Ok(Tools {
             netns: Some(f.into()),
@@ -176,7 +176,7 @@ fn run(mut cmd: Command, program: &str, args: &[&str]) -> Result<String, String>
 /// the entries last written per set name), each set is created if missing and rebuilt whole
 /// (filled under a temporary name, then swapped in); otherwise only the entries that differ
 /// from `applied` are deleted and added. Runs `ipset` only when there is something to write.
-pub fn apply_sets(
+pub(crate) fn apply_sets(
     tools: &Tools,
     sets: &BTreeMap<&'static str, PlannedSet>,
     family: IpFamily,
@@ -191,12 +191,12 @@ pub fn apply_sets(
 }
 
 /// The `iptables` binary matching an `iptables-restore` binary name.
-pub fn iptables_binary(restore: &str) -> String {
+pub(crate) fn iptables_binary(restore: &str) -> String {
     restore.replacen("-restore", "", 1)
 }
 
 /// Replaces our chains' contents and ensures the jumps into them.
-pub fn apply_rules(tools: &Tools, rules: &Rules, restore: &str) -> Result<(), String> {
+pub(crate) fn apply_rules(tools: &Tools, rules: &Rules, restore: &str) -> Result<(), String> {
     let input = plan::iptables_restore_input(rules);
     tools.run_with_input(restore, &["--noflush"], &input)?;
     let ipt = iptables_binary(restore);
@@ -234,7 +234,7 @@ fn table_present(restore: &str, table: &str) -> bool {
 /// chains, so nothing of it references a chain any more (chains and sets stay). Run before
 /// another mode's cleanup that deletes chains both modes share (`KUBE-MARK-MASQ`, …).
 /// Missing rules and chains are fine; nothing here fails.
-pub fn unhook(tools: &Tools, restore: &str) {
+pub(crate) fn unhook(tools: &Tools, restore: &str) {
     let ipt = iptables_binary(restore);
     delete_jumps(tools, &ipt, restore);
     for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
@@ -264,7 +264,7 @@ fn delete_jumps(tools: &Tools, ipt: &str, restore: &str) {
 }
 
 /// Removes the jumps, our chains and our sets (missing ones are fine).
-pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
+pub(crate) fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
     let ipt = iptables_binary(restore);
     let mut errors = vec![];
     delete_jumps(tools, &ipt, restore);
@@ -300,7 +300,7 @@ pub fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), Str
 }
 
 /// `ipset version` ≥ 6.0 (upstream's minimum), as `Err(why)` otherwise.
-pub fn check_ipset_version() -> Result<String, String> {
+pub(crate) fn check_ipset_version() -> Result<String, String> {
     let out = run(Command::new("ipset"), "ipset", &["version"])
         .map_err(|e| format!("ipset is unusable: {e}"))?;
     let v = parse_ipset_version(&out)
@@ -312,7 +312,7 @@ pub fn check_ipset_version() -> Result<String, String> {
 }
 
 /// `ipset v7.17, protocol version: 7` → (7, 17).
-pub fn parse_ipset_version(s: &str) -> Option<(u32, u32)> {
+pub(crate) fn parse_ipset_version(s: &str) -> Option<(u32, u32)> {
     let v = s.split_whitespace().find_map(|w| w.strip_prefix('v'))?;
     let v = v.trim_end_matches(',');
     let mut it = v.split('.');

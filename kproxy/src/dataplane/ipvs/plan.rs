@@ -38,7 +38,7 @@ use crate::model::{Endpoint, IpFamily, Protocol, ServicePort, ServicePortName, S
 
 /// Kinds of ipset (`ipset create NAME <type>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum SetType {
+pub(crate) enum SetType {
     HashIp,
     HashIpPort,
     HashIpPortIp,
@@ -47,7 +47,7 @@ pub enum SetType {
 }
 
 impl SetType {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SetType::HashIp => "hash:ip",
             SetType::HashIpPort => "hash:ip,port",
@@ -59,7 +59,7 @@ impl SetType {
 }
 
 /// The ipsets of upstream's IPVS mode: (base name, type, comment).
-pub const IPSETS: &[(&str, SetType, &str)] = &[
+pub(crate) const IPSETS: &[(&str, SetType, &str)] = &[
     (
         LOOP_BACK,
         SetType::HashIpPortIp,
@@ -143,26 +143,26 @@ pub const IPSETS: &[(&str, SetType, &str)] = &[
     (IPVS_IPS, SetType::HashIp, "Addresses on the ipvs interface"),
 ];
 
-pub const LOOP_BACK: &str = "KUBE-LOOP-BACK";
-pub const CLUSTER_IP: &str = "KUBE-CLUSTER-IP";
-pub const EXTERNAL_IP: &str = "KUBE-EXTERNAL-IP";
-pub const EXTERNAL_IP_LOCAL: &str = "KUBE-EXTERNAL-IP-LOCAL";
-pub const LOAD_BALANCER: &str = "KUBE-LOAD-BALANCER";
-pub const LOAD_BALANCER_LOCAL: &str = "KUBE-LOAD-BALANCER-LOCAL";
-pub const LOAD_BALANCER_FW: &str = "KUBE-LOAD-BALANCER-FW";
-pub const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
-pub const LOAD_BALANCER_SOURCE_CIDR: &str = "KUBE-LOAD-BALANCER-SOURCE-CIDR";
-pub const NODE_PORT_TCP: &str = "KUBE-NODE-PORT-TCP";
-pub const NODE_PORT_LOCAL_TCP: &str = "KUBE-NODE-PORT-LOCAL-TCP";
-pub const NODE_PORT_UDP: &str = "KUBE-NODE-PORT-UDP";
-pub const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
-pub const NODE_PORT_SCTP: &str = "KUBE-NODE-PORT-SCTP-HASH";
-pub const NODE_PORT_LOCAL_SCTP: &str = "KUBE-NODE-PORT-LOCAL-SCTP-HASH";
-pub const HEALTH_CHECK_NODE_PORT: &str = "KUBE-HEALTH-CHECK-NODE-PORT";
-pub const IPVS_IPS: &str = "KUBE-IPVS-IPS";
+pub(crate) const LOOP_BACK: &str = "KUBE-LOOP-BACK";
+pub(crate) const CLUSTER_IP: &str = "KUBE-CLUSTER-IP";
+pub(crate) const EXTERNAL_IP: &str = "KUBE-EXTERNAL-IP";
+pub(crate) const EXTERNAL_IP_LOCAL: &str = "KUBE-EXTERNAL-IP-LOCAL";
+pub(crate) const LOAD_BALANCER: &str = "KUBE-LOAD-BALANCER";
+pub(crate) const LOAD_BALANCER_LOCAL: &str = "KUBE-LOAD-BALANCER-LOCAL";
+pub(crate) const LOAD_BALANCER_FW: &str = "KUBE-LOAD-BALANCER-FW";
+pub(crate) const LOAD_BALANCER_SOURCE_IP: &str = "KUBE-LOAD-BALANCER-SOURCE-IP";
+pub(crate) const LOAD_BALANCER_SOURCE_CIDR: &str = "KUBE-LOAD-BALANCER-SOURCE-CIDR";
+pub(crate) const NODE_PORT_TCP: &str = "KUBE-NODE-PORT-TCP";
+pub(crate) const NODE_PORT_LOCAL_TCP: &str = "KUBE-NODE-PORT-LOCAL-TCP";
+pub(crate) const NODE_PORT_UDP: &str = "KUBE-NODE-PORT-UDP";
+pub(crate) const NODE_PORT_LOCAL_UDP: &str = "KUBE-NODE-PORT-LOCAL-UDP";
+pub(crate) const NODE_PORT_SCTP: &str = "KUBE-NODE-PORT-SCTP-HASH";
+pub(crate) const NODE_PORT_LOCAL_SCTP: &str = "KUBE-NODE-PORT-LOCAL-SCTP-HASH";
+pub(crate) const HEALTH_CHECK_NODE_PORT: &str = "KUBE-HEALTH-CHECK-NODE-PORT";
+pub(crate) const IPVS_IPS: &str = "KUBE-IPVS-IPS";
 
 /// The kernel name of a set for `family`: IPv6 sets are `KUBE-6-…`, cut to ipset's 31 bytes.
-pub fn set_name(base: &str, family: IpFamily) -> String {
+pub(crate) fn set_name(base: &str, family: IpFamily) -> String {
     match family {
         IpFamily::V4 => base.to_string(),
         IpFamily::V6 => {
@@ -175,7 +175,7 @@ pub fn set_name(base: &str, family: IpFamily) -> String {
 
 /// Why a virtual service exists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum VsKind {
+pub(crate) enum VsKind {
     ClusterIp,
     ExternalIp,
     LoadBalancer,
@@ -184,7 +184,7 @@ pub enum VsKind {
 
 /// One planned virtual service with its real servers (`addr:port` → weight).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlannedService {
+pub(crate) struct PlannedService {
     pub service: VirtualService,
     pub kind: VsKind,
     pub origin: ServicePortName,
@@ -193,7 +193,7 @@ pub struct PlannedService {
 
 /// One planned ipset.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlannedSet {
+pub(crate) struct PlannedSet {
     /// Kernel name (family-adjusted).
     pub name: String,
     pub set_type: SetType,
@@ -203,20 +203,20 @@ pub struct PlannedSet {
 
 /// One rule in `iptables-restore` syntax (`-A CHAIN …`), with its table.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rules {
+pub(crate) struct Rules {
     pub nat: Vec<String>,
     pub filter: Vec<String>,
 }
 
 /// Chains upstream's IPVS mode owns, per table.
-pub const NAT_CHAINS: &[&str] = &[
+pub(crate) const NAT_CHAINS: &[&str] = &[
     "KUBE-SERVICES",
     "KUBE-POSTROUTING",
     "KUBE-NODE-PORT",
     "KUBE-LOAD-BALANCER",
     "KUBE-MARK-MASQ",
 ];
-pub const FILTER_CHAINS: &[&str] = &[
+pub(crate) const FILTER_CHAINS: &[&str] = &[
     "KUBE-FORWARD",
     "KUBE-NODE-PORT",
     "KUBE-PROXY-FIREWALL",
@@ -226,7 +226,7 @@ pub const FILTER_CHAINS: &[&str] = &[
 ];
 
 /// Jumps from the built-in chains: (table, from, to, comment).
-pub const JUMPS: &[(&str, &str, &str, &str)] = &[
+pub(crate) const JUMPS: &[(&str, &str, &str, &str)] = &[
     (
         "nat",
         "OUTPUT",
@@ -285,7 +285,7 @@ pub const JUMPS: &[(&str, &str, &str, &str)] = &[
 
 /// Everything one IPVS dataplane instance should hold in the kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IpvsPlan {
+pub(crate) struct IpvsPlan {
     pub family: IpFamily,
     pub services: BTreeMap<ServiceKey, PlannedService>,
     /// Addresses bound to the dummy device.
@@ -301,7 +301,7 @@ pub struct IpvsPlan {
 
 impl IpvsPlan {
     /// Distinct endpoints (`ip:port`) taking new connections in some virtual service.
-    pub fn active_endpoints(&self) -> usize {
+    pub(crate) fn active_endpoints(&self) -> usize {
         self.services
             .values()
             .flat_map(|s| {
@@ -314,7 +314,7 @@ impl IpvsPlan {
             .len()
     }
     /// Real servers with a non-zero weight, over all virtual services.
-    pub fn active_real_servers(&self) -> usize {
+    pub(crate) fn active_real_servers(&self) -> usize {
         self.services
             .values()
             .map(|s| s.real_servers.values().filter(|w| **w > 0).count())
@@ -327,7 +327,7 @@ fn ip_port_entry(ip: IpAddr, protocol: Protocol, port: u16) -> String {
 }
 
 /// Builds the plan for `cfg.family`.
-pub fn plan(snap: &Snapshot, cfg: &IpvsConfig) -> IpvsPlan {
+pub(crate) fn plan(snap: &Snapshot, cfg: &IpvsConfig) -> IpvsPlan {
     let family = cfg.family;
     let mut p = IpvsPlan {
         family,
@@ -928,7 +928,7 @@ fn write_masquerade_rules(cfg: &IpvsConfig, nat: &mut Vec<String>) {
 }
 
 /// `iptables-restore --noflush` input: our chains declared (so flushed) and refilled.
-pub fn iptables_restore_input(rules: &Rules) -> String {
+pub(crate) fn iptables_restore_input(rules: &Rules) -> String {
     let mut out = String::new();
     for (table, chains, lines) in [
         ("filter", FILTER_CHAINS, &rules.filter),

@@ -22,7 +22,7 @@ use crate::kernel::rtnl::{RouteSocket, dump_request, request};
 type Request = NetlinkMessage<RouteNetlinkMessage>;
 
 /// `RTM_GETLINK` of the link named `name`.
-pub fn get_link(name: &str) -> Request {
+pub(crate) fn get_link(name: &str) -> Request {
     request(
         RouteNetlinkMessage::GetLink(LinkUnspec::new_with_name(name).build()),
         0,
@@ -30,7 +30,7 @@ pub fn get_link(name: &str) -> Request {
 }
 
 /// `RTM_NEWLINK` creating a dummy link named `name` (an existing one is an error).
-pub fn new_dummy(name: &str) -> Request {
+pub(crate) fn new_dummy(name: &str) -> Request {
     request(
         RouteNetlinkMessage::NewLink(LinkDummy::new(name).build()),
         NLM_F_CREATE | NLM_F_EXCL,
@@ -38,7 +38,7 @@ pub fn new_dummy(name: &str) -> Request {
 }
 
 /// `RTM_DELLINK` of link `index`.
-pub fn del_link(index: u32) -> Request {
+pub(crate) fn del_link(index: u32) -> Request {
     request(
         RouteNetlinkMessage::DelLink(LinkUnspec::new_with_index(index).build()),
         0,
@@ -61,7 +61,7 @@ fn host_address(index: u32, ip: &IpAddr) -> AddressMessage {
 
 /// `RTM_NEWADDR` (an existing address is an error) or `RTM_DELADDR` of the host address `ip`
 /// on link `index`.
-pub fn address_request(index: u32, ip: &IpAddr, add: bool) -> Request {
+pub(crate) fn address_request(index: u32, ip: &IpAddr, add: bool) -> Request {
     let msg = host_address(index, ip);
     if add {
         request(
@@ -74,7 +74,7 @@ pub fn address_request(index: u32, ip: &IpAddr, add: bool) -> Request {
 }
 
 /// The address of one `RTM_NEWADDR` dump answer, if it belongs to link `index`.
-pub fn address_on(msg: &AddressMessage, index: u32) -> Option<IpAddr> {
+pub(crate) fn address_on(msg: &AddressMessage, index: u32) -> Option<IpAddr> {
     (msg.header.index == index)
         .then(|| address_of(msg))
         .flatten()
@@ -82,19 +82,19 @@ pub fn address_on(msg: &AddressMessage, index: u32) -> Option<IpAddr> {
 
 /// A route-netlink socket in the caller's network namespace.
 #[derive(Debug)]
-pub struct Rtnl {
+pub(crate) struct Rtnl {
     sock: RouteSocket,
 }
 
 impl Rtnl {
-    pub fn open() -> io::Result<Rtnl> {
+    pub(crate) fn open() -> io::Result<Rtnl> {
         Ok(Rtnl {
             sock: RouteSocket::open()?,
         })
     }
 
     /// The index of link `name`, if it exists.
-    pub fn link_index(&mut self, name: &str) -> io::Result<Option<u32>> {
+    pub(crate) fn link_index(&mut self, name: &str) -> io::Result<Option<u32>> {
         match self.sock.collect(get_link(name)) {
             Ok(answers) => Ok(answers.iter().find_map(|m| match m {
                 RouteNetlinkMessage::NewLink(l) => l
@@ -110,7 +110,7 @@ impl Rtnl {
     }
 
     /// Creates the dummy link `name` unless it exists; returns its index.
-    pub fn ensure_dummy(&mut self, name: &str) -> io::Result<u32> {
+    pub(crate) fn ensure_dummy(&mut self, name: &str) -> io::Result<u32> {
         if let Some(i) = self.link_index(name)? {
             return Ok(i);
         }
@@ -132,12 +132,12 @@ impl Rtnl {
         })
     }
 
-    pub fn delete_link(&mut self, index: u32) -> io::Result<()> {
+    pub(crate) fn delete_link(&mut self, index: u32) -> io::Result<()> {
         self.sock.collect(del_link(index)).map(|_| ())
     }
 
     /// The addresses on link `index`.
-    pub fn addresses(&mut self, index: u32) -> io::Result<Vec<IpAddr>> {
+    pub(crate) fn addresses(&mut self, index: u32) -> io::Result<Vec<IpAddr>> {
         let answers = self
             .sock
             .collect(dump_request(RouteNetlinkMessage::GetAddress(
@@ -153,7 +153,7 @@ impl Rtnl {
     }
 
     /// Binds `ip` to `index` (an existing binding is fine).
-    pub fn add_address(&mut self, index: u32, ip: &IpAddr) -> io::Result<()> {
+    pub(crate) fn add_address(&mut self, index: u32, ip: &IpAddr) -> io::Result<()> {
         match self.sock.collect(address_request(index, ip, true)) {
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
             r => r.map(|_| ()),
@@ -161,7 +161,7 @@ impl Rtnl {
     }
 
     /// Unbinds `ip` from `index` (a missing one is fine).
-    pub fn del_address(&mut self, index: u32, ip: &IpAddr) -> io::Result<()> {
+    pub(crate) fn del_address(&mut self, index: u32, ip: &IpAddr) -> io::Result<()> {
         match self.sock.collect(address_request(index, ip, false)) {
             Err(e) if e.raw_os_error() == Some(libc::EADDRNOTAVAIL) => Ok(()),
             r => r.map(|_| ()),

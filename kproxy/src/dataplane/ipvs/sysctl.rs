@@ -14,7 +14,7 @@ use super::config::IpvsConfig;
 use crate::model::IpFamily;
 
 /// `(path under /proc/sys, value)` pairs for `cfg` on a kernel of `kernel_release`.
-pub fn wanted(cfg: &IpvsConfig, kernel_release: &str) -> Vec<(&'static str, &'static str)> {
+pub(crate) fn wanted(cfg: &IpvsConfig, kernel_release: &str) -> Vec<(&'static str, &'static str)> {
     let mut v = vec![
         ("net/ipv4/vs/conntrack", "1"),
         ("net/ipv4/vs/expire_nodest_conn", "1"),
@@ -35,13 +35,13 @@ pub fn wanted(cfg: &IpvsConfig, kernel_release: &str) -> Vec<(&'static str, &'st
 }
 
 /// `6.1.0-56-amd64` → (6, 1).
-pub fn parse_release(r: &str) -> Option<(u32, u32)> {
+pub(crate) fn parse_release(r: &str) -> Option<(u32, u32)> {
     let mut it = r.split(['.', '-']);
     Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
 /// Writes the wanted values that differ; errors name the sysctl.
-pub fn apply(cfg: &IpvsConfig) -> Result<(), String> {
+pub(crate) fn apply(cfg: &IpvsConfig) -> Result<(), String> {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     for (path, value) in wanted(cfg, release.trim()) {
         let full = format!("/proc/sys/{path}");

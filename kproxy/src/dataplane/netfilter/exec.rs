@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// `program` in the network namespace `netns` (`None`: the caller's).
-pub fn command(netns: Option<&Path>, program: &str) -> Command {
+pub(crate) fn command(netns: Option<&Path>, program: &str) -> Command {
     match netns {
         Some(ns) => {
             let mut c = Command::new("nsenter");
@@ -19,7 +19,7 @@ pub fn command(netns: Option<&Path>, program: &str) -> Command {
 
 /// What a finished tool run printed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Output {
+pub(crate) struct Output {
     pub success: bool,
     pub stdout: String,
     pub stderr: String,
@@ -27,7 +27,7 @@ pub struct Output {
 
 /// Runs `cmd` with `stdin` piped in (or none) and collects its output. A failed write to its
 /// stdin is left for the tool's own exit status to report.
-pub fn run(mut cmd: Command, stdin: Option<&str>) -> std::io::Result<Output> {
+pub(crate) fn run(mut cmd: Command, stdin: Option<&str>) -> std::io::Result<Output> {
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
     } else {
@@ -56,7 +56,7 @@ pub fn run(mut cmd: Command, stdin: Option<&str>) -> std::io::Result<Output> {
 /// leftovers would leave empty `filter`/`nat`/`mangle` tables on a node that had none.
 /// Callers ask here first and skip tables that do not exist. An unreadable file (no x_tables
 /// in the kernel) means none exists.
-pub fn legacy_tables(family: crate::model::IpFamily) -> Vec<String> {
+pub(crate) fn legacy_tables(family: crate::model::IpFamily) -> Vec<String> {
     let file = match family {
         crate::model::IpFamily::V4 => "ip_tables_names",
         crate::model::IpFamily::V6 => "ip6_tables_names",

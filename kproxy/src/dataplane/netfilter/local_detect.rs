@@ -77,13 +77,13 @@ pub enum LocalDetector {
 
 impl LocalDetector {
     /// Upstream `IsImplemented`.
-    pub fn is_implemented(&self) -> bool {
+    pub(crate) fn is_implemented(&self) -> bool {
         !matches!(self, LocalDetector::None)
     }
 
     /// iptables match arguments selecting local traffic (upstream `IfLocal`); `None` when not
     /// implemented.
-    pub fn if_local(&self) -> Option<String> {
+    pub(crate) fn if_local(&self) -> Option<String> {
         match self {
             LocalDetector::None => None,
             LocalDetector::Cidr(c) => Some(format!("-s {c}")),
@@ -93,17 +93,17 @@ impl LocalDetector {
     }
 
     /// iptables match arguments selecting non-local traffic (upstream `IfNotLocal`).
-    pub fn if_not_local(&self) -> Option<String> {
+    pub(crate) fn if_not_local(&self) -> Option<String> {
         self.if_local().map(|l| format!("! {l}"))
     }
 
     /// nftables expression selecting local traffic (upstream `IfLocalNFT`).
-    pub fn if_local_nft(&self) -> Option<String> {
+    pub(crate) fn if_local_nft(&self) -> Option<String> {
         self.nft("")
     }
 
     /// nftables expression selecting non-local traffic (upstream `IfNotLocalNFT`).
-    pub fn if_not_local_nft(&self) -> Option<String> {
+    pub(crate) fn if_not_local_nft(&self) -> Option<String> {
         self.nft("!= ")
     }
 
@@ -130,13 +130,13 @@ impl LocalDetector {
 
 /// The detector of each family.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct LocalDetectors {
+pub(crate) struct LocalDetectors {
     pub v4: LocalDetector,
     pub v6: LocalDetector,
 }
 
 impl LocalDetectors {
-    pub fn get(&self, family: IpFamily) -> &LocalDetector {
+    pub(crate) fn get(&self, family: IpFamily) -> &LocalDetector {
         match family {
             IpFamily::V4 => &self.v4,
             IpFamily::V6 => &self.v6,
@@ -146,7 +146,7 @@ impl LocalDetectors {
 
 /// A configuration that cannot give any detector.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DetectLocalError {
+pub(crate) enum DetectLocalError {
     #[error(
         "detect-local-mode BridgeInterface needs --pod-bridge-interface (detectLocal.bridgeInterface)"
     )]
@@ -159,7 +159,7 @@ pub enum DetectLocalError {
 
 /// Upstream `getLocalDetectors`: one detector per family, plus warnings to log (upstream logs
 /// them at info level) when the primary family ends up without a detector.
-pub fn detectors(
+pub(crate) fn detectors(
     mode: &DetectLocal,
     cluster_cidrs: &[IpNet],
     primary: IpFamily,

@@ -3,7 +3,7 @@
 
 pub mod backend;
 pub mod conntrack;
-pub mod exec;
+pub(crate) mod exec;
 pub mod local_detect;
 pub mod node_ports;
 pub mod with_conntrack;

@@ -19,7 +19,7 @@ pub struct NodePortAddresses<'a> {
 
 impl NodePortAddresses<'_> {
     /// The CIDRs of this family.
-    pub fn family_cidrs(&self) -> Vec<IpNet> {
+    pub(crate) fn family_cidrs(&self) -> Vec<IpNet> {
         self.cidrs
             .iter()
             .copied()
@@ -28,13 +28,13 @@ impl NodePortAddresses<'_> {
     }
 
     /// Upstream `MatchAll()`: no CIDR of this family, or a zero CIDR.
-    pub fn match_all(&self) -> bool {
+    pub(crate) fn match_all(&self) -> bool {
         let c = self.family_cidrs();
         c.is_empty() || c.iter().any(|n| n.prefix_len() == 0)
     }
 
     /// Upstream `ContainsIPv4Loopback()`.
-    pub fn contains_ipv4_loopback(&self) -> bool {
+    pub(crate) fn contains_ipv4_loopback(&self) -> bool {
         if self.family != IpFamily::V4 {
             return false;
         }
@@ -43,7 +43,7 @@ impl NodePortAddresses<'_> {
     }
 
     /// Upstream `GetNodeIPs()`: local addresses of this family inside the CIDRs, once each.
-    pub fn node_ips(&self) -> Vec<IpAddr> {
+    pub(crate) fn node_ips(&self) -> Vec<IpAddr> {
         let cidrs = self.family_cidrs();
         let mut out: Vec<IpAddr> = vec![];
         for ip in self.local_addresses {

@@ -47,7 +47,7 @@ impl NftablesConfig {
     }
 
     /// `ip` or `ip6`.
-    pub fn ip_x(&self) -> &'static str {
+    pub(crate) fn ip_x(&self) -> &'static str {
         match self.family {
             IpFamily::V4 => "ip",
             IpFamily::V6 => "ip6",
@@ -55,7 +55,7 @@ impl NftablesConfig {
     }
 
     /// `ipv4_addr` or `ipv6_addr`.
-    pub fn addr_type(&self) -> &'static str {
+    pub(crate) fn addr_type(&self) -> &'static str {
         match self.family {
             IpFamily::V4 => "ipv4_addr",
             IpFamily::V6 => "ipv6_addr",
@@ -68,7 +68,7 @@ impl NftablesConfig {
     }
 
     /// `--nodeport-addresses` of this proxier's family, with the node's addresses.
-    pub fn node_ports(&self) -> NodePortAddresses<'_> {
+    pub(crate) fn node_ports(&self) -> NodePortAddresses<'_> {
         NodePortAddresses {
             family: self.family,
             cidrs: &self.node_port_addresses,
@@ -82,7 +82,7 @@ impl NftablesConfig {
     }
 
     /// [`Self::service_cidrs_text`] of `cidrs`.
-    pub fn service_cidrs_text_of(&self, cidrs: &[IpNet]) -> String {
+    pub(crate) fn service_cidrs_text_of(&self, cidrs: &[IpNet]) -> String {
         cidrs
             .iter()
             .filter(|n| self.family.matches(&n.addr()))
@@ -92,12 +92,12 @@ impl NftablesConfig {
     }
 
     /// Upstream `IfLocalNFT` of the detector.
-    pub fn if_local(&self) -> Option<String> {
+    pub(crate) fn if_local(&self) -> Option<String> {
         self.local_detector.if_local_nft()
     }
 
     /// Upstream `IfNotLocalNFT` of the detector.
-    pub fn if_not_local(&self) -> Option<String> {
+    pub(crate) fn if_not_local(&self) -> Option<String> {
         self.local_detector.if_not_local_nft()
     }
 }

@@ -35,7 +35,7 @@ use super::proxier::NftablesProxier;
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// Start-up of the nftables dataplane failed.
-pub type SetupError = FamilyError;
+pub(crate) type SetupError = FamilyError;
 
 /// One family's proxier and its table.
 pub struct FamilyProxier {
@@ -122,7 +122,7 @@ impl NftablesDataplane {
     }
 
     /// [`Self::new`], each proxier reporting its syncs to `telemetry`.
-    pub fn with_telemetry(
+    pub(crate) fn with_telemetry(
         cfgs: impl IntoIterator<Item = NftablesConfig>,
         runner: NftRunner,
         full_sync_period: Duration,
@@ -167,14 +167,9 @@ impl NftablesDataplane {
 
     /// Also serves TCP NodePorts on 127.0.0.1 (the feature gate
     /// `KubeProxyNFTablesLocalhostNodePorts`), following every sync's snapshot.
-    pub fn with_localhost(mut self, proxy: LocalhostNodePorts) -> Self {
+    pub(crate) fn with_localhost(mut self, proxy: LocalhostNodePorts) -> Self {
         self.localhost = Some(proxy);
         self
-    }
-
-    /// The localhost NodePort proxy, when enabled.
-    pub fn localhost(&self) -> Option<&LocalhostNodePorts> {
-        self.localhost.as_ref()
     }
 
     /// The per-family proxiers, e.g. to read their stats.
@@ -234,7 +229,7 @@ impl Dataplane for NftablesDataplane {
 
 /// Deletes the `ip` and `ip6` `kube-proxy` tables wherever `runner` runs `nft` (start-up
 /// cleanup of other modes, `kproxy cleanup`).
-pub fn cleanup_tables(runner: &NftRunner) -> Result<(), String> {
+pub(crate) fn cleanup_tables(runner: &NftRunner) -> Result<(), String> {
     let mut errors = vec![];
     for fam in ["ip", "ip6"] {
         if let Err(e) = KernelTable::new(fam, runner.clone()).delete_table() {

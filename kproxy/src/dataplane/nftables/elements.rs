@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use super::transaction::{Object, Transaction};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ElementStorage {
+pub(crate) struct ElementStorage {
     pub name: String,
     /// key → value (`None` for set elements).
     pub elements: BTreeMap<String, Option<String>>,
@@ -24,7 +24,7 @@ pub struct ElementStorage {
 }
 
 impl ElementStorage {
-    pub fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         ElementStorage {
             name: name.into(),
             ..Default::default()
@@ -33,7 +33,7 @@ impl ElementStorage {
 
     /// Starts a full sync: replaces the known content (what the kernel holds), marks every
     /// key leftover until ensured and forgets who held what.
-    pub fn reset(&mut self, content: impl IntoIterator<Item = (String, Option<String>)>) {
+    pub(crate) fn reset(&mut self, content: impl IntoIterator<Item = (String, Option<String>)>) {
         self.elements = content.into_iter().collect();
         self.leftover = self.elements.keys().cloned().collect();
         self.holders.clear();
@@ -41,7 +41,7 @@ impl ElementStorage {
 
     /// A service port no longer holds `key` (a partial sync rewrites it): once nobody
     /// holds it, it is leftover unless ensured again in this sync.
-    pub fn release(&mut self, key: &str) {
+    pub(crate) fn release(&mut self, key: &str) {
         if let Some(n) = self.holders.get_mut(key) {
             *n -= 1;
             if *n == 0 {
@@ -52,7 +52,7 @@ impl ElementStorage {
     }
 
     /// Upstream `ensureElem`.
-    pub fn ensure(
+    pub(crate) fn ensure(
         &mut self,
         tx: &mut Transaction,
         key: String,
@@ -82,17 +82,12 @@ impl ElementStorage {
     }
 
     /// Whether a service port holds `key`.
-    pub fn is_held(&self, key: &str) -> bool {
+    pub(crate) fn is_held(&self, key: &str) -> bool {
         self.holders.contains_key(key)
     }
 
-    /// Whether `key` is known and neither ensured in this sync nor held by a service port.
-    pub fn is_leftover(&self, key: &str) -> bool {
-        self.leftover.contains(key)
-    }
-
     /// Upstream `cleanupLeftoverKeys`: deletes what this sync did not ensure.
-    pub fn cleanup(&mut self, tx: &mut Transaction) {
+    pub(crate) fn cleanup(&mut self, tx: &mut Transaction) {
         for key in std::mem::take(&mut self.leftover) {
             tx.delete(Object::Element {
                 name: self.name.clone(),

@@ -26,13 +26,13 @@ use super::localhost::{FEATURE_GATE, LOOPBACK, LocalhostNodePorts};
 use super::{FULL_SYNC_PERIOD, NftablesConfig, NftablesDataplane};
 
 /// The nftables mode.
-pub struct Face;
+pub(crate) struct Face;
 
 /// Upstream's minimum kernel for the nftables mode.
-pub const MIN_KERNEL: (u32, u32) = (5, 13);
+pub(crate) const MIN_KERNEL: (u32, u32) = (5, 13);
 
 /// `major.minor` of a kernel release string (`6.1.0-18-amd64` → (6, 1)).
-pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+pub(crate) fn kernel_version(release: &str) -> Option<(u32, u32)> {
     let mut it = release.trim().split(['.', '-']);
     let major = it.next()?.parse().ok()?;
     let minor = it.next()?.parse().ok()?;
@@ -41,7 +41,7 @@ pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
 
 /// The nftables proxiers' configurations (one per family in `families`); `node_pod_cidrs`
 /// as for [`local_detector`].
-pub fn configs(
+pub(crate) fn configs(
     cfg: &ProxyConfig,
     families: &[IpFamily],
     node_pod_cidrs: &[IpNet],

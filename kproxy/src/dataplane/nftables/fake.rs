@@ -8,7 +8,7 @@ use super::transaction::{BaseChain, Object, Op, SetSpec, Transaction, Verb, pars
 /// A transaction the table refused; nothing of it was applied.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("nft transaction failed at `{op}`: {reason}")]
-pub struct ApplyError {
+pub(crate) struct ApplyError {
     pub op: String,
     pub reason: String,
 }
@@ -65,7 +65,7 @@ impl FakeTable {
     }
 
     /// Applies `tx` atomically.
-    pub fn apply(&mut self, tx: &Transaction) -> Result<(), ApplyError> {
+    pub(crate) fn apply(&mut self, tx: &Transaction) -> Result<(), ApplyError> {
         let mut next = self.clone();
         for op in &tx.ops {
             next.apply_op(op).map_err(|reason| ApplyError {

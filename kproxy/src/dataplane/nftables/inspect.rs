@@ -164,7 +164,7 @@ fn port_view(
 }
 
 /// Fills the kernel view of the `selected` ports from both families' tables.
-pub fn view(
+pub(crate) fn view(
     snap: &Snapshot,
     selected: &Selected<'_>,
     reports: &mut [ServiceReport],
@@ -184,7 +184,7 @@ pub fn view(
 
 /// Whether a `kube-proxy` nftables table with its `services` chain exists here (mode
 /// detection for `kproxy inspect`).
-pub fn programmed() -> bool {
+pub(crate) fn programmed() -> bool {
     [NFPROTO_IPV4, NFPROTO_IPV6].into_iter().any(|f| {
         NftNetlink::open(f, None)
             .and_then(|mut nl| nl.chains(TABLE))

@@ -35,7 +35,7 @@ impl NftRunner {
     }
 
     /// Runs `nft args` with `stdin`; `Ok(stdout)` on success, `Err(stderr)` otherwise.
-    pub fn run(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+    pub(crate) fn run(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
         let mut c = self.command();
         c.args(args);
         let out = crate::dataplane::netfilter::exec::run(c, stdin)
@@ -130,7 +130,7 @@ impl KernelTable {
     }
 
     /// Deletes the table if it exists (cleanup).
-    pub fn delete_table(&mut self) -> Result<(), String> {
+    pub(crate) fn delete_table(&mut self) -> Result<(), String> {
         self.listing = None;
         let fam = self.family.clone();
         match self.nft(&["delete", "table", &fam, TABLE], None) {

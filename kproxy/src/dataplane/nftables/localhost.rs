@@ -38,20 +38,20 @@ use tokio::task::JoinHandle;
 
 use crate::model::{IpFamily, Protocol, ServicePortName, Snapshot};
 
-pub use crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS as FEATURE_GATE;
+pub(crate) use crate::dataplane::settings::NFTABLES_LOCALHOST_NODEPORTS as FEATURE_GATE;
 
 /// The address the listeners bind.
-pub const LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;
+pub(crate) const LOOPBACK: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
 /// Bytes buffered per direction of one connection.
-pub const BUFFER_BYTES: usize = 64 * 1024;
+pub(crate) const BUFFER_BYTES: usize = 64 * 1024;
 
 /// How long a connection attempt to an endpoint may take before the client is reset.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one localhost NodePort forwards to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PortTarget {
+pub(crate) struct PortTarget {
     pub service: ServicePortName,
     /// The endpoints a connection may reach (empty: reset every connection).
     pub endpoints: Vec<SocketAddr>,
@@ -61,7 +61,7 @@ pub struct PortTarget {
 
 /// The ports to serve and their targets, from `snap` (TCP NodePorts of services with an IPv4
 /// ClusterIP).
-pub fn plan(snap: &Snapshot) -> BTreeMap<u16, PortTarget> {
+pub(crate) fn plan(snap: &Snapshot) -> BTreeMap<u16, PortTarget> {
     let mut out = BTreeMap::new();
     for svc in snap.services.values() {
         if svc.node_port == 0
@@ -93,7 +93,7 @@ pub fn plan(snap: &Snapshot) -> BTreeMap<u16, PortTarget> {
 
 /// Picks an endpoint per connection, remembering each client's choice for affinity.
 #[derive(Debug, Default)]
-pub struct Chooser {
+pub(crate) struct Chooser {
     /// (port, client) → (endpoint, last used).
     sticky: HashMap<(u16, IpAddr), (SocketAddr, Instant)>,
     seed: u64,
@@ -102,7 +102,7 @@ pub struct Chooser {
 impl Chooser {
     /// The endpoint for a connection from `client` to `port`, or `None` (no endpoints).
     /// `random` is a fresh random number (a parameter, so tests can drive it).
-    pub fn choose(
+    pub(crate) fn choose(
         &mut self,
         port: u16,
         target: &PortTarget,
@@ -129,7 +129,7 @@ impl Chooser {
     }
 
     /// Forgets affinity entries of ports no longer served and entries past every timeout.
-    pub fn retain(&mut self, targets: &BTreeMap<u16, PortTarget>, now: Instant) {
+    pub(crate) fn retain(&mut self, targets: &BTreeMap<u16, PortTarget>, now: Instant) {
         self.sticky.retain(|(port, _), (_, last)| {
             targets
                 .get(port)
@@ -155,13 +155,13 @@ struct Shared {
 
 /// Starting the localhost proxy failed.
 #[derive(Debug, thiserror::Error)]
-pub enum LocalhostError {
+pub(crate) enum LocalhostError {
     #[error("localhost NodePorts need a tokio runtime (the agent's)")]
     NoRuntime,
 }
 
 /// The running localhost NodePort proxy.
-pub struct LocalhostNodePorts {
+pub(crate) struct LocalhostNodePorts {
     runtime: tokio::runtime::Handle,
     shared: Arc<Mutex<Shared>>,
     listeners: BTreeMap<u16, JoinHandle<()>>,
@@ -169,7 +169,7 @@ pub struct LocalhostNodePorts {
 
 impl LocalhostNodePorts {
     /// A proxy on the current tokio runtime, serving nothing until [`Self::update`].
-    pub fn new() -> Result<Self, LocalhostError> {
+    pub(crate) fn new() -> Result<Self, LocalhostError> {
         let runtime =
             tokio::runtime::Handle::try_current().map_err(|_| LocalhostError::NoRuntime)?;
         Ok(LocalhostNodePorts {
@@ -179,15 +179,10 @@ impl LocalhostNodePorts {
         })
     }
 
-    /// The ports listened on now.
-    pub fn ports(&self) -> Vec<u16> {
-        self.listeners.keys().copied().collect()
-    }
-
     /// Follows `snap`: new targets for every connection accepted from now on, listeners
     /// opened for new NodePorts and closed for removed ones. A port that cannot be bound (in
     /// use by another process) is logged and retried at the next update.
-    pub fn update(&mut self, snap: &Snapshot) {
+    pub(crate) fn update(&mut self, snap: &Snapshot) {
         let targets = plan(snap);
         let wanted = |port: &u16| targets.get(port).is_some_and(|t| !t.endpoints.is_empty());
         self.listeners.retain(|port, task| {
@@ -238,7 +233,7 @@ impl LocalhostNodePorts {
     }
 
     /// Closes every listener (open connections finish on their own).
-    pub fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         for (_, task) in std::mem::take(&mut self.listeners) {
             task.abort();
         }

@@ -90,18 +90,18 @@
 //!   claimants' elements after a claimant was rewritten, so the key ends with an unchanged
 //!   claimant's value and never keeps one of a port that no longer claims it.)
 
-pub mod config;
-pub mod dataplane;
-pub mod elements;
-pub mod face;
-pub mod fake;
-pub mod inspect;
+pub(crate) mod config;
+pub(crate) mod dataplane;
+pub(crate) mod elements;
+pub(crate) mod face;
+pub(crate) mod fake;
+pub(crate) mod inspect;
 pub mod kernel;
-pub mod localhost;
+pub(crate) mod localhost;
 pub mod names;
 pub mod proxier;
-pub mod service;
-pub mod setup;
+pub(crate) mod service;
+pub(crate) mod setup;
 pub mod transaction;
 
 pub use config::NftablesConfig;

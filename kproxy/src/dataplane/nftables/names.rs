@@ -5,18 +5,18 @@
 
 use ring::digest::{SHA256, digest};
 
-pub use crate::dataplane::netfilter::ServiceChains;
+pub(crate) use crate::dataplane::netfilter::ServiceChains;
 use crate::model::{Endpoint, ServicePortName};
 
 /// knftables `NameLengthMax` minus upstream's prefix allowance (16).
-pub const CHAIN_NAME_BASE_LENGTH_MAX: usize = 256 - 16;
+pub(crate) const CHAIN_NAME_BASE_LENGTH_MAX: usize = 256 - 16;
 
-pub const SERVICE_PREFIX: &str = "service-";
-pub const LOCAL_PREFIX: &str = "local-";
-pub const EXTERNAL_PREFIX: &str = "external-";
-pub const FIREWALL_PREFIX: &str = "firewall-";
-pub const ENDPOINT_PREFIX: &str = "endpoint-";
-pub const AFFINITY_PREFIX: &str = "affinity-";
+pub(crate) const SERVICE_PREFIX: &str = "service-";
+pub(crate) const LOCAL_PREFIX: &str = "local-";
+pub(crate) const EXTERNAL_PREFIX: &str = "external-";
+pub(crate) const FIREWALL_PREFIX: &str = "firewall-";
+pub(crate) const ENDPOINT_PREFIX: &str = "endpoint-";
+pub(crate) const AFFINITY_PREFIX: &str = "affinity-";
 
 const BASE32: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
 
@@ -68,22 +68,22 @@ pub fn endpoint_base_of(name: &ServicePortName, ip: &str, port: u16) -> String {
 }
 
 /// The base of an endpoint's chain and affinity set.
-pub fn endpoint_base(name: &ServicePortName, ep: &Endpoint) -> String {
+pub(crate) fn endpoint_base(name: &ServicePortName, ep: &Endpoint) -> String {
     endpoint_base_of(name, &ep.ip.to_string(), ep.port)
 }
 
 /// Chain of an endpoint (`endpoint-…`).
-pub fn endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
+pub(crate) fn endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
     format!("{ENDPOINT_PREFIX}{}", endpoint_base(name, ep))
 }
 
 /// Affinity set of an endpoint (`affinity-…`).
-pub fn affinity_set(name: &ServicePortName, ep: &Endpoint) -> String {
+pub(crate) fn affinity_set(name: &ServicePortName, ep: &Endpoint) -> String {
     format!("{AFFINITY_PREFIX}{}", endpoint_base(name, ep))
 }
 
 /// Upstream's `service-/local-/external-/firewall-<base>` chains of a service port.
-pub fn service_chains(name: &ServicePortName) -> ServiceChains {
+pub(crate) fn service_chains(name: &ServicePortName) -> ServiceChains {
     let b = service_base(name);
     ServiceChains::named(
         [
@@ -102,12 +102,12 @@ pub fn is_service_chain(name: &str) -> bool {
 }
 
 /// Whether `name` is an endpoint chain (`endpoint-<hash>-<service port>__<ip>/<port>`).
-pub fn is_endpoint_chain(name: &str) -> bool {
+pub(crate) fn is_endpoint_chain(name: &str) -> bool {
     name.starts_with(ENDPOINT_PREFIX) && is_service_chain(name)
 }
 
 /// Upstream `isAffinitySetName`.
-pub fn is_affinity_set(name: &str) -> bool {
+pub(crate) fn is_affinity_set(name: &str) -> bool {
     name.starts_with(AFFINITY_PREFIX)
 }
 

@@ -19,7 +19,7 @@ use super::transaction::{Object, Transaction, Verb};
 
 /// How long a flushed chain waits before it is deleted (kernels before 6.2 notice a map
 /// element's chain is unreferenced only a little after the element is gone).
-pub const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
+pub(crate) const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
 
 /// The kernel side of the proxier: the table's current objects and a way to run a
 /// transaction. [`FakeTable`] is the in-memory one. A table that does not exist has no
@@ -156,7 +156,7 @@ impl NftablesProxier {
 
     /// Replaces the settings (e.g. the node's addresses changed); a change makes the next
     /// sync full, as every part of the table may depend on them.
-    pub fn set_config(&mut self, cfg: NftablesConfig) {
+    pub(crate) fn set_config(&mut self, cfg: NftablesConfig) {
         if cfg != self.cfg {
             self.cfg = cfg;
             self.need_full_sync = true;
@@ -185,7 +185,7 @@ impl NftablesProxier {
     }
 
     /// Forces the next sync to be full (e.g. upstream's hourly full resync).
-    pub fn force_full_sync(&mut self) {
+    pub(crate) fn force_full_sync(&mut self) {
         self.need_full_sync = true;
     }
 
@@ -741,7 +741,7 @@ fn ports_of<'m, V>(
 
 /// The size of the parts a full sync's transaction is committed in (operations, see
 /// [`split_points`]), chosen by measurement (bench/nftables-speed.md).
-pub const FULL_SYNC_BATCH_OPERATIONS: usize = 20_000;
+pub(crate) const FULL_SYNC_BATCH_OPERATIONS: usize = 20_000;
 
 /// Where to cut a full sync's transaction (operation indices, ascending, none at 0): at the
 /// start of a service port (`port_starts`), once the current part holds at least `budget`

@@ -15,7 +15,7 @@ use super::transaction::{Object, SetSpec, Transaction};
 
 /// The element storages, one per set/map a service port puts elements into.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Storages {
+pub(crate) struct Storages {
     pub cluster_ips: ElementStorage,
     pub service_ips: ElementStorage,
     pub firewall_ips: ElementStorage,
@@ -40,7 +40,7 @@ impl Default for Storages {
 
 /// Which of [`Storages`] an element key is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Store {
+pub(crate) enum Store {
     ClusterIps,
     ServiceIps,
     FirewallIps,
@@ -55,7 +55,7 @@ pub enum Store {
 /// records of the services it rewrites, so it knows what they no longer hold without
 /// walking the others.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PortRecord {
+pub(crate) struct PortRecord {
     pub chains: Vec<String>,
     pub affinity_sets: Vec<String>,
     pub elements: Vec<(Store, String)>,
@@ -64,7 +64,7 @@ pub struct PortRecord {
 }
 
 impl Storages {
-    pub fn get_mut(&mut self, store: Store) -> &mut ElementStorage {
+    pub(crate) fn get_mut(&mut self, store: Store) -> &mut ElementStorage {
         match store {
             Store::ClusterIps => &mut self.cluster_ips,
             Store::ServiceIps => &mut self.service_ips,
@@ -75,7 +75,7 @@ impl Storages {
         }
     }
 
-    pub fn all_mut(&mut self) -> [&mut ElementStorage; 6] {
+    pub(crate) fn all_mut(&mut self) -> [&mut ElementStorage; 6] {
         [
             &mut self.cluster_ips,
             &mut self.service_ips,
@@ -88,7 +88,7 @@ impl Storages {
 }
 
 /// State shared by every service port of one sync.
-pub struct SyncContext<'a> {
+pub(crate) struct SyncContext<'a> {
     pub cfg: &'a NftablesConfig,
     pub node: &'a NodeInfo,
     pub tx: Transaction,
@@ -173,7 +173,7 @@ fn shape(svc: &ServicePort, eps: &[Endpoint], node: &NodeInfo, family: IpFamily)
 }
 
 impl<'a> SyncContext<'a> {
-    pub fn new(
+    pub(crate) fn new(
         cfg: &'a NftablesConfig,
         node: &'a NodeInfo,
         tx: Transaction,
@@ -229,7 +229,7 @@ impl<'a> SyncContext<'a> {
     /// Plans one service port (`eps`: all its endpoints, any family): writes its chains
     /// (unless `elements_only`), reconciles its elements and returns what it holds in the
     /// table.
-    pub fn service_port(
+    pub(crate) fn service_port(
         &mut self,
         svc: &ServicePort,
         cluster_ip: IpAddr,

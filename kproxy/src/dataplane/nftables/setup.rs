@@ -7,35 +7,35 @@ use super::config::NftablesConfig;
 use super::transaction::{BaseChain, Object, SetSpec, Transaction};
 use crate::dataplane::netfilter::node_ports::masquerade_mark;
 
-pub const TABLE: &str = "kube-proxy";
-pub const SERVICES: &str = "services";
-pub const SERVICE_IPS: &str = "service-ips";
-pub const SERVICE_NODEPORTS: &str = "service-nodeports";
-pub const NODEPORT_IPS: &str = "nodeport-ips";
-pub const CLUSTER_IPS: &str = "cluster-ips";
-pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
-pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
-pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
-pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
-pub const REJECT_CHAIN: &str = "reject-chain";
-pub const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
-pub const FIREWALL_IPS: &str = "firewall-ips";
-pub const FIREWALL_CHECK: &str = "firewall-check";
-pub const MARK_MASQ: &str = "mark-for-masquerade";
-pub const MASQUERADING: &str = "masquerading";
+pub(crate) const TABLE: &str = "kube-proxy";
+pub(crate) const SERVICES: &str = "services";
+pub(crate) const SERVICE_IPS: &str = "service-ips";
+pub(crate) const SERVICE_NODEPORTS: &str = "service-nodeports";
+pub(crate) const NODEPORT_IPS: &str = "nodeport-ips";
+pub(crate) const CLUSTER_IPS: &str = "cluster-ips";
+pub(crate) const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
+pub(crate) const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
+pub(crate) const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+pub(crate) const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+pub(crate) const REJECT_CHAIN: &str = "reject-chain";
+pub(crate) const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
+pub(crate) const FIREWALL_IPS: &str = "firewall-ips";
+pub(crate) const FIREWALL_CHECK: &str = "firewall-check";
+pub(crate) const MARK_MASQ: &str = "mark-for-masquerade";
+pub(crate) const MASQUERADING: &str = "masquerading";
 
-pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
-pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
-pub const FILTER_INPUT: &str = "filter-input";
-pub const FILTER_FORWARD: &str = "filter-forward";
-pub const FILTER_OUTPUT: &str = "filter-output";
-pub const NAT_PREROUTING: &str = "nat-prerouting";
-pub const NAT_OUTPUT: &str = "nat-output";
-pub const NAT_POSTROUTING: &str = "nat-postrouting";
+pub(crate) const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
+pub(crate) const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
+pub(crate) const FILTER_INPUT: &str = "filter-input";
+pub(crate) const FILTER_FORWARD: &str = "filter-forward";
+pub(crate) const FILTER_OUTPUT: &str = "filter-output";
+pub(crate) const NAT_PREROUTING: &str = "nat-prerouting";
+pub(crate) const NAT_OUTPUT: &str = "nat-output";
+pub(crate) const NAT_POSTROUTING: &str = "nat-postrouting";
 
 /// Base chains: (name, type, hook, priority). Filtering that must see pre-DNAT addresses runs
 /// at DNAT-10 (-110); the rest at the filter (0), dstnat (-100) and srcnat (100) priorities.
-pub const BASE_CHAINS: [(&str, &str, &str, i32); 8] = [
+pub(crate) const BASE_CHAINS: [(&str, &str, &str, i32); 8] = [
     (FILTER_PREROUTING_PRE_DNAT, "filter", "prerouting", -110),
     (FILTER_OUTPUT_PRE_DNAT, "filter", "output", -110),
     (FILTER_INPUT, "filter", "input", 0),
@@ -47,7 +47,7 @@ pub const BASE_CHAINS: [(&str, &str, &str, i32); 8] = [
 ];
 
 /// Jumps from base chains: (target, from, extra match), in upstream's order.
-pub const JUMP_CHAINS: [(&str, &str, &str); 11] = [
+pub(crate) const JUMP_CHAINS: [(&str, &str, &str); 11] = [
     (NODEPORT_ENDPOINTS_CHECK, FILTER_INPUT, "ct state new"),
     (SERVICE_ENDPOINTS_CHECK, FILTER_INPUT, "ct state new"),
     (SERVICE_ENDPOINTS_CHECK, FILTER_FORWARD, "ct state new"),
@@ -63,7 +63,12 @@ pub const JUMP_CHAINS: [(&str, &str, &str); 11] = [
 
 /// Upstream `ensureChain`: add + flush `chain` once per transaction (`created` remembers).
 /// With `skip`, the chain is only recorded as in use.
-pub fn ensure_chain(tx: &mut Transaction, created: &mut BTreeSet<String>, chain: &str, skip: bool) {
+pub(crate) fn ensure_chain(
+    tx: &mut Transaction,
+    created: &mut BTreeSet<String>,
+    chain: &str,
+    skip: bool,
+) {
     if !created.insert(chain.to_string()) || skip {
         return;
     }
@@ -86,7 +91,7 @@ fn set_spec(kind: String, comment: &str) -> SetSpec {
 /// With `recreate_base_chains` (the proxier's first sync, upstream kubernetes#123162) every
 /// base chain is added and deleted first, so one left by an older version with another hook
 /// or priority is recreated instead of failing the transaction.
-pub fn setup(cfg: &NftablesConfig, tx: &mut Transaction, recreate_base_chains: bool) {
+pub(crate) fn setup(cfg: &NftablesConfig, tx: &mut Transaction, recreate_base_chains: bool) {
     let ip = cfg.ip_x();
     let addr = cfg.addr_type();
     let no_localhost = match cfg.family {

@@ -58,21 +58,21 @@ pub enum Object {
 }
 
 impl Object {
-    pub fn chain(name: impl Into<String>) -> Self {
+    pub(crate) fn chain(name: impl Into<String>) -> Self {
         Object::Chain {
             name: name.into(),
             base: None,
             comment: None,
         }
     }
-    pub fn rule(chain: impl Into<String>, rule: impl Into<String>) -> Self {
+    pub(crate) fn rule(chain: impl Into<String>, rule: impl Into<String>) -> Self {
         Object::Rule {
             chain: chain.into(),
             rule: rule.into(),
             comment: None,
         }
     }
-    pub fn rule_commented(
+    pub(crate) fn rule_commented(
         chain: impl Into<String>,
         rule: impl Into<String>,
         comment: impl Into<String>,
@@ -149,38 +149,38 @@ fn spec_text(spec: &SetSpec) -> String {
 }
 
 impl Transaction {
-    pub fn new(family: &str, table: &str) -> Self {
+    pub(crate) fn new(family: &str, table: &str) -> Self {
         Transaction {
             family: family.into(),
             table: table.into(),
             ops: vec![],
         }
     }
-    pub fn add(&mut self, o: Object) {
+    pub(crate) fn add(&mut self, o: Object) {
         self.ops.push(Op {
             verb: Verb::Add,
             object: o,
         });
     }
-    pub fn flush(&mut self, o: Object) {
+    pub(crate) fn flush(&mut self, o: Object) {
         self.ops.push(Op {
             verb: Verb::Flush,
             object: o,
         });
     }
-    pub fn delete(&mut self, o: Object) {
+    pub(crate) fn delete(&mut self, o: Object) {
         self.ops.push(Op {
             verb: Verb::Delete,
             object: o,
         });
     }
     /// knftables `NumOperations`.
-    pub fn num_operations(&self) -> usize {
+    pub(crate) fn num_operations(&self) -> usize {
         self.ops.len()
     }
 
     /// One operation as an `nft -f` line.
-    pub fn render_op(&self, op: &Op) -> String {
+    pub(crate) fn render_op(&self, op: &Op) -> String {
         let verb = op.verb.word();
         let o = &op.object;
         let mut line = format!("{verb} {} {} {}", o.type_word(), self.family, self.table);

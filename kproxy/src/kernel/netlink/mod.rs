@@ -16,30 +16,29 @@
 //! type u16, payload)` padded to 4 bytes; nested attributes carry [`NLA_F_NESTED`]. Payload byte
 //! order is the protocol's business (ctnetlink and IPVS ports are big-endian).
 
-pub mod socket;
-pub mod wire;
+pub(crate) mod socket;
+pub(crate) mod wire;
 
-pub use socket::{End, Socket};
-pub use wire::{
-    Msg, MsgBuilder, OwnedMsg, ParseError, align4, attrs, find_attr, messages, parse_messages,
-    read_str, read_u16, read_u32,
+pub(crate) use socket::{End, Socket};
+pub(crate) use wire::{
+    Msg, MsgBuilder, OwnedMsg, ParseError, attrs, find_attr, messages, read_str, read_u16, read_u32,
 };
 
-pub const NLMSG_HDRLEN: usize = 16;
-pub const NLMSG_ERROR: u16 = 2;
-pub const NLMSG_DONE: u16 = 3;
+pub(crate) const NLMSG_HDRLEN: usize = 16;
+pub(crate) const NLMSG_ERROR: u16 = 2;
+pub(crate) const NLMSG_DONE: u16 = 3;
 
-pub const NLM_F_REQUEST: u16 = 0x1;
-pub const NLM_F_MULTI: u16 = 0x2;
-pub const NLM_F_ACK: u16 = 0x4;
+pub(crate) const NLM_F_REQUEST: u16 = 0x1;
+pub(crate) const NLM_F_MULTI: u16 = 0x2;
+pub(crate) const NLM_F_ACK: u16 = 0x4;
 /// The dump was interrupted (the object set changed while it ran).
-pub const NLM_F_DUMP_INTR: u16 = 0x10;
-pub const NLM_F_ROOT: u16 = 0x100;
-pub const NLM_F_MATCH: u16 = 0x200;
-pub const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
+pub(crate) const NLM_F_DUMP_INTR: u16 = 0x10;
+pub(crate) const NLM_F_ROOT: u16 = 0x100;
+pub(crate) const NLM_F_MATCH: u16 = 0x200;
+pub(crate) const NLM_F_DUMP: u16 = NLM_F_ROOT | NLM_F_MATCH;
 
-pub const NLA_F_NESTED: u16 = 0x8000;
-pub const NLA_TYPE_MASK: u16 = 0x3fff;
+pub(crate) const NLA_F_NESTED: u16 = 0x8000;
+pub(crate) const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// Bytes from hex (captured kernel answers in unit tests).
 #[cfg(test)]

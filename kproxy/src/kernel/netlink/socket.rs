@@ -42,7 +42,7 @@ const DEFAULT_RECV_LEN: usize = 1 << 16;
 
 /// How the kernel ended an [`Socket::exchange`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum End {
+pub(crate) enum End {
     /// `NLMSG_DONE` (the end of a dump), with its flags (`NLM_F_DUMP_INTR`).
     Done { flags: u16 },
     /// `NLMSG_ERROR` with error 0.
@@ -53,7 +53,7 @@ pub enum End {
 
 /// A bound netlink socket of one protocol (`NETLINK_GENERIC`, `NETLINK_ROUTE`,
 /// `NETLINK_NETFILTER`, `NETLINK_SOCK_DIAG`, ...).
-pub struct Socket {
+pub(crate) struct Socket {
     fd: OwnedFd,
     seq: u32,
     buf: Vec<u8>,
@@ -83,7 +83,7 @@ fn invalid(e: ParseError) -> io::Error {
 
 impl Socket {
     /// Opens and binds a socket of `protocol`.
-    pub fn open(protocol: libc::c_int) -> io::Result<Socket> {
+    pub(crate) fn open(protocol: libc::c_int) -> io::Result<Socket> {
         // SAFETY: plain socket(2); the fd is owned by `OwnedFd` right away.
         let fd = unsafe {
             let fd = cvt(libc::socket(
@@ -113,7 +113,7 @@ impl Socket {
 
     /// Uses a user-space receive buffer of `len` bytes (a larger datagram is cut and then
     /// fails to parse).
-    pub fn with_recv_len(mut self, len: usize) -> Self {
+    pub(crate) fn with_recv_len(mut self, len: usize) -> Self {
         self.buf = vec![0; len];
         self
     }
@@ -134,7 +134,7 @@ impl Socket {
 
     /// Bounds how long one receive may block (`SO_RCVTIMEO`; then it fails with `EAGAIN`).
     /// The kernel answers at once: this only bounds a wedged socket.
-    pub fn set_recv_timeout(&self, timeout: Duration) -> io::Result<()> {
+    pub(crate) fn set_recv_timeout(&self, timeout: Duration) -> io::Result<()> {
         let tv = libc::timeval {
             tv_sec: timeout.as_secs() as libc::time_t,
             tv_usec: timeout.subsec_micros() as libc::suseconds_t,
@@ -144,24 +144,24 @@ impl Socket {
 
     /// Asks for a kernel receive buffer of `bytes` (`SO_RCVBUF`, best effort: capped by
     /// `net.core.rmem_max`).
-    pub fn set_rcvbuf(&self, bytes: libc::c_int) {
+    pub(crate) fn set_rcvbuf(&self, bytes: libc::c_int) {
         let _ = self.setsockopt(libc::SOL_SOCKET, libc::SO_RCVBUF, &bytes);
     }
 
     /// Acks without the echoed request (`NETLINK_CAP_ACK`, best effort: older kernels lack
     /// it).
-    pub fn set_cap_ack(&self) {
+    pub(crate) fn set_cap_ack(&self) {
         let _ = self.setsockopt(libc::SOL_NETLINK, NETLINK_CAP_ACK, &1 as &libc::c_int);
     }
 
     /// The next sequence number (never 0).
-    pub fn next_seq(&mut self) -> u32 {
+    pub(crate) fn next_seq(&mut self) -> u32 {
         self.seq = self.seq.wrapping_add(1).max(1);
         self.seq
     }
 
     /// Sends one datagram (one message, or several concatenated) to the kernel.
-    pub fn send(&self, data: &[u8]) -> io::Result<()> {
+    pub(crate) fn send(&self, data: &[u8]) -> io::Result<()> {
         // SAFETY: a zeroed sockaddr_nl is the kernel (pid 0).
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
@@ -189,7 +189,7 @@ impl Socket {
     }
 
     /// Receives one datagram (retried on `EINTR`); split it with [`messages`].
-    pub fn recv(&mut self) -> io::Result<&[u8]> {
+    pub(crate) fn recv(&mut self) -> io::Result<&[u8]> {
         loop {
             // SAFETY: `buf` is a valid writable buffer of the length passed.
             let n = unsafe {
@@ -221,7 +221,7 @@ impl Socket {
     ///   `NLM_F_MULTI` → [`End::Reply`].
     ///
     /// An error of `each`, the socket or a malformed datagram (`InvalidData`) ends it early.
-    pub fn exchange(
+    pub(crate) fn exchange(
         &mut self,
         req: &[u8],
         mut each: impl FnMut(Msg<'_>) -> io::Result<()>,
@@ -262,7 +262,7 @@ impl Socket {
     }
 
     /// [`Socket::exchange`] of `msg` with the next sequence number, keeping every answer.
-    pub fn request(&mut self, msg: &MsgBuilder) -> io::Result<Vec<OwnedMsg>> {
+    pub(crate) fn request(&mut self, msg: &MsgBuilder) -> io::Result<Vec<OwnedMsg>> {
         let seq = self.next_seq();
         let mut replies = vec![];
         self.exchange(&msg.finish(seq), |m| {

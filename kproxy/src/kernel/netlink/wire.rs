@@ -10,16 +10,16 @@ use crate::kernel::netlink::NLMSG_HDRLEN;
 /// A netlink message or attribute that could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("malformed netlink message: {0}")]
-pub struct ParseError(pub String);
+pub(crate) struct ParseError(pub String);
 
 /// `n` rounded up to the 4-byte netlink alignment (`NLMSG_ALIGN`, `NLA_ALIGN`).
-pub const fn align4(n: usize) -> usize {
+pub(crate) const fn align4(n: usize) -> usize {
     (n + 3) & !3
 }
 
 /// Builds one netlink message: header, a fixed protocol header, then attributes.
 #[derive(Debug, Clone)]
-pub struct MsgBuilder {
+pub(crate) struct MsgBuilder {
     buf: Vec<u8>,
     nests: Vec<usize>,
 }
@@ -27,7 +27,7 @@ pub struct MsgBuilder {
 impl MsgBuilder {
     /// A message of `msg_type` with `flags` (`NLM_F_REQUEST` is added); the length and the
     /// sequence number are set by [`MsgBuilder::finish`], the port id stays 0 (the kernel).
-    pub fn new(msg_type: u16, flags: u16) -> Self {
+    pub(crate) fn new(msg_type: u16, flags: u16) -> Self {
         let mut buf = Vec::with_capacity(128);
         buf.resize(NLMSG_HDRLEN, 0);
         buf[4..6].copy_from_slice(&msg_type.to_ne_bytes());
@@ -37,7 +37,7 @@ impl MsgBuilder {
 
     /// Appends raw bytes (a protocol header such as `genlmsghdr`, `nfgenmsg`, `ifaddrmsg` or
     /// `inet_diag_req_v2`), padded to 4 bytes.
-    pub fn header(mut self, bytes: &[u8]) -> Self {
+    pub(crate) fn header(mut self, bytes: &[u8]) -> Self {
         self.buf.extend_from_slice(bytes);
         self.pad();
         self
@@ -48,7 +48,7 @@ impl MsgBuilder {
     }
 
     /// One attribute, padded to 4 bytes. Panics when it does not fit the 16-bit length.
-    pub fn attr(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
+    pub(crate) fn attr(&mut self, kind: u16, payload: &[u8]) -> &mut Self {
         let len = u16::try_from(4 + payload.len()).expect("netlink attribute under 64 KiB");
         self.buf.extend_from_slice(&len.to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
@@ -58,17 +58,17 @@ impl MsgBuilder {
     }
 
     /// A host-order `u16` attribute.
-    pub fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
+    pub(crate) fn u16(&mut self, kind: u16, v: u16) -> &mut Self {
         self.attr(kind, &v.to_ne_bytes())
     }
 
     /// A host-order `u32` attribute.
-    pub fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
+    pub(crate) fn u32(&mut self, kind: u16, v: u32) -> &mut Self {
         self.attr(kind, &v.to_ne_bytes())
     }
 
     /// A NUL-terminated string attribute.
-    pub fn str(&mut self, kind: u16, s: &str) -> &mut Self {
+    pub(crate) fn str(&mut self, kind: u16, s: &str) -> &mut Self {
         let mut b = Vec::with_capacity(s.len() + 1);
         b.extend_from_slice(s.as_bytes());
         b.push(0);
@@ -76,7 +76,7 @@ impl MsgBuilder {
     }
 
     /// Opens a nested attribute (`NLA_F_NESTED` set); close it with [`MsgBuilder::end_nested`].
-    pub fn begin_nested(&mut self, kind: u16) -> &mut Self {
+    pub(crate) fn begin_nested(&mut self, kind: u16) -> &mut Self {
         self.nests.push(self.buf.len());
         self.buf.extend_from_slice(&[0, 0]);
         self.buf
@@ -85,7 +85,7 @@ impl MsgBuilder {
     }
 
     /// Closes the innermost open nested attribute (its length is filled in).
-    pub fn end_nested(&mut self) -> &mut Self {
+    pub(crate) fn end_nested(&mut self) -> &mut Self {
         let start = self.nests.pop().expect("end_nested without begin_nested");
         let len = u16::try_from(self.buf.len() - start).expect("nested attribute under 64 KiB");
         self.buf[start..start + 2].copy_from_slice(&len.to_ne_bytes());
@@ -93,7 +93,7 @@ impl MsgBuilder {
     }
 
     /// The finished message with `seq` (length filled in).
-    pub fn finish(&self, seq: u32) -> Vec<u8> {
+    pub(crate) fn finish(&self, seq: u32) -> Vec<u8> {
         assert!(self.nests.is_empty(), "unclosed nested attribute");
         let mut b = self.buf.clone();
         let len = u32::try_from(b.len()).expect("netlink message under 4 GiB");
@@ -105,7 +105,7 @@ impl MsgBuilder {
 
 /// One received message: the `nlmsghdr` fields and the payload after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Msg<'a> {
+pub(crate) struct Msg<'a> {
     pub msg_type: u16,
     pub flags: u16,
     pub seq: u32,
@@ -114,7 +114,7 @@ pub struct Msg<'a> {
 
 impl Msg<'_> {
     /// For an `NLMSG_ERROR`: the positive error number, 0 for an ack.
-    pub fn errno(&self) -> Result<i32, ParseError> {
+    pub(crate) fn errno(&self) -> Result<i32, ParseError> {
         debug_assert_eq!(self.msg_type, NLMSG_ERROR);
         match self.payload.get(..4) {
             Some(b) => Ok(-i32::from_ne_bytes(b.try_into().expect("4 bytes"))),
@@ -122,7 +122,7 @@ impl Msg<'_> {
         }
     }
 
-    pub fn to_owned(&self) -> OwnedMsg {
+    pub(crate) fn to_owned(self) -> OwnedMsg {
         OwnedMsg {
             msg_type: self.msg_type,
             flags: self.flags,
@@ -134,7 +134,7 @@ impl Msg<'_> {
 
 /// A [`Msg`] that owns its payload (kept past the receive buffer).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnedMsg {
+pub(crate) struct OwnedMsg {
     pub msg_type: u16,
     pub flags: u16,
     pub seq: u32,
@@ -151,7 +151,7 @@ fn rd_u32(b: &[u8], at: usize) -> u32 {
 
 /// The messages in `buf` (what one `recv` returned). A length that does not fit is an error
 /// (and ends the walk); trailing bytes shorter than a header are ignored.
-pub fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Msg<'_>, ParseError>> {
+pub(crate) fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Msg<'_>, ParseError>> {
     let mut at = 0;
     std::iter::from_fn(move || {
         if at + NLMSG_HDRLEN > buf.len() {
@@ -178,13 +178,14 @@ pub fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Msg<'_>, ParseError>>
 }
 
 /// All of [`messages`], or the first error.
+#[cfg(test)]
 pub fn parse_messages(buf: &[u8]) -> Result<Vec<Msg<'_>>, ParseError> {
     messages(buf).collect()
 }
 
 /// The attributes in `data` as `(type without flags, payload)`. A length that does not fit is
 /// an error (and ends the walk); trailing bytes shorter than an attribute header are ignored.
-pub fn attrs(mut data: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), ParseError>> {
+pub(crate) fn attrs(mut data: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), ParseError>> {
     std::iter::from_fn(move || {
         if data.len() < 4 {
             return None;
@@ -203,7 +204,7 @@ pub fn attrs(mut data: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), Parse
 }
 
 /// The first attribute of `kind` in `data` (the walk stops quietly at a malformed one).
-pub fn find_attr(data: &[u8], kind: u16) -> Option<&[u8]> {
+pub(crate) fn find_attr(data: &[u8], kind: u16) -> Option<&[u8]> {
     attrs(data)
         .map_while(Result::ok)
         .find(|(k, _)| *k == kind)
@@ -211,17 +212,17 @@ pub fn find_attr(data: &[u8], kind: u16) -> Option<&[u8]> {
 }
 
 /// A host-order `u16` payload.
-pub fn read_u16(p: &[u8]) -> Option<u16> {
+pub(crate) fn read_u16(p: &[u8]) -> Option<u16> {
     Some(u16::from_ne_bytes(p.get(..2)?.try_into().ok()?))
 }
 
 /// A host-order `u32` payload.
-pub fn read_u32(p: &[u8]) -> Option<u32> {
+pub(crate) fn read_u32(p: &[u8]) -> Option<u32> {
     Some(u32::from_ne_bytes(p.get(..4)?.try_into().ok()?))
 }
 
 /// A NUL-terminated (or plain) string payload.
-pub fn read_str(p: &[u8]) -> String {
+pub(crate) fn read_str(p: &[u8]) -> String {
     let end = p.iter().position(|b| *b == 0).unwrap_or(p.len());
     String::from_utf8_lossy(&p[..end]).into_owned()
 }

@@ -10,18 +10,18 @@
 //! captured bytes; [`NftNetlink`] is the socket. A dump the kernel marks interrupted
 //! (`NLM_F_DUMP_INTR`: the ruleset changed while it ran) is repeated.
 
-pub mod wire;
+pub(crate) mod wire;
 
 use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::kernel::netlink::{End, MsgBuilder, NLM_F_DUMP_INTR, Socket};
 
-pub use wire::{ChainInfo, SetInfo, TableInfo, WireError};
+pub(crate) use wire::{ChainInfo, SetInfo, TableInfo, WireError};
 
 /// `NFPROTO_IPV4` / `NFPROTO_IPV6`.
 pub const NFPROTO_IPV4: u8 = 2;
-pub const NFPROTO_IPV6: u8 = 10;
+pub(crate) const NFPROTO_IPV6: u8 = 10;
 
 /// How often an interrupted dump is tried before giving up.
 const DUMP_ATTEMPTS: usize = 5;
@@ -49,7 +49,7 @@ fn in_netns(n: &Option<PathBuf>) -> String {
 }
 
 /// The family name `nft` uses (`ip`, `ip6`) → its `NFPROTO_*`.
-pub fn family_of(name: &str) -> Option<u8> {
+pub(crate) fn family_of(name: &str) -> Option<u8> {
     match name {
         "ip" => Some(NFPROTO_IPV4),
         "ip6" => Some(NFPROTO_IPV6),
@@ -197,7 +197,7 @@ impl NftNetlink {
 
     /// How many rules each chain of `table` holds (chains without rules are absent), from
     /// one dump of the whole table's rules.
-    pub fn rule_counts(
+    pub(crate) fn rule_counts(
         &mut self,
         table: &str,
     ) -> Result<std::collections::BTreeMap<String, usize>, NftNetlinkError> {
@@ -215,7 +215,11 @@ impl NftNetlink {
     }
 
     /// How many rules `chain` of `table` holds (0 when either does not exist).
-    pub fn rule_count(&mut self, table: &str, chain: &str) -> Result<usize, NftNetlinkError> {
+    pub(crate) fn rule_count(
+        &mut self,
+        table: &str,
+        chain: &str,
+    ) -> Result<usize, NftNetlinkError> {
         let fam = self.family_name;
         let req = wire::dump(self.family, wire::NFT_MSG_GETRULE, table, Some(chain));
         let what = || format!("the rules of {fam} {table} {chain}");

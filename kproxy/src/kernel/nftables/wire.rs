@@ -12,17 +12,12 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use crate::kernel::netlink::{MsgBuilder, NLM_F_DUMP, NLM_F_REQUEST, attrs, read_str};
 
 /// `NFNL_SUBSYS_NFTABLES` (`nfnetlink.h`).
-pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
-pub const NFT_MSG_NEWTABLE: u16 = 0;
-pub const NFT_MSG_GETTABLE: u16 = 1;
-pub const NFT_MSG_NEWCHAIN: u16 = 3;
-pub const NFT_MSG_GETCHAIN: u16 = 4;
-pub const NFT_MSG_NEWRULE: u16 = 6;
-pub const NFT_MSG_GETRULE: u16 = 7;
-pub const NFT_MSG_NEWSET: u16 = 9;
-pub const NFT_MSG_GETSET: u16 = 10;
-pub const NFT_MSG_NEWSETELEM: u16 = 12;
-pub const NFT_MSG_GETSETELEM: u16 = 13;
+pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
+pub(crate) const NFT_MSG_GETTABLE: u16 = 1;
+pub(crate) const NFT_MSG_GETCHAIN: u16 = 4;
+pub(crate) const NFT_MSG_GETRULE: u16 = 7;
+pub(crate) const NFT_MSG_GETSET: u16 = 10;
+pub(crate) const NFT_MSG_GETSETELEM: u16 = 13;
 
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_TABLE_USE: u16 = 3;
@@ -55,11 +50,12 @@ const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 
-pub const NFT_SET_ANONYMOUS: u32 = 0x1;
-pub const NFT_SET_INTERVAL: u32 = 0x4;
-pub const NFT_SET_MAP: u32 = 0x8;
+pub(crate) const NFT_SET_ANONYMOUS: u32 = 0x1;
+pub(crate) const NFT_SET_INTERVAL: u32 = 0x4;
+pub(crate) const NFT_SET_MAP: u32 = 0x8;
 const NFT_SET_ELEM_CATCHALL: u32 = 0x2;
 /// `NFT_DATA_VERDICT`: a verdict map's data type.
+#[cfg(test)]
 pub const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
 
 /// `nft`'s datatype ids (nftables `include/datatype.h`) that kproxy's tables use.
@@ -85,7 +81,7 @@ fn err(what: &str, reason: impl Into<String>) -> WireError {
 }
 
 /// The netlink message type of nf_tables message `msg`.
-pub const fn msg_type(msg: u16) -> u16 {
+pub(crate) const fn msg_type(msg: u16) -> u16 {
     (NFNL_SUBSYS_NFTABLES << 8) | msg
 }
 
@@ -123,7 +119,7 @@ fn get<'a>(a: &[(u16, &'a [u8])], kind: u16) -> Option<&'a [u8]> {
 }
 
 /// `GETTABLE` of one table (not a dump).
-pub fn get_table(family: u8, table: &str) -> MsgBuilder {
+pub(crate) fn get_table(family: u8, table: &str) -> MsgBuilder {
     let mut m = MsgBuilder::new(msg_type(NFT_MSG_GETTABLE), NLM_F_REQUEST).header(&nfgen(family));
     m.str(NFTA_TABLE_NAME, table);
     m
@@ -131,7 +127,7 @@ pub fn get_table(family: u8, table: &str) -> MsgBuilder {
 
 /// A dump of `msg` (`GETCHAIN`, `GETSET`, `GETRULE`) restricted to `table` (and `chain` for
 /// rules); the kernel filters set and rule dumps, chains are filtered here.
-pub fn dump(family: u8, msg: u16, table: &str, chain: Option<&str>) -> MsgBuilder {
+pub(crate) fn dump(family: u8, msg: u16, table: &str, chain: Option<&str>) -> MsgBuilder {
     let mut m = MsgBuilder::new(msg_type(msg), NLM_F_REQUEST | NLM_F_DUMP).header(&nfgen(family));
     // NFTA_CHAIN_TABLE, NFTA_SET_TABLE and NFTA_RULE_TABLE are all 1.
     m.str(NFTA_RULE_TABLE, table);
@@ -142,7 +138,7 @@ pub fn dump(family: u8, msg: u16, table: &str, chain: Option<&str>) -> MsgBuilde
 }
 
 /// A dump of `set`'s elements.
-pub fn dump_elements(family: u8, table: &str, set: &str) -> MsgBuilder {
+pub(crate) fn dump_elements(family: u8, table: &str, set: &str) -> MsgBuilder {
     let mut m = MsgBuilder::new(msg_type(NFT_MSG_GETSETELEM), NLM_F_REQUEST | NLM_F_DUMP)
         .header(&nfgen(family));
     m.str(NFTA_SET_ELEM_LIST_TABLE, table);
@@ -160,7 +156,7 @@ pub struct TableInfo {
     pub chains: u32,
 }
 
-pub fn parse_table(payload: &[u8]) -> Result<TableInfo, WireError> {
+pub(crate) fn parse_table(payload: &[u8]) -> Result<TableInfo, WireError> {
     let a = body(payload, "table")?;
     let name = get(&a, NFTA_TABLE_NAME)
         .map(read_str)
@@ -181,7 +177,7 @@ pub struct ChainInfo {
     pub base: bool,
 }
 
-pub fn parse_chain(payload: &[u8]) -> Result<ChainInfo, WireError> {
+pub(crate) fn parse_chain(payload: &[u8]) -> Result<ChainInfo, WireError> {
     let a = body(payload, "chain")?;
     let name = get(&a, NFTA_CHAIN_NAME)
         .map(read_str)
@@ -195,7 +191,7 @@ pub fn parse_chain(payload: &[u8]) -> Result<ChainInfo, WireError> {
 }
 
 /// The chain a rule belongs to (rule dumps are only counted).
-pub fn parse_rule_chain(payload: &[u8]) -> Result<String, WireError> {
+pub(crate) fn parse_rule_chain(payload: &[u8]) -> Result<String, WireError> {
     let a = body(payload, "rule")?;
     get(&a, NFTA_RULE_CHAIN)
         .map(read_str)
@@ -215,15 +211,15 @@ pub struct SetInfo {
 }
 
 impl SetInfo {
-    pub fn is_map(&self) -> bool {
+    pub(crate) fn is_map(&self) -> bool {
         self.flags & NFT_SET_MAP != 0
     }
-    pub fn is_anonymous(&self) -> bool {
+    pub(crate) fn is_anonymous(&self) -> bool {
         self.flags & NFT_SET_ANONYMOUS != 0
     }
 }
 
-pub fn parse_set(payload: &[u8]) -> Result<SetInfo, WireError> {
+pub(crate) fn parse_set(payload: &[u8]) -> Result<SetInfo, WireError> {
     let a = body(payload, "set")?;
     let name = get(&a, NFTA_SET_NAME)
         .map(read_str)
@@ -285,7 +281,7 @@ fn member_text(t: u32, b: &[u8]) -> String {
 }
 
 /// A key in `nft`'s text form (`a . b . c` for a concatenation) decoded with `set`'s type.
-pub fn key_text(set: &SetInfo, key: &[u8]) -> Result<String, WireError> {
+pub(crate) fn key_text(set: &SetInfo, key: &[u8]) -> Result<String, WireError> {
     let what = format!("set {}", set.name);
     let members = key_members(set.key_type);
     let concat = members.len() > 1;
@@ -318,7 +314,7 @@ pub fn key_text(set: &SetInfo, key: &[u8]) -> Result<String, WireError> {
 }
 
 /// A verdict (`NFTA_DATA_VERDICT`'s content) as `nft` writes it.
-pub fn verdict_text(p: &[u8], what: &str) -> Result<String, WireError> {
+pub(crate) fn verdict_text(p: &[u8], what: &str) -> Result<String, WireError> {
     let a = nested(p, what)?;
     let code = get(&a, NFTA_VERDICT_CODE)
         .and_then(be32)
@@ -342,7 +338,7 @@ pub fn verdict_text(p: &[u8], what: &str) -> Result<String, WireError> {
 /// The elements of one `NEWSETELEM` answer as (key, value) texts; a catch-all element has
 /// the key `*`. Interval sets are refused (kproxy creates none; their elements come as
 /// start/end pairs).
-pub fn parse_elements(
+pub(crate) fn parse_elements(
     set: &SetInfo,
     payload: &[u8],
 ) -> Result<Vec<(String, Option<String>)>, WireError> {

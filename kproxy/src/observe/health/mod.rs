@@ -34,14 +34,14 @@ use serde::Serialize;
 use crate::model::IpFamily;
 use crate::sync::{ChangeNotice, SyncObserver, SyncOutcome};
 
-pub mod server;
+pub(crate) mod server;
 
 /// Taint key the cluster autoscaler sets on nodes it is about to delete.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+pub(crate) const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// Whether the node may take traffic, from what is known of its Node object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NodeEligibility {
+pub(crate) enum NodeEligibility {
     /// No Node object seen (API mode): not eligible, as upstream.
     Unknown,
     /// Standalone mode without a Node object: eligible.
@@ -51,7 +51,7 @@ pub enum NodeEligibility {
 }
 
 impl NodeEligibility {
-    pub fn is_eligible(self) -> bool {
+    pub(crate) fn is_eligible(self) -> bool {
         match self {
             NodeEligibility::Unknown => false,
             NodeEligibility::Standalone => true,
@@ -62,7 +62,7 @@ impl NodeEligibility {
 
 /// Upstream `NodeEligible` for a present Node: not being deleted and not tainted
 /// [`TO_BE_DELETED_TAINT`].
-pub fn node_eligible(node: &Node) -> bool {
+pub(crate) fn node_eligible(node: &Node) -> bool {
     if node.metadata.deletion_timestamp.is_some() {
         return false;
     }
@@ -76,14 +76,14 @@ pub fn node_eligible(node: &Node) -> bool {
 
 /// Health of one IP family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FamilyHealth {
+pub(crate) struct FamilyHealth {
     pub last_updated: SystemTime,
     pub healthy: bool,
 }
 
 /// Upstream's `ProxyHealth` result.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HealthReport {
+pub(crate) struct HealthReport {
     /// Every family healthy (true when nothing was ever recorded).
     pub healthy: bool,
     /// Latest `lastUpdated` over families (`None`: never updated).
@@ -103,7 +103,7 @@ pub struct ProxyHealth {
 }
 
 impl ProxyHealth {
-    pub fn new(timeout: Duration, node: NodeEligibility) -> Self {
+    pub(crate) fn new(timeout: Duration, node: NodeEligibility) -> Self {
         ProxyHealth {
             timeout,
             last_updated: BTreeMap::new(),
@@ -117,26 +117,26 @@ impl ProxyHealth {
     }
 
     /// Upstream `QueuedUpdate(family)`.
-    pub fn queued_update(&mut self, family: IpFamily, now: SystemTime) {
+    pub(crate) fn queued_update(&mut self, family: IpFamily, now: SystemTime) {
         self.oldest_pending.entry(family).or_insert(now);
     }
 
     /// Upstream `Updated(family)`.
-    pub fn updated(&mut self, family: IpFamily, now: SystemTime) {
+    pub(crate) fn updated(&mut self, family: IpFamily, now: SystemTime) {
         self.oldest_pending.remove(&family);
         self.last_updated.insert(family, now);
     }
 
-    pub fn set_node(&mut self, node: NodeEligibility) {
+    pub(crate) fn set_node(&mut self, node: NodeEligibility) {
         self.node = node;
     }
 
-    pub fn node(&self) -> NodeEligibility {
+    pub(crate) fn node(&self) -> NodeEligibility {
         self.node
     }
 
     /// Upstream `Health()`.
-    pub fn report(&self, now: SystemTime) -> HealthReport {
+    pub(crate) fn report(&self, now: SystemTime) -> HealthReport {
         let mut status = BTreeMap::new();
         let mut healthy = true;
         for (family, last) in &self.last_updated {
@@ -174,7 +174,7 @@ impl ProxyHealth {
 const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 
 /// RFC 3339 (UTC, nanoseconds trimmed as Go's `RFC3339Nano`).
-pub fn rfc3339(t: SystemTime) -> String {
+pub(crate) fn rfc3339(t: SystemTime) -> String {
     k8s_openapi::jiff::Timestamp::try_from(t)
         .map(|ts| ts.to_string())
         .unwrap_or_else(|_| GO_ZERO_TIME.to_owned())
@@ -201,7 +201,7 @@ struct Body {
 }
 
 /// What `/healthz` (`livez == false`) or `/livez` answers: status code and JSON body.
-pub fn answer(health: &ProxyHealth, livez: bool, now: SystemTime) -> (u16, String) {
+pub(crate) fn answer(health: &ProxyHealth, livez: bool, now: SystemTime) -> (u16, String) {
     let r = health.report(now);
     let node_eligible = (!livez).then(|| health.node().is_eligible());
     let healthy = r.healthy && node_eligible.unwrap_or(true);
@@ -250,7 +250,7 @@ pub struct HealthHandle {
 
 impl HealthHandle {
     /// Health of a proxy syncing `families` with the given timeout (kube-proxy: 2 × syncPeriod).
-    pub fn new(timeout: Duration, families: &[IpFamily], node: NodeEligibility) -> Self {
+    pub(crate) fn new(timeout: Duration, families: &[IpFamily], node: NodeEligibility) -> Self {
         HealthHandle {
             state: Arc::new(Mutex::new(ProxyHealth::new(timeout, node))),
             families: families.to_vec(),
@@ -263,12 +263,12 @@ impl HealthHandle {
     }
 
     /// Upstream `Health().Healthy` now (the service health servers use this).
-    pub fn is_healthy(&self) -> bool {
+    pub(crate) fn is_healthy(&self) -> bool {
         self.lock().report(SystemTime::now()).healthy
     }
 
     /// The Node object changed (`None`: deleted or not found).
-    pub fn node_seen(&self, node: Option<&Node>) {
+    pub(crate) fn node_seen(&self, node: Option<&Node>) {
         let mut s = self.lock();
         let e = match node {
             Some(n) => NodeEligibility::Known {

@@ -23,7 +23,7 @@ struct Ctx {
 }
 
 /// The healthz server's routes.
-pub fn router(health: HealthHandle, metrics: Metrics) -> Router {
+pub(crate) fn router(health: HealthHandle, metrics: Metrics) -> Router {
     Router::new()
         .route("/healthz", get(|s| handle(s, false)))
         .route("/livez", get(|s| handle(s, true)))
@@ -37,7 +37,7 @@ async fn handle(State(ctx): State<Ctx>, livez: bool) -> Response {
 }
 
 /// A JSON response with upstream's headers (plus `extra`).
-pub fn json_response(code: u16, body: String, extra: &[(&'static str, String)]) -> Response {
+pub(crate) fn json_response(code: u16, body: String, extra: &[(&'static str, String)]) -> Response {
     let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut r = (status, body).into_response();
     let h = r.headers_mut();
@@ -58,6 +58,6 @@ pub fn json_response(code: u16, body: String, extra: &[(&'static str, String)]) 
 }
 
 /// Serves [`router`] on `addr` (bind failures retried in the background, as upstream).
-pub async fn start(addr: SocketAddr, health: HealthHandle, metrics: Metrics) -> Served {
+pub(crate) async fn start(addr: SocketAddr, health: HealthHandle, metrics: Metrics) -> Served {
     crate::observe::server::serve("healthz", addr, router(health, metrics)).await
 }

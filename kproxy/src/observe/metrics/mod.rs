@@ -49,15 +49,15 @@ use prometheus_client::registry::Registry;
 use crate::dataplane::{ModeMetrics, ProxyMode};
 use crate::model::IpFamily;
 
-pub mod server;
+pub(crate) mod server;
 mod sync;
-pub mod text;
+pub(crate) mod text;
 
 pub use sync::{SyncMetrics, no_local_endpoints};
 
 /// `ip_family` label values (upstream's `v1.IPFamily` strings).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
-pub enum FamilyLabel {
+pub(crate) enum FamilyLabel {
     IPv4,
     IPv6,
 }
@@ -72,42 +72,42 @@ impl From<IpFamily> for FamilyLabel {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct FamilyLabels {
+pub(crate) struct FamilyLabels {
     pub ip_family: FamilyLabel,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct FamilyTableLabels {
+pub(crate) struct FamilyTableLabels {
     pub ip_family: FamilyLabel,
     /// `filter` or `nat`.
     pub table: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct FamilyPolicyLabels {
+pub(crate) struct FamilyPolicyLabels {
     pub ip_family: FamilyLabel,
     /// `internal` or `external`.
     pub traffic_policy: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct CodeLabels {
+pub(crate) struct CodeLabels {
     pub code: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct MapLabels {
+pub(crate) struct MapLabels {
     pub map: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ProtocolLabels {
+pub(crate) struct ProtocolLabels {
     /// `TCP`, `UDP` or `SCTP` (the Service's spelling).
     pub protocol: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ModeLabels {
+pub(crate) struct ModeLabels {
     pub mode: String,
 }
 
@@ -138,7 +138,7 @@ pub enum IptablesTable {
 }
 
 impl IptablesTable {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             IptablesTable::Filter => "filter",
             IptablesTable::Nat => "nat",
@@ -222,7 +222,7 @@ impl IptablesMetrics {
 /// Metrics of the nftables datapath (upstream's `RegisterMetrics` for nftables mode: the
 /// full/partial sync durations and the nftables sync / cleanup failure counters). Obtain with
 /// [`Metrics::nftables`].
-pub struct NftablesMetrics {
+pub(crate) struct NftablesMetrics {
     full_duration: FamilyHistogram,
     partial_duration: FamilyHistogram,
     sync_failures: Family<FamilyLabels, Counter>,
@@ -271,7 +271,7 @@ impl NftablesMetrics {
     }
 
     /// `kubeproxy_sync_{full,partial}_proxy_rules_duration_seconds{ip_family}`.
-    pub fn observe_sync(&self, family: IpFamily, full: bool, seconds: f64) {
+    pub(crate) fn observe_sync(&self, family: IpFamily, full: bool, seconds: f64) {
         let h = if full {
             &self.full_duration
         } else {
@@ -281,13 +281,13 @@ impl NftablesMetrics {
     }
 
     /// `kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family}`.
-    pub fn sync_failed(&self, family: IpFamily) {
+    pub(crate) fn sync_failed(&self, family: IpFamily) {
         self.sync_failures.get_or_create(&fam(family)).inc();
     }
 
     /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}` (a failed
     /// stale-chain deletion).
-    pub fn cleanup_failed(&self, family: IpFamily) {
+    pub(crate) fn cleanup_failed(&self, family: IpFamily) {
         self.cleanup_failures.get_or_create(&fam(family)).inc();
     }
 }
@@ -628,7 +628,7 @@ struct TriggerTimes {
 }
 
 /// The annotation the EndpointSlice controller sets to the time of the change it mirrors.
-pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+pub(crate) const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 struct Inner {
     mode: ProxyMode,
@@ -659,13 +659,13 @@ impl fmt::Debug for Metrics {
 
 impl Metrics {
     /// The metrics of a proxy running `set.mode` for both IP families.
-    pub fn new(set: ModeMetrics) -> Metrics {
+    pub(crate) fn new(set: ModeMetrics) -> Metrics {
         Metrics::with_families(set, &[IpFamily::V4, IpFamily::V6])
     }
 
     /// The metrics of a proxy running `set.mode` for `families` (the per-family sync metrics
     /// get one series per family).
-    pub fn with_families(set: ModeMetrics, families: &[IpFamily]) -> Metrics {
+    pub(crate) fn with_families(set: ModeMetrics, families: &[IpFamily]) -> Metrics {
         let mode = set.mode;
         let mut registry = Registry::default();
         let kp = registry.sub_registry_with_prefix("kubeproxy");
@@ -712,12 +712,12 @@ impl Metrics {
     }
 
     /// The proxy mode these metrics describe (`/proxyMode`).
-    pub fn mode(&self) -> ProxyMode {
+    pub(crate) fn mode(&self) -> ProxyMode {
         self.inner.mode
     }
 
     /// The IP families per-family sync metrics are recorded for.
-    pub fn families(&self) -> &[IpFamily] {
+    pub(crate) fn families(&self) -> &[IpFamily] {
         &self.inner.families
     }
 
@@ -728,7 +728,7 @@ impl Metrics {
     }
 
     /// The nftables-mode metrics (`Some` in nftables mode only).
-    pub fn nftables(&self) -> Option<&NftablesMetrics> {
+    pub(crate) fn nftables(&self) -> Option<&NftablesMetrics> {
         self.inner.nftables.as_ref()
     }
 
@@ -789,7 +789,7 @@ impl Metrics {
 
     /// Notes an EndpointSlice's change trigger time (network programming latency); the
     /// agent calls this for every slice it receives.
-    pub fn endpoint_slice_seen(&self, slice: &EndpointSlice) {
+    pub(crate) fn endpoint_slice_seen(&self, slice: &EndpointSlice) {
         let Some(t) = slice
             .metadata
             .annotations

@@ -18,7 +18,7 @@ use crate::observe::metrics::text::{self, OPENMETRICS, PROMETHEUS_TEXT};
 use crate::observe::server::Served;
 
 /// The metrics server's routes.
-pub fn router(metrics: Metrics) -> Router {
+pub(crate) fn router(metrics: Metrics) -> Router {
     Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/proxyMode", get(proxy_mode))
@@ -51,6 +51,6 @@ async fn proxy_mode(State(m): State<Metrics>) -> impl IntoResponse {
 
 /// Serves [`router`] on `addr` (retrying the bind in the background if it fails, as upstream
 /// does); see [`crate::observe::server::serve`].
-pub async fn start(addr: SocketAddr, metrics: Metrics) -> Served {
+pub(crate) async fn start(addr: SocketAddr, metrics: Metrics) -> Served {
     crate::observe::server::serve("metrics", addr, router(metrics)).await
 }

@@ -24,7 +24,7 @@ pub struct SyncMetrics {
 }
 
 impl SyncMetrics {
-    pub fn new(metrics: Metrics) -> Self {
+    pub(crate) fn new(metrics: Metrics) -> Self {
         SyncMetrics { metrics }
     }
 

@@ -9,12 +9,12 @@
 //! `# UNIT` or `# EOF` lines.
 
 /// The OpenMetrics content type.
-pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// Prometheus' text format 0.0.4.
-pub const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub(crate) const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Whether an `Accept` header value asks for OpenMetrics (listed with a non-zero quality).
-pub fn wants_openmetrics(accept: &str) -> bool {
+pub(crate) fn wants_openmetrics(accept: &str) -> bool {
     accept.split(',').any(|range| {
         let mut parts = range.split(';').map(str::trim);
         let media = parts.next().unwrap_or("");
@@ -28,7 +28,7 @@ pub fn wants_openmetrics(accept: &str) -> bool {
 }
 
 /// The Prometheus text format 0.0.4 of an OpenMetrics text exposition.
-pub fn to_prometheus_text(openmetrics: &str) -> String {
+pub(crate) fn to_prometheus_text(openmetrics: &str) -> String {
     let counters: std::collections::HashSet<&str> = openmetrics
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))

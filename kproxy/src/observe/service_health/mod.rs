@@ -39,11 +39,11 @@ use crate::observe::health::HealthHandle;
 use crate::sync::{SyncObserver, SyncOutcome};
 
 /// A service, `namespace/name` (upstream's `NamespacedName`).
-pub type ServiceName = (String, String);
+pub(crate) type ServiceName = (String, String);
 
 /// What one service's health check serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ServiceCheck {
+pub(crate) struct ServiceCheck {
     pub port: u16,
     /// Local ready endpoints (over all ports of the service).
     pub local_endpoints: usize,
@@ -51,7 +51,7 @@ pub struct ServiceCheck {
 
 /// The health checks `snap` asks for (pure): services with a healthCheckNodePort and their
 /// local ready endpoint counts.
-pub fn desired(snap: &Snapshot) -> BTreeMap<ServiceName, ServiceCheck> {
+pub(crate) fn desired(snap: &Snapshot) -> BTreeMap<ServiceName, ServiceCheck> {
     let mut out: BTreeMap<ServiceName, ServiceCheck> = BTreeMap::new();
     for svc in snap.services.values() {
         if svc.health_check_node_port == 0 {
@@ -73,7 +73,7 @@ pub fn desired(snap: &Snapshot) -> BTreeMap<ServiceName, ServiceCheck> {
 }
 
 /// Upstream's response body for a service (exactly, tab-indented, no trailing newline).
-pub fn body(namespace: &str, name: &str, local_endpoints: usize, healthy: bool) -> String {
+pub(crate) fn body(namespace: &str, name: &str, local_endpoints: usize, healthy: bool) -> String {
     let q = |s: &str| serde_json::to_string(s).expect("strings serialize");
     format!(
         "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {local_endpoints},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
@@ -83,7 +83,7 @@ pub fn body(namespace: &str, name: &str, local_endpoints: usize, healthy: bool) 
 }
 
 /// Upstream's status for a health check request.
-pub fn status(local_endpoints: usize, proxy_healthy: bool) -> u16 {
+pub(crate) fn status(local_endpoints: usize, proxy_healthy: bool) -> u16 {
     if local_endpoints != 0 && proxy_healthy {
         200
     } else {
@@ -93,7 +93,7 @@ pub fn status(local_endpoints: usize, proxy_healthy: bool) -> u16 {
 
 /// The addresses to listen on (pure): `None` = every address (`--nodeport-addresses` empty,
 /// i.e. match-all); else the node's interface addresses within those CIDRs.
-pub fn listen_addresses(
+pub(crate) fn listen_addresses(
     node_port_addresses: &[IpNet],
     interface_addrs: &[IpAddr],
 ) -> Option<Vec<IpAddr>> {
@@ -146,7 +146,7 @@ impl Drop for Listener {
 }
 
 /// Runs the health check servers; feed it as a [`SyncObserver`] ([`ServiceHealthServers::observer`]).
-pub struct ServiceHealthServers {
+pub(crate) struct ServiceHealthServers {
     tx: watch::Sender<Arc<BTreeMap<ServiceName, ServiceCheck>>>,
     task: JoinHandle<()>,
 }
@@ -158,7 +158,7 @@ impl Drop for ServiceHealthServers {
 }
 
 /// Sends each successfully synced snapshot's health checks to the servers.
-pub struct Observer {
+pub(crate) struct Observer {
     tx: watch::Sender<Arc<BTreeMap<ServiceName, ServiceCheck>>>,
 }
 
@@ -172,7 +172,11 @@ impl SyncObserver for Observer {
 
 impl ServiceHealthServers {
     /// Starts the manager task. `node_port_addresses` = `--nodeport-addresses` (empty: all).
-    pub fn start(health: HealthHandle, events: Events, node_port_addresses: Vec<IpNet>) -> Self {
+    pub(crate) fn start(
+        health: HealthHandle,
+        events: Events,
+        node_port_addresses: Vec<IpNet>,
+    ) -> Self {
         let (tx, rx) = watch::channel(Arc::new(BTreeMap::new()));
         let shared = Shared {
             counts: Arc::default(),
@@ -183,7 +187,7 @@ impl ServiceHealthServers {
     }
 
     /// The sync observer that drives these servers.
-    pub fn observer(&self) -> Observer {
+    pub(crate) fn observer(&self) -> Observer {
         Observer {
             tx: self.tx.clone(),
         }

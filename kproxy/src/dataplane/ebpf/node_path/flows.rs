@@ -67,18 +67,20 @@ pub struct Timeouts {
 
 /// Kernel default of `nf_conntrack_tcp_timeout_close_wait` (upstream kube-proxy raises it to
 /// 1 h through `--conntrack-tcp-timeout-close-wait`, which the agent passes on).
-pub const DEFAULT_TCP_CLOSE_WAIT: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_TCP_CLOSE_WAIT: Duration = Duration::from_secs(60);
 /// Kernel default of `nf_conntrack_tcp_timeout_time_wait`.
-pub const DEFAULT_TCP_TIME_WAIT: Duration = Duration::from_secs(DEFAULT_CT_TCP_TIME_WAIT_SECS);
+pub(crate) const DEFAULT_TCP_TIME_WAIT: Duration =
+    Duration::from_secs(DEFAULT_CT_TCP_TIME_WAIT_SECS);
 /// Kernel default of `nf_conntrack_tcp_timeout_close`.
-pub const DEFAULT_TCP_CLOSE: Duration = Duration::from_secs(DEFAULT_CT_TCP_CLOSE_SECS);
+pub(crate) const DEFAULT_TCP_CLOSE: Duration = Duration::from_secs(DEFAULT_CT_TCP_CLOSE_SECS);
 /// Default period of the agent's expiry timer: a closed flow's entries are gone at most this
 /// long after its timeout. Each run dumps the tables (≈ 2 syscalls per entry).
-pub const DEFAULT_EXPIRY_INTERVAL: Duration = Duration::from_secs(DEFAULT_CT_EXPIRY_INTERVAL_SECS);
+pub(crate) const DEFAULT_EXPIRY_INTERVAL: Duration =
+    Duration::from_secs(DEFAULT_CT_EXPIRY_INTERVAL_SECS);
 
 impl Timeouts {
     /// The idle timeout of a flow of protocol `proto` whose entries' flags ORed are `flags`.
-    pub fn of(&self, proto: u8, flags: u16) -> Duration {
+    pub(crate) fn of(&self, proto: u8, flags: u16) -> Duration {
         if proto != PROTO_TCP {
             return self.udp;
         }
@@ -105,12 +107,12 @@ impl Default for Timeouts {
 }
 
 /// What maintenance reads of a connection-table key ([`CtKey`], [`CtKey6`]).
-pub trait FlowKey: Pod + std::hash::Hash + Eq {
+pub(crate) trait FlowKey: Pod + std::hash::Hash + Eq {
     fn proto(&self) -> u8;
 }
 
 /// What maintenance reads of a connection-table entry ([`CtEntry`], [`CtEntry6`]).
-pub trait FlowEntry: Pod {
+pub(crate) trait FlowEntry: Pod {
     fn backend_id(&self) -> u32;
     fn svc_id(&self) -> u32;
     fn flags(&self) -> u16;
@@ -162,7 +164,10 @@ fn flow_id<K: FlowKey, E: FlowEntry>(k: &K, e: &E) -> FlowId {
 }
 
 /// The keys of entries whose backend is in `removed`.
-pub fn plan_purge<K: FlowKey, E: FlowEntry>(entries: &[(K, E)], removed: &HashSet<u32>) -> Vec<K> {
+pub(crate) fn plan_purge<K: FlowKey, E: FlowEntry>(
+    entries: &[(K, E)],
+    removed: &HashSet<u32>,
+) -> Vec<K> {
     entries
         .iter()
         .filter(|(_, e)| removed.contains(&e.backend_id()))
@@ -172,7 +177,7 @@ pub fn plan_purge<K: FlowKey, E: FlowEntry>(entries: &[(K, E)], removed: &HashSe
 
 /// The keys of entries whose flow was idle longer than its timeout at `now_ns`
 /// (CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`).
-pub fn plan_expiry<K: FlowKey, E: FlowEntry>(
+pub(crate) fn plan_expiry<K: FlowKey, E: FlowEntry>(
     entries: &[(K, E)],
     now_ns: u64,
     t: &Timeouts,
@@ -207,12 +212,12 @@ fn entries_of<K: FlowKey, E: FlowEntry>(
 }
 
 /// Every entry of the IPv4 table.
-pub fn entries(ebpf: &Ebpf) -> Result<Vec<(CtKey, CtEntry)>, TcError> {
+pub(crate) fn entries(ebpf: &Ebpf) -> Result<Vec<(CtKey, CtEntry)>, TcError> {
     entries_of(ebpf, MAP_CT)
 }
 
 /// Every entry of the IPv6 table.
-pub fn entries6(ebpf: &Ebpf) -> Result<Vec<(CtKey6, CtEntry6)>, TcError> {
+pub(crate) fn entries6(ebpf: &Ebpf) -> Result<Vec<(CtKey6, CtEntry6)>, TcError> {
     entries_of(ebpf, MAP_CT6)
 }
 
@@ -277,13 +282,13 @@ pub fn expire(ebpf: &mut Ebpf, timeouts: &Timeouts) -> Result<usize, TcError> {
 /// [`expire`] on its own thread every [`Timeouts::interval`], so closed flows leave the tables
 /// whether or not syncs happen (a quiet cluster may not sync for an hour). Stopped (and
 /// joined) on drop. `after` runs after each pass with the table it expired (for metrics).
-pub struct ExpiryTimer {
+pub(crate) struct ExpiryTimer {
     stop: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl ExpiryTimer {
-    pub fn spawn<F>(ebpf: Arc<Mutex<Ebpf>>, timeouts: Timeouts, mut after: F) -> Self
+    pub(crate) fn spawn<F>(ebpf: Arc<Mutex<Ebpf>>, timeouts: Timeouts, mut after: F) -> Self
     where
         F: FnMut(&Ebpf) + Send + 'static,
     {
@@ -321,7 +326,7 @@ impl Drop for ExpiryTimer {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the clock the programs stamp entries with).
-pub fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

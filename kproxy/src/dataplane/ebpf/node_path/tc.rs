@@ -276,7 +276,7 @@ impl TcPath {
 }
 
 /// The metric-style name of a counter.
-pub fn stat_name(s: TcStat) -> &'static str {
+pub(crate) fn stat_name(s: TcStat) -> &'static str {
     match s {
         TcStat::NewFlow => "new_flow",
         TcStat::Established => "established",

@@ -328,7 +328,7 @@ fn per_backend_allowed() -> bool {
 /// Moves the forwarding caches' generation in `ebpf`'s `KP_FWD_GEN` unless caching is off:
 /// what the fast path cached from state the agent just rewrote (the node addresses of
 /// `KP_NODE_ADDR4`, cached per backend as new flows' SNAT source) is stale.
-pub fn move_generation(ebpf: &mut Ebpf) -> Result<(), TcError> {
+pub(crate) fn move_generation(ebpf: &mut Ebpf) -> Result<(), TcError> {
     let name = MAP_FWD_GEN;
     let Some(map) = ebpf.map_mut(name) else {
         return Ok(());
@@ -386,7 +386,7 @@ fn bump(map: &Mutex<Array<MapData, u32>>, per_backend: bool) {
 
 /// Whether a device driven by `driver` is a fast-path device unless told otherwise: every
 /// driver but `veth` (module docs).
-pub fn fast_path_by_default(driver: &str) -> bool {
+pub(crate) fn fast_path_by_default(driver: &str) -> bool {
     driver != "veth"
 }
 
@@ -441,7 +441,7 @@ pub fn driver(device: &str) -> std::io::Result<String> {
 }
 
 /// The metric-style name of a counter.
-pub fn stat_name(s: XdpStat) -> &'static str {
+pub(crate) fn stat_name(s: XdpStat) -> &'static str {
     match s {
         XdpStat::SourceRangeDrop => "source_range_drop",
         XdpStat::NoEndpointsDrop => "no_endpoints_drop",

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 /// The kernel's BTF.
-pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+pub(crate) const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
 const MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
@@ -18,7 +18,7 @@ const KIND_FUNC: u32 = 12;
 
 /// Errors of reading BTF.
 #[derive(Debug, thiserror::Error)]
-pub enum BtfError {
+pub(crate) enum BtfError {
     #[error("reading {path}: {error}")]
     Read { path: String, error: std::io::Error },
     #[error("malformed BTF: {0}")]
@@ -41,7 +41,7 @@ struct Member {
 /// BTF indexed by type id: the raw bytes and where each type's record starts. Records are
 /// decoded when a lookup reads them (the kernel's BTF has ≈ 100k types; materialising all of
 /// them with their members cost ≈ 10 MB at agent start-up for two lookups).
-pub struct Btf {
+pub(crate) struct Btf {
     bytes: Vec<u8>,
     /// The type and string sections: (start, end) in `bytes`.
     types: (usize, usize),
@@ -52,7 +52,7 @@ pub struct Btf {
 
 /// Where a member lies: bit offset from the start of the outer struct, and width in bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemberBits {
+pub(crate) struct MemberBits {
     pub bit_offset: u32,
     pub bits: u32,
 }
@@ -76,7 +76,7 @@ fn header(t: &[u8], at: usize) -> Result<(u32, u32, usize, u32), BtfError> {
 
 impl Btf {
     /// Reads and parses the BTF at `path`.
-    pub fn read(path: &Path) -> Result<Btf, BtfError> {
+    pub(crate) fn read(path: &Path) -> Result<Btf, BtfError> {
         let bytes = std::fs::read(path).map_err(|error| BtfError::Read {
             path: path.display().to_string(),
             error,
@@ -86,7 +86,7 @@ impl Btf {
 
     /// Parses raw BTF (a `.BTF` section or `/sys/kernel/btf/vmlinux`): checks the header and
     /// every record's extent, and indexes the records.
-    pub fn parse(bytes: impl Into<Vec<u8>>) -> Result<Btf, BtfError> {
+    pub(crate) fn parse(bytes: impl Into<Vec<u8>>) -> Result<Btf, BtfError> {
         let b: Vec<u8> = bytes.into();
         if b.len() < 24 || u16::from_ne_bytes([b[0], b[1]]) != MAGIC {
             return Err(BtfError::Malformed("bad magic"));
@@ -179,13 +179,13 @@ impl Btf {
     }
 
     /// The id of the function `name` (BTF kind FUNC).
-    pub fn func_id(&self, name: &str) -> Option<u32> {
+    pub(crate) fn func_id(&self, name: &str) -> Option<u32> {
         self.find(name, KIND_FUNC).map(|(id, _)| id)
     }
 
     /// Where member `member` of struct `strukt` lies, found directly or inside anonymous
     /// struct/union members (C's anonymous member access).
-    pub fn member_bits(&self, strukt: &str, member: &str) -> Option<MemberBits> {
+    pub(crate) fn member_bits(&self, strukt: &str, member: &str) -> Option<MemberBits> {
         let (_, at) = self.find(strukt, KIND_STRUCT)?;
         self.member_in(at, member.as_bytes(), 0, 0)
     }

@@ -15,7 +15,7 @@ use aya::maps::MapError;
 use aya::programs::ProgramError;
 
 /// The BPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP=1`).
-pub static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KPROXY_EBPF_OBJECT"));
+pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("KPROXY_EBPF_OBJECT"));
 
 /// Errors of loading and attaching kproxy's BPF programs.
 #[derive(Debug, thiserror::Error)]
@@ -109,7 +109,7 @@ fn completed_words(object: &[u8], site: Option<(i32, i16, i32)>) -> (Vec<u64>, u
 /// Where the build left the bench and test tools' object (`kproxy-ebpf/src/bench.rs`: the
 /// agent's programs plus the packet counter and the bench floors). The agent never loads it;
 /// it exists in the build tree only.
-pub const TOOLS_OBJECT_PATH: &str = env!("KPROXY_EBPF_TOOLS_OBJECT");
+pub(crate) const TOOLS_OBJECT_PATH: &str = env!("KPROXY_EBPF_TOOLS_OBJECT");
 
 /// Loads the bench and test tools' object ([`TOOLS_OBJECT_PATH`]) like [`load`] loads the
 /// agent's: completed for this kernel, maps created or reused from pins.
@@ -149,7 +149,10 @@ fn skb_site(vmlinux: &Path) -> Result<(i32, i16, i32), String> {
 /// code sections are 8-byte aligned, as every BPF object's are) by `site`'s (kfunc id,
 /// `ip_summed` byte offset, bit shift), or by the helpers-only fallback for `None`. Returns
 /// how many reads were completed; every placeholder must belong to a complete read.
-pub fn complete_object(object: &mut [u8], site: Option<(i32, i16, i32)>) -> Result<usize, String> {
+pub(crate) fn complete_object(
+    object: &mut [u8],
+    site: Option<(i32, i16, i32)>,
+) -> Result<usize, String> {
     use kproxy_common::skb::{CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER, completed};
     let placeholders = [CALL_PLACEHOLDER, LOAD_PLACEHOLDER, SHIFT_PLACEHOLDER];
     let with = completed(site);
@@ -170,13 +173,13 @@ pub fn complete_object(object: &mut [u8], site: Option<(i32, i16, i32)>) -> Resu
 }
 
 /// Whether this binary carries a real BPF object (false when built with `AYA_BUILD_SKIP=1`).
-pub fn is_built() -> bool {
+pub(crate) fn is_built() -> bool {
     !OBJECT.is_empty()
 }
 
 /// An error with its sources: aya's errors hide the errno in `source()`, so a message without
 /// them does not say why the kernel refused.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
@@ -206,7 +209,7 @@ pub struct LoadOptions<'a> {
 /// running kernel, `kproxy_common::skb`; [`complete_object`]) for each load and dropped after
 /// it: an agent loads twice (service maps, node path), and a copy kept for the process's life
 /// would hold 1.5 MB for nothing.
-pub fn load(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
+pub(crate) fn load(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
     if !is_built() {
         return load_bytes(&[], options);
     }
@@ -230,7 +233,7 @@ fn load_bytes(object: &[u8], options: &LoadOptions<'_>) -> Result<Ebpf, BpfError
     Ok(loader.load(object)?)
 }
 
-pub mod btf;
+pub(crate) mod btf;
 
 #[cfg(test)]
 mod tests {

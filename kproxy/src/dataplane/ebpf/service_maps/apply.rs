@@ -67,7 +67,7 @@ use crate::dataplane::ebpf::service_maps::tables::TableError;
 use crate::model::{Protocol, ServicePortName};
 
 /// The maps the applier manages.
-pub struct Tables {
+pub(crate) struct Tables {
     pub services: Box<dyn Table<ServiceKey, ServiceValue>>,
     pub slots: Box<dyn Table<BackendSlotKey, SlotValue>>,
     pub backends: Box<dyn Table<u32, BackendValue>>,
@@ -91,7 +91,7 @@ pub struct MapPressure {
 
 /// What one apply did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ApplyOutcome {
+pub(crate) struct ApplyOutcome {
     /// Service ports that could not be (fully) programmed, with the reason.
     pub failed: BTreeMap<ServicePortName, String>,
     /// Service ports programmed.
@@ -123,7 +123,7 @@ struct Cache {
 }
 
 /// Applies plans to a set of [`Tables`].
-pub struct Applier {
+pub(crate) struct Applier {
     tables: Tables,
     cache: Cache,
     /// The frontend filter of `cache.services` (and of frontends about to be written).
@@ -249,7 +249,7 @@ impl Wanted {
 
 impl Applier {
     /// Reads every agent-written map (the starting point of the diff).
-    pub fn new(mut tables: Tables) -> Result<Self, TableError> {
+    pub(crate) fn new(mut tables: Tables) -> Result<Self, TableError> {
         let (cache, slot_refs) = Self::read(&tables)?;
         let (filter, _) = FrontendFilter::new(cache.services.keys(), &mut *tables.filter);
         Ok(Applier {
@@ -288,7 +288,7 @@ impl Applier {
     }
 
     /// Re-reads every agent-written map into the cache (after a failed sync).
-    pub fn reload(&mut self) -> Result<(), TableError> {
+    pub(crate) fn reload(&mut self) -> Result<(), TableError> {
         let (mut cache, slot_refs) = Self::read(&self.tables)?;
         // The Maglev tables themselves were not re-read: what they were built from stands.
         cache.maglev_built = std::mem::take(&mut self.cache.maglev_built);
@@ -299,12 +299,12 @@ impl Applier {
     }
 
     /// Service ports with a problem after the last apply.
-    pub fn failed_count(&self) -> usize {
+    pub(crate) fn failed_count(&self) -> usize {
         self.failed.len()
     }
 
     /// Frontends and backends found in the maps (to seed the id allocator after a restart).
-    pub fn existing(
+    pub(crate) fn existing(
         &self,
     ) -> (
         &BTreeMap<ServiceKey, ServiceValue>,
@@ -315,7 +315,7 @@ impl Applier {
 
     /// Backends some UDP frontend references, as the maps hold them now (see
     /// [`crate::dataplane::ebpf::socket_lb::sock_destroy`]).
-    pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
+    pub(crate) fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
         crate::dataplane::ebpf::socket_lb::sock_destroy::udp_backends(
             &self.cache.services,
             &self.cache.slots,
@@ -324,7 +324,7 @@ impl Applier {
     }
 
     /// Entries and capacity of each map.
-    pub fn pressure(&self) -> Vec<MapPressure> {
+    pub(crate) fn pressure(&self) -> Vec<MapPressure> {
         vec![
             MapPressure {
                 map: MAP_SERVICES,
@@ -368,7 +368,11 @@ impl Applier {
     /// for stale entries (see the module docs). `now_ns` is CLOCK_MONOTONIC (the BPF
     /// programs' `bpf_ktime_get_ns`), for affinity expiry. Errors only when a map cannot be
     /// read or an entry cannot be deleted; per-service write failures are in the outcome.
-    pub fn apply(&mut self, plan: &MapsPlan, now_ns: u64) -> Result<ApplyOutcome, TableError> {
+    pub(crate) fn apply(
+        &mut self,
+        plan: &MapsPlan,
+        now_ns: u64,
+    ) -> Result<ApplyOutcome, TableError> {
         let names: BTreeSet<ServicePortName> = plan
             .services
             .keys()
@@ -381,7 +385,7 @@ impl Applier {
     /// Makes the maps hold `plan` where it differs from the last apply only in the service
     /// ports `changed` (added, changed or removed): touches only their entries, the backends
     /// they reference or referenced, and their affinity entries (see the module docs).
-    pub fn apply_changes(
+    pub(crate) fn apply_changes(
         &mut self,
         plan: &MapsPlan,
         changed: &BTreeSet<ServicePortName>,
@@ -391,7 +395,7 @@ impl Applier {
     }
 
     /// Service ports whose last apply failed (they keep what they had before).
-    pub fn failing(&self) -> &BTreeSet<ServicePortName> {
+    pub(crate) fn failing(&self) -> &BTreeSet<ServicePortName> {
         &self.apply_failed
     }
 

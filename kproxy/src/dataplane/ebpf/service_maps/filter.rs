@@ -23,7 +23,7 @@ fn slot(key: &ServiceKey) -> (u32, u64) {
 
 /// What the filter's words must hold, and which differ from the store.
 #[derive(Debug)]
-pub struct FrontendFilter {
+pub(crate) struct FrontendFilter {
     /// Frontends hashing to each bit (`word * 64 + bit`); absent: none.
     refs: HashMap<u32, u32>,
     /// The words as they must be.
@@ -35,7 +35,7 @@ pub struct FrontendFilter {
 impl FrontendFilter {
     /// The filter of the frontends `keys` (e.g. the pinned map's entries at start), written
     /// to `store` in full: every word that differs. Returns it and the words written.
-    pub fn new<'a>(
+    pub(crate) fn new<'a>(
         keys: impl IntoIterator<Item = &'a ServiceKey>,
         store: &mut dyn FilterStore,
     ) -> (Self, usize) {
@@ -60,7 +60,7 @@ impl FrontendFilter {
     }
 
     /// Counts `key` as a frontend in the map (about to be written).
-    pub fn add(&mut self, key: &ServiceKey) {
+    pub(crate) fn add(&mut self, key: &ServiceKey) {
         let (word, mask) = slot(key);
         let n = self.refs.entry(bit(word, mask)).or_default();
         *n += 1;
@@ -72,7 +72,7 @@ impl FrontendFilter {
 
     /// Stops counting `key` (deleted from the map, or not written after all). Each removal
     /// must match an earlier [`Self::add`] of the same key.
-    pub fn remove(&mut self, key: &ServiceKey) {
+    pub(crate) fn remove(&mut self, key: &ServiceKey) {
         let (word, mask) = slot(key);
         let b = bit(word, mask);
         let Some(n) = self.refs.get_mut(&b) else {
@@ -88,7 +88,7 @@ impl FrontendFilter {
     }
 
     /// Writes the words changed since the last flush; returns how many.
-    pub fn flush(&mut self, store: &mut dyn FilterStore) -> usize {
+    pub(crate) fn flush(&mut self, store: &mut dyn FilterStore) -> usize {
         let n = self.dirty.len();
         for word in std::mem::take(&mut self.dirty) {
             store.write(word, self.words[word as usize]);
@@ -100,12 +100,14 @@ impl FrontendFilter {
     }
 
     /// Whether a frontend at `key` may be there per the filter (what the programs read).
+    #[cfg(test)]
     pub fn maybe(&self, key: &ServiceKey) -> bool {
         let (word, mask) = slot(key);
         self.words[word as usize] & mask == 0
     }
 
     /// Bits in use (for tests).
+    #[cfg(test)]
     pub fn bits_in_use(&self) -> usize {
         self.refs.len()
     }

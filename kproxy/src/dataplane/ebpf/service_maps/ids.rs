@@ -27,14 +27,14 @@ pub enum SetKind {
 
 /// Identity of an endpoint set: one per service port, kind and family.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SetKey {
+pub(crate) struct SetKey {
     pub service: ServicePortName,
     pub kind: SetKind,
     pub family: IpFamily,
 }
 
 /// Identity of a backend: its address (shared by every service that has it).
-pub type BackendAddr = (IpAddr, u16);
+pub(crate) type BackendAddr = (IpAddr, u16);
 
 /// One id space. Hash tables, not B-trees: nothing iterates them in order, and at 50k backends
 /// a B-tree filled in random order takes about twice the memory.
@@ -94,7 +94,7 @@ impl<K: Hash + Eq + Clone + Ord> Space<K> {
 
 /// Allocates backend ids and set ids (see the module docs).
 #[derive(Debug, Default, Clone)]
-pub struct IdAllocator {
+pub(crate) struct IdAllocator {
     backends: Space<BackendAddr>,
     sets: Space<SetKey>,
     /// Backend ids found in the pinned maps at startup, by address.
@@ -104,32 +104,32 @@ pub struct IdAllocator {
 }
 
 impl IdAllocator {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// A backend found in the pinned maps: the next plan gives `addr` this id again.
-    pub fn seed_backend(&mut self, addr: BackendAddr, id: u32) {
+    pub(crate) fn seed_backend(&mut self, addr: BackendAddr, id: u32) {
         self.backend_hints.insert(addr, id);
         self.backends.next = self.backends.next.max(id);
     }
 
     /// A frontend found in the pinned maps pointing at set `svc_id`: a set planned for this
     /// frontend gets that id again (first frontend wins).
-    pub fn hint_set(&mut self, frontend: ServiceKey, svc_id: u32) {
+    pub(crate) fn hint_set(&mut self, frontend: ServiceKey, svc_id: u32) {
         self.set_hints.insert(frontend, svc_id);
         self.sets.next = self.sets.next.max(svc_id);
     }
 
     /// The id of backend `addr`, allocated on first use.
-    pub fn backend(&mut self, addr: BackendAddr) -> u32 {
+    pub(crate) fn backend(&mut self, addr: BackendAddr) -> u32 {
         let hint = self.backend_hints.get(&addr).copied();
         self.backends.get_or_alloc(&addr, hint)
     }
 
     /// The id of set `key`, allocated on first use (preferring the id a pinned frontend in
     /// `frontends` had).
-    pub fn set(&mut self, key: &SetKey, frontends: &[ServiceKey]) -> u32 {
+    pub(crate) fn set(&mut self, key: &SetKey, frontends: &[ServiceKey]) -> u32 {
         let hint = frontends
             .iter()
             .find_map(|f| self.set_hints.get(f).copied());
@@ -137,18 +137,18 @@ impl IdAllocator {
     }
 
     /// Forgets the id of backend `addr` (no set references it any more).
-    pub fn release_backend(&mut self, addr: &BackendAddr) {
+    pub(crate) fn release_backend(&mut self, addr: &BackendAddr) {
         self.backends.release(addr);
     }
 
     /// Forgets the id of set `key` (its service port no longer has it).
-    pub fn release_set(&mut self, key: &SetKey) {
+    pub(crate) fn release_set(&mut self, key: &SetKey) {
         self.sets.release(key);
     }
 
     /// Forgets ids of backends and sets not in a plan any more (after it was applied) and the
     /// startup hints (used once).
-    pub fn retain(&mut self, backends: &BTreeSet<BackendAddr>, sets: &BTreeSet<SetKey>) {
+    pub(crate) fn retain(&mut self, backends: &BTreeSet<BackendAddr>, sets: &BTreeSet<SetKey>) {
         self.backends.retain(backends);
         self.sets.retain(sets);
         self.backend_hints.clear();

@@ -71,7 +71,7 @@ pub enum LoaderError {
 }
 
 /// The loaded object, its pin directory and the ids of the socket-LB links.
-pub struct Kernel {
+pub(crate) struct Kernel {
     _ebpf: Ebpf,
     pin_dir: PathBuf,
     /// `(program, link id)` of each attached socket-LB program.
@@ -81,7 +81,7 @@ pub struct Kernel {
 }
 
 /// Loads the object (reusing pinned maps), returns the service tables and attaches socket LB.
-pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
+pub(crate) fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
     if !object::is_built() {
         return Err(BpfError::NotBuilt.into());
     }
@@ -198,7 +198,7 @@ pub fn load(cfg: &ServiceMapsConfig) -> Result<(Kernel, Tables), LoaderError> {
 
 /// `max_entries` of `KP_MAGLEV` and `KP_MAGLEV_REF`: `⌈tables × M / 2⌉` and `tables` in maglev
 /// mode, the compiled defaults in random mode.
-pub fn maglev_sizes(cfg: &ServiceMapsConfig) -> (u32, u32) {
+pub(crate) fn maglev_sizes(cfg: &ServiceMapsConfig) -> (u32, u32) {
     match cfg.lb_algorithm {
         LbAlgorithm::Maglev => (
             maglev_elems(cfg.map_sizes.maglev.saturating_mul(cfg.maglev_table_size)),
@@ -331,7 +331,7 @@ fn attach_link(ebpf: &mut Ebpf, name: &str, cgroup: &fs::File) -> Result<FdLink,
 
 impl Kernel {
     /// Detaches socket LB (removes the link pins) and removes the pinned maps.
-    pub fn cleanup(&self) -> std::io::Result<()> {
+    pub(crate) fn cleanup(&self) -> std::io::Result<()> {
         remove_pins(&self.pin_dir)
     }
 }

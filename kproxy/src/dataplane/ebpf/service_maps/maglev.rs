@@ -53,7 +53,7 @@ use std::net::IpAddr;
 use kproxy_common::maglev::is_prime;
 
 /// A backend's identity for the permutation: address and port.
-pub type Identity = (IpAddr, u16);
+pub(crate) type Identity = (IpAddr, u16);
 
 /// 64-bit FNV-1a of the identity's bytes (IPv4 as v4-mapped IPv6, port big-endian): stable
 /// across builds and platforms, unlike `std`'s hasher.
@@ -78,7 +78,7 @@ fn splitmix(mut z: u64) -> u64 {
 }
 
 /// `(offset, skip)` of a backend's permutation in a table of size `m`.
-pub fn permutation(id: &Identity, m: u32) -> (u32, u32) {
+pub(crate) fn permutation(id: &Identity, m: u32) -> (u32, u32) {
     let h = identity_hash(id);
     let h1 = splitmix(h ^ 0x6d61_676c_6576_3031); // "maglev01"
     let h2 = splitmix(h ^ 0x6d61_676c_6576_3032); // "maglev02"

@@ -45,13 +45,13 @@
 //!   source ranges → frontends → stale entries), so a frontend only ever points at a complete
 //!   set; stale entries are only those the changed service ports had and no longer have.
 
-pub mod apply;
-pub mod filter;
-pub mod ids;
-pub mod loader;
+pub(crate) mod apply;
+pub(crate) mod filter;
+pub(crate) mod ids;
+pub(crate) mod loader;
 pub mod maglev;
 pub mod plan;
-pub mod tables;
+pub(crate) mod tables;
 #[cfg(test)]
 mod tests;
 
@@ -63,8 +63,9 @@ use kproxy_common::service::{
     DEFAULT_SOCK_REV_NAT_MAX, DEFAULT_SOURCE_RANGES_MAX,
 };
 
-pub use apply::{Applier, ApplyOutcome, MapPressure};
-pub use plan::{MapsPlan, Planner, plan, render};
+pub(crate) use apply::{Applier, ApplyOutcome, MapPressure};
+use plan::Planner;
+pub use plan::{MapsPlan, render};
 
 use crate::dataplane::ebpf::socket_lb::sock_destroy;
 use crate::dataplane::ebpf::{layout, pins};
@@ -151,10 +152,10 @@ impl Default for ServiceMapsConfig {
 
 /// A full sync re-reads the maps into the applier's cache when its last read is older than
 /// this (the agent is the maps' only writer; this only bounds how long an outside edit lasts).
-pub const MAP_REREAD_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
+pub(crate) const MAP_REREAD_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
-pub fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -182,7 +183,7 @@ pub(crate) fn extend_packed<K: Ord, V>(map: &mut BTreeMap<K, V>, batch: Vec<(K, 
 /// Removes everything the eBPF datapath pinned under `<bpffs>/kproxy/` (socket-LB links first,
 /// which detaches them, then the maps) without loading anything: `kproxy cleanup`. A missing
 /// directory is not an error.
-pub fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
+pub(crate) fn cleanup_pins(bpffs: &std::path::Path) -> Result<(), CleanupError> {
     let dir = bpffs.join("kproxy");
     pins::remove_pins(&dir).map_err(|e| CleanupError {
         mode: ProxyMode::Ebpf,
@@ -243,7 +244,7 @@ impl ServiceMaps {
 
     /// Backend ids the last sync deleted from the backends map (their connection-table
     /// entries can go).
-    pub fn removed_backends(&self) -> &[u32] {
+    pub(crate) fn removed_backends(&self) -> &[u32] {
         &self.removed_backends
     }
 
@@ -274,7 +275,7 @@ impl ServiceMaps {
 
     /// Replaces the addresses NodePorts are programmed on (the node's addresses changed);
     /// takes effect at the next sync.
-    pub fn set_node_addresses(&mut self, addrs: Vec<IpAddr>) {
+    pub(crate) fn set_node_addresses(&mut self, addrs: Vec<IpAddr>) {
         self.cfg.node_addresses = addrs;
     }
 }

@@ -66,10 +66,10 @@ pub use crate::dataplane::ebpf::addr::{decode_addr, encode_addr};
 
 /// A [`MAP_SOURCE_RANGES`](kproxy_common::service::MAP_SOURCE_RANGES) key: LPM prefix length
 /// (bits, including the 32 of `svc_id`) and data.
-pub type SourceRangeEntry = (u32, SourceRangeKey);
+pub(crate) type SourceRangeEntry = (u32, SourceRangeKey);
 
 /// The LPM key allowing `net` for set `svc_id`.
-pub fn source_range_entry(svc_id: u32, net: IpNet) -> SourceRangeEntry {
+pub(crate) fn source_range_entry(svc_id: u32, net: IpNet) -> SourceRangeEntry {
     let bits = match net {
         IpNet::V4(n) => 96 + u32::from(n.prefix_len()),
         IpNet::V6(n) => u32::from(n.prefix_len()),
@@ -97,7 +97,7 @@ pub struct SetPlan {
 }
 
 /// The snapshot parts a [`ServicePlan`] was made from: the service port and its endpoints.
-pub type PlanSource = (Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>);
+pub(crate) type PlanSource = (Arc<ServicePort>, Option<Arc<Vec<Endpoint>>>);
 
 /// Everything one service port puts into the maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -119,7 +119,7 @@ pub struct ServicePlan {
 
 impl ServicePlan {
     /// Backend ids this service's slots reference.
-    pub fn backend_ids(&self) -> impl Iterator<Item = u32> + '_ {
+    pub(crate) fn backend_ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.sets.iter().flat_map(|s| s.backends.iter().copied())
     }
     /// Keys of every frontend this service port wants, owned or contested.
@@ -142,7 +142,7 @@ pub struct MapsPlan {
 }
 
 /// The address a backend entry holds.
-pub fn backend_addr(b: &BackendValue) -> BackendAddr {
+pub(crate) fn backend_addr(b: &BackendValue) -> BackendAddr {
     (decode_addr(b.addr), u16::from_be(b.port))
 }
 
@@ -153,7 +153,7 @@ impl MapsPlan {
     }
 
     /// Number of frontends, slots and source-range entries.
-    pub fn counts(&self) -> (usize, usize, usize) {
+    pub(crate) fn counts(&self) -> (usize, usize, usize) {
         self.services.values().fold((0, 0, 0), |(f, s, r), p| {
             (
                 f + p.frontends.len(),
@@ -186,7 +186,7 @@ fn key(ip: IpAddr, port: u16, svc: &ServicePort, scope: u8) -> ServiceKey {
 
 /// Plans every service port of `snap` from scratch. `ids` keeps ids stable across calls (pass
 /// the same allocator every time; `render` uses a fresh one).
-pub fn plan(snap: &Snapshot, cfg: &ServiceMapsConfig, ids: &mut IdAllocator) -> MapsPlan {
+pub(crate) fn plan(snap: &Snapshot, cfg: &ServiceMapsConfig, ids: &mut IdAllocator) -> MapsPlan {
     let mut planner = Planner::new(std::mem::take(ids));
     planner.full(snap, cfg);
     *ids = planner.ids;
@@ -243,7 +243,7 @@ impl BackendRefs {
 /// The incremental planner (see the module docs): the current [`MapsPlan`], the ids, who claims
 /// which frontend and who references which backend.
 #[derive(Debug, Default)]
-pub struct Planner {
+pub(crate) struct Planner {
     ids: IdAllocator,
     plan: MapsPlan,
     /// Every service port wanting a frontend; the first (by name) owns it. (Nearly always one
@@ -259,7 +259,7 @@ pub struct Planner {
 
 impl Planner {
     /// A planner starting from `ids` (seeded from the pinned maps after a restart).
-    pub fn new(ids: IdAllocator) -> Self {
+    pub(crate) fn new(ids: IdAllocator) -> Self {
         Planner {
             ids,
             ..Default::default()
@@ -267,24 +267,25 @@ impl Planner {
     }
 
     /// The current plan.
-    pub fn plan(&self) -> &MapsPlan {
+    pub(crate) fn plan(&self) -> &MapsPlan {
         &self.plan
     }
 
     /// The id allocator (a clone plans from scratch with the same ids).
+    #[cfg(test)]
     pub fn ids(&self) -> &IdAllocator {
         &self.ids
     }
 
     /// Whether the next update must re-plan every service port: nothing planned yet, or the
     /// node, its addresses or the configuration changed.
-    pub fn needs_full(&self, snap: &Snapshot, cfg: &ServiceMapsConfig) -> bool {
+    pub(crate) fn needs_full(&self, snap: &Snapshot, cfg: &ServiceMapsConfig) -> bool {
         self.inputs.as_ref() != Some(&Inputs::of(snap, cfg))
     }
 
     /// Service ports of `snap` that differ from what the current plan was made from (added,
     /// changed, removed): for snapshots that do not come with a trustworthy change set.
-    pub fn changed_in(&self, snap: &Snapshot) -> BTreeSet<ServicePortName> {
+    pub(crate) fn changed_in(&self, snap: &Snapshot) -> BTreeSet<ServicePortName> {
         let mut out: BTreeSet<ServicePortName> = self
             .plan
             .services
@@ -317,7 +318,11 @@ impl Planner {
 
     /// Re-plans every service port of `snap` (ids stay stable). Returns the service ports
     /// whose plan was (re)made or removed: all of them.
-    pub fn full(&mut self, snap: &Snapshot, cfg: &ServiceMapsConfig) -> BTreeSet<ServicePortName> {
+    pub(crate) fn full(
+        &mut self,
+        snap: &Snapshot,
+        cfg: &ServiceMapsConfig,
+    ) -> BTreeSet<ServicePortName> {
         let all: BTreeSet<ServicePortName> = snap
             .services
             .keys()
@@ -348,7 +353,7 @@ impl Planner {
     /// Re-plans the service ports in `dirty` (added, changed or removed in `snap`), or every
     /// one when [`Planner::needs_full`]. Returns the service ports whose plan was (re)made or
     /// removed: `dirty` plus those whose frontends changed owner.
-    pub fn update(
+    pub(crate) fn update(
         &mut self,
         snap: &Snapshot,
         cfg: &ServiceMapsConfig,
@@ -725,7 +730,7 @@ fn plan_frontends(
 }
 
 /// `1.2.3.4:80/TCP (cluster)`.
-pub fn describe_key(k: &ServiceKey) -> String {
+pub(crate) fn describe_key(k: &ServiceKey) -> String {
     let proto = match k.proto {
         6 => "TCP",
         17 => "UDP",
@@ -770,7 +775,7 @@ pub fn render(snap: &Snapshot, cfg: &ServiceMapsConfig) -> String {
 }
 
 /// [`render`] of an existing plan.
-pub fn render_plan(plan: &MapsPlan) -> String {
+pub(crate) fn render_plan(plan: &MapsPlan) -> String {
     let mut s = String::new();
     let (f, sl, r) = plan.counts();
     let _ = writeln!(

@@ -36,7 +36,6 @@ impl TableError {
 /// One key/value map.
 pub trait Table<K, V>: Send {
     /// The map's name (for errors and metrics).
-    fn name(&self) -> &'static str;
     /// Every entry.
     fn dump(&self) -> Result<Vec<(K, V)>, TableError>;
     /// Insert or replace.
@@ -48,7 +47,7 @@ pub trait Table<K, V>: Send {
 }
 
 /// A BPF hash or LRU hash map.
-pub struct KernelTable<K: Pod, V: Pod> {
+pub(crate) struct KernelTable<K: Pod, V: Pod> {
     name: &'static str,
     map: HashMap<MapData, K, V>,
     capacity: u32,
@@ -78,7 +77,7 @@ fn check_layout(
 }
 
 impl<K: Pod, V: Pod> KernelTable<K, V> {
-    pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
+    pub(crate) fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
         check_layout(name, &info, size_of::<K>(), size_of::<V>())?;
         let capacity = info.max_entries();
@@ -94,9 +93,6 @@ impl<K: Pod, V: Pod> KernelTable<K, V> {
 }
 
 impl<K: Pod + Send, V: Pod + Send> Table<K, V> for KernelTable<K, V> {
-    fn name(&self) -> &'static str {
-        self.name
-    }
     fn dump(&self) -> Result<Vec<(K, V)>, TableError> {
         let mut out = Vec::new();
         for item in self.map.iter() {
@@ -129,14 +125,14 @@ impl<K: Pod + Send, V: Pod + Send> Table<K, V> for KernelTable<K, V> {
 }
 
 /// The source-range LPM trie, keyed by `(prefix length, data)`.
-pub struct KernelLpmTable {
+pub(crate) struct KernelLpmTable {
     name: &'static str,
     map: LpmTrie<MapData, SourceRangeKey, u8>,
     capacity: u32,
 }
 
 impl KernelLpmTable {
-    pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
+    pub(crate) fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
         check_layout(name, &info, 4 + size_of::<SourceRangeKey>(), 1)?;
         let capacity = info.max_entries();
@@ -152,9 +148,6 @@ impl KernelLpmTable {
 }
 
 impl Table<SourceRangeEntry, u8> for KernelLpmTable {
-    fn name(&self) -> &'static str {
-        self.name
-    }
     fn dump(&self) -> Result<Vec<(SourceRangeEntry, u8)>, TableError> {
         let mut out = Vec::new();
         for item in self.map.iter() {
@@ -187,7 +180,7 @@ impl Table<SourceRangeEntry, u8> for KernelLpmTable {
 
 /// An in-memory map with a capacity, for tests of the applier.
 #[derive(Debug, Clone)]
-pub struct MemTable<K: Ord, V> {
+pub(crate) struct MemTable<K: Ord, V> {
     pub name: &'static str,
     pub entries: BTreeMap<K, V>,
     pub capacity: u32,
@@ -196,6 +189,7 @@ pub struct MemTable<K: Ord, V> {
 }
 
 impl<K: Ord, V> MemTable<K, V> {
+    #[cfg(test)]
     pub fn new(name: &'static str, capacity: u32) -> Self {
         MemTable {
             name,
@@ -207,9 +201,6 @@ impl<K: Ord, V> MemTable<K, V> {
 }
 
 impl<K: Ord + Clone + Send, V: Clone + Send> Table<K, V> for MemTable<K, V> {
-    fn name(&self) -> &'static str {
-        self.name
-    }
     fn dump(&self) -> Result<Vec<(K, V)>, TableError> {
         Ok(self
             .entries
@@ -239,12 +230,9 @@ impl<K: Ord + Clone + Send, V: Clone + Send> Table<K, V> for MemTable<K, V> {
 }
 
 /// A shared handle to a [`MemTable`], so a test can inspect what the applier wrote.
-pub type SharedMem<K, V> = std::sync::Arc<std::sync::Mutex<MemTable<K, V>>>;
+pub(crate) type SharedMem<K, V> = std::sync::Arc<std::sync::Mutex<MemTable<K, V>>>;
 
 impl<K: Ord + Clone + Send, V: Clone + Send> Table<K, V> for SharedMem<K, V> {
-    fn name(&self) -> &'static str {
-        self.lock().expect("poisoned").name
-    }
     fn dump(&self) -> Result<Vec<(K, V)>, TableError> {
         self.lock().expect("poisoned").dump()
     }
@@ -271,6 +259,7 @@ pub trait MaglevStore: Send {
         self.entries() / self.table_size().max(1)
     }
     /// `len` entries from `base`.
+    #[cfg_attr(not(test), allow(dead_code))] // read by the tests' in-memory tables
     fn read(&self, base: u32, len: u32) -> Vec<u32>;
     /// Makes entries `base..base + table.len()` hold `table`, writing only those that differ
     /// (each entry is one aligned 4-byte store, so a reader sees the old or the new backend id
@@ -280,7 +269,7 @@ pub trait MaglevStore: Send {
 
 /// A pinned `BPF_F_MMAPABLE` array mapped into the agent (shared), so elements are written
 /// with memory stores instead of one `bpf(2)` call each. The kernel side only reads.
-pub struct SharedArray {
+pub(crate) struct SharedArray {
     _map: MapData,
     ptr: std::ptr::NonNull<u8>,
     len: usize,
@@ -292,7 +281,11 @@ unsafe impl Send for SharedArray {}
 impl SharedArray {
     /// Maps `data` (map `name`), checking its key and value sizes; returns it and its
     /// `max_entries`.
-    pub fn new(name: &'static str, data: MapData, value: usize) -> Result<(Self, u32), TableError> {
+    pub(crate) fn new(
+        name: &'static str,
+        data: MapData,
+        value: usize,
+    ) -> Result<(Self, u32), TableError> {
         use std::os::fd::{AsFd, AsRawFd};
         let info = data.info().map_err(|e| TableError::from_map(name, e))?;
         check_layout(name, &info, 4, value)?;
@@ -363,14 +356,18 @@ impl Drop for SharedArray {
 }
 
 /// [`MaglevStore`] on the pinned mmapable array: a table is rewritten with memory stores.
-pub struct KernelMaglev {
+pub(crate) struct KernelMaglev {
     array: SharedArray,
     entries: u32,
     table_size: u32,
 }
 
 impl KernelMaglev {
-    pub fn new(name: &'static str, data: MapData, table_size: u32) -> Result<Self, TableError> {
+    pub(crate) fn new(
+        name: &'static str,
+        data: MapData,
+        table_size: u32,
+    ) -> Result<Self, TableError> {
         let elem = 4 * kproxy_common::maglev::IDS_PER_ELEM as usize;
         let (array, max_entries) = SharedArray::new(name, data, elem)?;
         // Elements of `elem` bytes hold IDS_PER_ELEM ids each: the mapping is a flat u32 array.
@@ -426,7 +423,7 @@ impl MaglevStore for KernelMaglev {
 
 /// An in-memory [`MaglevStore`] for the applier's tests.
 #[derive(Debug, Clone)]
-pub struct MemMaglev {
+pub(crate) struct MemMaglev {
     pub table_size: u32,
     pub data: Vec<u32>,
     /// Entries written so far.
@@ -434,6 +431,7 @@ pub struct MemMaglev {
 }
 
 impl MemMaglev {
+    #[cfg(test)]
     pub fn new(table_size: u32, tables: u32) -> Self {
         MemMaglev {
             table_size,
@@ -483,7 +481,7 @@ impl MaglevStore for std::sync::Arc<std::sync::Mutex<MemMaglev>> {
 }
 
 /// The frontend filter's words (`KP_FE_FILTER`, see `kproxy_common::frontend_filter`).
-pub trait FilterStore: Send {
+pub(crate) trait FilterStore: Send {
     /// Word `i`.
     fn read(&self, i: u32) -> u64;
     /// Makes word `i` hold `value` (one aligned 8-byte store: a reader sees the old or the
@@ -494,12 +492,12 @@ pub trait FilterStore: Send {
 }
 
 /// [`FilterStore`] on the pinned mmapable array.
-pub struct KernelFilter {
+pub(crate) struct KernelFilter {
     array: SharedArray,
 }
 
 impl KernelFilter {
-    pub fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
+    pub(crate) fn new(name: &'static str, data: MapData) -> Result<Self, TableError> {
         let (array, words) = SharedArray::new(name, data, 8)?;
         if words != kproxy_common::frontend_filter::FILTER_WORDS {
             return Err(TableError {
@@ -535,7 +533,7 @@ impl FilterStore for KernelFilter {
 
 /// An in-memory [`FilterStore`] for the applier's tests (all words "maybe", like a new map).
 #[derive(Debug, Clone)]
-pub struct MemFilter {
+pub(crate) struct MemFilter {
     pub words: Vec<u64>,
 }
 

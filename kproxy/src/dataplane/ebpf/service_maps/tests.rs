@@ -424,9 +424,6 @@ fn filter_bit(k: &ServiceKey) -> (u32, u64) {
 impl crate::dataplane::ebpf::service_maps::tables::Table<ServiceKey, ServiceValue>
     for FilteredFirst
 {
-    fn name(&self) -> &'static str {
-        self.services.name()
-    }
     fn dump(
         &self,
     ) -> Result<

@@ -34,11 +34,11 @@ use std::path::{Path, PathBuf};
 
 /// `PROC_CGROUP_INIT_INO` (include/linux/proc_ns.h): the inode of the initial cgroup
 /// namespace's `/proc/<pid>/ns/cgroup`.
-pub const PROC_CGROUP_INIT_INO: u64 = 0xEFFF_FFFB;
+pub(crate) const PROC_CGROUP_INIT_INO: u64 = 0xEFFF_FFFB;
 
 /// One cgroup2 line of `/proc/self/mountinfo`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cgroup2Mount {
+pub(crate) struct Cgroup2Mount {
     /// Field 5: where it is mounted.
     pub mount_point: PathBuf,
     /// Field 4: the cgroup at the mount point, relative to the reader's cgroup namespace root
@@ -47,7 +47,7 @@ pub struct Cgroup2Mount {
 }
 
 /// Every cgroup2 mount of a mountinfo text.
-pub fn cgroup2_mounts(mountinfo: &str) -> Vec<Cgroup2Mount> {
+pub(crate) fn cgroup2_mounts(mountinfo: &str) -> Vec<Cgroup2Mount> {
     mountinfo
         .lines()
         .filter_map(|line| {
@@ -85,7 +85,10 @@ fn unescape(s: &str) -> String {
 }
 
 /// The mount holding `path` (longest mount point that is a prefix of it).
-pub fn mount_holding<'a>(mounts: &'a [Cgroup2Mount], path: &Path) -> Option<&'a Cgroup2Mount> {
+pub(crate) fn mount_holding<'a>(
+    mounts: &'a [Cgroup2Mount],
+    path: &Path,
+) -> Option<&'a Cgroup2Mount> {
     mounts
         .iter()
         .filter(|m| path.starts_with(&m.mount_point))
@@ -94,7 +97,7 @@ pub fn mount_holding<'a>(mounts: &'a [Cgroup2Mount], path: &Path) -> Option<&'a 
 
 /// What [`judge`] decides on (gathered by [`check`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Facts {
+pub(crate) struct Facts {
     /// The path, canonical.
     pub path: PathBuf,
     /// `statfs` says cgroup2.
@@ -145,7 +148,7 @@ pub enum CgroupCheckError {
 }
 
 /// The rule of the module docs (pure).
-pub fn judge(f: &Facts) -> Result<(), CgroupCheckError> {
+pub(crate) fn judge(f: &Facts) -> Result<(), CgroupCheckError> {
     if !f.on_cgroup2 {
         return Err(CgroupCheckError::NotCgroup2 {
             path: f.path.clone(),
@@ -177,7 +180,7 @@ pub fn judge(f: &Facts) -> Result<(), CgroupCheckError> {
 }
 
 /// Gathers the [`Facts`] about `path` from this process' view of the system.
-pub fn facts(path: &Path) -> Result<Facts, CgroupCheckError> {
+pub(crate) fn facts(path: &Path) -> Result<Facts, CgroupCheckError> {
     let unreadable = |reason: String| CgroupCheckError::Unreadable {
         path: path.to_path_buf(),
         reason,
@@ -217,12 +220,12 @@ pub fn facts(path: &Path) -> Result<Facts, CgroupCheckError> {
 }
 
 /// Checks `path` (see the module docs).
-pub fn check(path: &Path) -> Result<(), CgroupCheckError> {
+pub(crate) fn check(path: &Path) -> Result<(), CgroupCheckError> {
     judge(&facts(path)?)
 }
 
 /// The cgroup2 mount point from `/proc/self/mountinfo` (default socket-LB attach point).
-pub fn cgroup2_root() -> Option<PathBuf> {
+pub(crate) fn cgroup2_root() -> Option<PathBuf> {
     let text = fs::read_to_string("/proc/self/mountinfo").ok()?;
     text.lines().find_map(|line| {
         let (mount, fs) = line.split_once(" - ")?;

@@ -51,7 +51,7 @@ use crate::dataplane::ebpf::socket_lb::sock_diag::DiagSocket;
 use crate::dataplane::ebpf::socket_lb::sock_diag::UdpSocket;
 
 /// Every backend that a UDP frontend's endpoint set references.
-pub fn udp_backends(
+pub(crate) fn udp_backends(
     services: &BTreeMap<ServiceKey, ServiceValue>,
     slots: &BTreeMap<BackendSlotKey, SlotValue>,
     backends: &BTreeMap<u32, BackendValue>,
@@ -71,7 +71,7 @@ pub fn udp_backends(
 
 /// Every network namespace reachable through `/proc/<pid>/ns/net`, one path per namespace
 /// (deduplicated by device and inode), the calling thread's own first.
-pub fn network_namespaces() -> Vec<PathBuf> {
+pub(crate) fn network_namespaces() -> Vec<PathBuf> {
     let mut seen = BTreeSet::new();
     let mut out = vec![];
     let mut add = |path: PathBuf| {
@@ -98,7 +98,7 @@ pub fn network_namespaces() -> Vec<PathBuf> {
 
 /// What one [`SockDestroyer::destroy`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct DestroyOutcome {
+pub(crate) struct DestroyOutcome {
     /// Network namespaces searched.
     pub namespaces: usize,
     /// Sockets destroyed.
@@ -111,7 +111,7 @@ pub struct DestroyOutcome {
 }
 
 /// Destroys UDP sockets connected through socket LB to removed backends (see the module docs).
-pub struct SockDestroyer {
+pub(crate) struct SockDestroyer {
     rnat: Result<BpfHashMap<MapData, SockRevNatKey, SockRevNatValue>, String>,
     /// Set once the kernel showed it cannot do this (reason logged once).
     disabled: Option<String>,
@@ -127,7 +127,7 @@ fn unsupported(e: &io::Error) -> bool {
 
 impl SockDestroyer {
     /// Opens the pinned `KP_SOCK_RNAT` at `rnat_pin`.
-    pub fn new(rnat_pin: &Path) -> Self {
+    pub(crate) fn new(rnat_pin: &Path) -> Self {
         let rnat = MapData::from_pin(rnat_pin)
             .and_then(Map::from_map_data)
             .and_then(BpfHashMap::try_from)
@@ -139,6 +139,7 @@ impl SockDestroyer {
     }
 
     /// Why destroying is off (the kernel cannot), if it is.
+    #[cfg(test)]
     pub fn disabled(&self) -> Option<&str> {
         self.disabled.as_deref()
     }
@@ -153,7 +154,7 @@ impl SockDestroyer {
 
     /// Destroys the socket-LB-connected UDP sockets of every network namespace whose peer is
     /// one of `targets`.
-    pub fn destroy(&mut self, targets: &[SocketAddr]) -> DestroyOutcome {
+    pub(crate) fn destroy(&mut self, targets: &[SocketAddr]) -> DestroyOutcome {
         let mut out = DestroyOutcome::default();
         if targets.is_empty() || self.disabled.is_some() {
             return out;

@@ -57,7 +57,7 @@ const RECV_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A socket as `inet_diag_sockid` names it (addresses and ports as the kernel reported them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UdpSocket {
+pub(crate) struct UdpSocket {
     /// `AF_INET` or `AF_INET6` (a v6 socket may hold v4-mapped addresses).
     pub family: u8,
     /// The raw `inet_diag_sockid` (echoed back by [`encode_destroy`]).
@@ -75,15 +75,15 @@ impl UdpSocket {
         }
     }
     /// The local address and port.
-    pub fn local(&self) -> SocketAddr {
+    pub(crate) fn local(&self) -> SocketAddr {
         SocketAddr::new(self.addr(4), u16::from_be_bytes([self.id[0], self.id[1]]))
     }
     /// The peer (a v4-mapped peer of a v6 socket is given as IPv4).
-    pub fn peer(&self) -> SocketAddr {
+    pub(crate) fn peer(&self) -> SocketAddr {
         SocketAddr::new(self.addr(20), u16::from_be_bytes([self.id[2], self.id[3]]))
     }
     /// The socket cookie (what `bpf_get_socket_cookie` returns).
-    pub fn cookie(&self) -> u64 {
+    pub(crate) fn cookie(&self) -> u64 {
         let lo = u32::from_ne_bytes(self.id[40..44].try_into().expect("4 bytes"));
         let hi = u32::from_ne_bytes(self.id[44..48].try_into().expect("4 bytes"));
         u64::from(lo) | (u64::from(hi) << 32)
@@ -92,7 +92,7 @@ impl UdpSocket {
 
 /// What one `recv` held.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Message {
+pub(crate) enum Message {
     Socket(UdpSocket),
     Done,
     /// `NLMSG_ERROR`: `errno` 0 is an ack.
@@ -106,7 +106,7 @@ pub enum Message {
 /// A sock_diag message that could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("malformed sock_diag message: {0}")]
-pub struct ParseError(pub String);
+pub(crate) struct ParseError(pub String);
 
 impl From<nl::ParseError> for ParseError {
     fn from(e: nl::ParseError) -> Self {
@@ -143,7 +143,7 @@ fn cond_len(target: &SocketAddr) -> usize {
 
 /// The filter bytecode accepting a socket whose destination is any of `targets` (see the
 /// module docs). `None` when it would not fit the 16-bit jump offsets.
-pub fn bytecode(targets: &[SocketAddr]) -> Option<Vec<u8>> {
+pub(crate) fn bytecode(targets: &[SocketAddr]) -> Option<Vec<u8>> {
     if targets.is_empty() {
         return None;
     }
@@ -171,7 +171,7 @@ pub fn bytecode(targets: &[SocketAddr]) -> Option<Vec<u8>> {
 
 /// A dump request for the connected UDP sockets of `family` (`AF_INET` / `AF_INET6`) whose
 /// destination is in `targets` (no filter when `targets` is too long for one program).
-pub fn encode_dump(family: u8, targets: &[SocketAddr], seq: u32) -> Vec<u8> {
+pub(crate) fn encode_dump(family: u8, targets: &[SocketAddr], seq: u32) -> Vec<u8> {
     let mut m = MsgBuilder::new(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP).header(&req(
         family,
         STATE_ESTABLISHED,
@@ -184,7 +184,7 @@ pub fn encode_dump(family: u8, targets: &[SocketAddr], seq: u32) -> Vec<u8> {
 }
 
 /// `SOCK_DESTROY` of exactly `sock`.
-pub fn encode_destroy(sock: &UdpSocket, seq: u32) -> Vec<u8> {
+pub(crate) fn encode_destroy(sock: &UdpSocket, seq: u32) -> Vec<u8> {
     MsgBuilder::new(SOCK_DESTROY, NLM_F_ACK)
         .header(&req(sock.family, 0, &sock.id))
         .finish(seq)
@@ -216,6 +216,7 @@ fn decode(m: nl::Msg<'_>) -> Result<Message, ParseError> {
 }
 
 /// Splits what one `recv` returned into messages.
+#[cfg(test)]
 pub fn parse_messages(buf: &[u8]) -> Result<Vec<Message>, ParseError> {
     nl::messages(buf).map(|m| decode(m?)).collect()
 }
@@ -225,19 +226,19 @@ fn invalid(e: ParseError) -> io::Error {
 }
 
 /// A `NETLINK_SOCK_DIAG` socket in the calling thread's network namespace.
-pub struct DiagSocket {
+pub(crate) struct DiagSocket {
     sock: nl::Socket,
 }
 
 impl DiagSocket {
-    pub fn open() -> io::Result<DiagSocket> {
+    pub(crate) fn open() -> io::Result<DiagSocket> {
         let sock = nl::Socket::open(NETLINK_SOCK_DIAG)?;
         sock.set_recv_timeout(RECV_TIMEOUT)?;
         Ok(DiagSocket { sock })
     }
 
     /// The connected UDP sockets of `family` whose peer is one of `targets`.
-    pub fn connected_udp(
+    pub(crate) fn connected_udp(
         &mut self,
         family: u8,
         targets: &[SocketAddr],
@@ -259,7 +260,7 @@ impl DiagSocket {
     }
 
     /// Destroys `sock`. `ENOENT`: it is gone already (closed, or reconnected elsewhere).
-    pub fn destroy(&mut self, sock: &UdpSocket) -> io::Result<()> {
+    pub(crate) fn destroy(&mut self, sock: &UdpSocket) -> io::Result<()> {
         let seq = self.sock.next_seq();
         self.sock
             .exchange(&encode_destroy(sock, seq), |_| Ok(()))

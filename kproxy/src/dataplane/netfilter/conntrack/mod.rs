@@ -38,9 +38,9 @@
 //! - [`netlink`]: ctnetlink dump and delete; encoding and decoding as pure functions.
 //! - [`entry`]: the entry type both share.
 
-pub mod entry;
+pub(crate) mod entry;
 pub mod netlink;
-pub mod stale;
+pub(crate) mod stale;
 
 use std::io;
 use std::time::Instant;
@@ -120,7 +120,7 @@ impl Cleaner {
         }
     }
 
-    pub fn family(&self) -> IpFamily {
+    pub(crate) fn family(&self) -> IpFamily {
         self.family
     }
 

@@ -71,7 +71,7 @@ const RECV_TIMEOUT: Duration = Duration::from_secs(10);
 /// A ctnetlink message that could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("malformed ctnetlink message: {0}")]
-pub struct ParseError(pub String);
+pub(crate) struct ParseError(pub String);
 
 impl From<nl::ParseError> for ParseError {
     fn from(e: nl::ParseError) -> Self {
@@ -130,12 +130,12 @@ fn has_ports(proto: u8) -> bool {
 }
 
 /// The request that dumps every entry of `family`.
-pub fn encode_dump_request(family: IpFamily, seq: u32) -> Vec<u8> {
+pub(crate) fn encode_dump_request(family: IpFamily, seq: u32) -> Vec<u8> {
     ct_msg(IPCTNL_MSG_CT_GET, NLM_F_DUMP, af(family)).finish(seq)
 }
 
 /// The request that deletes `entry` (by original tuple, zone and id), acknowledged.
-pub fn encode_delete(entry: &Entry, seq: u32) -> Vec<u8> {
+pub(crate) fn encode_delete(entry: &Entry, seq: u32) -> Vec<u8> {
     let family = af(IpFamily::of(&entry.orig.src));
     let mut m = ct_msg(IPCTNL_MSG_CT_DELETE, NLM_F_ACK, family);
     put_tuple(&mut m, CTA_TUPLE_ORIG, &entry.orig);
@@ -150,7 +150,7 @@ pub fn encode_delete(entry: &Entry, seq: u32) -> Vec<u8> {
 
 /// One decoded netlink message of a ctnetlink conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Message {
+pub(crate) enum Message {
     /// A conntrack entry (dump answer). `interrupted`: `NLM_F_DUMP_INTR` was set.
     Entry {
         seq: u32,
@@ -185,7 +185,7 @@ fn decode(m: nl::Msg<'_>) -> Result<Message, ParseError> {
 }
 
 /// Splits `buf` (what one `recv` returned) into messages and decodes each.
-pub fn parse_messages(buf: &[u8]) -> Result<Vec<Message>, ParseError> {
+pub(crate) fn parse_messages(buf: &[u8]) -> Result<Vec<Message>, ParseError> {
     nl::messages(buf).map(|m| decode(m?)).collect()
 }
 
@@ -212,7 +212,7 @@ fn ip_attr(p: &[u8], what: &str) -> Result<IpAddr, ParseError> {
 }
 
 /// Decodes a `CTA_TUPLE_*` payload.
-pub fn parse_tuple(b: &[u8]) -> Result<Tuple, ParseError> {
+pub(crate) fn parse_tuple(b: &[u8]) -> Result<Tuple, ParseError> {
     let (mut src, mut dst, mut proto) = (None, None, None);
     let (mut src_port, mut dst_port) = (0, 0);
     for a in attrs(b) {
@@ -255,7 +255,7 @@ pub fn parse_tuple(b: &[u8]) -> Result<Tuple, ParseError> {
 }
 
 /// Decodes the payload of an `IPCTNL_MSG_CT_NEW` message (nfgenmsg + attributes).
-pub fn parse_entry(payload: &[u8]) -> Result<Entry, ParseError> {
+pub(crate) fn parse_entry(payload: &[u8]) -> Result<Entry, ParseError> {
     if payload.len() < 4 {
         return perr("ctnetlink message without nfgenmsg");
     }
@@ -341,7 +341,7 @@ impl Socket {
     /// Dumps every conntrack entry of `family`, handing each to `f` as it is decoded (so a
     /// caller that keeps few of them never holds the whole table). Returns the number of
     /// entries seen and whether the dump was interrupted.
-    pub fn dump_each(
+    pub(crate) fn dump_each(
         &mut self,
         family: IpFamily,
         mut f: impl FnMut(Entry),

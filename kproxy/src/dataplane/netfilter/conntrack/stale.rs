@@ -182,7 +182,7 @@ impl StaleFilters {
 
     /// [`StaleFilters::is_stale`] on the four fields it reads: L4 protocol number, original
     /// destination IP and port, reply source.
-    pub fn is_stale_flow(
+    pub(crate) fn is_stale_flow(
         &self,
         proto: u8,
         orig_dst: IpAddr,
