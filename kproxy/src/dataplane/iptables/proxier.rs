@@ -88,7 +88,7 @@
 //! any sync grows with the total number of rules (the bound of that backend: 0.7–1.0 s per
 //! partial restore at 10k × 5, measured the same way, against ≈ 5 ms for everything else).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -98,7 +98,7 @@ use crate::model::{ChangedSet, Snapshot};
 use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
 use super::incremental::{IncrementalPlanner, UpdateStats};
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
-use super::names::{KUBE_PROXY_CANARY, is_service_chain};
+use super::names::is_service_chain;
 use super::plan::{ServiceKey, jump_rules, service_key};
 use super::render::{TableInput, render_tables};
 use super::written::KernelChains;
@@ -112,8 +112,6 @@ pub struct ProxierStats {
     pub restore_failures: u64,
     /// Failed partial restores (`sync_proxy_rules_iptables_partial_restore_failures_total`).
     pub partial_restore_failures: u64,
-    /// Whole-table nat restores done instead of `--noflush` ones.
-    pub whole_table_restores: u64,
     /// Chains (both tables) the last sync's applied restore declared.
     pub chains_written_last: usize,
     /// Chains of upstream's input the last (partial) sync left out as unchanged.
@@ -189,30 +187,22 @@ struct SyncInput {
     nat_rules: usize,
 }
 
-/// Parsed `iptables-save` of one table.
+/// The chains of one table's `iptables-save`, in order.
 #[derive(Debug, Default)]
 struct Saved {
-    /// (chain, policy) in order; policy "-" for user chains.
-    chains: Vec<(String, String)>,
-    rules: Vec<String>,
+    chains: Vec<String>,
 }
 
 fn parse_save(text: &str) -> Saved {
-    let mut s = Saved::default();
-    for line in text.lines() {
-        if let Some(c) = line.strip_prefix(':') {
-            let mut it = c.split_whitespace();
-            let name = it.next().unwrap_or("").to_string();
-            let policy = it.next().unwrap_or("-").to_string();
-            s.chains.push((name, policy));
-        } else if line.starts_with("-A ") {
-            s.rules.push(line.to_string());
-        }
+    Saved {
+        chains: text
+            .lines()
+            .filter_map(|l| l.strip_prefix(':'))
+            .filter_map(|c| c.split_whitespace().next())
+            .map(str::to_owned)
+            .collect(),
     }
-    s
 }
-
-use super::exec::normalize_rule as normalize;
 
 impl<B: IptablesBackend> Proxier<B> {
     pub fn new(cfg: IptablesConfig, backend: B) -> Self {
@@ -390,7 +380,8 @@ impl<B: IptablesBackend> Proxier<B> {
         nat: &mut TableInput,
         phases: &mut Phases,
     ) -> Option<Saved> {
-        let cleanup_due = !large_cluster
+        let cleanup_due = full
+            || !large_cluster
             || self
                 .last_cleanup
                 .is_none_or(|t| t.elapsed() > self.cfg.sync_period);
@@ -408,7 +399,7 @@ impl<B: IptablesBackend> Proxier<B> {
         if cleanup_due {
             let active = self.planner.active_chains();
             let existing: Option<Vec<&str>> = match &saved_nat {
-                Some(saved) => Some(saved.chains.iter().map(|(c, _)| c.as_str()).collect()),
+                Some(saved) => Some(saved.chains.iter().map(String::as_str).collect()),
                 None if known_chains => Some(self.kernel.chains("nat").collect()),
                 None => None,
             };
@@ -471,8 +462,8 @@ impl<B: IptablesBackend> Proxier<B> {
         Ok(())
     }
 
-    /// A full sync restores everything: nat as a whole table when it holds only our
-    /// objects, else both tables with `--noflush`; then rebuilds the kernel knowledge.
+    /// A full sync restores everything (both tables, one `--noflush` restore in bulk form);
+    /// then rebuilds the kernel knowledge: what the save showed plus the input.
     fn restore_full(
         &mut self,
         input: SyncInput,
@@ -482,38 +473,18 @@ impl<B: IptablesBackend> Proxier<B> {
         let SyncInput { filter, nat, .. } = input;
         self.stats.chains_omitted_last = 0;
         self.stats.chains_written_last = filter.chains.len() + nat.chains.len();
-        let whole = saved_nat.and_then(|s| self.whole_table_nat(s, &nat));
-        phases.lap("whole-input");
-        let result = match whole {
-            Some(whole) => self
-                .backend
-                .restore(
-                    &render_tables(std::slice::from_ref(&filter)),
-                    RestoreMode::NoFlush,
-                )
-                .and_then(|()| {
-                    phases.lap("restore-filter");
-                    self.stats.whole_table_restores += 1;
-                    self.backend.restore(&whole, RestoreMode::WholeTable)
-                })
-                .map(|()| true),
-            None => self
-                .backend
-                .restore(&self.last_input, RestoreMode::NoFlush)
-                .map(|()| false),
-        };
+        let result = self
+            .backend
+            .restore(&self.last_input, RestoreMode::NoFlushBulk);
         phases.lap("restore");
         match result {
-            Ok(whole) => {
-                // Rebuild the knowledge: after a whole-table restore nat holds exactly the
-                // declared chains (and the canary); else what the save showed plus the input.
+            Ok(()) => {
                 self.kernel.clear();
                 match saved_nat {
-                    Some(s) if !whole => {
-                        self.kernel
-                            .set_saved("nat", s.chains.iter().map(|(c, _)| c.as_str()));
-                    }
-                    _ => self.kernel.forget_table("nat"),
+                    Some(s) => self
+                        .kernel
+                        .set_saved("nat", s.chains.iter().map(String::as_str)),
+                    None => self.kernel.forget_table("nat"),
                 }
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
@@ -531,64 +502,5 @@ impl<B: IptablesBackend> Proxier<B> {
         }
         self.kernel.clear();
         e
-    }
-
-    /// The whole-table nat input equivalent to `nat` applied with `--noflush`, if the saved
-    /// table holds nothing but our objects.
-    fn whole_table_nat(&self, saved: &Saved, nat: &TableInput) -> Option<String> {
-        let ours: HashSet<&str> = nat.chains.iter().map(String::as_str).collect();
-        let jumps: HashSet<String> = jump_rules()
-            .into_iter()
-            .filter(|j| j.table == "nat")
-            .map(|j| normalize(&format!("-A {} {}", j.from, j.args.join(" "))))
-            .collect();
-        let builtin: Vec<&(String, String)> =
-            saved.chains.iter().filter(|(_, p)| p != "-").collect();
-        let builtin_names: HashSet<&str> = builtin.iter().map(|(c, _)| c.as_str()).collect();
-        for (c, policy) in &saved.chains {
-            let ours_or_stale = ours.contains(c.as_str()) || is_service_chain(c);
-            if policy == "-" && !(ours_or_stale || c == KUBE_PROXY_CANARY) {
-                return None;
-            }
-        }
-        for r in &saved.rules {
-            let chain = r.split_whitespace().nth(1).unwrap_or("");
-            if builtin_names.contains(chain) {
-                if !jumps.contains(&normalize(r)) {
-                    return None;
-                }
-            } else if !ours.contains(chain)
-                && !is_service_chain(chain)
-                && chain != KUBE_PROXY_CANARY
-            {
-                return None;
-            }
-        }
-        let deleted: HashSet<&str> = nat.deletes.iter().map(String::as_str).collect();
-        let saved_len: usize = saved.rules.iter().map(|r| r.len() + 1).sum();
-        let mut out = String::with_capacity(nat.rendered_len() + saved_len + 4096);
-        out.push_str("*nat\n");
-        for (c, p) in &builtin {
-            out.push_str(&format!(":{c} {p} [0:0]\n"));
-        }
-        if saved.chains.iter().any(|(c, _)| c == KUBE_PROXY_CANARY) {
-            out.push_str(&format!(":{KUBE_PROXY_CANARY} - [0:0]\n"));
-        }
-        for c in nat.chains.iter().filter(|c| !deleted.contains(c.as_str())) {
-            out.push_str(&format!(":{c} - [0:0]\n"));
-        }
-        for r in &saved.rules {
-            let chain = r.split_whitespace().nth(1).unwrap_or("");
-            if builtin_names.contains(chain) {
-                out.push_str(r);
-                out.push('\n');
-            }
-        }
-        for r in &nat.rules {
-            out.push_str(r);
-            out.push('\n');
-        }
-        out.push_str("COMMIT\n");
-        Some(out)
     }
 }
