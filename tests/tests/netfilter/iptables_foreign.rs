@@ -15,13 +15,16 @@ use kproxy::dataplane::iptables::kernel::{IptablesBackend, IptablesError, Restor
 use kproxy::dataplane::iptables::{IptablesConfig, Proxier};
 use kproxy::model::{ChangedSet, Tracker};
 use kproxy_tests::fixtures::upstream;
-use kproxy_tests::iptables_corpus::{feed, load_input};
+use kproxy_tests::iptables_corpus::{CaseInput, feed, load_input};
 use kproxy_tests::netns::{Netns, require_root};
+
+/// A hook run once, set by the test, taken by the backend.
+type Hook = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
 
 /// The real backend, with a hook run once after the next `save("nat")`.
 struct AfterSave {
     inner: ExecIptables,
-    hook: Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>,
+    hook: Hook,
 }
 
 impl IptablesBackend for AfterSave {
@@ -91,21 +94,14 @@ fn foreign_lines(dump: &str) -> Vec<String> {
 }
 
 /// A proxier over the real backend in `ns`, with the corpus' overall case.
-fn proxier(
-    ns: &Netns,
-    flavor: Flavor,
-) -> (
-    Proxier<AfterSave>,
-    Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>,
-    kproxy_tests::iptables_corpus::CaseInput,
-) {
+fn proxier(ns: &Netns, flavor: Flavor) -> (Proxier<AfterSave>, Hook, CaseInput) {
     let case = upstream("iptables/cases/overall-iptables-rules/input.yaml");
     let input = load_input(&case);
     let mut cfg: IptablesConfig = input.cfg.clone();
     cfg.netns = Some(ns.path());
     cfg.sync_period = std::time::Duration::from_secs(3600);
     cfg.nfacct_counters = Default::default();
-    let hook = Arc::new(Mutex::new(None));
+    let hook: Hook = Arc::new(Mutex::new(None));
     let backend = AfterSave {
         inner: ExecIptables::new(
             cfg.family,

@@ -1,23 +1,42 @@
 //! The sync state machine of one per-family proxier, over an [`IptablesBackend`]: full vs
-//! partial syncs, stale-chain deletion, jump rules, and the choice of restore mode.
+//! partial syncs, stale-chain deletion, jump rules, and the restore mode.
 //!
 //! Like upstream's `syncProxyRules`: a sync is full on the first run, after any failure, when
 //! forced (canary monitor, node change) and at least every [`FULL_SYNC_PERIOD`]; otherwise it
 //! is partial and omits the SVC/SVL/EXT/FW/SEP chains of services that did not change. The
-//! text of every restore input ([`Proxier::last_input`]) is upstream's.
+//! text of every restore input ([`Proxier::last_input`]) is upstream's (a full sync in
+//! large-cluster mode may add `-X` lines, see below).
 //!
-//! ## Restore mode (a deliberate, documented difference in *how* the input is applied)
-//! Upstream always restores with `--noflush`. With the nf_tables backend a `--noflush` restore
-//! that declares thousands of chains is superlinear (10k services did not finish in 10 min,
-//! see TOOLCHAIN.md §2), while replacing the whole table takes seconds. So on a **full** sync,
-//! if the nat table holds nothing but kube-proxy's objects (every user chain is one we write, a
-//! stale per-service chain, or the canary; every rule in a built-in chain is one of our jump
-//! rules), the nat table is restored as a whole (without `--noflush`): the built-in chains are
-//! re-declared with their saved policies and their (our) jump rules, stale chains simply are
-//! not declared. The result in the kernel is identical to the `--noflush` restore. If anything
-//! else lives in the nat table, the upstream `--noflush` input is used unchanged, so other
-//! programs' rules are never touched. The filter table is always restored with `--noflush`
-//! (it holds few of our chains and usually other programs' rules).
+//! ## Restore mode: always `--noflush`, in bulk form on full syncs
+//! Every restore is a `--noflush` one, as upstream's: only the chains the input declares are
+//! flushed, so other programs' chains and rules (Docker's, a CNI portmap's) are never touched,
+//! whatever they add at any moment. kproxy once replaced the nat table as a whole (no
+//! `--noflush`) when an `iptables-save` taken just before showed nothing but our objects;
+//! that lost any rule another program added between the save and the restore (issue #29),
+//! and could not be made safe: iptables-nft takes no lock at all (the xtables lock is
+//! iptables-legacy's, `/run/xtables.lock`), and a restore cannot be made conditional on the
+//! table being what an earlier save showed. So nothing that is not ours is ever flushed.
+//!
+//! Why the whole-table form existed, and why it is no longer needed: iptables-nft 1.8.9 is
+//! superlinear on a `--noflush` restore of many chains because, before running it, it
+//! collects every chain a command names (its chain and its jump target) into a list sorted by
+//! insertion — a linear `strcmp` walk per command — so a restore of C commands naming N chains
+//! costs O(C × N) (4k services × 5: 17.9 s; 10k: minutes). A command naming no chain makes it
+//! fetch the whole table in one dump instead, as a flushing restore does. A full sync's
+//! restore ([`RestoreMode::NoFlushBulk`]) therefore carries a chain-less `-S` per table on the
+//! nft backend (see [`with_table_listings`](super::exec::with_table_listings)): its cold start
+//! beside a foreign rule costs what the old whole-table restore of a clean table did (10k × 5
+//! in the measurement of bench/anchors/2026-11-29-iptables-foreign-rule.md: 6.0 s of
+//! iptables CPU either way). A full resync over the full table pays ≈ 1.6 s more CPU than the
+//! whole-table one did (`-S` fetches and lists the table's rules, then every chain is flushed
+//! and refilled instead of the table being replaced) — the price of never flushing others'
+//! rules. iptables-legacy has no such list; its `--noflush` restore costs what a whole-table
+//! one does, and holds the xtables lock across its read-modify-write of the table. Partial
+//! syncs declare a few chains and stay plain `--noflush` (the `-S` would fetch every rule).
+//!
+//! A full sync deletes (`-X`) every stale per-service chain its `iptables-save` shows, also in
+//! large-cluster mode where upstream waits for its periodic cleanup: the save is taken anyway,
+//! and a full sync leaves exactly the planned chains, as the whole-table restore did.
 //!
 //! ## What a partial sync actually restores
 //! A partial sync's input is upstream's (it re-declares and rewrites KUBE-SERVICES,
@@ -45,7 +64,8 @@
 //!
 //! ## What bounds a cold start on nft
 //! Measured by hand (iptables 1.8.9, kernel 6.18, 10k services × 5 endpoints, a whole-table
-//! nat restore of 60k chains and 170k rules in a fresh netns, loaded 2-core machine): ≈5.4 s
+//! nat restore — which costs what today's bulk `--noflush` restore does — of 60k chains and
+//! 170k rules in a fresh netns, loaded 2-core machine): ≈5.4 s
 //! user + 3.5 s sys inside `iptables-nft-restore`. The user time is iptables-nft's own and
 //! grows superlinearly with the number of chains: declaring 6k / 20k / 60k chains alone takes
 //! 0.01 / 0.10 / 1.9 s user, and rules that jump to user chains cost far more than DNAT rules
@@ -60,8 +80,9 @@
 //! restore of the fixed chains, then the per-service chains in `--noflush` batches of 100 /
 //! 500 / 2,000 services (not reachable from a base chain until the last restore writes
 //! KUBE-SERVICES), then KUBE-SERVICES: 10.5 / 9.5 / 48 s. A `--noflush` restore of many
-//! chains is superlinear inside iptables-nft itself, and each extra restore pays a process
-//! and a commit; nothing beat the single whole-table restore, which therefore stays.
+//! chains is superlinear inside iptables-nft itself (the chain list above: the batches had
+//! no `-S`), and each extra restore pays a process and a commit; nothing beat a single
+//! restore.
 //!
 //! ## What bounds a partial sync on nft
 //! Measured in the agent under the bench (debug log line "iptables sync phases", 10k services
