@@ -77,7 +77,6 @@ fn run(choice: Choice) {
     dp.sync(&snap2, &changed2).expect("partial");
     let partial = t.elapsed();
     println!("{choice:?}: partial sync {partial:.2?}");
-    let stats = dp.proxiers()[0].stats;
     let t = Instant::now();
     // A forced full resync (what the monitor or a failure triggers).
     let (snap3, _) = feed(&mut tracker, &services2, &slices2);
@@ -92,8 +91,7 @@ fn run(choice: Choice) {
         .map(|s| s.lines().filter(|l| l.starts_with("-A")).count())
         .unwrap_or(0);
     println!(
-        "{choice:?}: {SERVICES} services x {ENDPOINTS} endpoints: cold start {cold:.2?}, partial (1 endpoint changed) {partial:.2?}, full resync {full:.2?}; whole-table restores {}; nat rules in the kernel (via iptables-save, nft view) {rules}",
-        stats.whole_table_restores
+        "{choice:?}: {SERVICES} services x {ENDPOINTS} endpoints: cold start {cold:.2?}, partial (1 endpoint changed) {partial:.2?}, full resync {full:.2?}; nat rules in the kernel (via iptables-save, nft view) {rules}"
     );
     dp.cleanup().expect("cleanup");
 }

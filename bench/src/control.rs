@@ -387,7 +387,7 @@ fn restore_floors(
 /// `plan.changes` endpoint changes of the target service, one after the other, alternating
 /// its single backend between the two pods: API write → the new backend answers, in ms.
 #[allow(clippy::too_many_arguments)]
-fn changes(
+pub fn changes(
     plan: &Plan,
     set: &ServiceSet,
     api: &FakeApi,

@@ -18,8 +18,9 @@
 //! | `resync` ([`nftables::resync`]) | nftables full resync: the agent restarted over its own table of 40k services × 1 endpoint (its first sync is full), from the agent's full-sync metric, in minutes | the replay of that sync's transactions onto the same table; upstream's 16 min 44 s at 44k |
 //! | [`soak`] | a few thousand services under minutes of endpoint churn with traffic (ebpf, iptables-nft): RSS, fds, map fill at start / peak / end, time to converge after the last change, failed probe connections | no growth that does not come back |
 //! | [`inspect`] | `kproxy inspect` wall and CPU seconds at 100k services (ebpf) | ≤ 10 s |
+//! | [`iptables_foreign`] | iptables cold start and one endpoint change with another program's nat rule in the node, per backend, in interleaved rounds | the same without the rule |
 //!
-//! `soak` and `inspect` run in a full run and when `--only` names them (with `--quick`, their
+//! `soak`, `inspect` and `iptables-foreign` run in a full run and when `--only` names them (with `--quick`, their
 //! shorter variants), not in a plain `--quick` run.
 //!
 //! A figure derived from two measured ones (the node's share of `throughput`, the repeat-mode
@@ -52,6 +53,7 @@ pub mod connect;
 pub mod control;
 pub mod flood;
 pub mod inspect;
+pub mod iptables_foreign;
 pub mod maglev;
 pub mod nftables;
 pub mod packet;
@@ -376,6 +378,12 @@ impl Plan {
             // Derived: the difference of two figures' medians (`Results::push_difference`).
             "throughput-node" => 1,
             "nft-floor" | "resync" => nftables::samples(self, figure),
+            iptables_foreign::GROUP if figure.id.starts_with("cold-start-") => {
+                iptables_foreign::ROUNDS
+            }
+            iptables_foreign::GROUP => {
+                iptables_foreign::ROUNDS * iptables_foreign::changes_per_round(self) as usize
+            }
             _ => 0,
         }
     }

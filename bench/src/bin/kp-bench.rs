@@ -20,7 +20,7 @@ use clap::Parser as _;
 use kproxy_bench::cli::Args;
 use kproxy_bench::{
     GUEST_JSON_BEGIN, GUEST_JSON_END, Machine, Plan, Results, connect, control, guest_json,
-    inspect, maglev, nftables, packet, report, soak, throughput,
+    inspect, iptables_foreign, maglev, nftables, packet, report, soak, throughput,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -102,6 +102,7 @@ fn main() -> anyhow::Result<()> {
             &inspect::run as &dyn Fn(&Plan, &mut Results) -> anyhow::Result<()>,
         ),
         ("soak", &soak::run),
+        (iptables_foreign::GROUP, &iptables_foreign::run),
     ] {
         if !in_guest && (!quick || named(name)) {
             group(name, &mut results, f)?;

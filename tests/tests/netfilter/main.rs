@@ -7,6 +7,7 @@ mod conntrack_cleanup;
 mod conntrack_upstream;
 mod iptables_agent;
 mod iptables_corpus;
+mod iptables_foreign;
 mod iptables_kernel;
 mod iptables_partial;
 mod iptables_traffic;

@@ -244,8 +244,7 @@ impl IptablesDataplane {
                 .into_iter()
                 .find(|j| j.table == "nat" && j.from == "PREROUTING" && j.to == KUBE_SERVICES)
                 .expect("nat PREROUTING jump");
-            // The canaries exist before the first sync reads the tables (so a whole-table
-            // restore keeps them).
+            // The canaries exist before the monitor's first check.
             for t in TABLES {
                 if let Err(e) = backend.ensure_chain(t, KUBE_PROXY_CANARY) {
                     tracing::warn!(table = t, error = %e, "cannot create canary chain");

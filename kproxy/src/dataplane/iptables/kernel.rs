@@ -20,18 +20,24 @@ impl IptablesError {
     }
 }
 
-/// How a restore treats tables named in its input.
+/// How a restore is applied. Both are `--noflush` restores with the same result: only the
+/// declared chains are flushed (and the `-X` ones deleted); everything else in a table —
+/// other programs' chains and rules included — stays as it is. No restore ever replaces a
+/// table as a whole: nothing could keep a rule another program adds between the save that
+/// decided "only our rules here" and such a restore (see the proxier's module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RestoreMode {
-    /// `--noflush`: only declared chains are flushed; everything else in the table stays.
+    /// A restore of a few chains (a partial sync, a cleanup).
     NoFlush,
-    /// Without `--noflush`: each named table is replaced as a whole.
-    WholeTable,
+    /// A restore that rewrites every chain of ours (a full sync): the backend may read the
+    /// whole table's state up front instead of chain by chain (iptables-nft: see
+    /// [`ExecIptables`](super::exec::ExecIptables)'s `restore`).
+    NoFlushBulk,
 }
 
 /// What the proxier needs from iptables for one family.
 pub trait IptablesBackend: Send {
-    /// `iptables-restore [--noflush] --counters -w` with `input`.
+    /// `iptables-restore --noflush --counters -w` with `input`.
     fn restore(&mut self, input: &str, mode: RestoreMode) -> Result<(), IptablesError>;
     /// `iptables-save -t <table>`.
     fn save(&mut self, table: &str) -> Result<String, IptablesError>;
@@ -135,7 +141,7 @@ impl FakeTable {
     }
 }
 
-/// An in-memory model of the kernel's iptables state with iptables-restore semantics: a
+/// An in-memory model of the kernel's iptables state with `iptables-restore --noflush` semantics: a
 /// table's input is applied atomically at `COMMIT`; `-A` needs its chain and its jump target
 /// to exist; `-X` fails while any rule still jumps to the chain. Tests can add rules directly
 /// ([`FakeIptables::inject`]) to provoke failures, as upstream's tests do.
@@ -176,17 +182,13 @@ impl FakeIptables {
         }
     }
 
-    fn apply_table(
-        &self,
-        name: &str,
-        lines: &[&str],
-        mode: RestoreMode,
-    ) -> Result<FakeTable, IptablesError> {
+    fn apply_table(&self, name: &str, lines: &[&str]) -> Result<FakeTable, IptablesError> {
         let err = |r: String| IptablesError::new(format!("iptables-restore (table {name})"), r);
-        let mut t = match (mode, self.tables.get(name)) {
-            (RestoreMode::NoFlush, Some(t)) => t.clone(),
-            _ => FakeTable::new(name),
-        };
+        let mut t = self
+            .tables
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| FakeTable::new(name));
         for line in lines {
             if let Some(c) = line.strip_prefix(':') {
                 let chain = c.split_whitespace().next().unwrap_or("");
@@ -237,7 +239,7 @@ impl IptablesBackend for FakeIptables {
                 let (name, lines) = current.take().ok_or_else(|| {
                     IptablesError::new("iptables-restore", "COMMIT outside a table")
                 })?;
-                let t = self.apply_table(&name, &lines, mode)?;
+                let t = self.apply_table(&name, &lines)?;
                 self.tables.insert(name, t);
             } else if let Some((_, lines)) = current.as_mut() {
                 lines.push(line);

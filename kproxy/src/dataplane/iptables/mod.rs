@@ -7,8 +7,9 @@
 //! - [`render`](mod@render): iptables-restore text and upstream's canonical sort.
 //! - [`proxier`]: full/partial sync state machine over an [`kernel::IptablesBackend`].
 //! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
-//! - [`kernel`]: the kernel interface and an in-memory fake with restore semantics.
-//! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock).
+//! - [`kernel`]: the kernel interface (`--noflush` restores only) and an in-memory fake of it.
+//! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock, the bulk
+//!   form of a restore for iptables-nft).
 //! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
 //! - [`cleanup`]: removal of our and upstream kube-proxy's leftovers.
 //!

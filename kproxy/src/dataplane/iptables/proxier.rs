@@ -1,23 +1,42 @@
 //! The sync state machine of one per-family proxier, over an [`IptablesBackend`]: full vs
-//! partial syncs, stale-chain deletion, jump rules, and the choice of restore mode.
+//! partial syncs, stale-chain deletion, jump rules, and the restore mode.
 //!
 //! Like upstream's `syncProxyRules`: a sync is full on the first run, after any failure, when
 //! forced (canary monitor, node change) and at least every [`FULL_SYNC_PERIOD`]; otherwise it
 //! is partial and omits the SVC/SVL/EXT/FW/SEP chains of services that did not change. The
-//! text of every restore input ([`Proxier::last_input`]) is upstream's.
+//! text of every restore input ([`Proxier::last_input`]) is upstream's (a full sync in
+//! large-cluster mode may add `-X` lines, see below).
 //!
-//! ## Restore mode (a deliberate, documented difference in *how* the input is applied)
-//! Upstream always restores with `--noflush`. With the nf_tables backend a `--noflush` restore
-//! that declares thousands of chains is superlinear (10k services did not finish in 10 min),
-//! while replacing the whole table takes seconds. So on a **full** sync,
-//! if the nat table holds nothing but kube-proxy's objects (every user chain is one we write, a
-//! stale per-service chain, or the canary; every rule in a built-in chain is one of our jump
-//! rules), the nat table is restored as a whole (without `--noflush`): the built-in chains are
-//! re-declared with their saved policies and their (our) jump rules, stale chains simply are
-//! not declared. The result in the kernel is identical to the `--noflush` restore. If anything
-//! else lives in the nat table, the upstream `--noflush` input is used unchanged, so other
-//! programs' rules are never touched. The filter table is always restored with `--noflush`
-//! (it holds few of our chains and usually other programs' rules).
+//! ## Restore mode: always `--noflush`, in bulk form on full syncs
+//! Every restore is a `--noflush` one, as upstream's: only the chains the input declares are
+//! flushed, so other programs' chains and rules (Docker's, a CNI portmap's) are never touched,
+//! whatever they add at any moment. kproxy once replaced the nat table as a whole (no
+//! `--noflush`) when an `iptables-save` taken just before showed nothing but our objects;
+//! that lost any rule another program added between the save and the restore (issue #29),
+//! and could not be made safe: iptables-nft takes no lock at all (the xtables lock is
+//! iptables-legacy's, `/run/xtables.lock`), and a restore cannot be made conditional on the
+//! table being what an earlier save showed. So nothing that is not ours is ever flushed.
+//!
+//! Why the whole-table form existed, and why it is no longer needed: iptables-nft 1.8.9 is
+//! superlinear on a `--noflush` restore of many chains because, before running it, it
+//! collects every chain a command names (its chain and its jump target) into a list sorted by
+//! insertion — a linear `strcmp` walk per command — so a restore of C commands naming N chains
+//! costs O(C × N) (4k services × 5: 17.9 s; 10k: minutes). A command naming no chain makes it
+//! fetch the whole table in one dump instead, as a flushing restore does. A full sync's
+//! restore ([`RestoreMode::NoFlushBulk`]) therefore carries a chain-less `-S` per table on the
+//! nft backend (see [`with_table_listings`](super::exec::with_table_listings)): its cold start
+//! beside a foreign rule costs what the old whole-table restore of a clean table did (10k × 5
+//! in the measurement of bench/anchors/2026-11-29-iptables-foreign-rule.md: 6.0 s of
+//! iptables CPU either way). A full resync over the full table pays ≈ 1.6 s more CPU than the
+//! whole-table one did (`-S` fetches and lists the table's rules, then every chain is flushed
+//! and refilled instead of the table being replaced) — the price of never flushing others'
+//! rules. iptables-legacy has no such list; its `--noflush` restore costs what a whole-table
+//! one does, and holds the xtables lock across its read-modify-write of the table. Partial
+//! syncs declare a few chains and stay plain `--noflush` (the `-S` would fetch every rule).
+//!
+//! A full sync deletes (`-X`) every stale per-service chain its `iptables-save` shows, also in
+//! large-cluster mode where upstream waits for its periodic cleanup: the save is taken anyway,
+//! and a full sync leaves exactly the planned chains, as the whole-table restore did.
 //!
 //! ## What a partial sync actually restores
 //! A partial sync's input is upstream's (it re-declares and rewrites KUBE-SERVICES,
@@ -45,7 +64,8 @@
 //!
 //! ## What bounds a cold start on nft
 //! Measured by hand (iptables 1.8.9, kernel 6.18, 10k services × 5 endpoints, a whole-table
-//! nat restore of 60k chains and 170k rules in a fresh netns, loaded 2-core machine): ≈5.4 s
+//! nat restore — which costs what today's bulk `--noflush` restore does — of 60k chains and
+//! 170k rules in a fresh netns, loaded 2-core machine): ≈5.4 s
 //! user + 3.5 s sys inside `iptables-nft-restore`. The user time is iptables-nft's own and
 //! grows superlinearly with the number of chains: declaring 6k / 20k / 60k chains alone takes
 //! 0.01 / 0.10 / 1.9 s user, and rules that jump to user chains cost far more than DNAT rules
@@ -60,8 +80,9 @@
 //! restore of the fixed chains, then the per-service chains in `--noflush` batches of 100 /
 //! 500 / 2,000 services (not reachable from a base chain until the last restore writes
 //! KUBE-SERVICES), then KUBE-SERVICES: 10.5 / 9.5 / 48 s. A `--noflush` restore of many
-//! chains is superlinear inside iptables-nft itself, and each extra restore pays a process
-//! and a commit; nothing beat the single whole-table restore, which therefore stays.
+//! chains is superlinear inside iptables-nft itself (the chain list above: the batches had
+//! no `-S`), and each extra restore pays a process and a commit; nothing beat a single
+//! restore.
 //!
 //! ## What bounds a partial sync on nft
 //! Measured in the agent under the bench (debug log line "iptables sync phases", 10k services
@@ -88,7 +109,7 @@
 //! any sync grows with the total number of rules (the bound of that backend: 0.7–1.0 s per
 //! partial restore at 10k × 5, measured the same way, against ≈ 5 ms for everything else).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -98,7 +119,7 @@ use crate::model::{ChangedSet, Snapshot};
 use super::config::{FULL_SYNC_PERIOD, IptablesConfig};
 use super::incremental::{IncrementalPlanner, UpdateStats};
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
-use super::names::{KUBE_PROXY_CANARY, is_service_chain};
+use super::names::is_service_chain;
 use super::plan::{ServiceKey, jump_rules, service_key};
 use super::render::{TableInput, render_tables};
 use super::written::KernelChains;
@@ -112,8 +133,6 @@ pub struct ProxierStats {
     pub restore_failures: u64,
     /// Failed partial restores (`sync_proxy_rules_iptables_partial_restore_failures_total`).
     pub partial_restore_failures: u64,
-    /// Whole-table nat restores done instead of `--noflush` ones.
-    pub whole_table_restores: u64,
     /// Chains (both tables) the last sync's applied restore declared.
     pub chains_written_last: usize,
     /// Chains of upstream's input the last (partial) sync left out as unchanged.
@@ -189,30 +208,22 @@ struct SyncInput {
     nat_rules: usize,
 }
 
-/// Parsed `iptables-save` of one table.
+/// The chains of one table's `iptables-save`, in order.
 #[derive(Debug, Default)]
 struct Saved {
-    /// (chain, policy) in order; policy "-" for user chains.
-    chains: Vec<(String, String)>,
-    rules: Vec<String>,
+    chains: Vec<String>,
 }
 
 fn parse_save(text: &str) -> Saved {
-    let mut s = Saved::default();
-    for line in text.lines() {
-        if let Some(c) = line.strip_prefix(':') {
-            let mut it = c.split_whitespace();
-            let name = it.next().unwrap_or("").to_string();
-            let policy = it.next().unwrap_or("-").to_string();
-            s.chains.push((name, policy));
-        } else if line.starts_with("-A ") {
-            s.rules.push(line.to_string());
-        }
+    Saved {
+        chains: text
+            .lines()
+            .filter_map(|l| l.strip_prefix(':'))
+            .filter_map(|c| c.split_whitespace().next())
+            .map(str::to_owned)
+            .collect(),
     }
-    s
 }
-
-use super::exec::normalize_rule as normalize;
 
 impl<B: IptablesBackend> Proxier<B> {
     pub fn new(cfg: IptablesConfig, backend: B) -> Self {
@@ -390,7 +401,8 @@ impl<B: IptablesBackend> Proxier<B> {
         nat: &mut TableInput,
         phases: &mut Phases,
     ) -> Option<Saved> {
-        let cleanup_due = !large_cluster
+        let cleanup_due = full
+            || !large_cluster
             || self
                 .last_cleanup
                 .is_none_or(|t| t.elapsed() > self.cfg.sync_period);
@@ -408,7 +420,7 @@ impl<B: IptablesBackend> Proxier<B> {
         if cleanup_due {
             let active = self.planner.active_chains();
             let existing: Option<Vec<&str>> = match &saved_nat {
-                Some(saved) => Some(saved.chains.iter().map(|(c, _)| c.as_str()).collect()),
+                Some(saved) => Some(saved.chains.iter().map(String::as_str).collect()),
                 None if known_chains => Some(self.kernel.chains("nat").collect()),
                 None => None,
             };
@@ -471,8 +483,8 @@ impl<B: IptablesBackend> Proxier<B> {
         Ok(())
     }
 
-    /// A full sync restores everything: nat as a whole table when it holds only our
-    /// objects, else both tables with `--noflush`; then rebuilds the kernel knowledge.
+    /// A full sync restores everything (both tables, one `--noflush` restore in bulk form);
+    /// then rebuilds the kernel knowledge: what the save showed plus the input.
     fn restore_full(
         &mut self,
         input: SyncInput,
@@ -482,38 +494,18 @@ impl<B: IptablesBackend> Proxier<B> {
         let SyncInput { filter, nat, .. } = input;
         self.stats.chains_omitted_last = 0;
         self.stats.chains_written_last = filter.chains.len() + nat.chains.len();
-        let whole = saved_nat.and_then(|s| self.whole_table_nat(s, &nat));
-        phases.lap("whole-input");
-        let result = match whole {
-            Some(whole) => self
-                .backend
-                .restore(
-                    &render_tables(std::slice::from_ref(&filter)),
-                    RestoreMode::NoFlush,
-                )
-                .and_then(|()| {
-                    phases.lap("restore-filter");
-                    self.stats.whole_table_restores += 1;
-                    self.backend.restore(&whole, RestoreMode::WholeTable)
-                })
-                .map(|()| true),
-            None => self
-                .backend
-                .restore(&self.last_input, RestoreMode::NoFlush)
-                .map(|()| false),
-        };
+        let result = self
+            .backend
+            .restore(&self.last_input, RestoreMode::NoFlushBulk);
         phases.lap("restore");
         match result {
-            Ok(whole) => {
-                // Rebuild the knowledge: after a whole-table restore nat holds exactly the
-                // declared chains (and the canary); else what the save showed plus the input.
+            Ok(()) => {
                 self.kernel.clear();
                 match saved_nat {
-                    Some(s) if !whole => {
-                        self.kernel
-                            .set_saved("nat", s.chains.iter().map(|(c, _)| c.as_str()));
-                    }
-                    _ => self.kernel.forget_table("nat"),
+                    Some(s) => self
+                        .kernel
+                        .set_saved("nat", s.chains.iter().map(String::as_str)),
+                    None => self.kernel.forget_table("nat"),
                 }
                 self.kernel.record(&filter);
                 self.kernel.record(&nat);
@@ -531,64 +523,5 @@ impl<B: IptablesBackend> Proxier<B> {
         }
         self.kernel.clear();
         e
-    }
-
-    /// The whole-table nat input equivalent to `nat` applied with `--noflush`, if the saved
-    /// table holds nothing but our objects.
-    fn whole_table_nat(&self, saved: &Saved, nat: &TableInput) -> Option<String> {
-        let ours: HashSet<&str> = nat.chains.iter().map(String::as_str).collect();
-        let jumps: HashSet<String> = jump_rules()
-            .into_iter()
-            .filter(|j| j.table == "nat")
-            .map(|j| normalize(&format!("-A {} {}", j.from, j.args.join(" "))))
-            .collect();
-        let builtin: Vec<&(String, String)> =
-            saved.chains.iter().filter(|(_, p)| p != "-").collect();
-        let builtin_names: HashSet<&str> = builtin.iter().map(|(c, _)| c.as_str()).collect();
-        for (c, policy) in &saved.chains {
-            let ours_or_stale = ours.contains(c.as_str()) || is_service_chain(c);
-            if policy == "-" && !(ours_or_stale || c == KUBE_PROXY_CANARY) {
-                return None;
-            }
-        }
-        for r in &saved.rules {
-            let chain = r.split_whitespace().nth(1).unwrap_or("");
-            if builtin_names.contains(chain) {
-                if !jumps.contains(&normalize(r)) {
-                    return None;
-                }
-            } else if !ours.contains(chain)
-                && !is_service_chain(chain)
-                && chain != KUBE_PROXY_CANARY
-            {
-                return None;
-            }
-        }
-        let deleted: HashSet<&str> = nat.deletes.iter().map(String::as_str).collect();
-        let saved_len: usize = saved.rules.iter().map(|r| r.len() + 1).sum();
-        let mut out = String::with_capacity(nat.rendered_len() + saved_len + 4096);
-        out.push_str("*nat\n");
-        for (c, p) in &builtin {
-            out.push_str(&format!(":{c} {p} [0:0]\n"));
-        }
-        if saved.chains.iter().any(|(c, _)| c == KUBE_PROXY_CANARY) {
-            out.push_str(&format!(":{KUBE_PROXY_CANARY} - [0:0]\n"));
-        }
-        for c in nat.chains.iter().filter(|c| !deleted.contains(c.as_str())) {
-            out.push_str(&format!(":{c} - [0:0]\n"));
-        }
-        for r in &saved.rules {
-            let chain = r.split_whitespace().nth(1).unwrap_or("");
-            if builtin_names.contains(chain) {
-                out.push_str(r);
-                out.push('\n');
-            }
-        }
-        for r in &nat.rules {
-            out.push_str(r);
-            out.push('\n');
-        }
-        out.push_str("COMMIT\n");
-        Some(out)
     }
 }

@@ -67,7 +67,8 @@ impl KernelChains {
         t.extend(chains.into_iter().map(|c| (c.to_owned(), None)));
     }
 
-    /// `table` was replaced as a whole: it holds nothing known until [`Self::record`].
+    /// Nothing is known of `table` (a full sync whose save failed): it holds nothing known
+    /// until [`Self::record`].
     pub fn forget_table(&mut self, table: &str) {
         self.tables.entry(table.to_owned()).or_default().clear();
     }
