@@ -38,6 +38,17 @@ pub(crate) trait Family: Sized {
     fn parse(data: usize, end: usize) -> Parsed<Self::Packet>;
     /// A packet's `(saddr, daddr, sport, dport, proto)`, network order.
     fn tuple(p: &Self::Packet) -> (Self::Addr, Self::Addr, u16, u16, u8);
+    /// A packet's source address (network order; the fields of [`Family::tuple`] one by
+    /// one, for the per-packet paths: read where they are used, not kept live across calls).
+    fn saddr(p: &Self::Packet) -> &Self::Addr;
+    /// A packet's destination address.
+    fn daddr(p: &Self::Packet) -> &Self::Addr;
+    /// A packet's source port.
+    fn sport(p: &Self::Packet) -> u16;
+    /// A packet's destination port.
+    fn dport(p: &Self::Packet) -> u16;
+    /// A packet's L4 protocol.
+    fn proto(p: &Self::Packet) -> u8;
     /// A packet's TCP flags (0 for other protocols).
     fn tcp_flags(p: &Self::Packet) -> u8;
     /// Offset of a packet's L4 header.
@@ -138,6 +149,130 @@ pub(crate) trait Family: Sized {
     fn complete_xdp_reply(_snat_in: *mut Self::Entry, _k: &Self::Key) {}
 }
 
+/// The [`Family`] methods whose code is the same for both families, written once: their CT
+/// keys, CT entries and parsed packets have the same field names (`kproxy_common::ct` /
+/// `ct6`, [`Packet`] / [`Packet6`]).
+macro_rules! same_field_names {
+    ($key:ident, $entry:ident) => {
+        #[inline(always)]
+        fn tuple(p: &Self::Packet) -> (Self::Addr, Self::Addr, u16, u16, u8) {
+            (p.saddr, p.daddr, p.sport, p.dport, p.proto)
+        }
+
+        #[inline(always)]
+        fn saddr(p: &Self::Packet) -> &Self::Addr {
+            &p.saddr
+        }
+
+        #[inline(always)]
+        fn daddr(p: &Self::Packet) -> &Self::Addr {
+            &p.daddr
+        }
+
+        #[inline(always)]
+        fn sport(p: &Self::Packet) -> u16 {
+            p.sport
+        }
+
+        #[inline(always)]
+        fn dport(p: &Self::Packet) -> u16 {
+            p.dport
+        }
+
+        #[inline(always)]
+        fn proto(p: &Self::Packet) -> u8 {
+            p.proto
+        }
+
+        #[inline(always)]
+        fn tcp_flags(p: &Self::Packet) -> u8 {
+            p.tcp_flags
+        }
+
+        #[inline(always)]
+        fn key(
+            saddr: Self::Addr,
+            daddr: Self::Addr,
+            sport: u16,
+            dport: u16,
+            proto: u8,
+            kind: CtKind,
+        ) -> $key {
+            $key {
+                saddr,
+                daddr,
+                sport,
+                dport,
+                proto,
+                kind: kind as u8,
+                _pad: [0; 2],
+            }
+        }
+
+        #[inline(always)]
+        fn write_key(
+            out: &mut $key,
+            saddr: &Self::Addr,
+            daddr: &Self::Addr,
+            sport: u16,
+            dport: u16,
+            proto: u8,
+            kind: CtKind,
+        ) {
+            out.saddr = *saddr;
+            out.daddr = *daddr;
+            out.sport = sport;
+            out.dport = dport;
+            out.proto = proto;
+            out.kind = kind as u8;
+            out._pad = [0; 2];
+        }
+
+        #[inline(always)]
+        fn key_src(k: &$key) -> (&Self::Addr, u16) {
+            (&k.saddr, k.sport)
+        }
+
+        #[inline(always)]
+        fn set_dport(k: &mut $key, port: u16) {
+            k.dport = port;
+        }
+
+        #[inline(always)]
+        fn with_nat(template: &$entry, addr: Self::Addr, port: u16) -> $entry {
+            $entry {
+                nat_addr: addr,
+                nat_port: port,
+                ..*template
+            }
+        }
+
+        #[inline(always)]
+        fn stamps(e: *mut $entry) -> (*mut u64, *mut u16) {
+            // SAFETY: field addresses of a valid entry pointer, no access.
+            unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
+        }
+
+        #[inline(always)]
+        fn created(e: *mut $entry) -> u64 {
+            // SAFETY: a valid entry pointer (lookup result), read by value.
+            unsafe { (*e).created_ns }
+        }
+
+        #[inline(always)]
+        fn nat_slot(e: *mut $entry) -> (*mut Self::Addr, *mut u16) {
+            // SAFETY: field addresses of a valid entry pointer, no access.
+            unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
+        }
+
+        #[inline(always)]
+        fn snat_slot(e: *mut $entry) -> (*mut Self::Addr, *mut u16) {
+            // SAFETY: as above.
+            unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
+        }
+    };
+}
+
 /// IPv4: `KP_CT`, `KP_NODE_ADDR4`, [`crate::packet`]; the only family of the XDP fast path.
 pub(crate) struct V4;
 
@@ -149,20 +284,11 @@ impl Family for V4 {
     const MAGLEV: bool = true;
     const ICMP: u8 = PROTO_ICMP;
     const PARSE_LEN: u32 = PARSE_LEN;
+    same_field_names!(CtKey, CtEntry);
 
     #[inline(always)]
     fn parse(data: usize, end: usize) -> Parsed<Packet> {
         parse(data, end)
-    }
-
-    #[inline(always)]
-    fn tuple(p: &Packet) -> (u32, u32, u16, u16, u8) {
-        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
-    }
-
-    #[inline(always)]
-    fn tcp_flags(p: &Packet) -> u8 {
-        p.tcp_flags
     }
 
     #[inline(always)]
@@ -214,42 +340,6 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn key(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, kind: CtKind) -> CtKey {
-        CtKey {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            kind: kind as u8,
-            _pad: [0; 2],
-        }
-    }
-
-    #[inline(always)]
-    fn write_key(
-        out: &mut CtKey,
-        saddr: &u32,
-        daddr: &u32,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    ) {
-        *out = Self::key(*saddr, *daddr, sport, dport, proto, kind);
-    }
-
-    #[inline(always)]
-    fn key_src(k: &CtKey) -> (&u32, u16) {
-        (&k.saddr, k.sport)
-    }
-
-    #[inline(always)]
-    fn set_dport(k: &mut CtKey, port: u16) {
-        k.dport = port;
-    }
-
-    #[inline(always)]
     fn entry(
         nat_addr: u32,
         nat_port: u16,
@@ -271,39 +361,6 @@ impl Family for V4 {
             _pad: 0,
             fwd: FwdCache::default(),
         }
-    }
-
-    #[inline(always)]
-    fn with_nat(template: &CtEntry, addr: u32, port: u16) -> CtEntry {
-        CtEntry {
-            nat_addr: addr,
-            nat_port: port,
-            ..*template
-        }
-    }
-
-    #[inline(always)]
-    fn stamps(e: *mut CtEntry) -> (*mut u64, *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
-    }
-
-    #[inline(always)]
-    fn created(e: *mut CtEntry) -> u64 {
-        // SAFETY: a valid entry pointer (lookup result), read by value.
-        unsafe { (*e).created_ns }
-    }
-
-    #[inline(always)]
-    fn nat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
-    }
-
-    #[inline(always)]
-    fn snat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
-        // SAFETY: as above.
-        unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
 
     #[inline(always)]
@@ -340,20 +397,11 @@ impl Family for V6 {
     const MAGLEV: bool = false;
     const ICMP: u8 = PROTO_ICMPV6;
     const PARSE_LEN: u32 = PARSE6_LEN;
+    same_field_names!(CtKey6, CtEntry6);
 
     #[inline(always)]
     fn parse(data: usize, end: usize) -> Parsed<Packet6> {
         parse6(data, end)
-    }
-
-    #[inline(always)]
-    fn tuple(p: &Packet6) -> ([u32; 4], [u32; 4], u16, u16, u8) {
-        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
-    }
-
-    #[inline(always)]
-    fn tcp_flags(p: &Packet6) -> u8 {
-        p.tcp_flags
     }
 
     #[inline(always)]
@@ -399,55 +447,6 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn key(
-        saddr: [u32; 4],
-        daddr: [u32; 4],
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    ) -> CtKey6 {
-        CtKey6 {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            kind: kind as u8,
-            _pad: [0; 2],
-        }
-    }
-
-    #[inline(always)]
-    fn write_key(
-        out: &mut CtKey6,
-        saddr: &[u32; 4],
-        daddr: &[u32; 4],
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    ) {
-        out.saddr = *saddr;
-        out.daddr = *daddr;
-        out.sport = sport;
-        out.dport = dport;
-        out.proto = proto;
-        out.kind = kind as u8;
-        out._pad = [0; 2];
-    }
-
-    #[inline(always)]
-    fn key_src(k: &CtKey6) -> (&[u32; 4], u16) {
-        (&k.saddr, k.sport)
-    }
-
-    #[inline(always)]
-    fn set_dport(k: &mut CtKey6, port: u16) {
-        k.dport = port;
-    }
-
-    #[inline(always)]
     fn entry(
         nat_addr: [u32; 4],
         nat_port: u16,
@@ -469,39 +468,6 @@ impl Family for V6 {
             snat_port: 0,
             _pad2: [0; 3],
         }
-    }
-
-    #[inline(always)]
-    fn with_nat(template: &CtEntry6, addr: [u32; 4], port: u16) -> CtEntry6 {
-        CtEntry6 {
-            nat_addr: addr,
-            nat_port: port,
-            ..*template
-        }
-    }
-
-    #[inline(always)]
-    fn stamps(e: *mut CtEntry6) -> (*mut u64, *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
-    }
-
-    #[inline(always)]
-    fn created(e: *mut CtEntry6) -> u64 {
-        // SAFETY: a valid entry pointer (lookup result), read by value.
-        unsafe { (*e).created_ns }
-    }
-
-    #[inline(always)]
-    fn nat_slot(e: *mut CtEntry6) -> (*mut [u32; 4], *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
-    }
-
-    #[inline(always)]
-    fn snat_slot(e: *mut CtEntry6) -> (*mut [u32; 4], *mut u16) {
-        // SAFETY: as above.
-        unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
     }
 
     #[inline(always)]

@@ -109,7 +109,8 @@ pub(crate) trait TcFamily: Family {
     /// Whether the large steps off the common path (a new flow's backend choice and CT
     /// entries, a rejection, an ICMP error) run as BPF-to-BPF calls with their own stack
     /// frames ([`step`]): IPv6, whose addresses leave no room to inline them into one 512-byte
-    /// stack. IPv4 inlines them (a call and its return cost a return thunk each on this CPU).
+    /// stack. IPv4 has the room and inlines them, as it always did (no call added to its
+    /// paths).
     const OWN_FRAMES: bool;
     /// Offset of the source address.
     const SADDR: usize;
@@ -231,7 +232,7 @@ fn ingress<F: IcmpErrors + Reject>(mut ctx: TcContext) -> Verdict {
     let Some(p) = parse::<F>(&ctx) else {
         return NEXT;
     };
-    if F::tuple(&p).4 == F::ICMP {
+    if F::proto(&p) == F::ICMP {
         return step::<F>(&mut ctx, |ctx| {
             icmp_error::<F, true>(ctx, &p).unwrap_or(NEXT)
         });
@@ -245,7 +246,7 @@ fn egress<F: IcmpErrors>(mut ctx: TcContext) -> Verdict {
     let Some(p) = parse::<F>(&ctx) else {
         return NEXT;
     };
-    if F::tuple(&p).4 == F::ICMP {
+    if F::proto(&p) == F::ICMP {
         return step::<F>(&mut ctx, |ctx| {
             icmp_error::<F, false>(ctx, &p).unwrap_or(NEXT)
         });
@@ -255,13 +256,11 @@ fn egress<F: IcmpErrors>(mut ctx: TcContext) -> Verdict {
 
 #[inline(always)]
 fn ingress_packet<F: Reject>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdict, ()> {
-    let (saddr, _, sport, dport, proto) = F::tuple(p);
-    let tcp_flags = F::tcp_flags(p);
     // A reply to a SNATed flow: give it back its client as destination.
-    if in_snat_range(dport) {
+    if in_snat_range(F::dport(p)) {
         let k = F::key_of(p, CtKind::SnatIn);
         if let Some(e) = F::ct().get_ptr_mut(&k) {
-            touch::<F>(e, tcp_flags, CT_F_FIN_REPLY);
+            touch::<F>(e, F::tcp_flags(p), CT_F_FIN_REPLY);
             let (addr, port) = F::nat(e);
             // Started by the XDP fast path: the egress toward the client needs its `RevDnat`
             // entry.
@@ -274,8 +273,8 @@ fn ingress_packet<F: Reject>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdi
     // An established flow keeps its backend (one lookup; see the module docs); a new
     // connection on a closed flow's tuple is a new flow (`crate::flow::reopens`).
     if let Some(e) = F::ct().get_ptr_mut(F::key_of(p, CtKind::Service)) {
-        if !reopens::<F>(e, tcp_flags) {
-            touch::<F>(e, tcp_flags, CT_F_FIN_ORIG);
+        if !reopens::<F>(e, F::tcp_flags(p)) {
+            touch::<F>(e, F::tcp_flags(p), CT_F_FIN_ORIG);
             let (addr, port) = F::nat(e);
             // Started by the XDP fast path: the egress toward the backend needs its `RevDnat`
             // entry (the SNAT source).
@@ -284,7 +283,7 @@ fn ingress_packet<F: Reject>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdi
             stat(TcStat::Established);
             return Ok(NEXT);
         }
-        end_flow::<F>(e, &saddr, sport, proto);
+        end_flow::<F>(e, F::saddr(p), F::sport(p), F::proto(p));
     }
     // Not a frontend (most such packets stop at the filter): not ours.
     let Some(svc) = new_flow_entry::<F>(p, candidates::<F>(p)) else {
@@ -297,8 +296,7 @@ fn ingress_packet<F: Reject>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdi
 /// [`balance`].
 #[inline(always)]
 fn new_flow<F: Reject>(ctx: &mut TcContext, p: &F::Packet, svc: &ServiceValue) -> Verdict {
-    let (saddr, _, _, _, proto) = F::tuple(p);
-    if !source_allowed::<F>(svc, saddr) {
+    if !source_allowed::<F>(svc, *F::saddr(p)) {
         stat(TcStat::SourceRangeDrop);
         return DROP;
     }
@@ -307,7 +305,7 @@ fn new_flow<F: Reject>(ctx: &mut TcContext, p: &F::Packet, svc: &ServiceValue) -
         if svc.flags & SVC_F_REJECT == 0 {
             return DROP;
         }
-        if proto == PROTO_TCP {
+        if F::proto(p) == PROTO_TCP {
             return step::<F>(ctx, |ctx| tcp_reset::<F>(ctx, p).unwrap_or(DROP));
         }
         // UDP: a NodePort is a node address with nothing listening on the port, so the
@@ -348,13 +346,17 @@ fn balance<F: TcFamily>(
 
 #[inline(always)]
 fn egress_packet<F: TcFamily>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdict, ()> {
-    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
-    let tcp_flags = F::tcp_flags(p);
-    let (e, n_addr, n_port) = match egress_entry::<F>(saddr, daddr, sport, dport, proto) {
+    let (e, n_addr, n_port) = match egress_entry::<F>(
+        *F::saddr(p),
+        *F::daddr(p),
+        F::sport(p),
+        F::dport(p),
+        F::proto(p),
+    ) {
         None => return Ok(NEXT),
         // A reply from a backend: its source becomes the frontend again.
         Some(Egress::Reply(e)) => {
-            touch::<F>(e, tcp_flags, CT_F_FIN_REPLY);
+            touch::<F>(e, F::tcp_flags(p), CT_F_FIN_REPLY);
             let (addr, port) = F::nat(e);
             rewrite::<F>(ctx, p, false, &addr, port)?;
             stat(TcStat::Reply);
@@ -363,7 +365,7 @@ fn egress_packet<F: TcFamily>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verd
         // A packet to a backend: its flow's SNAT source (see `crate::flow::snat_slot`).
         Some(Egress::Snat(e, addr, port)) => (e, addr, port),
     };
-    touch::<F>(e, tcp_flags, CT_F_FIN_ORIG);
+    touch::<F>(e, F::tcp_flags(p), CT_F_FIN_ORIG);
     // SAFETY: fields of a lookup result.
     let (mut addr, mut port) = unsafe { (*n_addr, *n_port) };
     if addr == F::Addr::default() {
@@ -376,7 +378,16 @@ fn egress_packet<F: TcFamily>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verd
         addr = node;
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*e };
-        port = match allocate_port::<F>(saddr, daddr, sport, dport, proto, addr, template, None) {
+        port = match allocate_port::<F>(
+            *F::saddr(p),
+            *F::daddr(p),
+            F::sport(p),
+            F::dport(p),
+            F::proto(p),
+            addr,
+            template,
+            None,
+        ) {
             Some(port) => port,
             None => {
                 stat(TcStat::SnatExhausted);
@@ -426,13 +437,13 @@ fn rewrite<F: TcFamily>(
     addr: &F::Addr,
     port: u16,
 ) -> Result<(), ()> {
-    let (saddr, daddr, sport, dport, proto) = F::tuple(p);
     let l4_off = F::l4(p);
     let (old_addr, old_port, addr_off, port_off) = if dst {
-        (daddr, dport, F::DADDR, l4_off + 2)
+        (*F::daddr(p), F::dport(p), F::DADDR, l4_off + 2)
     } else {
-        (saddr, sport, F::SADDR, l4_off)
+        (*F::saddr(p), F::sport(p), F::SADDR, l4_off)
     };
+    let proto = F::proto(p);
     let l4 = proto == PROTO_TCP || proto == PROTO_UDP;
     let ports = l4 && old_port != port;
     let summed = ip_summed(ctx);

@@ -79,7 +79,7 @@ pub(crate) fn icmp_error<F: IcmpErrors, const INGRESS: bool>(
         F::complete_xdp_reply(found, &key);
     }
     let (nat_addr, nat_port) = F::nat(found);
-    let (saddr, daddr, ..) = F::tuple(p);
+    let (saddr, daddr) = (*F::saddr(p), *F::daddr(p));
     if INGRESS {
         if daddr != q_saddr {
             return Ok(NEXT);

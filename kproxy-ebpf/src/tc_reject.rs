@@ -46,18 +46,23 @@ pub(crate) trait Reject: TcFamily {
 /// (the client's next SYN gets the RST).
 #[inline(always)]
 pub(crate) fn tcp_reset<F: Reject>(ctx: &mut TcContext, p: &F::Packet) -> Result<Verdict, ()> {
-    let (saddr, daddr, sport, dport, _) = F::tuple(p);
-    let tcp_flags = F::tcp_flags(p);
-    if tcp_flags & TCP_RST != 0 || F::l4(p) != F::L4_PLAIN {
+    if F::tcp_flags(p) & TCP_RST != 0 || F::l4(p) != F::L4_PLAIN {
         return Ok(DROP);
     }
     let old_len: u16 = ctx.load(F::LEN).map_err(|_| ())?;
     let tcp_len = (u16::from_be(old_len) as usize).wrapping_sub(F::LEN_HDR);
-    if !reset_tcp_header(ctx, F::L4_PLAIN, tcp_flags, sport, dport, tcp_len)? {
+    if !reset_tcp_header(
+        ctx,
+        F::L4_PLAIN,
+        F::tcp_flags(p),
+        F::sport(p),
+        F::dport(p),
+        tcp_len,
+    )? {
         return Ok(DROP);
     }
-    ctx.store(F::SADDR, &daddr, 0).map_err(|_| ())?;
-    ctx.store(F::DADDR, &saddr, 0).map_err(|_| ())?;
+    ctx.store(F::SADDR, F::daddr(p), 0).map_err(|_| ())?;
+    ctx.store(F::DADDR, F::saddr(p), 0).map_err(|_| ())?;
     F::set_len(ctx, old_len, ((F::LEN_HDR + 20) as u16).to_be())?;
     bounce(ctx, (F::L4_PLAIN + 20) as u32)
 }

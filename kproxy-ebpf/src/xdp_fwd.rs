@@ -502,15 +502,30 @@ pub(crate) fn forward(
         // SAFETY: lookup result, a field address.
         return send(ctx, p, src, be, out_if, unsafe { &(*svc_entry).fwd.eth });
     }
+    // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
+    let out_pkt = Packet {
+        saddr: p.saddr,
+        daddr: be.0,
+        sport: p.sport,
+        dport: be.1,
+        proto: p.proto,
+        tcp_flags: p.tcp_flags,
+        l4: p.l4,
+    };
     // The SNAT source: in the `Service` entry itself when the flow has no `RevDnat` entry
-    // (started here), else where TC egress finds it. The flow's tuple as it leaves (after
-    // DNAT, `C:cp → B:bp`) is the one TC egress and `allocate_port` see.
+    // (started here), else where TC egress finds it.
     let no_rev = flags & CT_F_NO_REV != 0;
     let (out, n_slot, np_slot) = if no_rev {
         let (addr, port) = V4::snat_slot(svc_entry);
         (svc_entry, addr, port)
     } else {
-        let Some(slot) = snat_slot::<V4>(p.saddr, be.0, p.sport, be.1, p.proto) else {
+        let Some(slot) = snat_slot::<V4>(
+            out_pkt.saddr,
+            out_pkt.daddr,
+            out_pkt.sport,
+            out_pkt.dport,
+            out_pkt.proto,
+        ) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
@@ -538,7 +553,14 @@ pub(crate) fn forward(
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*out };
         let Some(port) = allocate_port::<V4>(
-            p.saddr, be.0, p.sport, be.1, p.proto, node.addr, template, None,
+            out_pkt.saddr,
+            out_pkt.daddr,
+            out_pkt.sport,
+            out_pkt.dport,
+            out_pkt.proto,
+            node.addr,
+            template,
+            None,
         ) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
@@ -589,6 +611,16 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
         Ok(r) => r,
         Err(why) => return record_and_pass(p, be_addr, be_port, &entry, why),
     };
+    // The flow as it leaves (after DNAT), the tuple TC egress and `allocate_port` see.
+    let out_pkt = Packet {
+        saddr: p.saddr,
+        daddr: be_addr,
+        sport: p.sport,
+        dport: be_port,
+        proto: p.proto,
+        tcp_flags: p.tcp_flags,
+        l4: p.l4,
+    };
     // No `RevDnat` entry (`CT_F_NO_REV`): the `SnatIn` entry is the template with the client
     // as NAT address and the frontend beside it, the `Service` entry holds the SNAT source.
     let snat_in = CtEntry {
@@ -597,13 +629,12 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
         snat_port: p.dport,
         ..entry
     };
-    // The port of the flow's tuple as it leaves (after DNAT), as TC egress would claim it.
     let Some(port) = allocate_port::<V4>(
-        p.saddr,
-        be_addr,
-        p.sport,
-        be_port,
-        p.proto,
+        out_pkt.saddr,
+        out_pkt.daddr,
+        out_pkt.sport,
+        out_pkt.dport,
+        out_pkt.proto,
         route.node,
         &snat_in,
         Some(remix(rnd)),
