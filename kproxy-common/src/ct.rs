@@ -137,7 +137,7 @@ pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
 pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
 /// Random candidate ports a new SNAT flow tries (lookups) after its first random pick is taken,
 /// before the programs sweep the whole range for a free one (`kproxy-ebpf/src/flow.rs`,
-/// `allocate_port_in`). A flow finding no free port in the range is dropped and counted in
+/// `allocate_port`). A flow finding no free port in the range is dropped and counted in
 /// [`TcStat::SnatExhausted`].
 pub const SNAT_PORT_TRIES: u32 = 32;
 

@@ -1,6 +1,6 @@
-//! The IPv6 half of the TC service path's connection tracking and NAT state: what
-//! `kp_tc_in` / `kp_tc_eg` write for IPv6 packets (`kproxy-ebpf/src/tc6.rs`) and the agent
-//! reads, purges and expires.
+//! The IPv6 half of the TC service path's connection tracking and NAT state: what the IPv6
+//! programs `kp_tc_in6` / `kp_tc_eg6` write (`kproxy-ebpf/src/tc.rs`, the same code as the
+//! IPv4 programs, generic over the family) and the agent reads, purges and expires.
 //!
 //! The model is exactly the IPv4 one of [`crate::ct`] (same four [`CtKind`]s per flow, same
 //! `CT_F_*` flags, DNAT at ingress and SNAT at egress, the SNAT port range and timeouts of

@@ -16,10 +16,10 @@ use kproxy_common::ct::{CtEntry, CtKind};
 
 use kproxy_common::service::{SCOPE_EXTERNAL, v4_mapped};
 
-use crate::flow::{Family, V4, key};
+use crate::family::{Family, V4};
 use crate::frontend::service_entry;
-use crate::packet::{PARSE_LEN, Packet, parse};
-use crate::tc::parse_pulled;
+use crate::packet::Packet;
+use crate::tc::parse;
 
 /// `kproxy_common::counter::MAP_FLOOR_CT` (small as declared; the bench sizes it).
 #[map]
@@ -29,10 +29,13 @@ static KP_FLOOR_CT: LruHashMap<kproxy_common::ct::CtKey, CtEntry> =
 /// `kproxy_common::counter::PROG_FLOOR_CT_LOOKUP`.
 #[classifier]
 pub fn kp_floor_ct_lookup(ctx: TcContext) -> i32 {
-    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+    let Some(p) = parse::<V4>(&ctx) else {
         return TC_ACT_UNSPEC;
     };
-    if KP_FLOOR_CT.get_ptr_mut(key(&p, CtKind::Service)).is_some() {
+    if KP_FLOOR_CT
+        .get_ptr_mut(V4::key_of(&p, CtKind::Service))
+        .is_some()
+    {
         TC_ACT_OK
     } else {
         TC_ACT_UNSPEC
@@ -42,7 +45,7 @@ pub fn kp_floor_ct_lookup(ctx: TcContext) -> i32 {
 /// `kproxy_common::counter::PROG_FLOOR_CT_INSERT`.
 #[classifier]
 pub fn kp_floor_ct_insert(ctx: TcContext) -> i32 {
-    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+    let Some(p) = parse::<V4>(&ctx) else {
         return TC_ACT_UNSPEC;
     };
     insert_flow(&p)
@@ -51,11 +54,13 @@ pub fn kp_floor_ct_insert(ctx: TcContext) -> i32 {
 /// `kproxy_common::counter::PROG_FLOOR_NEW_FLOW`.
 #[classifier]
 pub fn kp_floor_new_flow(ctx: TcContext) -> i32 {
-    let Some(p) = parse_pulled(&ctx, parse, PARSE_LEN) else {
+    let Some(p) = parse::<V4>(&ctx) else {
         return TC_ACT_UNSPEC;
     };
     // A packet is only known to open a flow once its lookup missed.
-    if KP_FLOOR_CT.get_ptr_mut(key(&p, CtKind::Service)).is_some()
+    if KP_FLOOR_CT
+        .get_ptr_mut(V4::key_of(&p, CtKind::Service))
+        .is_some()
         || service_entry(v4_mapped(p.daddr), p.dport, p.proto, SCOPE_EXTERNAL).is_none()
     {
         return TC_ACT_UNSPEC;
@@ -68,7 +73,7 @@ pub fn kp_floor_new_flow(ctx: TcContext) -> i32 {
 fn insert_flow(p: &Packet) -> i32 {
     // SAFETY: plain-old-data entry of integers; all zero is a valid value.
     let entry: CtEntry = unsafe { core::mem::zeroed() };
-    let forward = key(p, CtKind::Service);
+    let forward = V4::key_of(p, CtKind::Service);
     let reverse = V4::key(p.daddr, p.saddr, p.dport, p.sport, p.proto, CtKind::RevDnat);
     if KP_FLOOR_CT.insert(forward, entry, 0).is_ok()
         && KP_FLOOR_CT.insert(reverse, entry, 0).is_ok()

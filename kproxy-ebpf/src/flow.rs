@@ -4,13 +4,14 @@
 //! ClientIP affinity, Maglev), the CT entries a new flow gets, SNAT port allocation and the
 //! per-packet refresh of an entry (timestamps, TCP close). Entry kinds: `kproxy_common::ct`.
 //!
-//! Moved out of `tc.rs` unchanged (IPv4); TC and XDP call the same functions.
+//! Written once, generic over the address family ([`crate::family::Family`]): the TC programs
+//! of both families and the XDP fast path (IPv4 only, with [`V4`]) call the same functions.
 //!
 //! Per-packet cost: a new flow's connection-table inserts are its most expensive part (each
 //! touches a cold bucket, chain and element: the bench's `floor-ct-insert` figure, two
 //! inserts, is ≈ 0.9 µs under `BPF_PROG_TEST_RUN` here, against ≈ 100 ns for the counter
 //! program measured the same way), so a new flow through TC makes two at ingress (`Service`,
-//! `RevDnat`) and keeps its SNAT source in the `RevDnat` entry ([`snat_slot_in`]) instead of a
+//! `RevDnat`) and keeps its SNAT source in the `RevDnat` entry ([`snat_slot`]) instead of a
 //! third besides its `SnatIn` port claim; a new flow the XDP fast path forwards makes no
 //! `RevDnat` entry at all until a TC program needs one ([`CT_F_NO_REV`], [`adopt_xdp_flow`]):
 //! two inserts in all. The map type is not the lever: measured with the same bench (the table swapped for
@@ -29,41 +30,25 @@ use aya_ebpf::{
     helpers::{
         bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns, bpf_loop,
     },
-    macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use kproxy_common::ct::{
     CT_F_CLOSE_MASK, CT_F_LOCAL_BACKEND, CT_F_NO_REV, CT_F_SNAT, CT_F_SNAT_HERE, CtEntry, CtKey,
-    CtKind, DEFAULT_CT_ENTRIES, FwdCache, NODE_ADDR_ENTRIES, NatConfig, NodeAddr4, SNAT_PORT_TRIES,
-    close_state,
+    CtKind, FwdCache, SNAT_PORT_TRIES, close_state,
 };
+use kproxy_common::maglev::{IDS_PER_ELEM, flow_hash};
 use kproxy_common::service::{
     AFFINITY_CLIENT_IP, AffinityKey, AffinityValue, BE_F_LOCAL, BackendSlotKey, BackendValue,
-    SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, ServiceValue, is_v4_mapped, v4_mapped,
+    SVC_F_AFFINITY, SVC_F_LOCAL_ONLY, SVC_F_MAGLEV, ServiceValue,
 };
 
+use crate::family::{Family, V4};
+use crate::maps::{
+    KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_CLOCK, KP_CT, KP_MAGLEV, KP_MAGLEV_REF, KP_NAT_CFG,
+};
 use crate::packet::Packet;
-use crate::service_maps::{KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, maglev_backend};
 
 pub(crate) use kproxy_common::ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 pub(crate) const NS_PER_SEC: u64 = 1_000_000_000;
-
-/// `kproxy_common::ct::MAP_CT`.
-#[map]
-pub(crate) static KP_CT: LruHashMap<CtKey, CtEntry> = LruHashMap::pinned(DEFAULT_CT_ENTRIES, 0);
-
-/// `kproxy_common::ct::MAP_NAT_CONFIG`.
-#[map]
-pub(crate) static KP_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
-
-/// `kproxy_common::ct::MAP_NODE_ADDR4`.
-#[map]
-pub(crate) static KP_NODE_ADDR4: HashMap<u32, NodeAddr4> = HashMap::pinned(NODE_ADDR_ENTRIES, 0);
-
-#[inline(always)]
-pub(crate) fn key(p: &Packet, kind: CtKind) -> CtKey {
-    V4::key(p.saddr, p.daddr, p.sport, p.dport, p.proto, kind)
-}
 
 /// CLOCK_MONOTONIC ns, precise: stamps new entries (their creation time also tells flows
 /// apart, see `kproxy::dataplane::ebpf_tc::ct`).
@@ -106,10 +91,6 @@ pub(crate) struct CoarseClock {
     ns: u64,
 }
 
-/// [`now_coarse`]'s per-CPU cache (private to each loaded instance of the object; not pinned).
-#[map]
-static KP_CLOCK: PerCpuArray<CoarseClock> = PerCpuArray::with_max_entries(1, 0);
-
 /// Refreshes an entry's timestamp and records the TCP close state the agent's expiry reads
 /// (`kproxy_common::ct::CT_F_FIN_ORIG` …): `fin` is the bit a FIN sets for the direction the
 /// packet travels (`CT_F_FIN_ORIG` client → backend, `CT_F_FIN_REPLY` backend → client).
@@ -117,7 +98,7 @@ static KP_CLOCK: PerCpuArray<CoarseClock> = PerCpuArray::with_max_entries(1, 0);
 /// Per-packet cost: one flags test on the packet (no SYN/FIN/RST: nothing more, so the
 /// established path adds no load or store); a SYN, FIN or RST updates the entry's flags.
 #[inline(always)]
-pub(crate) fn touch_in<F: Family>(entry: *mut F::Entry, tcp_flags: u8, fin: u16) {
+pub(crate) fn touch<F: Family>(entry: *mut F::Entry, tcp_flags: u8, fin: u16) {
     let (last_seen_ns, flags) = F::stamps(entry);
     // SAFETY: pointer from a successful lookup; a racing writer can only make the timestamp
     // or flags stale, which the agent's expiry tolerates.
@@ -198,12 +179,6 @@ pub(crate) fn end_flow<F: Family>(svc: *mut F::Entry, saddr: &F::Addr, sport: u1
     let _ = F::ct().remove(&k);
 }
 
-/// [`touch_in`] for IPv4.
-#[inline(always)]
-pub(crate) fn touch(entry: *mut CtEntry, tcp_flags: u8, fin: u16) {
-    touch_in::<V4>(entry, tcp_flags, fin)
-}
-
 /// Whether `port` (network order) lies in the SNAT port range, i.e. may be the destination of
 /// a reply to a SNATed flow.
 #[inline(always)]
@@ -222,7 +197,7 @@ pub(crate) fn in_snat_range(port: u16) -> bool {
 /// number the caller already drew for this flow (see [`prandom`]); `None`: drawn here when
 /// needed.
 #[inline(always)]
-pub(crate) fn choose_backend_in<F: Family>(
+pub(crate) fn choose_backend<F: Family>(
     svc: &ServiceValue,
     p: &F::Packet,
     ts: u64,
@@ -282,15 +257,30 @@ pub(crate) fn choose_backend_in<F: Family>(
     Some((backend_id, be))
 }
 
-/// [`choose_backend_in`] for IPv4.
+/// The backend id the Maglev table of set `svc_id` gives an IPv4 5-tuple (network order), or
+/// `None` when the set has no table yet (the caller falls back to a random slot). See
+/// `kproxy_common::maglev`.
 #[inline(always)]
-pub(crate) fn choose_backend(
-    svc: &ServiceValue,
-    p: &Packet,
-    ts: u64,
-    rnd: Option<u32>,
-) -> Option<(u32, BackendValue)> {
-    choose_backend_in::<V4>(svc, p, ts, rnd)
+pub(crate) fn maglev_backend(
+    svc_id: u32,
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    proto: u8,
+) -> Option<u32> {
+    // SAFETY: read by value right away.
+    let r = unsafe { KP_MAGLEV_REF.get(svc_id) }.copied()?;
+    if r.size == 0 {
+        // Never written by the agent; also lets the compiler drop the division-by-zero panic
+        // path, which the verifier would reject.
+        return None;
+    }
+    let h = flow_hash(saddr, daddr, sport, dport, proto);
+    let e = r.base.wrapping_add(h % r.size);
+    let pair = KP_MAGLEV.get(e / IDS_PER_ELEM)?;
+    let id = pair[(e % IDS_PER_ELEM) as usize];
+    (id != 0).then_some(id)
 }
 
 /// `bpf_get_prandom_u32`.
@@ -315,26 +305,26 @@ pub(crate) fn remix(mut h: u32) -> u32 {
 
 /// Records a new flow `p` (`C:cp → F:fp`) of `svc` to backend `backend_id`/`be`: its
 /// [`CtKind::Service`] and [`CtKind::RevDnat`] entries; when it is SNATed, the latter holds its
-/// SNAT source, still unset (zero; see [`snat_slot_in`], [`allocate_port_in`]).
+/// SNAT source, still unset (zero; see [`snat_slot`], [`allocate_port`]).
 /// Returns the backend address and the entries' `CT_F_*` flags. `Err`: an insert failed (map
-/// full and not LRU-evictable). `be` is of the family ([`choose_backend_in`] checked).
+/// full and not LRU-evictable). `be` is of the family ([`choose_backend`] checked).
 #[inline(always)]
-pub(crate) fn create_flow_in<F: Family>(
+pub(crate) fn create_flow<F: Family>(
     p: &F::Packet,
     svc: &ServiceValue,
     backend_id: u32,
     be: &BackendValue,
     ts: u64,
 ) -> Result<(F::Addr, u16), ()> {
-    let (be_addr, flags, entry) = flow_entry_in::<F>(p, svc, backend_id, be, ts);
-    insert_flow_in::<F>(p, be_addr, be.port, entry)?;
+    let (be_addr, flags, entry) = flow_entry::<F>(p, svc, backend_id, be, ts);
+    insert_flow::<F>(p, be_addr, be.port, entry)?;
     Ok((be_addr, flags))
 }
 
 /// A new flow's backend address, `CT_F_*` flags and `Service` entry (the template of its
-/// other entries), as [`create_flow_in`] records them.
+/// other entries), as [`create_flow`] records them.
 #[inline(always)]
-pub(crate) fn flow_entry_in<F: Family>(
+pub(crate) fn flow_entry<F: Family>(
     p: &F::Packet,
     svc: &ServiceValue,
     backend_id: u32,
@@ -366,7 +356,7 @@ pub(crate) fn flow_entry_in<F: Family>(
 /// Inserts a new flow's `Service` entry `entry` (for `p`, to backend `be_addr:be_port`) and
 /// its `RevDnat` entry (the same with the frontend as NAT address). `Err`: an insert failed.
 #[inline(always)]
-pub(crate) fn insert_flow_in<F: Family>(
+pub(crate) fn insert_flow<F: Family>(
     p: &F::Packet,
     be_addr: F::Addr,
     be_port: u16,
@@ -540,270 +530,15 @@ fn delete_if_of<F: Family>(k: &F::Key, created: u64) {
     }
 }
 
-/// What [`create_flow`] recorded for a new flow.
-pub(crate) struct NewFlow {
-    /// The backend (network order).
-    pub be_addr: u32,
-    pub be_port: u16,
-}
-
-/// [`create_flow_in`] for IPv4.
-#[inline(always)]
-pub(crate) fn create_flow(
-    p: &Packet,
-    svc: &ServiceValue,
-    backend_id: u32,
-    be: &BackendValue,
-    ts: u64,
-) -> Result<NewFlow, ()> {
-    let (be_addr, _) = create_flow_in::<V4>(p, svc, backend_id, be, ts)?;
-    Ok(NewFlow {
-        be_addr,
-        be_port: be.port,
-    })
-}
-
-/// What the flow logic shared by the IPv4 and IPv6 programs needs to know about an address
-/// family: its address, connection-table key and entry types and its connection table.
-/// Generic functions over it are `#[inline(always)]`, so each program gets code specialized to
-/// its family (no run-time dispatch, no extra stack).
-pub(crate) trait Family {
-    /// An address as the family's CT keys and entries hold it (network order words).
-    type Addr: Copy + PartialEq;
-    type Key: 'static;
-    type Entry: Copy + 'static;
-    /// The family's parsed packet.
-    type Packet;
-    /// Where an entry keeps `last_seen_ns` and `flags` (see [`touch_in`]).
-    fn stamps(e: *mut Self::Entry) -> (*mut u64, *mut u16);
-    /// An entry's `created_ns` (what every entry of one flow shares).
-    fn created(e: *mut Self::Entry) -> u64;
-    /// A key's source address and port.
-    fn key_src(k: &Self::Key) -> (&Self::Addr, u16);
-    /// Writes the CT key [`Family::key`] makes into `out` (in place: no copy on the stack).
-    #[allow(clippy::too_many_arguments)]
-    fn write_key(
-        out: &mut Self::Key,
-        saddr: &Self::Addr,
-        daddr: &Self::Addr,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    );
-    /// Whether Maglev tables may apply (IPv4 only: the planner builds none for IPv6).
-    const MAGLEV: bool;
-    /// A packet's `(saddr, daddr, sport, dport, proto)`, network order.
-    fn tuple(p: &Self::Packet) -> (Self::Addr, Self::Addr, u16, u16, u8);
-    /// `addr` in the 16-byte form of the service maps (IPv4 v4-mapped).
-    fn mapped(addr: Self::Addr) -> [u32; 4];
-    /// Whether a backend address (16-byte form) belongs to the family.
-    fn is_family(addr: &[u32; 4]) -> bool;
-    /// A backend address of the family (see [`Family::is_family`]) in `Addr` form.
-    fn backend_addr(addr: &[u32; 4]) -> Self::Addr;
-    /// The Maglev backend of a flow (only called when [`Family::MAGLEV`]).
-    fn maglev(
-        svc_id: u32,
-        saddr: Self::Addr,
-        daddr: Self::Addr,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-    ) -> Option<u32>;
-    /// A new flow's CT entry.
-    fn entry(
-        nat_addr: Self::Addr,
-        nat_port: u16,
-        flags: u16,
-        backend_id: u32,
-        svc_id: u32,
-        ts: u64,
-    ) -> Self::Entry;
-    /// The family's connection table.
-    fn ct() -> &'static LruHashMap<Self::Key, Self::Entry>;
-    /// A CT key (addresses and ports in network order).
-    fn key(
-        saddr: Self::Addr,
-        daddr: Self::Addr,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    ) -> Self::Key;
-    /// Sets a key's destination port (network order).
-    fn set_dport(k: &mut Self::Key, port: u16);
-    /// `template` with its NAT address and port replaced.
-    fn with_nat(template: &Self::Entry, addr: Self::Addr, port: u16) -> Self::Entry;
-    /// Where an entry keeps its NAT address and port.
-    fn nat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
-    /// Where an entry keeps its SNAT address and port (`snat_addr`, `snat_port`).
-    fn snat_slot(e: *mut Self::Entry) -> (*mut Self::Addr, *mut u16);
-    /// This CPU's [`PortSearch`] scratch of the family (a per-CPU array, not the stack: the
-    /// IPv6 programs' stack has no room for it beside the sweep's callback frame).
-    fn port_search() -> Option<*mut PortSearch<Self>>
-    where
-        Self: Sized;
-}
-
-/// IPv4: `KP_CT`.
-pub(crate) struct V4;
-
-impl Family for V4 {
-    type Addr = u32;
-    type Key = CtKey;
-    type Entry = CtEntry;
-    type Packet = Packet;
-    const MAGLEV: bool = true;
-
-    #[inline(always)]
-    fn stamps(e: *mut CtEntry) -> (*mut u64, *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).last_seen_ns, &raw mut (*e).flags) }
-    }
-
-    #[inline(always)]
-    fn created(e: *mut CtEntry) -> u64 {
-        // SAFETY: a valid entry pointer (lookup result), read by value.
-        unsafe { (*e).created_ns }
-    }
-
-    #[inline(always)]
-    fn key_src(k: &CtKey) -> (&u32, u16) {
-        (&k.saddr, k.sport)
-    }
-
-    #[inline(always)]
-    fn write_key(
-        out: &mut CtKey,
-        saddr: &u32,
-        daddr: &u32,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-        kind: CtKind,
-    ) {
-        *out = Self::key(*saddr, *daddr, sport, dport, proto, kind);
-    }
-
-    #[inline(always)]
-    fn tuple(p: &Packet) -> (u32, u32, u16, u16, u8) {
-        (p.saddr, p.daddr, p.sport, p.dport, p.proto)
-    }
-
-    #[inline(always)]
-    fn mapped(addr: u32) -> [u32; 4] {
-        v4_mapped(addr)
-    }
-
-    #[inline(always)]
-    fn is_family(addr: &[u32; 4]) -> bool {
-        is_v4_mapped(addr)
-    }
-
-    #[inline(always)]
-    fn backend_addr(addr: &[u32; 4]) -> u32 {
-        addr[3]
-    }
-
-    #[inline(always)]
-    fn maglev(
-        svc_id: u32,
-        saddr: u32,
-        daddr: u32,
-        sport: u16,
-        dport: u16,
-        proto: u8,
-    ) -> Option<u32> {
-        maglev_backend(svc_id, saddr, daddr, sport, dport, proto)
-    }
-
-    #[inline(always)]
-    fn entry(
-        nat_addr: u32,
-        nat_port: u16,
-        flags: u16,
-        backend_id: u32,
-        svc_id: u32,
-        ts: u64,
-    ) -> CtEntry {
-        CtEntry {
-            nat_addr,
-            nat_port,
-            flags,
-            backend_id,
-            svc_id,
-            created_ns: ts,
-            last_seen_ns: ts,
-            snat_addr: 0,
-            snat_port: 0,
-            _pad: 0,
-            fwd: FwdCache::default(),
-        }
-    }
-
-    #[inline(always)]
-    fn ct() -> &'static LruHashMap<CtKey, CtEntry> {
-        &KP_CT
-    }
-
-    #[inline(always)]
-    fn key(saddr: u32, daddr: u32, sport: u16, dport: u16, proto: u8, kind: CtKind) -> CtKey {
-        CtKey {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            kind: kind as u8,
-            _pad: [0; 2],
-        }
-    }
-
-    #[inline(always)]
-    fn set_dport(k: &mut CtKey, port: u16) {
-        k.dport = port;
-    }
-
-    #[inline(always)]
-    fn with_nat(template: &CtEntry, addr: u32, port: u16) -> CtEntry {
-        CtEntry {
-            nat_addr: addr,
-            nat_port: port,
-            ..*template
-        }
-    }
-
-    #[inline(always)]
-    fn nat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
-        // SAFETY: field addresses of a valid entry pointer, no access.
-        unsafe { (&raw mut (*e).nat_addr, &raw mut (*e).nat_port) }
-    }
-
-    #[inline(always)]
-    fn snat_slot(e: *mut CtEntry) -> (*mut u32, *mut u16) {
-        // SAFETY: as above.
-        unsafe { (&raw mut (*e).snat_addr, &raw mut (*e).snat_port) }
-    }
-
-    #[inline(always)]
-    fn port_search() -> Option<*mut PortSearch<V4>> {
-        KP_PORT_SEARCH4.get_ptr_mut(0)
-    }
-}
-
-/// [`Family::port_search`] of IPv4 (private to each loaded instance; not pinned).
-#[map]
-static KP_PORT_SEARCH4: PerCpuArray<PortSearch<V4>> = PerCpuArray::with_max_entries(1, 0);
-
 /// Where the SNAT source of a packet `C:cp → B:bp` leaving through a node device (network
 /// order) is kept, if it belongs to a SNATed flow: the entry to refresh and its address and
-/// port fields (zero until the flow's first packet allocates them with [`allocate_port_in`]).
+/// port fields (zero until the flow's first packet allocates them with [`allocate_port`]).
 /// That is the flow's `RevDnat` entry (`B:bp → C:cp`, the packet's tuple reversed) for flows of
 /// this build ([`CT_F_SNAT_HERE`]), else the legacy `SnatOut` entry an earlier build created
 /// (`kproxy_common::ct` module docs). One lookup for a flow of this build, whether SNATed or
 /// not.
 #[inline(always)]
-pub(crate) fn snat_slot_in<F: Family>(
+pub(crate) fn snat_slot<F: Family>(
     saddr: F::Addr,
     daddr: F::Addr,
     sport: u16,
@@ -814,7 +549,7 @@ pub(crate) fn snat_slot_in<F: Family>(
     snat_slot_with::<F>(&mut k, saddr, daddr, sport, dport, proto)
 }
 
-/// [`snat_slot_in`] with the caller's key buffer (one key on the stack for all lookups: the
+/// [`snat_slot`] with the caller's key buffer (one key on the stack for all lookups: the
 /// IPv6 programs' stack is tight).
 #[inline(always)]
 fn snat_slot_with<F: Family>(
@@ -846,14 +581,14 @@ fn snat_slot_with<F: Family>(
 pub(crate) enum Egress<F: Family> {
     /// A backend's reply `B:bp → C:cp`: its flow's `RevDnat` entry (src := its NAT address).
     Reply(*mut F::Entry),
-    /// A packet `C:cp → B:bp` of a SNATed flow: [`snat_slot_in`]'s entry and SNAT fields.
+    /// A packet `C:cp → B:bp` of a SNATed flow: [`snat_slot`]'s entry and SNAT fields.
     Snat(*mut F::Entry, *mut F::Addr, *mut u16),
 }
 
 /// The entries a packet `saddr:sport → daddr:dport` leaving through a node device is
 /// translated by (see [`Egress`]); `None`: not ours.
 #[inline(always)]
-pub(crate) fn egress_entry_in<F: Family>(
+pub(crate) fn egress_entry<F: Family>(
     saddr: F::Addr,
     daddr: F::Addr,
     sport: u16,
@@ -866,12 +601,6 @@ pub(crate) fn egress_entry_in<F: Family>(
     }
     let (e, addr, port) = snat_slot_with::<F>(&mut k, saddr, daddr, sport, dport, proto)?;
     Some(Egress::Snat(e, addr, port))
-}
-
-/// [`snat_slot_in`] for an IPv4 packet `p` (`C:cp → B:bp`).
-#[inline(always)]
-pub(crate) fn snat_slot(p: &Packet) -> Option<(*mut CtEntry, *mut u32, *mut u16)> {
-    snat_slot_in::<V4>(p.saddr, p.daddr, p.sport, p.dport, p.proto)
 }
 
 /// Picks a free SNAT port for the flow `saddr:sport → daddr:dport` (`C:cp → B:bp`, network
@@ -890,7 +619,7 @@ pub(crate) fn snat_slot(p: &Packet) -> Option<(*mut CtEntry, *mut u32, *mut u16)
 ///    the range size; at load `a` it is reached with probability ≈ a^17 and costs ≈ 1/(1−a)
 ///    lookups when a port is free.
 #[inline(always)]
-pub(crate) fn allocate_port_in<F: Family>(
+pub(crate) fn allocate_port<F: Family>(
     saddr: F::Addr,
     daddr: F::Addr,
     sport: u16,
@@ -954,7 +683,7 @@ pub(crate) fn allocate_port_in<F: Family>(
     if s.port != 0 { Some(s.port) } else { None }
 }
 
-/// [`allocate_port_in`]'s search state.
+/// [`allocate_port`]'s search state.
 #[repr(C)]
 pub(crate) struct PortSearch<F: Family> {
     key: F::Key,
@@ -981,14 +710,14 @@ fn try_port<F: Family>(s: &mut PortSearch<F>, idx: u32) -> bool {
     false
 }
 
-/// One step of [`allocate_port_in`]'s sweep (`bpf_loop` callback): port `start + i` (mod
+/// One step of [`allocate_port`]'s sweep (`bpf_loop` callback): port `start + i` (mod
 /// range); returns 1 (stop) once a port is claimed.
 #[inline(never)]
 extern "C" fn sweep_step<F: Family>(i: u64, _ctx: *mut c_void) -> i64 {
     let Some(sp) = F::port_search() else {
         return 1;
     };
-    // SAFETY: this CPU's scratch value, filled by `allocate_port_in` (see there).
+    // SAFETY: this CPU's scratch value, filled by `allocate_port` (see there).
     let s = unsafe { &mut *sp };
     let range = s.range;
     if range == 0 || i >= u64::from(range) {
@@ -999,17 +728,4 @@ extern "C" fn sweep_step<F: Family>(i: u64, _ctx: *mut c_void) -> i64 {
         idx -= range;
     }
     i64::from(try_port::<F>(s, idx))
-}
-
-/// [`allocate_port_in`] for an IPv4 packet `p` (`C:cp → B:bp`).
-#[inline(always)]
-pub(crate) fn allocate_port(
-    p: &Packet,
-    node: u32,
-    template: &CtEntry,
-    rnd: Option<u32>,
-) -> Option<u16> {
-    allocate_port_in::<V4>(
-        p.saddr, p.daddr, p.sport, p.dport, p.proto, node, template, rnd,
-    )
 }

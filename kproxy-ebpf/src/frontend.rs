@@ -1,6 +1,6 @@
 //! The frontend lookups the node-device service path shares between its TC programs
-//! ([`crate::tc`], [`crate::tc6`]) and its XDP program ([`crate::xdp`]), so all classify a
-//! packet the same way:
+//! ([`crate::tc`], both families) and its XDP program ([`crate::xdp`]), so all classify a
+//! packet the same way (generic over the address family, [`crate::family::Family`]):
 //! 1. [`candidates`] asks the frontend filter (`kproxy_common::frontend_filter`, two inlined
 //!    array reads, no hash lookup) which scopes may hold an entry for the destination. Most
 //!    packets that are for no service stop here ([`Candidates::none`]).
@@ -20,11 +20,11 @@ use aya_ebpf::maps::lpm_trie::Key;
 use kproxy_common::frontend_filter::filter_slot;
 use kproxy_common::service::{
     SCOPE_CLUSTER, SCOPE_EXTERNAL, SOURCE_RANGE_ID_BITS, SVC_F_CLUSTER_IP, SVC_F_SOURCE_RANGES,
-    ServiceKey, ServiceValue, SourceRangeKey, v4_mapped,
+    ServiceKey, ServiceValue, SourceRangeKey,
 };
 
-use crate::packet::Packet;
-use crate::service_maps::{KP_FE_FILTER, KP_SERVICES, KP_SRC_RANGES};
+use crate::family::Family;
+use crate::maps::{KP_FE_FILTER, KP_SERVICES, KP_SRC_RANGES};
 
 /// The frontend entry for a destination `addr` (16-byte service-map form: IPv4 v4-mapped,
 /// IPv6 as is), `port` (network order), `proto` in `scope`. Shared by both families.
@@ -66,31 +66,23 @@ fn maybe(addr: &[u32; 4], port: u16, proto: u8, scope: u8) -> bool {
     }
 }
 
-/// The scopes that may hold a frontend at (`addr`, `port`, `proto`) (16-byte address as in
-/// [`service_entry`]).
+/// The scopes that may hold a frontend at `p`'s destination.
 #[inline(always)]
-pub fn candidates_at(addr: &[u32; 4], port: u16, proto: u8) -> Candidates {
+pub fn candidates<F: Family>(p: &F::Packet) -> Candidates {
+    let (_, daddr, _, port, proto) = F::tuple(p);
+    let addr = F::mapped(daddr);
     Candidates {
-        external: maybe(addr, port, proto, SCOPE_EXTERNAL),
-        cluster: maybe(addr, port, proto, SCOPE_CLUSTER),
+        external: maybe(&addr, port, proto, SCOPE_EXTERNAL),
+        cluster: maybe(&addr, port, proto, SCOPE_CLUSTER),
     }
 }
 
-/// [`candidates_at`] for `p`'s destination.
+/// The entry a new flow to `p`'s destination is load-balanced by (see the module docs),
+/// reading only the scopes in `c`; `None`: not a frontend.
 #[inline(always)]
-pub fn candidates(p: &Packet) -> Candidates {
-    candidates_at(&v4_mapped(p.daddr), p.dport, p.proto)
-}
-
-/// The entry a new flow to (`addr`, `port`, `proto`) is load-balanced by (see the module
-/// docs), reading only the scopes in `c`; `None`: not a frontend.
-#[inline(always)]
-pub fn new_flow_entry_at(
-    addr: [u32; 4],
-    port: u16,
-    proto: u8,
-    c: Candidates,
-) -> Option<ServiceValue> {
+pub fn new_flow_entry<F: Family>(p: &F::Packet, c: Candidates) -> Option<ServiceValue> {
+    let (_, daddr, _, port, proto) = F::tuple(p);
+    let addr = F::mapped(daddr);
     if c.external
         && let Some(v) = service_entry(addr, port, proto, SCOPE_EXTERNAL)
     {
@@ -105,17 +97,11 @@ pub fn new_flow_entry_at(
     (v.flags & SVC_F_CLUSTER_IP != 0).then_some(v)
 }
 
-/// [`new_flow_entry_at`] for `p`'s destination.
+/// Whether a client at `saddr` may open a flow to `svc`. The LPM key holds the address in
+/// 16-byte form (IPv4 v4-mapped, IPv6 as the planner stores IPv6 ranges); its prefix covers
+/// `svc_id` and all 128 address bits.
 #[inline(always)]
-pub fn new_flow_entry(p: &Packet, c: Candidates) -> Option<ServiceValue> {
-    new_flow_entry_at(v4_mapped(p.daddr), p.dport, p.proto, c)
-}
-
-/// Whether a client at `addr` (16-byte LPM form: IPv4 v4-mapped, IPv6 unmapped as the
-/// planner stores IPv6 ranges) may open a flow to `svc`. The key's prefix covers `svc_id` and
-/// all 128 address bits.
-#[inline(always)]
-pub fn source_allowed_at(svc: &ServiceValue, addr: [u32; 4]) -> bool {
+pub fn source_allowed<F: Family>(svc: &ServiceValue, saddr: F::Addr) -> bool {
     if svc.flags & SVC_F_SOURCE_RANGES == 0 {
         return true;
     }
@@ -123,14 +109,8 @@ pub fn source_allowed_at(svc: &ServiceValue, addr: [u32; 4]) -> bool {
         SOURCE_RANGE_ID_BITS + 128,
         SourceRangeKey {
             svc_id: svc.svc_id,
-            addr,
+            addr: F::mapped(saddr),
         },
     );
     KP_SRC_RANGES.get(&k).is_some()
-}
-
-/// Whether a client at `saddr` (network order) may open a flow to `svc`.
-#[inline(always)]
-pub fn source_allowed(svc: &ServiceValue, saddr: u32) -> bool {
-    source_allowed_at(svc, v4_mapped(saddr))
 }

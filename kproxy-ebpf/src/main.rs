@@ -6,18 +6,20 @@
 //! target's panic strategy is `abort`, so no profile setting is needed for it. Names, map
 //! value types and constants come from `kproxy-common`, never from here.
 //!
-//! - [`tc`]: the TC service path on node devices (NodePort/ExternalIP/LB from outside: DNAT,
-//!   SNAT, conntrack, reverse NAT, ICMP errors).
+//! - [`tc`]: the TC service path on node devices, both address families
+//!   (NodePort/ExternalIP/LB from outside: DNAT, SNAT, conntrack, reverse NAT), with
+//!   [`tc_icmp`] (ICMP errors about translated flows) and [`tc_reject`] (TCP RST / ICMP port
+//!   unreachable for frontends without endpoints).
 //! - [`xdp`]: the XDP program on node devices: early drop of new flows TC would drop, and
-//!   [`xdp_fwd`], the NodePort/LB forwarding fast path for remote backends.
-//! - [`flow`]: connection table, backend choice, new-flow CT entries and SNAT port allocation
-//!   TC and XDP share (a flow may start in either).
-//! - [`tc6`]: the same service path for IPv6 frames (own connection table and node addresses).
-//! - [`packet6`]: the Ethernet + IPv6 parser of [`tc6`].
+//!   [`xdp_fwd`], the NodePort/LB forwarding fast path for remote backends (IPv4).
+//! - [`flow`]: connection table logic, backend choice, new-flow CT entries and SNAT port
+//!   allocation TC and XDP share (a flow may start in either).
+//! - [`family`]: what that shared code needs to know about an address family, and its IPv4
+//!   and IPv6 implementations (the code above is written once, generic over it).
 //! - [`frontend`]: the frontend lookups TC and XDP share.
-//! - [`packet`]: direct packet access (bounds-checked pointers), the IPv4 parser and checksum
-//!   arithmetic the service-path programs share.
-//! - [`service_maps`]: the service maps shared by socket LB and the TC programs.
+//! - [`packet`], [`packet6`]: direct packet access (bounds-checked pointers), the IPv4 and
+//!   IPv6 parsers and checksum arithmetic the service-path programs share.
+//! - [`maps`]: every map of the object, declared once.
 //! - [`sock`]: socket-level load balancing (cgroup connect/sendmsg/recvmsg/getpeername).
 //!
 //! Keep logging (aya-log) off the per-packet path: it costs ~10x a map lookup.

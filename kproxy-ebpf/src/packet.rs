@@ -1,5 +1,6 @@
 //! Direct packet access for the service-path programs (TC and XDP): bounds-checked
-//! pointers into `[data, data_end)`, the IPv4 header parser and checksum arithmetic. Reading
+//! pointers into `[data, data_end)`, the IPv4 header parser, the L4 parser both families use
+//! and checksum arithmetic. Reading
 //! headers through pointers the verifier has bounds-checked costs a load each; the
 //! `bpf_skb_load_bytes` helper this replaces cost a helper call per field.
 //!
@@ -173,9 +174,9 @@ pub fn csum_replace4(check: u16, old: u32, new: u32) -> u16 {
     !fold(s)
 }
 
-/// The L4 (TCP/UDP) checksum field `check` after the packet's address words changed
-/// (`addrs`: old, new pairs, one for IPv4, four for IPv6; part of the pseudo header) and its
-/// port `ports` (old, new), computed in place — for any skb but a `CHECKSUM_COMPLETE` one
+/// The L4 (TCP/UDP) checksum field `check` after the packet's address words changed from
+/// `old` to `new` (one word for IPv4, four for IPv6; part of the pseudo header) and its port
+/// `ports` (old, new), computed in place — for any skb but a `CHECKSUM_COMPLETE` one
 /// ([`crate::skb_csum`]). `partial`: the skb is `CHECKSUM_PARTIAL`, so the field holds the
 /// folded pseudo-header sum (not complemented) the device completes: only the addresses
 /// enter it. `udp`: a zero field means "no checksum" and stays zero, and a computed zero is
@@ -185,14 +186,15 @@ pub fn l4_check_in_place(
     check: u16,
     udp: bool,
     partial: bool,
-    addrs: &[(u32, u32)],
+    old: &[u32],
+    new: &[u32],
     ports: Option<(u16, u16)>,
 ) -> u16 {
     if udp && check == 0 {
         return 0;
     }
     let mut v = check;
-    for &(old, new) in addrs {
+    for (&old, &new) in old.iter().zip(new) {
         if old != new {
             v = l4_check_word(v, partial, old, new);
         }

@@ -1,5 +1,6 @@
-//! Direct packet access for IPv6 on the TC service path ([`crate::tc6`]): the Ethernet + IPv6
-//! parser. Bounds-checked pointers, the L4 header parser and checksum folding come from [`crate::packet`].
+//! Direct packet access for IPv6 on the TC service path ([`crate::tc`]): the Ethernet + IPv6
+//! parser. Bounds-checked pointers, the L4 header parser and checksum folding come from
+//! [`crate::packet`].
 //!
 //! Only packets whose IPv6 header is followed directly by TCP, UDP or ICMPv6 are parsed
 //! (`next header` of the fixed header); packets with extension headers (hop-by-hop, routing,
@@ -7,7 +8,7 @@
 //! unchanged. Kubernetes service traffic carries none in practice; a fragmented datagram to a
 //! frontend is therefore not translated (IPv6 fragments are rare: the sender does PMTU
 //! discovery, and `Packet Too Big` errors about translated flows are translated, see
-//! [`crate::tc6`]).
+//! [`crate::tc_icmp`]).
 
 use kproxy_common::ct6::PROTO_ICMPV6;
 

@@ -2,15 +2,17 @@
 // `bench.rs`, the bench/test tools' object): the program modules, the panic handler and the
 // license. A file of items, not a module, so each object's crate root declares the modules.
 
+mod family;
 mod flow;
 mod frontend;
+mod maps;
 mod packet;
 mod packet6;
-mod service_maps;
 mod skb_csum;
 mod sock;
 mod tc;
-mod tc6;
+mod tc_icmp;
+mod tc_reject;
 mod xdp;
 mod xdp_fwd;
 

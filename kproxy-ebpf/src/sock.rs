@@ -51,7 +51,7 @@ use kproxy_common::service::{
 };
 use kproxy_common::sock::ERRNO_NO_ENDPOINTS;
 
-use crate::service_maps::{
+use crate::maps::{
     KP_AFFINITY, KP_BACKENDS, KP_BE_SLOTS, KP_SERVICES, KP_SOCK_FWD, KP_SOCK_RNAT, KP_SOCK_SENT,
 };
 

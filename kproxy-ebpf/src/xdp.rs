@@ -19,23 +19,16 @@
 //! which builds them. A source-range change does not affect admitted flows (their CT entries
 //! exist), exactly as with TC alone.
 
-use aya_ebpf::{
-    bindings::xdp_action,
-    macros::{map, xdp},
-    maps::PerCpuArray,
-    programs::XdpContext,
-};
-use kproxy_common::ct::{CtKind, PROTO_ICMP, XDP_STATS, XdpStat};
+use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
+use kproxy_common::ct::{CtKind, PROTO_ICMP, XdpStat};
 use kproxy_common::service::SVC_F_REJECT;
 
-use crate::flow::{KP_CT, V4, end_flow, in_snat_range, key, reopens};
+use crate::family::{Family, V4};
+use crate::flow::{end_flow, in_snat_range, reopens};
 use crate::frontend::{candidates, new_flow_entry, source_allowed};
+use crate::maps::{KP_CT, KP_XDP_STATS};
 use crate::packet::{Parsed, parse};
 use crate::xdp_fwd::{forward, new_flow, plain, reply};
-
-/// `kproxy_common::ct::MAP_XDP_STATS`.
-#[map]
-static KP_XDP_STATS: PerCpuArray<u64> = PerCpuArray::pinned(XDP_STATS, 0);
 
 #[inline(always)]
 pub(crate) fn stat(s: XdpStat) {
@@ -62,18 +55,18 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     }
     if in_snat_range(p.dport)
-        && let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::SnatIn))
+        && let Some(e) = KP_CT.get_ptr_mut(V4::key_of(&p, CtKind::SnatIn))
     {
         return match plain(&ctx, &p) {
             Ok(h) => reply(&ctx, &p, &h, e),
             Err(s) => pass(s),
         };
     }
-    let c = candidates(&p);
+    let c = candidates::<V4>(&p);
     if c.none() {
         return xdp_action::XDP_PASS;
     }
-    if let Some(e) = KP_CT.get_ptr_mut(key(&p, CtKind::Service)) {
+    if let Some(e) = KP_CT.get_ptr_mut(V4::key_of(&p, CtKind::Service)) {
         if !reopens::<V4>(e, p.tcp_flags) {
             let h = match plain(&ctx, &p) {
                 Ok(h) => h,
@@ -86,10 +79,10 @@ pub fn kp_xdp(ctx: XdpContext) -> u32 {
         // A new connection on a closed flow's tuple: a new flow, as in TC.
         end_flow::<V4>(e, &p.saddr, p.sport, p.proto);
     }
-    let Some(svc) = new_flow_entry(&p, c) else {
+    let Some(svc) = new_flow_entry::<V4>(&p, c) else {
         return xdp_action::XDP_PASS;
     };
-    if !source_allowed(&svc, p.saddr) {
+    if !source_allowed::<V4>(&svc, p.saddr) {
         stat(XdpStat::SourceRangeDrop);
         return xdp_action::XDP_DROP;
     }

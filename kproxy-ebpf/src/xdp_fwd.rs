@@ -71,41 +71,22 @@ use core::mem::size_of;
 use aya_ebpf::{
     bindings::xdp_action,
     helpers::{bpf_fib_lookup, bpf_redirect},
-    macros::map,
-    maps::{Array, PerCpuArray},
     programs::XdpContext,
 };
 use kproxy_common::ct::{
     BACKEND_FWD_ENTRIES, BackendFwd, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_LOCAL_BACKEND,
-    CT_F_NO_REV, CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND,
-    FWD_GEN_WORDS, FwdCache, TCP_FIN, TCP_RST, TCP_SYN, XDP_FWD_DEVS_MAX, XdpStat,
+    CT_F_NO_REV, CT_F_SNAT, CtEntry, CtKey, CtKind, FWD_GEN_CURRENT, FWD_GEN_PER_BACKEND, FwdCache,
+    TCP_FIN, TCP_RST, TCP_SYN, XdpStat,
 };
 use kproxy_common::service::{PROTO_TCP, ServiceValue};
 
+use crate::family::{Family, V4};
 use crate::flow::{
-    Family, KP_CT, KP_NODE_ADDR4, V4, allocate_port, choose_backend, flow_entry_in, insert_flow_in,
-    key, now, prandom, remix, snat_slot, touch,
+    allocate_port, choose_backend, flow_entry, insert_flow, now, prandom, remix, snat_slot, touch,
 };
+use crate::maps::{KP_BE_FWD, KP_CT, KP_FWD_GEN, KP_NODE_ADDR4, KP_XDP_FWD_DEVS};
 use crate::packet::{IP_OFF, Packet, at, csum_replace2, csum_replace4};
 use crate::xdp::stat;
-
-/// `kproxy_common::ct::MAP_XDP_FWD_DEVS`: the devices frames may come from and leave through
-/// on the fast path, an array indexed by ifindex (not pinned; the agent writes it when it
-/// attaches). An array lookup is a bounds check and an address computation the verifier
-/// inlines; devices with an ifindex beyond it are never fast-path devices.
-#[map]
-static KP_XDP_FWD_DEVS: Array<u32> = Array::with_max_entries(XDP_FWD_DEVS_MAX, 0);
-
-/// `kproxy_common::ct::MAP_FWD_GEN`: the generation forwarding caches must match (module
-/// docs), and whether new flows may use the per-backend cache; written by the agent, 0
-/// (never written) = no caching.
-#[map]
-static KP_FWD_GEN: Array<u32> = Array::with_max_entries(FWD_GEN_WORDS, 0);
-
-/// `kproxy_common::ct::MAP_BACKEND_FWD`: new flows' forwarding results per backend (module
-/// docs), per CPU.
-#[map]
-static KP_BE_FWD: PerCpuArray<BackendFwd> = PerCpuArray::with_max_entries(BACKEND_FWD_ENTRIES, 0);
 
 /// The current forwarding-cache generation (0: caching off).
 #[inline(always)]
@@ -516,7 +497,7 @@ pub(crate) fn forward(
                 u32::from((*svc_entry).fwd.out_ifindex),
             )
         };
-        touch(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
+        touch::<V4>(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
         stat(XdpStat::Forward);
         // SAFETY: lookup result, a field address.
         return send(ctx, p, src, be, out_if, unsafe { &(*svc_entry).fwd.eth });
@@ -538,7 +519,13 @@ pub(crate) fn forward(
         let (addr, port) = V4::snat_slot(svc_entry);
         (svc_entry, addr, port)
     } else {
-        let Some(slot) = snat_slot(&out_pkt) else {
+        let Some(slot) = snat_slot::<V4>(
+            out_pkt.saddr,
+            out_pkt.daddr,
+            out_pkt.sport,
+            out_pkt.dport,
+            out_pkt.proto,
+        ) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
@@ -565,7 +552,16 @@ pub(crate) fn forward(
         };
         // SAFETY: lookup result, read in place (a copy would cost stack).
         let template = unsafe { &*out };
-        let Some(port) = allocate_port(&out_pkt, node.addr, template, None) else {
+        let Some(port) = allocate_port::<V4>(
+            out_pkt.saddr,
+            out_pkt.daddr,
+            out_pkt.sport,
+            out_pkt.dport,
+            out_pkt.proto,
+            node.addr,
+            template,
+            None,
+        ) else {
             stat(XdpStat::PassState);
             return xdp_action::XDP_PASS;
         };
@@ -582,9 +578,9 @@ pub(crate) fn forward(
     if known && generation != 0 {
         fill(svc_entry, generation, in_if, h, &f, &eth, (n_addr, n_port));
     }
-    touch(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
+    touch::<V4>(svc_entry, p.tcp_flags, CT_F_FIN_ORIG);
     if !no_rev {
-        touch(out, p.tcp_flags, CT_F_FIN_ORIG);
+        touch::<V4>(out, p.tcp_flags, CT_F_FIN_ORIG);
     }
     stat(XdpStat::Forward);
     send(ctx, p, (n_addr, n_port), be, f.ifindex, &eth)
@@ -602,11 +598,11 @@ pub(crate) fn forward(
 pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceValue) -> u32 {
     let ts = now();
     let rnd = prandom();
-    let Some((backend_id, be)) = choose_backend(svc, p, ts, Some(rnd)) else {
+    let Some((backend_id, be)) = choose_backend::<V4>(svc, p, ts, Some(rnd)) else {
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
     };
-    let (be_addr, flags, mut entry) = flow_entry_in::<V4>(p, svc, backend_id, &be, ts);
+    let (be_addr, flags, mut entry) = flow_entry::<V4>(p, svc, backend_id, &be, ts);
     let be_port = be.port;
     if flags & CT_F_SNAT == 0 || flags & CT_F_LOCAL_BACKEND != 0 {
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassLocal));
@@ -633,13 +629,25 @@ pub(crate) fn new_flow(ctx: &XdpContext, p: &Packet, h: &Plain, svc: &ServiceVal
         snat_port: p.dport,
         ..entry
     };
-    let Some(port) = allocate_port(&out_pkt, route.node, &snat_in, Some(remix(rnd))) else {
+    let Some(port) = allocate_port::<V4>(
+        out_pkt.saddr,
+        out_pkt.daddr,
+        out_pkt.sport,
+        out_pkt.dport,
+        out_pkt.proto,
+        route.node,
+        &snat_in,
+        Some(remix(rnd)),
+    ) else {
         return record_and_pass(p, be_addr, be_port, &entry, Some(XdpStat::PassState));
     };
     entry.flags |= CT_F_NO_REV;
     entry.snat_addr = route.node;
     entry.snat_port = port;
-    if KP_CT.insert(&key(p, CtKind::Service), &entry, 0).is_err() {
+    if KP_CT
+        .insert(&V4::key_of(p, CtKind::Service), &entry, 0)
+        .is_err()
+    {
         let k = V4::key(be_addr, route.node, be_port, port, p.proto, CtKind::SnatIn);
         let _ = KP_CT.remove(&k);
         stat(XdpStat::PassState);
@@ -667,7 +675,7 @@ fn record_and_pass(
     entry: &CtEntry,
     why: Option<XdpStat>,
 ) -> u32 {
-    if insert_flow_in::<V4>(p, be_addr, be_port, *entry).is_err() {
+    if insert_flow::<V4>(p, be_addr, be_port, *entry).is_err() {
         stat(XdpStat::PassState);
         return xdp_action::XDP_PASS;
     }
@@ -694,7 +702,7 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
                 u32::from((*snat_in).fwd.out_ifindex),
             )
         };
-        touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
+        touch::<V4>(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
         stat(XdpStat::Reply);
         // SAFETY: lookup result, a field address.
         return send(ctx, p, frontend, client, out_if, unsafe {
@@ -736,9 +744,9 @@ pub(crate) fn reply(ctx: &XdpContext, p: &Packet, h: &Plain, snat_in: *mut CtEnt
     if generation != 0 {
         fill(snat_in, generation, in_if, h, &f, &eth, frontend);
     }
-    touch(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
+    touch::<V4>(snat_in, p.tcp_flags, CT_F_FIN_REPLY);
     if let Some(r) = rev {
-        touch(r, p.tcp_flags, CT_F_FIN_REPLY);
+        touch::<V4>(r, p.tcp_flags, CT_F_FIN_REPLY);
     }
     stat(XdpStat::Reply);
     send(ctx, p, frontend, client, f.ifindex, &eth)
