@@ -14,7 +14,7 @@ use kproxy::dataplane::iptables::kernel::FakeIptables;
 use kproxy::dataplane::iptables::kernel::IptablesBackend;
 use kproxy::dataplane::iptables::kernel::rule_target;
 use kproxy::dataplane::iptables::render::canonical_sort;
-use kproxy::dataplane::iptables::{IptablesConfig, Proxier};
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesProxier};
 use kproxy::model::{ChangedSet, Tracker};
 use kproxy_tests::fixtures::upstream;
 use kproxy_tests::iptables_corpus::{feed, load_input, objects, settings_to_config};
@@ -118,7 +118,7 @@ fn full_dumps_match_upstream() {
         let input = load_input(&dir.join("input.yaml"));
         let mut tracker = Tracker::new(&input.node_name);
         let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
-        let mut p = Proxier::new(input.cfg, FakeIptables::new());
+        let mut p = IptablesProxier::new(input.cfg, FakeIptables::new());
         p.sync(&snap, &changed)
             .unwrap_or_else(|e| panic!("{case}: {e}"));
         expect_dump(case, p.last_input(), &dir.join("expected.iptables"), true);
@@ -135,7 +135,7 @@ fn full_dumps_match_upstream() {
     assert_eq!(steps.len(), 9);
     let first = load_input(&steps[0].join("input.yaml"));
     let mut tracker = Tracker::new(&first.node_name);
-    let mut p = Proxier::new(first.cfg.clone(), FakeIptables::new());
+    let mut p = IptablesProxier::new(first.cfg.clone(), FakeIptables::new());
     for step in &steps {
         let name = step.file_name().unwrap().to_string_lossy().to_string();
         let input = load_input(&step.join("input.yaml"));
@@ -223,11 +223,11 @@ fn check_expected_chains(name: &str, text: &str, chains: &Value) -> usize {
     n
 }
 
-fn proxier_for(settings_and_objects: &Path) -> (Proxier<FakeIptables>, String) {
+fn proxier_for(settings_and_objects: &Path) -> (IptablesProxier<FakeIptables>, String) {
     let input = load_input(settings_and_objects);
     let mut tracker = Tracker::new(&input.node_name);
     let (snap, changed) = feed(&mut tracker, &input.services, &input.slices);
-    let mut p = Proxier::new(input.cfg, FakeIptables::new());
+    let mut p = IptablesProxier::new(input.cfg, FakeIptables::new());
     p.sync(&snap, &changed).expect("sync");
     let text = p.last_input().to_string();
     (p, text)
@@ -340,7 +340,7 @@ fn run_flows(
 }
 
 /// The ruleset as the kernel model holds it (restore results + jump rules).
-fn kernel_ruleset(p: &mut Proxier<FakeIptables>) -> Ruleset {
+fn kernel_ruleset(p: &mut IptablesProxier<FakeIptables>) -> Ruleset {
     let mut text = p.backend.save("filter").expect("save");
     text.push_str(&p.backend.save("nat").expect("save"));
     Ruleset::parse(&text)
@@ -393,7 +393,7 @@ fn packet_flows_match_upstream() {
         }
         let input = load_input(&dir.join("input.yaml"));
         let mut tracker = Tracker::new(&input.node_name);
-        let mut p = Proxier::new(input.cfg.clone(), FakeIptables::new());
+        let mut p = IptablesProxier::new(input.cfg.clone(), FakeIptables::new());
         let mut services = input.services.clone();
         let mut slices = input.slices.clone();
         let (snap, changed) = feed(&mut tracker, &services, &slices);
@@ -527,7 +527,7 @@ fn large_cluster_mode_facts() {
     .expect("yaml");
     let (mut cfg, _, node) = settings_to_config(&settings);
     cfg.sync_period = std::time::Duration::from_secs(30);
-    let mut p = Proxier::new(cfg, FakeIptables::new());
+    let mut p = IptablesProxier::new(cfg, FakeIptables::new());
     let mut tracker = Tracker::new(&node);
     let half = 1000 / 2 - 1;
     let ips = |a: u32| -> Vec<String> {

@@ -10,9 +10,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use kproxy::dataplane::iptables::exec::{ExecIptables, Flavor, Runner};
+use kproxy::dataplane::iptables::exec::{ExecIptables, Flavor, CommandRunner};
 use kproxy::dataplane::iptables::kernel::{IptablesBackend, IptablesError, RestoreMode};
-use kproxy::dataplane::iptables::{IptablesConfig, Proxier};
+use kproxy::dataplane::iptables::{IptablesConfig, IptablesProxier};
 use kproxy::model::{ChangedSet, Tracker};
 use kproxy_tests::fixtures::upstream;
 use kproxy_tests::iptables_corpus::{CaseInput, feed, load_input};
@@ -94,7 +94,7 @@ fn foreign_lines(dump: &str) -> Vec<String> {
 }
 
 /// A proxier over the real backend in `ns`, with the corpus' overall case.
-fn proxier(ns: &Netns, flavor: Flavor) -> (Proxier<AfterSave>, Hook, CaseInput) {
+fn proxier(ns: &Netns, flavor: Flavor) -> (IptablesProxier<AfterSave>, Hook, CaseInput) {
     let case = upstream("iptables/cases/overall-iptables-rules/input.yaml");
     let input = load_input(&case);
     let mut cfg: IptablesConfig = input.cfg.clone();
@@ -106,13 +106,13 @@ fn proxier(ns: &Netns, flavor: Flavor) -> (Proxier<AfterSave>, Hook, CaseInput) 
         inner: ExecIptables::new(
             cfg.family,
             flavor,
-            Runner {
+            CommandRunner {
                 netns: Some(ns.path()),
             },
         ),
         hook: hook.clone(),
     };
-    (Proxier::new(cfg, backend), hook, input)
+    (IptablesProxier::new(cfg, backend), hook, input)
 }
 
 /// Another agent's rule, added right after the proxier saved a nat table holding nothing

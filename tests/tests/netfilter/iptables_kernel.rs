@@ -4,7 +4,7 @@
 //! written in its namespace.
 
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::iptables::config::IptablesBackend as Choice;
+use kproxy::dataplane::iptables::config::BackendChoice as Choice;
 use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane};
 use kproxy::model::{ChangedSet, Tracker};
 use kproxy_tests::fixtures::upstream;
@@ -200,7 +200,7 @@ fn legacy_backend_keeps_foreign_nat_rules() {
 /// process' own namespace keeps its value.
 #[test]
 fn runner_sysctls_are_read_and_written_in_its_namespace() {
-    use kproxy::dataplane::iptables::exec::Runner;
+    use kproxy::dataplane::iptables::exec::CommandRunner;
     if !require_root() {
         return;
     }
@@ -208,7 +208,7 @@ fn runner_sysctls_are_read_and_written_in_its_namespace() {
     let path = "/proc/sys/net/ipv4/conf/all/route_localnet";
     let ns = Netns::new("ipt-kernel-sysctl").expect("netns");
     let here = std::fs::read_to_string(path).unwrap();
-    let runner = Runner {
+    let runner = CommandRunner {
         netns: Some(ns.path()),
     };
     assert_eq!(runner.sysctl_get(key).as_deref(), Some("0"));

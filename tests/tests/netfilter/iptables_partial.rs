@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kproxy::dataplane::Dataplane;
-use kproxy::dataplane::iptables::config::IptablesBackend as Choice;
+use kproxy::dataplane::iptables::config::BackendChoice as Choice;
 use kproxy::dataplane::iptables::{IptablesConfig, IptablesDataplane};
 use kproxy::dataplane::netfilter::local_detect::LocalDetector;
 use kproxy::model::{IpFamily, Tracker};

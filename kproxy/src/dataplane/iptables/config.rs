@@ -32,7 +32,7 @@ pub struct NfacctCounters {
 
 /// Which iptables binaries to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IptablesBackend {
+pub enum BackendChoice {
     /// Like upstream's iptables-wrapper: the backend whose `*-save` shows more rules, nft on a
     /// tie (also when neither has any).
     #[default]
@@ -75,7 +75,7 @@ pub struct IptablesConfig {
     /// Partial syncs (upstream always does them; off = every sync writes every chain).
     pub partial_sync: bool,
     /// Which iptables binaries the applier runs.
-    pub backend: IptablesBackend,
+    pub backend: BackendChoice,
     /// Run every iptables command in this network namespace (`nsenter --net=PATH`); `None` =
     /// the agent's own namespace. Used by tests; also usable for a node netns elsewhere.
     pub netns: Option<PathBuf>,
@@ -99,7 +99,7 @@ impl IptablesConfig {
             large_cluster_threshold: LARGE_CLUSTER_ENDPOINTS_THRESHOLD,
             sync_period: Duration::from_secs(30),
             partial_sync: true,
-            backend: IptablesBackend::Auto,
+            backend: BackendChoice::Auto,
             netns: None,
         }
     }

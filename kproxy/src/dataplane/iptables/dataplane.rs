@@ -1,4 +1,4 @@
-//! [`IptablesDataplane`]: the [`Dataplane`] of `--proxy-mode iptables`. One [`Proxier`] per IP
+//! [`IptablesDataplane`]: the [`Dataplane`] of `--proxy-mode iptables`. One [`IptablesProxier`] per IP
 //! family over the real iptables binaries, the start-up checks upstream does (backend choice,
 //! sysctls, `--random-fully`), and the canary monitor.
 //!
@@ -25,11 +25,11 @@ use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 use super::cleanup::cleanup_leftovers;
 use super::config::IptablesConfig;
-use super::exec::{ExecIptables, Flavor, Runner, detect_flavor, has_random_fully};
+use super::exec::{ExecIptables, Flavor, CommandRunner, detect_flavor, has_random_fully};
 use super::kernel::{IptablesBackend, IptablesError};
 use super::names::{KUBE_PROXY_CANARY, KUBE_SERVICES};
 use super::plan::jump_rules;
-use super::proxier::Proxier;
+use super::proxier::IptablesProxier;
 
 /// Start-up of the iptables dataplane failed.
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +84,7 @@ pub struct IptablesDataplane {
 /// One family's proxier, reporting its syncs (upstream's iptables metrics: full or partial
 /// duration, restore failures, nat rules written) to the telemetry sink.
 struct FamilyProxier {
-    proxier: Proxier<ExecIptables>,
+    proxier: IptablesProxier<ExecIptables>,
     telemetry: Option<Arc<dyn Telemetry>>,
 }
 
@@ -131,7 +131,7 @@ const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
 
 /// Every address of every interface in the runner's network namespace (what `ip addr show`
 /// lists), read in process through rtnetlink (the kproxy image ships no iproute2).
-fn detect_local_addresses(runner: &Runner) -> Vec<std::net::IpAddr> {
+fn detect_local_addresses(runner: &CommandRunner) -> Vec<std::net::IpAddr> {
     match runner.in_netns(crate::kernel::addresses::scan) {
         Ok(Ok(interfaces)) => interfaces.into_iter().flat_map(|i| i.addrs).collect(),
         Ok(Err(e)) | Err(e) => {
@@ -162,7 +162,7 @@ impl IptablesDataplane {
                 return Err(FamilyError::Duplicate(ProxyMode::Iptables, cfg.family).into());
             }
             seen.push(cfg.family);
-            let runner = Runner {
+            let runner = CommandRunner {
                 netns: cfg.netns.clone(),
             };
             let flavor: Flavor = detect_flavor(cfg.backend, &runner);
@@ -204,7 +204,7 @@ impl IptablesDataplane {
             tracing::info!(family = ?cfg.family, ?flavor, random_fully = cfg.random_fully, "iptables proxier ready");
             let backend = ExecIptables::new(cfg.family, flavor, runner);
             proxiers.push(FamilyProxier {
-                proxier: Proxier::new(cfg, backend),
+                proxier: IptablesProxier::new(cfg, backend),
                 telemetry: telemetry.clone(),
             });
         }
@@ -223,7 +223,7 @@ impl IptablesDataplane {
     }
 
     /// The proxiers (one per family), e.g. to read their stats.
-    pub fn proxiers(&self) -> Vec<&Proxier<ExecIptables>> {
+    pub fn proxiers(&self) -> Vec<&IptablesProxier<ExecIptables>> {
         self.families.parts().iter().map(|f| &f.proxier).collect()
     }
 

@@ -11,7 +11,7 @@ use crate::model::IpFamily;
 
 pub use crate::dataplane::netfilter::backend::{Flavor, detect_backend, tool};
 
-use super::config::IptablesBackend as Choice;
+use super::config::BackendChoice as Choice;
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 
 /// How long a command waits for the xtables lock.
@@ -19,11 +19,11 @@ pub const LOCK_WAIT_SECONDS: &str = "5";
 
 /// Runs commands, optionally inside a network namespace.
 #[derive(Debug, Clone, Default)]
-pub struct Runner {
+pub struct CommandRunner {
     pub netns: Option<PathBuf>,
 }
 
-impl Runner {
+impl CommandRunner {
     pub fn command(&self, program: &str) -> Command {
         crate::dataplane::netfilter::exec::command(self.netns.as_deref(), program)
     }
@@ -95,7 +95,7 @@ pub fn nat_tables_everywhere() -> Vec<String> {
     let mut out = vec![];
     for family in [IpFamily::V4, IpFamily::V6] {
         for flavor in [Flavor::Nft, Flavor::Legacy] {
-            let mut b = ExecIptables::new(family, flavor, Runner::default());
+            let mut b = ExecIptables::new(family, flavor, CommandRunner::default());
             if let Ok(text) = b.save("nat") {
                 out.push(text);
             }
@@ -107,7 +107,7 @@ pub fn nat_tables_everywhere() -> Vec<String> {
 /// Chooses the backend like upstream's iptables-wrapper: a kubelet hint chain
 /// (`KUBE-IPTABLES-HINT` / `KUBE-KUBELET-CANARY`) decides first (nft checked first); else the
 /// backend whose save output holds more rules; nft on a tie.
-pub fn detect_flavor(choice: Choice, runner: &Runner) -> Flavor {
+pub fn detect_flavor(choice: Choice, runner: &CommandRunner) -> Flavor {
     match choice {
         Choice::Nft => return Flavor::Nft,
         Choice::Legacy => return Flavor::Legacy,
@@ -117,7 +117,7 @@ pub fn detect_flavor(choice: Choice, runner: &Runner) -> Flavor {
 }
 
 /// `iptables --version` ≥ 1.6.2 supports `MASQUERADE --random-fully`.
-pub fn has_random_fully(runner: &Runner, family: IpFamily, flavor: Flavor) -> bool {
+pub fn has_random_fully(runner: &CommandRunner, family: IpFamily, flavor: Flavor) -> bool {
     let Ok((_, out, _)) = runner.run(&tool(family, flavor, ""), &["--version"], None) else {
         return false;
     };
@@ -133,7 +133,7 @@ pub fn has_random_fully(runner: &Runner, family: IpFamily, flavor: Flavor) -> bo
 pub struct ExecIptables {
     pub family: IpFamily,
     pub flavor: Flavor,
-    pub runner: Runner,
+    pub runner: CommandRunner,
 }
 
 impl ExecIptables {
@@ -155,7 +155,7 @@ impl ExecIptables {
             .is_ok_and(|tables| tables.iter().any(|t| t == table))
     }
 
-    pub fn new(family: IpFamily, flavor: Flavor, runner: Runner) -> Self {
+    pub fn new(family: IpFamily, flavor: Flavor, runner: CommandRunner) -> Self {
         ExecIptables {
             family,
             flavor,

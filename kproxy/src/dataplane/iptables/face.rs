@@ -16,7 +16,7 @@ use crate::dataplane::inspect::{MapFill, Selected, ServiceReport};
 use crate::dataplane::{Dataplane, ModeMetrics, ProxyMode};
 use crate::model::{IpFamily, Snapshot};
 
-use super::exec::{ExecIptables, Flavor, Runner, nat_tables_everywhere};
+use super::exec::{ExecIptables, Flavor, CommandRunner, nat_tables_everywhere};
 use super::{IptablesConfig, IptablesDataplane};
 
 /// The iptables mode.
@@ -137,7 +137,7 @@ impl ModeFace for Face {
     fn remove_leftovers(&self, _cfg: &ProxyConfig, errors: &mut Vec<String>) {
         for family in [IpFamily::V4, IpFamily::V6] {
             for flavor in [Flavor::Nft, Flavor::Legacy] {
-                let mut b = ExecIptables::new(family, flavor, Runner { netns: None });
+                let mut b = ExecIptables::new(family, flavor, CommandRunner { netns: None });
                 let bin = b.binary();
                 if !have(&bin) {
                     continue;

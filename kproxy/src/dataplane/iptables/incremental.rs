@@ -48,7 +48,7 @@ use crate::model::{ChangedSet, Endpoint, NodeInfo, ServicePort, ServicePortName,
 
 use super::config::IptablesConfig;
 use super::plan::{
-    Plan, PortContext, PortPlan, ServiceKey, add_port_shared, assemble, family_endpoint_count,
+    RulesPlan, PortContext, PortPlan, ServiceKey, add_port_shared, assemble, family_endpoint_count,
     is_large_cluster, plan_head, plan_port, plan_tail,
 };
 use crate::model::Protocol;
@@ -110,7 +110,7 @@ pub struct IncrementalPlanner {
     ports: BTreeMap<ServicePortName, Cached>,
     /// The shared chains assembled from `ports` ([`Self::shared`]); `None` when a port's
     /// shared rules or counters changed since they were assembled.
-    shared: Option<Plan>,
+    shared: Option<RulesPlan>,
 }
 
 /// A port to (re)plan.
@@ -336,7 +336,7 @@ impl IncrementalPlanner {
 
     /// The shared chains (filter table and nat KUBE-SERVICES & co.) with their complete rules
     /// and the counters, as [`Self::shared`] after [`Self::refresh_shared`].
-    pub fn shared_plan(&mut self, cfg: &IptablesConfig) -> &Plan {
+    pub fn shared_plan(&mut self, cfg: &IptablesConfig) -> &RulesPlan {
         self.refresh_shared(cfg);
         self.shared()
     }
@@ -375,21 +375,21 @@ impl IncrementalPlanner {
         self.shared = Some(p);
     }
 
-    /// The shared chains as of the last [`Self::refresh_shared`] ([`Plan::services`] is left
+    /// The shared chains as of the last [`Self::refresh_shared`] ([`RulesPlan::services`] is left
     /// empty: the per-service chains are read from [`Self::ports`] /
     /// [`Self::service_ports`]).
     ///
     /// # Panics
     /// Before the first [`Self::refresh_shared`] or after an [`Self::update`] that changed
     /// the shared part without a refresh.
-    pub fn shared(&self) -> &Plan {
+    pub fn shared(&self) -> &RulesPlan {
         self.shared
             .as_ref()
             .expect("refresh_shared after update, before shared")
     }
 
     /// The complete plan (what [`plan`](super::plan::plan) gives for the last snapshot).
-    pub fn plan(&self, cfg: &IptablesConfig) -> Plan {
+    pub fn plan(&self, cfg: &IptablesConfig) -> RulesPlan {
         assemble(cfg, self.large_cluster, self.ports())
     }
 }

@@ -32,10 +32,10 @@ pub mod written;
 #[cfg(test)]
 mod tests;
 
-pub use config::{IptablesBackend as BackendChoice, IptablesConfig, NfacctCounters};
+pub use config::{BackendChoice, IptablesConfig, NfacctCounters};
 pub use dataplane::IptablesDataplane;
-pub use plan::{Plan, plan};
-pub use proxier::Proxier;
+pub use plan::{RulesPlan, plan};
+pub use proxier::IptablesProxier;
 
 use crate::model::Snapshot;
 

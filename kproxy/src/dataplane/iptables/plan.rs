@@ -192,7 +192,7 @@ pub fn jump_rules() -> Vec<JumpRule> {
 
 /// Everything one sync writes, before choosing what a partial sync may omit.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
+pub struct RulesPlan {
     /// The complete filter table input.
     pub filter: TablePlan,
     /// nat chains written on every sync (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-POSTROUTING,
@@ -211,7 +211,7 @@ pub struct Plan {
     pub no_local_endpoints_external: usize,
 }
 
-impl Plan {
+impl RulesPlan {
     /// Every per-service nat chain this plan keeps.
     pub fn active_nat_chains(&self) -> BTreeSet<String> {
         self.services
@@ -294,11 +294,11 @@ pub fn plan_port(
 
 /// The chains and rules that do not depend on any service port: declarations of the shared
 /// chains and the rules that come before every service port's.
-pub fn plan_head(cfg: &IptablesConfig) -> Plan {
+pub fn plan_head(cfg: &IptablesConfig) -> RulesPlan {
     let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
-    let mut p = Plan::default();
+    let mut p = RulesPlan::default();
 
     for c in [
         KUBE_SERVICES,
@@ -348,7 +348,7 @@ pub fn plan_head(cfg: &IptablesConfig) -> Plan {
 
 /// Appends the rules that come after every service port's (the KUBE-NODEPORTS tail call,
 /// KUBE-FORWARD).
-pub fn plan_tail(p: &mut Plan, cfg: &IptablesConfig) {
+pub fn plan_tail(p: &mut RulesPlan, cfg: &IptablesConfig) {
     let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
@@ -404,8 +404,8 @@ pub fn plan_tail(p: &mut Plan, cfg: &IptablesConfig) {
 }
 
 /// Appends one port's rules in shared chains to `p` (its own chains are not copied: see
-/// [`Plan::services`]) and counts it.
-pub fn add_port_shared(p: &mut Plan, pp: &PortPlan) {
+/// [`RulesPlan::services`]) and counts it.
+pub fn add_port_shared(p: &mut RulesPlan, pp: &PortPlan) {
     for c in &pp.filter.chains {
         p.filter
             .chain_mut(&c.name)
@@ -435,7 +435,7 @@ pub fn assemble<'a>(
     cfg: &IptablesConfig,
     large_cluster: bool,
     ports: impl IntoIterator<Item = (&'a ServicePortName, &'a PortPlan)>,
-) -> Plan {
+) -> RulesPlan {
     let mut p = plan_head(cfg);
     p.large_cluster = large_cluster;
     for (name, pp) in ports {
@@ -451,7 +451,7 @@ pub fn assemble<'a>(
 }
 
 /// Builds the plan for one family, from scratch.
-pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> Plan {
+pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> RulesPlan {
     let ports: Vec<_> = family_ports(snap, cfg.family).collect();
     let total: usize = ports
         .iter()

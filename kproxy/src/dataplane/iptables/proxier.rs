@@ -4,7 +4,7 @@
 //! Like upstream's `syncProxyRules`: a sync is full on the first run, after any failure, when
 //! forced (canary monitor, node change) and at least every [`FULL_SYNC_PERIOD`]; otherwise it
 //! is partial and omits the SVC/SVL/EXT/FW/SEP chains of services that did not change. The
-//! text of every restore input ([`Proxier::last_input`]) is upstream's (a full sync in
+//! text of every restore input ([`IptablesProxier::last_input`]) is upstream's (a full sync in
 //! large-cluster mode may add `-X` lines, see below).
 //!
 //! ## Restore mode: always `--noflush`, in bulk form on full syncs
@@ -46,7 +46,7 @@
 //! changed service's chains takes ≈ 0.05 s). The applier leaves out of the applied input every chain whose complete
 //! content equals what it wrote last time ([`KernelChains`]); a `--noflush` restore leaves an
 //! omitted chain as it is, so the kernel ends up exactly as after upstream's input. What the
-//! proxier logs and compares ([`Proxier::last_input`]) stays upstream's text. The knowledge is
+//! proxier logs and compares ([`IptablesProxier::last_input`]) stays upstream's text. The knowledge is
 //! rebuilt by every full sync and dropped after any failure (the next sync is full). In
 //! large-cluster mode the stale per-service chains a cleanup deletes are taken from that
 //! knowledge (chains seen by the last full sync's `iptables-save` plus those written since)
@@ -153,7 +153,7 @@ pub struct SyncOutcome {
 }
 
 /// One per-family proxier.
-pub struct Proxier<B: IptablesBackend> {
+pub struct IptablesProxier<B: IptablesBackend> {
     pub cfg: IptablesConfig,
     pub backend: B,
     need_full_sync: bool,
@@ -225,9 +225,9 @@ fn parse_save(text: &str) -> Saved {
     }
 }
 
-impl<B: IptablesBackend> Proxier<B> {
+impl<B: IptablesBackend> IptablesProxier<B> {
     pub fn new(cfg: IptablesConfig, backend: B) -> Self {
-        Proxier {
+        IptablesProxier {
             cfg,
             backend,
             need_full_sync: true,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::model::{ChangedSet, Endpoint, IpFamily, Protocol, ServicePortName, Snapshot, testing};
 
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
-use super::{IptablesConfig, Proxier, plan, render};
+use super::{IptablesConfig, IptablesProxier, plan, render};
 use crate::dataplane::netfilter::local_detect::LocalDetector;
 
 /// Accepts every operation; `save` returns an empty table.
@@ -138,7 +138,7 @@ fn cpu_at_scale() {
         best(3, || drop(render(&snap, &cfg))),
     );
 
-    let mut proxier = Proxier::new(cfg.clone(), NullBackend::default());
+    let mut proxier = IptablesProxier::new(cfg.clone(), NullBackend::default());
     let t = Instant::now();
     proxier.sync(&snap, &ChangedSet::default()).expect("full");
     figures.insert("proxier cold full sync", t.elapsed());
