@@ -1,7 +1,7 @@
 //! The iptables applier against the real kernel, in a private network namespace, on both
 //! backends (nf_tables and legacy): full and partial syncs leave exactly the planned rules,
-//! other programs' nat rules survive, and cleanup removes everything of ours. The runner's sysctls are read and
-//! written in its namespace.
+//! other programs' nat rules survive, and cleanup removes everything of ours. The runner's
+//! sysctls are read and written in its namespace.
 
 use kproxy::dataplane::Dataplane;
 use kproxy::dataplane::iptables::config::BackendChoice as Choice;
