@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kproxy::dataplane::iptables::exec::{ExecIptables, Flavor, CommandRunner};
+use kproxy::dataplane::iptables::exec::{CommandRunner, ExecIptables, Flavor};
 use kproxy::dataplane::iptables::kernel::{IptablesBackend, IptablesError, RestoreMode};
 use kproxy::dataplane::iptables::{IptablesConfig, IptablesProxier};
 use kproxy::model::{ChangedSet, Tracker};

@@ -39,7 +39,7 @@ fn existing_chains(b: &mut dyn IptablesBackend, table: &str) -> Result<Vec<Strin
 /// nothing to remove — a jump rule needs its target chain — and no rule is touched. This is
 /// what every start in another mode pays for each backend and family, so the common case
 /// (nothing left) costs three saves instead of a delete attempt per jump rule.
-pub fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesError> {
+pub(crate) fn cleanup_leftovers(b: &mut dyn IptablesBackend) -> Result<(), IptablesError> {
     let mut tables = vec![];
     for (table, fixed) in [
         ("nat", &NAT_CHAINS[..]),

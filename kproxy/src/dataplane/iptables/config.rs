@@ -15,13 +15,13 @@ use crate::dataplane::netfilter::node_ports::NodePortAddresses;
 use crate::model::IpFamily;
 
 /// Upstream's `largeClusterEndpointsThreshold`.
-pub const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
+pub(crate) const LARGE_CLUSTER_ENDPOINTS_THRESHOLD: usize = 1000;
 /// Upstream `proxyutil.FullSyncPeriod`: a partial-sync proxier still does a full sync this often.
-pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+pub(crate) const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 
 /// Names of the nfacct counters upstream's rules reference.
-pub const NFACCT_CT_INVALID: &str = "ct_state_invalid_dropped_pkts";
-pub const NFACCT_LOCALHOST_NODEPORTS: &str = "localhost_nps_accepted_pkts";
+pub(crate) const NFACCT_CT_INVALID: &str = "ct_state_invalid_dropped_pkts";
+pub(crate) const NFACCT_LOCALHOST_NODEPORTS: &str = "localhost_nps_accepted_pkts";
 
 /// Which nfacct counters exist (upstream only references a counter it could ensure).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -105,7 +105,7 @@ impl IptablesConfig {
     }
 
     /// `--nodeport-addresses` of this proxier's family, with the node's addresses.
-    pub fn node_ports(&self) -> NodePortAddresses<'_> {
+    pub(crate) fn node_ports(&self) -> NodePortAddresses<'_> {
         NodePortAddresses {
             family: self.family,
             cidrs: &self.node_port_addresses,
@@ -114,7 +114,7 @@ impl IptablesConfig {
     }
 
     /// Whether localhost NodePorts are in effect (IPv4 only, needs route_localnet).
-    pub fn effective_localhost_node_ports(&self) -> bool {
+    pub(crate) fn effective_localhost_node_ports(&self) -> bool {
         self.localhost_node_ports && self.node_ports().contains_ipv4_loopback()
     }
 }

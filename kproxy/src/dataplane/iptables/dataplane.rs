@@ -25,7 +25,7 @@ use crate::model::{ChangedSet, IpFamily, Snapshot};
 
 use super::cleanup::cleanup_leftovers;
 use super::config::IptablesConfig;
-use super::exec::{ExecIptables, Flavor, CommandRunner, detect_flavor, has_random_fully};
+use super::exec::{CommandRunner, ExecIptables, Flavor, detect_flavor, has_random_fully};
 use super::kernel::{IptablesBackend, IptablesError};
 use super::names::{KUBE_PROXY_CANARY, KUBE_SERVICES};
 use super::plan::jump_rules;
@@ -55,10 +55,10 @@ fn route_localnet_hint(reason: String) -> String {
 }
 
 /// The canary monitor checks at least this often.
-pub const MONITOR_INTERVAL_MAX: Duration = Duration::from_secs(5);
+pub(crate) const MONITOR_INTERVAL_MAX: Duration = Duration::from_secs(5);
 
 /// Called by the monitor when the rules need a full resync.
-pub type ResyncCallback = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type ResyncCallback = Arc<dyn Fn() + Send + Sync>;
 
 struct Monitor {
     stop: Arc<AtomicBool>,
@@ -151,7 +151,7 @@ impl IptablesDataplane {
     }
 
     /// [`Self::new`], each proxier reporting its syncs to `telemetry`.
-    pub fn with_telemetry(
+    pub(crate) fn with_telemetry(
         cfgs: impl IntoIterator<Item = IptablesConfig>,
         telemetry: Option<Arc<dyn Telemetry>>,
     ) -> Result<Self, SetupError> {

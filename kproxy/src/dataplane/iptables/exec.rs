@@ -15,7 +15,7 @@ use super::config::BackendChoice as Choice;
 use super::kernel::{IptablesBackend, IptablesError, RestoreMode};
 
 /// How long a command waits for the xtables lock.
-pub const LOCK_WAIT_SECONDS: &str = "5";
+pub(crate) const LOCK_WAIT_SECONDS: &str = "5";
 
 /// Runs commands, optionally inside a network namespace.
 #[derive(Debug, Clone, Default)]
@@ -24,12 +24,12 @@ pub struct CommandRunner {
 }
 
 impl CommandRunner {
-    pub fn command(&self, program: &str) -> Command {
+    pub(crate) fn command(&self, program: &str) -> Command {
         crate::dataplane::netfilter::exec::command(self.netns.as_deref(), program)
     }
 
     /// Runs `program args` with optional stdin; returns (success, stdout, stderr).
-    pub fn run(
+    pub(crate) fn run(
         &self,
         program: &str,
         args: &[&str],
@@ -45,7 +45,7 @@ impl CommandRunner {
     /// else on a short-lived thread that joined it (`setns`), so the caller's namespace is
     /// untouched. What depends on the namespace — `/proc/sys/net` files opened and netlink
     /// dumps made inside `f` — is that namespace's.
-    pub fn in_netns<T: Send>(&self, f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+    pub(crate) fn in_netns<T: Send>(&self, f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
         let Some(path) = &self.netns else {
             return Ok(f());
         };
@@ -91,7 +91,7 @@ fn sysctl_path(key: &str) -> PathBuf {
 /// `iptables-save -t nat` of every backend and family here, in the order iptables-nft,
 /// iptables-legacy, ip6tables-nft, ip6tables-legacy (a missing binary or legacy table
 /// contributes nothing and creates nothing).
-pub fn nat_tables_everywhere() -> Vec<String> {
+pub(crate) fn nat_tables_everywhere() -> Vec<String> {
     let mut out = vec![];
     for family in [IpFamily::V4, IpFamily::V6] {
         for flavor in [Flavor::Nft, Flavor::Legacy] {
@@ -107,7 +107,7 @@ pub fn nat_tables_everywhere() -> Vec<String> {
 /// Chooses the backend like upstream's iptables-wrapper: a kubelet hint chain
 /// (`KUBE-IPTABLES-HINT` / `KUBE-KUBELET-CANARY`) decides first (nft checked first); else the
 /// backend whose save output holds more rules; nft on a tie.
-pub fn detect_flavor(choice: Choice, runner: &CommandRunner) -> Flavor {
+pub(crate) fn detect_flavor(choice: Choice, runner: &CommandRunner) -> Flavor {
     match choice {
         Choice::Nft => return Flavor::Nft,
         Choice::Legacy => return Flavor::Legacy,
@@ -117,7 +117,7 @@ pub fn detect_flavor(choice: Choice, runner: &CommandRunner) -> Flavor {
 }
 
 /// `iptables --version` ≥ 1.6.2 supports `MASQUERADE --random-fully`.
-pub fn has_random_fully(runner: &CommandRunner, family: IpFamily, flavor: Flavor) -> bool {
+pub(crate) fn has_random_fully(runner: &CommandRunner, family: IpFamily, flavor: Flavor) -> bool {
     let Ok((_, out, _)) = runner.run(&tool(family, flavor, ""), &["--version"], None) else {
         return false;
     };
@@ -138,14 +138,14 @@ pub struct ExecIptables {
 
 impl ExecIptables {
     /// The plain binary of this family and backend (`iptables-nft`, `ip6tables-legacy`, …).
-    pub fn binary(&self) -> String {
+    pub(crate) fn binary(&self) -> String {
         tool(self.family, self.flavor, "")
     }
 
     /// Whether `table` exists: always assumed on nf_tables (whose save creates nothing); on
     /// legacy it is looked up first, since naming a legacy table creates it
     /// ([`crate::dataplane::netfilter::exec::legacy_tables`]).
-    pub fn table_exists(&self, table: &str) -> bool {
+    pub(crate) fn table_exists(&self, table: &str) -> bool {
         if self.flavor == Flavor::Nft {
             return true;
         }
@@ -189,7 +189,7 @@ impl ExecIptables {
     /// 10k services, measured), `-S` only those of the chain (≈ 5 ms). Rules are compared as
     /// iptables prints them (quotes dropped, spaces collapsed); `args` must be written in
     /// that canonical form, as [`jump_rules`](super::plan::jump_rules) are.
-    pub fn rule_listed(
+    pub(crate) fn rule_listed(
         &self,
         table: &str,
         chain: &str,
@@ -276,7 +276,7 @@ impl ExecIptables {
 /// rules (≈ 1.6 s of CPU at 10k × 5, nothing on an empty table) and output sent to /dev/null.
 /// iptables-legacy has no such list (libiptc reads the whole table anyway), so only the nft
 /// backend gets the line.
-pub fn with_table_listings(input: &str) -> String {
+pub(crate) fn with_table_listings(input: &str) -> String {
     let mut out = String::with_capacity(input.len() + 64);
     for line in input.split_inclusive('\n') {
         out.push_str(line);
@@ -291,7 +291,7 @@ pub fn with_table_listings(input: &str) -> String {
 }
 
 /// Rule text without quotes and with single spaces, for comparing listed and generated rules.
-pub fn normalize_rule(rule: &str) -> String {
+pub(crate) fn normalize_rule(rule: &str) -> String {
     rule.replace('"', "")
         .split_whitespace()
         .collect::<Vec<_>>()

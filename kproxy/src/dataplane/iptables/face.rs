@@ -16,15 +16,15 @@ use crate::dataplane::inspect::{MapFill, Selected, ServiceReport};
 use crate::dataplane::{Dataplane, ModeMetrics, ProxyMode};
 use crate::model::{IpFamily, Snapshot};
 
-use super::exec::{ExecIptables, Flavor, CommandRunner, nat_tables_everywhere};
+use super::exec::{CommandRunner, ExecIptables, Flavor, nat_tables_everywhere};
 use super::{IptablesConfig, IptablesDataplane};
 
 /// The iptables mode.
-pub struct Face;
+pub(crate) struct Face;
 
 /// The iptables proxiers' configurations (one per family in `families`); `node_pod_cidrs`
 /// as for [`local_detector`].
-pub fn configs(
+pub(crate) fn configs(
     cfg: &ProxyConfig,
     families: &[IpFamily],
     node_pod_cidrs: &[IpNet],

@@ -48,7 +48,7 @@ use crate::model::{ChangedSet, Endpoint, NodeInfo, ServicePort, ServicePortName,
 
 use super::config::IptablesConfig;
 use super::plan::{
-    RulesPlan, PortContext, PortPlan, ServiceKey, add_port_shared, assemble, family_endpoint_count,
+    PortContext, PortPlan, RulesPlan, ServiceKey, add_port_shared, family_endpoint_count,
     is_large_cluster, plan_head, plan_port, plan_tail,
 };
 use crate::model::Protocol;
@@ -101,7 +101,7 @@ pub struct UpdateStats {
 
 /// Cached per-service-port plans of one family (see the module docs).
 #[derive(Debug, Default)]
-pub struct IncrementalPlanner {
+pub(crate) struct IncrementalPlanner {
     /// The global inputs the cache was built with (`None`: empty cache).
     cfg: Option<IptablesConfig>,
     node: NodeInfo,
@@ -121,12 +121,12 @@ struct Todo<'a> {
 }
 
 impl IncrementalPlanner {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Brings the cache up to date with `snap` under `cfg`.
-    pub fn update(&mut self, snap: &Snapshot, cfg: &IptablesConfig) -> UpdateStats {
+    pub(crate) fn update(&mut self, snap: &Snapshot, cfg: &IptablesConfig) -> UpdateStats {
         let globals_same = self.cfg.as_ref() == Some(cfg) && self.node == snap.node;
         let (mut todo, mut total, matched) = self.classify(snap, cfg, !globals_same);
         let large = is_large_cluster(total, cfg);
@@ -168,7 +168,7 @@ impl IncrementalPlanner {
     /// the set missed is planned by the next full sync at the latest (as upstream's full
     /// syncs repair what partial ones skipped). Falls back to [`Self::update`] when a global
     /// input changed or large-cluster mode would flip.
-    pub fn update_changed(
+    pub(crate) fn update_changed(
         &mut self,
         snap: &Snapshot,
         cfg: &IptablesConfig,
@@ -296,23 +296,19 @@ impl IncrementalPlanner {
         (todo, total, matched)
     }
 
-    /// Large-cluster mode as of the last update.
-    pub fn large_cluster(&self) -> bool {
-        self.large_cluster
-    }
-
     /// Endpoints of the family's service ports as of the last update.
+    #[cfg(test)]
     pub fn total_endpoints(&self) -> usize {
         self.total_endpoints
     }
 
     /// Every cached port plan, in snapshot order.
-    pub fn ports(&self) -> impl Iterator<Item = (&ServicePortName, &PortPlan)> {
+    pub(crate) fn ports(&self) -> impl Iterator<Item = (&ServicePortName, &PortPlan)> {
         self.ports.iter().map(|(n, c)| (n, &c.plan))
     }
 
     /// The port plans of one service, in snapshot order.
-    pub fn service_ports<'a>(
+    pub(crate) fn service_ports<'a>(
         &'a self,
         key: &ServiceKey,
     ) -> impl Iterator<Item = &'a PortPlan> + 'a {
@@ -327,7 +323,7 @@ impl IncrementalPlanner {
     }
 
     /// Every per-service chain of the cached plans.
-    pub fn active_chains(&self) -> HashSet<&str> {
+    pub(crate) fn active_chains(&self) -> HashSet<&str> {
         self.ports
             .values()
             .flat_map(|c| c.plan.chains.chains.iter().map(|ch| ch.name.as_str()))
@@ -336,6 +332,7 @@ impl IncrementalPlanner {
 
     /// The shared chains (filter table and nat KUBE-SERVICES & co.) with their complete rules
     /// and the counters, as [`Self::shared`] after [`Self::refresh_shared`].
+    #[cfg(test)]
     pub fn shared_plan(&mut self, cfg: &IptablesConfig) -> &RulesPlan {
         self.refresh_shared(cfg);
         self.shared()
@@ -347,7 +344,7 @@ impl IncrementalPlanner {
     /// previous assembly: a port's shared rules are a function of its own plan, and the
     /// head and tail ones of `cfg`, which an [`Self::update`] with a different config
     /// re-plans from scratch.
-    pub fn refresh_shared(&mut self, cfg: &IptablesConfig) {
+    pub(crate) fn refresh_shared(&mut self, cfg: &IptablesConfig) {
         if self.cfg.as_ref() == Some(cfg)
             && let Some(p) = &mut self.shared
         {
@@ -382,15 +379,16 @@ impl IncrementalPlanner {
     /// # Panics
     /// Before the first [`Self::refresh_shared`] or after an [`Self::update`] that changed
     /// the shared part without a refresh.
-    pub fn shared(&self) -> &RulesPlan {
+    pub(crate) fn shared(&self) -> &RulesPlan {
         self.shared
             .as_ref()
             .expect("refresh_shared after update, before shared")
     }
 
     /// The complete plan (what [`plan`](super::plan::plan) gives for the last snapshot).
+    #[cfg(test)]
     pub fn plan(&self, cfg: &IptablesConfig) -> RulesPlan {
-        assemble(cfg, self.large_cluster, self.ports())
+        super::plan::assemble(cfg, self.large_cluster, self.ports())
     }
 }
 

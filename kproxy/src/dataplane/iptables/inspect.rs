@@ -102,7 +102,7 @@ fn jump_target(line: &str) -> Option<&str> {
     None
 }
 
-pub fn view(selected: &Selected, reports: &mut [ServiceReport]) {
+pub(crate) fn view(selected: &Selected, reports: &mut [ServiceReport]) {
     let nat = iptables_nat();
     let rules = NatRules::parse(&nat);
     for ((name, _), r) in selected.iter().zip(reports.iter_mut()) {

@@ -12,7 +12,7 @@ pub struct IptablesError {
 }
 
 impl IptablesError {
-    pub fn new(op: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn new(op: impl Into<String>, reason: impl Into<String>) -> Self {
         IptablesError {
             op: op.into(),
             reason: reason.into(),
@@ -133,7 +133,7 @@ impl FakeTable {
             .find(|(n, _)| n == name)
             .map(|(_, r)| r)
     }
-    pub fn rules(&self, name: &str) -> Option<&Vec<String>> {
+    pub(crate) fn rules(&self, name: &str) -> Option<&Vec<String>> {
         self.chains.iter().find(|(n, _)| n == name).map(|(_, r)| r)
     }
     fn has(&self, name: &str) -> bool {

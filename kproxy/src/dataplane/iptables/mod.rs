@@ -15,26 +15,26 @@
 //!
 //! One proxier runs per IP family (like upstream's dual-stack meta-proxier).
 
-pub mod cleanup;
+pub(crate) mod cleanup;
 pub mod config;
-pub mod dataplane;
+pub(crate) mod dataplane;
 pub mod exec;
-pub mod face;
-pub mod incremental;
-pub mod inspect;
+pub(crate) mod face;
+pub(crate) mod incremental;
+pub(crate) mod inspect;
 pub mod kernel;
-pub mod names;
-pub mod plan;
-pub mod proxier;
+pub(crate) mod names;
+pub(crate) mod plan;
+pub(crate) mod proxier;
 pub mod render;
-pub mod written;
+pub(crate) mod written;
 
 #[cfg(test)]
 mod tests;
 
 pub use config::{BackendChoice, IptablesConfig, NfacctCounters};
 pub use dataplane::IptablesDataplane;
-pub use plan::{RulesPlan, plan};
+use plan::plan;
 pub use proxier::IptablesProxier;
 
 use crate::model::Snapshot;

@@ -4,22 +4,22 @@
 
 use ring::digest::{SHA256, digest};
 
-pub use crate::dataplane::netfilter::ServiceChains;
+pub(crate) use crate::dataplane::netfilter::ServiceChains;
 use crate::model::{Endpoint, ServicePortName};
 
-pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
-pub const KUBE_EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
-pub const KUBE_NODEPORTS: &str = "KUBE-NODEPORTS";
-pub const KUBE_POSTROUTING: &str = "KUBE-POSTROUTING";
-pub const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
-pub const KUBE_FORWARD: &str = "KUBE-FORWARD";
-pub const KUBE_PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
-pub const KUBE_PROXY_CANARY: &str = "KUBE-PROXY-CANARY";
+pub(crate) const KUBE_SERVICES: &str = "KUBE-SERVICES";
+pub(crate) const KUBE_EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
+pub(crate) const KUBE_NODEPORTS: &str = "KUBE-NODEPORTS";
+pub(crate) const KUBE_POSTROUTING: &str = "KUBE-POSTROUTING";
+pub(crate) const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
+pub(crate) const KUBE_FORWARD: &str = "KUBE-FORWARD";
+pub(crate) const KUBE_PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
+pub(crate) const KUBE_PROXY_CANARY: &str = "KUBE-PROXY-CANARY";
 /// Kubelet's anti-martian chain, which upstream duplicates (and never deletes).
-pub const KUBE_FIREWALL: &str = "KUBE-FIREWALL";
+pub(crate) const KUBE_FIREWALL: &str = "KUBE-FIREWALL";
 
 /// Prefixes of the per-service chains (upstream `isServiceChainName`).
-pub const SERVICE_CHAIN_PREFIXES: [&str; 5] = [
+pub(crate) const SERVICE_CHAIN_PREFIXES: [&str; 5] = [
     "KUBE-SVC-",
     "KUBE-SVL-",
     "KUBE-SEP-",
@@ -28,7 +28,7 @@ pub const SERVICE_CHAIN_PREFIXES: [&str; 5] = [
 ];
 
 /// Whether `chain` is a per-service chain (ours to delete when stale).
-pub fn is_service_chain(chain: &str) -> bool {
+pub(crate) fn is_service_chain(chain: &str) -> bool {
     SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p))
 }
 
@@ -48,18 +48,18 @@ fn hash16(s: &str) -> String {
 }
 
 /// Upstream `portProtoHash(servicePortName, protocol)`.
-pub fn port_proto_hash(name: &ServicePortName) -> String {
+pub(crate) fn port_proto_hash(name: &ServicePortName) -> String {
     hash16(&format!("{name}{}", name.protocol.lower()))
 }
 
 /// Upstream's `KUBE-SVC/SVL/EXT/FW-<hash>` chains of a service port.
-pub fn service_chains(name: &ServicePortName) -> ServiceChains {
+pub(crate) fn service_chains(name: &ServicePortName) -> ServiceChains {
     let h = port_proto_hash(name);
     ServiceChains::named(["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-"], &h)
 }
 
 /// Upstream `servicePortEndpointChainName`: `KUBE-SEP-…` of one endpoint of one service port.
-pub fn endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
+pub(crate) fn endpoint_chain(name: &ServicePortName, ep: &Endpoint) -> String {
     format!(
         "KUBE-SEP-{}",
         hash16(&format!("{name}{}{}", name.protocol.lower(), ep.addr()))

@@ -6,7 +6,7 @@
 //! (pkg/proxy/iptables/proxier.go at the commit named in tests/fixtures/upstream/SOURCES.md);
 //! the corpus test compares whole dumps after upstream's canonical sort.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use crate::dataplane::netfilter::node_ports::masquerade_mark;
@@ -17,28 +17,28 @@ use super::config::{IptablesConfig, NFACCT_CT_INVALID, NFACCT_LOCALHOST_NODEPORT
 use super::names::*;
 
 /// `namespace/name` of a service: the unit of partial syncs (upstream `NamespacedName`).
-pub type ServiceKey = (String, String);
+pub(crate) type ServiceKey = (String, String);
 
 /// The service key of a service port.
-pub fn service_key(name: &ServicePortName) -> ServiceKey {
+pub(crate) fn service_key(name: &ServicePortName) -> ServiceKey {
     (name.namespace.clone(), name.name.clone())
 }
 
 /// One chain and its complete rule lines (`-A CHAIN …`), in order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ChainRules {
+pub(crate) struct ChainRules {
     pub name: String,
     pub rules: Vec<String>,
 }
 
 /// Chains of one table in declaration order, each with its rules.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TablePlan {
+pub(crate) struct TablePlan {
     pub chains: Vec<ChainRules>,
 }
 
 impl TablePlan {
-    pub fn chain_mut(&mut self, name: &str) -> &mut ChainRules {
+    pub(crate) fn chain_mut(&mut self, name: &str) -> &mut ChainRules {
         if let Some(i) = self.chains.iter().position(|c| c.name == name) {
             return &mut self.chains[i];
         }
@@ -63,9 +63,10 @@ impl TablePlan {
         self.chain_mut(chain).rules.push(line);
     }
     /// Number of rules.
-    pub fn rule_count(&self) -> usize {
+    pub(crate) fn rule_count(&self) -> usize {
         self.chains.iter().map(|c| c.rules.len()).sum()
     }
+    #[cfg(test)]
     pub fn get(&self, chain: &str) -> Option<&ChainRules> {
         self.chains.iter().find(|c| c.name == chain)
     }
@@ -74,7 +75,7 @@ impl TablePlan {
 /// A jump rule from a built-in chain, ensured outside the restore input (upstream
 /// `iptablesJumpChains` + `iptablesKubeletJumpChains`, `EnsureRule(Prepend, …)`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct JumpRule {
+pub(crate) struct JumpRule {
     pub table: &'static str,
     pub from: &'static str,
     pub to: &'static str,
@@ -83,7 +84,7 @@ pub struct JumpRule {
 }
 
 /// The jump rules from built-in chains, in upstream's order.
-pub fn jump_rules() -> Vec<JumpRule> {
+pub(crate) fn jump_rules() -> Vec<JumpRule> {
     const NEW: &[&str] = &["-m", "conntrack", "--ctstate", "NEW"];
     let spec: [(&str, &str, &str, &str, &[&str]); 14] = [
         (
@@ -192,7 +193,7 @@ pub fn jump_rules() -> Vec<JumpRule> {
 
 /// Everything one sync writes, before choosing what a partial sync may omit.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RulesPlan {
+pub(crate) struct RulesPlan {
     /// The complete filter table input.
     pub filter: TablePlan,
     /// nat chains written on every sync (KUBE-SERVICES, KUBE-NODEPORTS, KUBE-POSTROUTING,
@@ -211,18 +212,8 @@ pub struct RulesPlan {
     pub no_local_endpoints_external: usize,
 }
 
-impl RulesPlan {
-    /// Every per-service nat chain this plan keeps.
-    pub fn active_nat_chains(&self) -> BTreeSet<String> {
-        self.services
-            .values()
-            .flat_map(|t| t.chains.iter().map(|c| c.name.clone()))
-            .collect()
-    }
-}
-
 /// Upstream `computeProbability`: `%0.10f` of 1/n.
-pub fn probability(n: usize) -> String {
+pub(crate) fn probability(n: usize) -> String {
     format!("{:.10}", 1.0 / n as f64)
 }
 
@@ -234,7 +225,7 @@ fn quoted(s: &str) -> String {
 /// rules in the shared chains (filter KUBE-SERVICES & co., nat KUBE-SERVICES and
 /// KUBE-NODEPORTS) and its own SVC/SVL/EXT/FW/SEP chains. [`assemble`] concatenates them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PortPlan {
+pub(crate) struct PortPlan {
     /// Rules in shared filter chains, grouped by chain.
     pub filter: TablePlan,
     /// Rules in shared nat chains, grouped by chain.
@@ -250,7 +241,7 @@ pub struct PortPlan {
 
 /// What a port plan depends on besides its service port and endpoints: the global inputs.
 /// A change of any of these invalidates every cached [`PortPlan`].
-pub struct PortContext<'a> {
+pub(crate) struct PortContext<'a> {
     pub cfg: &'a IptablesConfig,
     pub node: &'a crate::model::NodeInfo,
     /// Large-cluster mode (no per-endpoint comments).
@@ -259,7 +250,7 @@ pub struct PortContext<'a> {
 
 /// The family's service ports of `snap` with their cluster IP and endpoints of the family
 /// (unsorted), in snapshot order.
-pub fn family_ports<'a>(
+pub(crate) fn family_ports<'a>(
     snap: &'a Snapshot,
     family: IpFamily,
 ) -> impl Iterator<Item = (&'a std::sync::Arc<ServicePort>, IpAddr, &'a [Endpoint])> + 'a {
@@ -270,12 +261,12 @@ pub fn family_ports<'a>(
 }
 
 /// Endpoints of `eps` in `family` (upstream's count for large-cluster mode).
-pub fn family_endpoint_count(eps: &[Endpoint], family: IpFamily) -> usize {
+pub(crate) fn family_endpoint_count(eps: &[Endpoint], family: IpFamily) -> usize {
     eps.iter().filter(|e| family.matches(&e.ip)).count()
 }
 
 /// Plans one service port (`eps`: all its endpoints, any family).
-pub fn plan_port(
+pub(crate) fn plan_port(
     ctx: &PortContext<'_>,
     svc: &ServicePort,
     cluster_ip: IpAddr,
@@ -294,7 +285,7 @@ pub fn plan_port(
 
 /// The chains and rules that do not depend on any service port: declarations of the shared
 /// chains and the rules that come before every service port's.
-pub fn plan_head(cfg: &IptablesConfig) -> RulesPlan {
+pub(crate) fn plan_head(cfg: &IptablesConfig) -> RulesPlan {
     let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
@@ -348,7 +339,7 @@ pub fn plan_head(cfg: &IptablesConfig) -> RulesPlan {
 
 /// Appends the rules that come after every service port's (the KUBE-NODEPORTS tail call,
 /// KUBE-FORWARD).
-pub fn plan_tail(p: &mut RulesPlan, cfg: &IptablesConfig) {
+pub(crate) fn plan_tail(p: &mut RulesPlan, cfg: &IptablesConfig) {
     let mark = masquerade_mark(cfg.masquerade_bit);
     let localhost_nps = cfg.effective_localhost_node_ports();
     let is_v6 = cfg.family == IpFamily::V6;
@@ -405,7 +396,7 @@ pub fn plan_tail(p: &mut RulesPlan, cfg: &IptablesConfig) {
 
 /// Appends one port's rules in shared chains to `p` (its own chains are not copied: see
 /// [`RulesPlan::services`]) and counts it.
-pub fn add_port_shared(p: &mut RulesPlan, pp: &PortPlan) {
+pub(crate) fn add_port_shared(p: &mut RulesPlan, pp: &PortPlan) {
     for c in &pp.filter.chains {
         p.filter
             .chain_mut(&c.name)
@@ -425,13 +416,13 @@ pub fn add_port_shared(p: &mut RulesPlan, pp: &PortPlan) {
 }
 
 /// Whether `total_endpoints` puts the proxier in large-cluster mode.
-pub fn is_large_cluster(total_endpoints: usize, cfg: &IptablesConfig) -> bool {
+pub(crate) fn is_large_cluster(total_endpoints: usize, cfg: &IptablesConfig) -> bool {
     total_endpoints > cfg.large_cluster_threshold
 }
 
 /// The whole plan from the port plans, in snapshot order (every port of a service is
 /// adjacent in that order, so its chains group by service like upstream's).
-pub fn assemble<'a>(
+pub(crate) fn assemble<'a>(
     cfg: &IptablesConfig,
     large_cluster: bool,
     ports: impl IntoIterator<Item = (&'a ServicePortName, &'a PortPlan)>,
@@ -451,7 +442,7 @@ pub fn assemble<'a>(
 }
 
 /// Builds the plan for one family, from scratch.
-pub fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> RulesPlan {
+pub(crate) fn plan(snap: &Snapshot, cfg: &IptablesConfig) -> RulesPlan {
     let ports: Vec<_> = family_ports(snap, cfg.family).collect();
     let total: usize = ports
         .iter()

@@ -242,7 +242,7 @@ impl<B: IptablesBackend> IptablesProxier<B> {
     }
 
     /// A flag that forces the next sync to be full (set by the canary monitor).
-    pub fn force_full_flag(&self) -> Arc<AtomicBool> {
+    pub(crate) fn force_full_flag(&self) -> Arc<AtomicBool> {
         self.force_full.clone()
     }
 

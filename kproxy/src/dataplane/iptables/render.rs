@@ -7,7 +7,7 @@ use super::plan::TablePlan;
 
 /// One table of restore input: declared chains, rule lines and `-X` deletions.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TableInput {
+pub(crate) struct TableInput {
     pub name: String,
     pub chains: Vec<String>,
     pub rules: Vec<String>,
@@ -16,28 +16,28 @@ pub struct TableInput {
 }
 
 impl TableInput {
-    pub fn new(name: &str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         TableInput {
             name: name.into(),
             ..Default::default()
         }
     }
     /// Adds all chains and rules of `t`.
-    pub fn add(&mut self, t: &TablePlan) {
+    pub(crate) fn add(&mut self, t: &TablePlan) {
         for c in &t.chains {
             self.chains.push(c.name.clone());
             self.rules.extend(c.rules.iter().cloned());
         }
     }
     /// Declares and deletes `chain`.
-    pub fn delete(&mut self, chain: &str) {
+    pub(crate) fn delete(&mut self, chain: &str) {
         self.chains.push(chain.to_owned());
         self.deletes.push(chain.to_owned());
     }
     /// The length of [`Self::render`]'s text, to size buffers once: at 10k services a restore
     /// input is ≈ 17 MB, and a String grown by doubling holds up to twice that while it
     /// reallocates.
-    pub fn rendered_len(&self) -> usize {
+    pub(crate) fn rendered_len(&self) -> usize {
         let line = |s: &String| s.len() + 1;
         "*\nCOMMIT\n".len()
             + self.name.len()
@@ -54,7 +54,7 @@ impl TableInput {
                 .sum::<usize>()
     }
     /// `*table … COMMIT` text.
-    pub fn render(&self, out: &mut String) {
+    pub(crate) fn render(&self, out: &mut String) {
         let _ = writeln!(out, "*{}", self.name);
         for c in &self.chains {
             let _ = writeln!(out, ":{c} - [0:0]");
@@ -71,7 +71,7 @@ impl TableInput {
 }
 
 /// Renders tables as one iptables-restore input.
-pub fn render_tables(tables: &[TableInput]) -> String {
+pub(crate) fn render_tables(tables: &[TableInput]) -> String {
     let mut out = String::with_capacity(tables.iter().map(TableInput::rendered_len).sum());
     for t in tables {
         t.render(&mut out);

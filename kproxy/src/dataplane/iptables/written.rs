@@ -45,23 +45,23 @@ fn rules_by_chain(input: &TableInput) -> HashMap<&str, Vec<&str>> {
 /// Known kernel chains per table: `Some(hash)` = written by us with this content, `None` =
 /// exists (seen in `iptables-save`), content not tracked.
 #[derive(Debug, Clone, Default)]
-pub struct KernelChains {
+pub(crate) struct KernelChains {
     tables: HashMap<String, HashMap<String, Option<u64>>>,
 }
 
 impl KernelChains {
     /// Forgets everything (after a failure; the next sync is full).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.tables.clear();
     }
 
     /// Whether nothing is known.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.tables.is_empty()
     }
 
     /// `table` holds exactly `chains` (from `iptables-save`), contents unknown.
-    pub fn set_saved<'a>(&mut self, table: &str, chains: impl IntoIterator<Item = &'a str>) {
+    pub(crate) fn set_saved<'a>(&mut self, table: &str, chains: impl IntoIterator<Item = &'a str>) {
         let t = self.tables.entry(table.to_owned()).or_default();
         t.clear();
         t.extend(chains.into_iter().map(|c| (c.to_owned(), None)));
@@ -69,13 +69,13 @@ impl KernelChains {
 
     /// Nothing is known of `table` (a full sync whose save failed): it holds nothing known
     /// until [`Self::record`].
-    pub fn forget_table(&mut self, table: &str) {
+    pub(crate) fn forget_table(&mut self, table: &str) {
         self.tables.entry(table.to_owned()).or_default().clear();
     }
 
     /// `input` was restored successfully (`--noflush`): its declared chains hold its rules,
     /// its deleted chains are gone.
-    pub fn record(&mut self, input: &TableInput) {
+    pub(crate) fn record(&mut self, input: &TableInput) {
         let by = rules_by_chain(input);
         let t = self.tables.entry(input.name.clone()).or_default();
         for c in &input.chains {
@@ -90,7 +90,7 @@ impl KernelChains {
     /// `input` without the chains whose content equals what the kernel is known to hold
     /// (their declaration and rules left out; deletions always kept), and how many were left
     /// out.
-    pub fn without_unchanged(&self, input: &TableInput) -> (TableInput, usize) {
+    pub(crate) fn without_unchanged(&self, input: &TableInput) -> (TableInput, usize) {
         let known = self.tables.get(&input.name);
         let by = rules_by_chain(input);
         let deleted: std::collections::HashSet<&str> =
@@ -126,7 +126,7 @@ impl KernelChains {
     }
 
     /// Every chain known to exist in `table`.
-    pub fn chains(&self, table: &str) -> impl Iterator<Item = &str> {
+    pub(crate) fn chains(&self, table: &str) -> impl Iterator<Item = &str> {
         self.tables
             .get(table)
             .into_iter()
