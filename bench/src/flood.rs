@@ -106,7 +106,7 @@ pub fn flood(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Generator {
     /// In-kernel, like a NIC's receive ring (default): a small XDP program
-    /// ([`generator_program`]: a random source port of the flows' range, then a redirect
+    /// (`generator_program`: a random source port of the flows' range, then a redirect
     /// into the client's device), run by `BPF_PROG_TEST_RUN` with
     /// `BPF_F_TEST_XDP_LIVE_FRAMES` ([`LIVE_REPEAT`] frames per call). The frames reach the node's device as XDP frames (`ndo_xdp_xmit` of the veth
     /// pair), so the node's XDP program sees them as a native driver would hand them over,

@@ -25,7 +25,7 @@
 //!   `cold-floor-one-tx/…` (one transaction, as upstream's knftables runs a sync) and
 //!   `cold-floor-parts-<ops>/…` (cut at service ports every ≈ `<ops>` operations, as the
 //!   agent does with
-//!   [`kproxy::dataplane::nftables::proxier::FULL_SYNC_BATCH_OPERATIONS`] and with other sizes).
+//!   `kproxy::dataplane::nftables::proxier::FULL_SYNC_BATCH_OPERATIONS` and with other sizes).
 //!
 //! The resync group ([`resync`]) starts the agent on 40k services × 1 endpoint, stops it,
 //! starts a new one over the table it left (an agent restart: its first sync is full) and

@@ -81,7 +81,7 @@ const FINE_GROWTH: u32 = 4;
 
 /// ns per run of a program that leaves the frame as it found it (or, like the TC path's
 /// `established` services, translates it there and back), in repeat mode ([`METHOD`]):
-/// `(median CPU time of run(R) − median CPU time of run(3)) / (R − 3)` over [`FINE_TRIALS`]
+/// `(median CPU time of run(R) − median CPU time of run(3)) / (R − 3)` over `FINE_TRIALS`
 /// trials, each a run(R) then a run(3) — a difference of medians ([`stats::difference`]), not
 /// the median of per-trial differences. `run(n)` makes one test run of `n` repetitions
 /// (always odd: `repeat | 1` and 3) and checks its output.
@@ -92,9 +92,9 @@ const FINE_GROWTH: u32 = 4;
 /// whichever thread runs (no IRQ time accounting on this kernel). With one other busy process
 /// that noise drowned the counter's 20,000 repetitions (≈ 140 µs) of a quick run: its median
 /// difference came out ≤ 0. So when the difference is not above the noise (≤ 0, or within the
-/// interquartile range of either run's times), the attempt is repeated with [`FINE_GROWTH`]×
+/// interquartile range of either run's times), the attempt is repeated with `FINE_GROWTH`×
 /// the repetitions — the signal grows with them, that noise does not — up to
-/// [`FINE_ATTEMPTS`] attempts; the last one counts if its difference is positive.
+/// `FINE_ATTEMPTS` attempts; the last one counts if its difference is positive.
 pub fn fine_ns(repeat: u32, run: impl FnMut(u32) -> anyhow::Result<()>) -> anyhow::Result<f64> {
     fine_ns_with(thread_cpu_ns, repeat, run)
 }

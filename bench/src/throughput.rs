@@ -1,6 +1,6 @@
 //! Real packets, real throughput: the external client floods a UDP NodePort with small frames
 //! of many flows, toward two backends behind the second node (`pod-r0`, `pod-r1`), and the
-//! packets delivered to the backends are counted there ([`flood`](super::flood) has the
+//! packets delivered to the backends are counted there (`flood` has the
 //! generator, the sink and how CPU is accounted).
 //!
 //! Modes, each in its own topology (`TopologySpec` with two remote pods) with its own agent,
@@ -25,7 +25,7 @@
 //! - `iptables-nft`, `iptables-legacy`, `nftables`: the agent in that mode (`ipvs` too where
 //!   the host kernel has IPVS; this one has not).
 //!
-//! Every topology gets the same link preparation ([`prepare_links`]: GRO, i.e. a NAPI ring, on
+//! Every topology gets the same link preparation (`prepare_links`: GRO, i.e. a NAPI ring, on
 //! every link end; complete checksums from the client and the second node), so only the
 //! node's datapath differs. Before measuring, a `kp-probe` UDP exchange through the NodePort
 //! must reach both backends (the path works both ways), then the sinks go in and a warm-up

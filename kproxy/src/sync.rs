@@ -1,8 +1,8 @@
 //! The sync loop: upstream's BoundedFrequencyRunner in front of one [`Dataplane`].
 //!
-//! Source events are folded into the [`Tracker`] as they arrive; the [`Schedule`] decides when
+//! Source events are folded into the [`Tracker`] as they arrive; the `Schedule` decides when
 //! a sync runs:
-//! - never before every source reported its initial sync ([`Tracker::is_synced`]);
+//! - never before every source reported its initial sync (`Tracker::is_synced`);
 //! - after a change, as soon as a token is available: tokens refill one per `min_interval` up to
 //!   `burst` (upstream: `minSyncPeriod`, burst 2), so bursts of changes are batched;
 //! - at least once per `max_interval` (`syncPeriod`) even without changes;
@@ -18,7 +18,7 @@
 //! fails persistently is not hammered while a transient failure is repaired quickly.
 //!
 //! A datapath can ask for a sync outside of source changes (the iptables canary monitor after
-//! an external flush) through a [`SyncRequester`] handed to [`Runner::set_requester`]; such a
+//! an external flush) through a [`SyncRequester`] handed to `Runner::set_requester`; such a
 //! request is rate-limited like a change.
 //!
 //! The schedule is pure (it takes `now` as an argument) and unit-tested; [`Runner::run`] is
@@ -30,7 +30,7 @@
 //! rather than their sum. The first sync still waits for every source's initial list, and the
 //! loop counts as started (observers' `loop_started`) only once the datapath is there.
 //!
-//! Health and metrics watch the loop through [`SyncObserver`]s ([`Runner::observe`]): they are
+//! Health and metrics watch the loop through `SyncObserver`s (`Runner::observe`): they are
 //! told when the loop starts, when source changes arrive (and whether a sync got queued), and
 //! when each sync starts and finishes. Observers run on the loop's task, so they must be quick
 //! (update counters, send on a channel); anything slow belongs in their own task.

@@ -92,7 +92,7 @@ pub fn slice(service: &str, ports: &[Port], endpoints: &[(impl Display, &str)]) 
     }
 }
 
-/// An EndpointSlice document; see [`slice`].
+/// An EndpointSlice document; see [`slice()`].
 #[derive(Debug, Clone)]
 pub struct Slice {
     service: String,

@@ -61,7 +61,7 @@ pub struct AgentOptions {
     /// (upstream's `NodePodCIDRHandler`). `None`: not watched.
     pub exit_on_pod_cidr_change: Option<Vec<IpNet>>,
     /// `nodePortAddresses: primary`: the node's IPs the datapath was built with
-    /// ([`NodeIps::known`] at start-up). When the Node lists other IPs, the process exits 1 so
+    /// (`NodeIps::known` at start-up). When the Node lists other IPs, the process exits 1 so
     /// that it restarts with them, as upstream's `NodeManager` does (upstream exits on a node
     /// IP change in every mode; kproxy only where `primary` made the datapath depend on them,
     /// its other uses of the node IPs follow the Node). `None`: not watched.
@@ -677,7 +677,7 @@ pub fn snapshot_from_manifests(
 /// Runs the agent as `kproxy` without a subcommand does, until SIGTERM / SIGINT: waits for
 /// what the datapath needs from the Node (its pod CIDRs with `detectLocalMode: NodeCIDR`, its
 /// primary IPs with `nodePortAddresses: primary`), chooses and builds the mode (a forced one
-/// while the first lists run, [`start_while_building`]), serves, syncs.
+/// while the first lists run, `start_while_building`), serves, syncs.
 pub fn run(cfg: &ProxyConfig) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

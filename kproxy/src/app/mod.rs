@@ -6,7 +6,7 @@
 //! - [`registry`]: the proxy modes (each one's face), detection order, building the chosen
 //!   mode's datapath, which mode's state is here, removing the others' leftovers (cleanup).
 //! - [`inspect`]: `kproxy inspect`, what the kernel holds per service port.
-//! - [`process`] (oom score), [`sysctl`], [`nodeip`], [`logging`]: process and node settings.
+//! - [`process`] (oom score), [`sysctl`], `nodeip`, [`logging`]: process and node settings.
 
 pub mod agent;
 pub mod inspect;

@@ -5,7 +5,7 @@ use tracing::info;
 /// glibc serves allocations of at least this size from mappings of their own.
 pub(crate) const MMAP_THRESHOLD: i32 = 128 * 1024;
 
-/// Fixes glibc's mmap threshold at its default (`M_MMAP_THRESHOLD`, [`MMAP_THRESHOLD`]):
+/// Fixes glibc's mmap threshold at its default (`M_MMAP_THRESHOLD`, `MMAP_THRESHOLD`):
 /// left dynamic, glibc raises it to the size of each mapped block freed (the kernel's BTF
 /// parsed at load, 4.7 MB, the list pages), after which the first sync's large temporaries
 /// land in the heap, where they leave holes the kernel never gets back. Fixed, they are mapped

@@ -1,14 +1,14 @@
-//! The mode registry: which proxy modes exist ([`face`], the only place that names each
-//! mode's [`ModeFace`]), the order `mode: ""` tries them in ([`DETECT_ORDER`]), and what the
+//! The mode registry: which proxy modes exist (`face`, the only place that names each
+//! mode's `ModeFace`), the order `mode: ""` tries them in (`DETECT_ORDER`), and what the
 //! agent, `render`, `inspect` and `cleanup` do with them — through the faces only; no mode's
 //! internals are known here.
 //!
-//! - [`select`]: the forced mode, or the first of [`DETECT_ORDER`] whose probe passes and
+//! - `select`: the forced mode, or the first of `DETECT_ORDER` whose probe passes and
 //!   that builds (logging why each earlier one was rejected).
 //! - [`build`]: a face's datapath plus what every netfilter-conntrack mode gets from here, in
 //!   this one place: `conntrack:`'s sysctls and the stale-UDP-entry cleanup after each sync
 //!   ([`WithConntrackCleanup`]).
-//! - [`cleanup_others`] (start-up, upstream's `CleanupLeftovers`) and [`cleanup_all`]
+//! - `cleanup_others` (start-up, upstream's `CleanupLeftovers`) and [`cleanup_all`]
 //!   (`kproxy cleanup`): each face says whether its leftovers are here and removes them.
 //!
 //! Knowingly different from upstream: a conntrack sysctl that cannot be written is logged as a

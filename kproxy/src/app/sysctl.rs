@@ -3,8 +3,8 @@
 //! pkg/proxy/conntrack/sysctls.go), `route_localnet` for localhost NodePorts (iptables
 //! proxier) and the `bridge-nf-call-iptables` check.
 //!
-//! Split in three: [`desired`] (config + CPU count → the values upstream wants, pure),
-//! [`plan`] (desired + current values + whether /sys is writable → the writes, pure) and
+//! Split in three: `desired` (config + CPU count → the values upstream wants, pure),
+//! `plan` (desired + current values + whether /sys is writable → the writes, pure) and
 //! [`apply`] (reads and writes files under a [`Host`]'s roots, logs every change as
 //! `old → new`). A [`Host`] can point at a fake tree, so the I/O is tested without touching
 //! the machine's global settings.
@@ -177,7 +177,7 @@ pub struct Change {
     pub new: i64,
 }
 
-/// What [`plan`] decided.
+/// What `plan` decided.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct SysctlPlan {
     pub changes: Vec<Change>,

@@ -60,7 +60,7 @@ pub struct FlagSpec {
     pub apply: Apply,
 }
 
-/// Where a flag's value goes (and how it is parsed), applied by [`super::apply_flags`].
+/// Where a flag's value goes (and how it is parsed), applied by `super::apply_flags`.
 /// Accessors return the `KubeProxyConfiguration` field the value is stored in.
 #[derive(Debug, Clone, Copy)]
 pub enum Apply {

@@ -10,7 +10,7 @@
 //! Syntax is pflag's, so any kube-proxy command line parses: `--flag=value`, `--flag value`,
 //! booleans as `--flag` or `--flag=false`, `-v=2` / `-v 2` / `-v2`, a repeated flag's last
 //! value wins (list flags append), `_` in a flag name reads as `-` (upstream normalizes
-//! `--log_dir` to `--log-dir`). The flag table is [`flags::FLAGS`]; unknown flags are errors.
+//! `--log_dir` to `--log-dir`). The flag table is `flags::FLAGS`; unknown flags are errors.
 //!
 //! [`load`] reads `--config` (strict), applies upstream's defaults, then every flag actually
 //! given (so flags override the file), and resolves the result into a
@@ -81,7 +81,7 @@ impl Given {
 #[derive(Debug, Clone)]
 pub struct Invocation {
     pub command: Command,
-    /// The flags given, in [`FLAGS`] order.
+    /// The flags given, in `FLAGS` order.
     pub given: Vec<Given>,
 }
 

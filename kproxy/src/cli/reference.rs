@@ -1,8 +1,8 @@
 //! The user guide's configuration reference (`docs/src/reference.md`), generated from the
-//! code's own tables so it cannot drift: every flag of [`FLAGS`] and every field of the
-//! `KubeProxyConfiguration` file ([`fields::field_names`], read from the serde types), each
-//! with its default (upstream's defaulting, [`KubeProxyConfiguration::apply_defaults`]) and
-//! whether kproxy implements it ([`Support`], [`fields::support`]).
+//! code's own tables so it cannot drift: every flag of `FLAGS` and every field of the
+//! `KubeProxyConfiguration` file (`fields::field_names`, read from the serde types), each
+//! with its default (upstream's defaulting, `KubeProxyConfiguration::apply_defaults`) and
+//! whether kproxy implements it ([`Support`], `fields::support`).
 //!
 //! `kproxy reference` (hidden; `cargo xtask docs` runs it) prints [`markdown`]; a test fails
 //! when the committed page differs from it.

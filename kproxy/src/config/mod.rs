@@ -8,10 +8,10 @@
 //!                          resolve::resolve() ──────┴─> ProxyConfig (validated, typed)
 //! ```
 //!
-//! - [`duration`]: Go duration text (`30s`, `1m0s`), used by flags and the file.
-//! - [`file`](mod@file): the v1alpha1 file as written, its defaults and kproxy's extensions
+//! - `duration`: Go duration text (`30s`, `1m0s`), used by flags and the file.
+//! - `file`: the v1alpha1 file as written, its defaults and kproxy's extensions
 //!   (top-level `syncPeriod`/`minSyncPeriod` for the ebpf mode, and `bpf:`).
-//! - [`resolve`](mod@resolve): upstream's validation rules, and the conversion to [`ProxyConfig`]. Every
+//! - `resolve`](mod@resolve): upstream's validation rules, and the conversion to [`ProxyConfig`. Every
 //!   problem is reported at once, each naming its field (and the flag that set it, if any).
 //!
 //! Divergences from upstream, on purpose:
@@ -63,7 +63,7 @@ pub(crate) const IPVS_SCHEDULERS: &[&str] = &[
 ];
 
 /// The validated, defaulted, flag-merged configuration: everything the agent and the
-/// datapaths need. Built by [`resolve()`].
+/// datapaths need. Built by `resolve()`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProxyConfig {
     /// `mode` / `--proxy-mode`.
@@ -128,8 +128,8 @@ pub struct ProxyConfig {
     pub config_sync_period: Duration,
     /// `logging`.
     pub logging: LoggingConfig,
-    /// `featureGates`: every gate given; those kproxy knows are in [`FEATURE_GATES`], the
-    /// others are warned about and ignored. Read with [`ProxyConfig::feature`].
+    /// `featureGates`: every gate given; those kproxy knows are in `FEATURE_GATES`, the
+    /// others are warned about and ignored. Read with `ProxyConfig::feature`.
     pub feature_gates: BTreeMap<String, bool>,
 }
 
@@ -212,10 +212,10 @@ pub struct ClientConfig {
 /// CIDRs or the single string `primary`. kproxy also accepts the keywords `all` and `localhost`
 /// that the Kubernetes documentation (concepts/services-networking/service.md) names but
 /// upstream's binary rejects ("must be a valid CIDR"): a kproxy extension, see
-/// [`resolve`](mod@resolve).
+/// `resolve`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum NodePortAddresses {
-    /// Unset: the mode's default ([`NodePortAddresses::for_mode`]): `primary` in nftables mode
+    /// Unset: the mode's default (each mode's face says it): `primary` in nftables mode
     /// (upstream's nftables `Backend.Init` / `platformApplyDefaults`), every local address in
     /// iptables and ipvs mode (upstream) and in kproxy's ebpf mode.
     Unset,
@@ -281,7 +281,7 @@ pub struct NftablesModeConfig {
 pub struct IpvsConfig {
     /// `ipvs.syncPeriod` / `minSyncPeriod`.
     pub sync: SyncPeriods,
-    /// `ipvs.scheduler`; one of [`IPVS_SCHEDULERS`], `""` resolved to `rr`.
+    /// `ipvs.scheduler`; one of `IPVS_SCHEDULERS`, `""` resolved to `rr`.
     pub scheduler: String,
     /// `ipvs.excludeCIDRs`: IPVS virtual servers in these ranges are never removed.
     pub exclude_cidrs: Vec<IpNet>,
@@ -305,7 +305,7 @@ pub struct BpfConfig {
     pub bpffs: PathBuf,
     /// `bpf.devices` / `--bpf-devices`: devices for TC/XDP; empty = detect.
     pub devices: Vec<String>,
-    /// `bpf.mapSizes` / `--bpf-map-sizes`: size overrides by map name ([`BPF_MAP_NAMES`]);
+    /// `bpf.mapSizes` / `--bpf-map-sizes`: size overrides by map name (`BPF_MAP_NAMES`);
     /// maps not named keep the datapath's default.
     pub map_sizes: BTreeMap<String, u32>,
     /// `bpf.xdp` / `--bpf-xdp`.

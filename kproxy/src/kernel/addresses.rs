@@ -2,7 +2,7 @@
 //! ([`AddressWatcher`]), so an address added to a node device starts answering NodePorts and
 //! becomes the SNAT source of its device without a restart.
 //!
-//! [`scan`] is two rtnetlink dumps ([`crate::kernel::rtnl`]): the links, then the addresses
+//! [`scan`] is two rtnetlink dumps (`crate::kernel::rtnl`): the links, then the addresses
 //! of every family (the kernel's order: IPv4 before IPv6, a device's primary IPv4 address
 //! first). The watcher joins the link and address announcement groups and scans again after
 //! each batch of announcements (or lost ones), and also every `interval` (default 1 s), so a
@@ -144,7 +144,7 @@ pub(crate) fn address_of(msg: &AddressMessage) -> Option<IpAddr> {
     })
 }
 
-/// The node addresses of a set of devices (see [`is_node_addr`]).
+/// The node addresses of a set of devices (see `is_node_addr`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeAddresses {
     /// Device name → (ifindex, node addresses in kernel order).
@@ -192,7 +192,7 @@ impl NodeAddresses {
 impl NodeAddresses {
     /// The IPv6 SNAT source of each device: ifindex → its first global-scope IPv6 node address
     /// (link-local addresses are never node addresses, see
-    /// [`is_node_addr`]).
+    /// `is_node_addr`).
     pub fn snat_v6(&self) -> Vec<(u32, Ipv6Addr)> {
         self.devices
             .values()

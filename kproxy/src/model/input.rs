@@ -35,6 +35,6 @@ pub enum Event {
     /// The node's own Node object (`Replace(vec![])` when the source has none).
     Node(Delta<Node>),
     /// `ServiceCIDR` objects (networking.k8s.io/v1), from an API server that serves them;
-    /// never sent otherwise (see [`crate::model::service_cidrs`]).
+    /// never sent otherwise (see `crate::model::service_cidrs`).
     ServiceCidr(Delta<ServiceCIDR>),
 }

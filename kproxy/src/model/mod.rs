@@ -1,12 +1,12 @@
 //! The pure service model: Kubernetes objects in, an immutable [`Snapshot`] out. No I/O here.
 //!
-//! - [`types`]: `ServicePort`, `Endpoint`, names and enums.
-//! - [`service`]: Service → `ServicePort`s (which services are proxied, validation, defaults).
-//! - [`endpoints`]: EndpointSlice → `Endpoint`s, merged per service port like upstream's
+//! - `types`: `ServicePort`, `Endpoint`, names and enums.
+//! - `service`: Service → `ServicePort`s (which services are proxied, validation, defaults).
+//! - `endpoints`: EndpointSlice → `Endpoint`s, merged per service port like upstream's
 //!   EndpointSliceCache.
 //! - [`topology`]: upstream's `CategorizeEndpoints`.
-//! - [`tracker`]: folds source events into state and builds snapshots + change sets.
-//! - [`service_cidrs`]: `ServiceCIDR` objects → the cluster's service CIDRs.
+//! - `tracker`: folds source events into state and builds snapshots + change sets.
+//! - `service_cidrs`: `ServiceCIDR` objects → the cluster's service CIDRs.
 //! - `testing`: fluent builders of ports, endpoints and snapshots for tests (hidden).
 
 pub(crate) mod endpoints;

@@ -2,12 +2,12 @@
 //! traffic, which serve node-local traffic, and which are reachable at all.
 //!
 //! Rules (upstream's newest topology.go):
-//! - cluster endpoints (when the service uses them, [`ServicePort::uses_cluster_endpoints`]):
+//! - cluster endpoints (when the service uses them, `ServicePort::uses_cluster_endpoints`):
 //!   the ready endpoints, narrowed by topology hints when every ready endpoint has a hint and
-//!   some hint matches this node (PreferSameNode, gated by [`PREFER_SAME_TRAFFIC_DISTRIBUTION`])
+//!   some hint matches this node (PreferSameNode, gated by `PREFER_SAME_TRAFFIC_DISTRIBUTION`)
 //!   or this node's zone (PreferSameZone); if none is ready, the serving+terminating ones
 //!   (topology ignored);
-//! - local endpoints (when [`ServicePort::uses_local_endpoints`]): the local ready ones, else
+//! - local endpoints (when `ServicePort::uses_local_endpoints`): the local ready ones, else
 //!   the local serving+terminating ones; topology never applies;
 //! - all reachable: the cluster set when it is a superset of the local one (no topology, no
 //!   terminating fallback), else their union.

@@ -196,7 +196,7 @@ pub struct ServicePort {
     /// 0 when the port has no node port.
     pub node_port: u16,
     pub external_ips: Vec<IpAddr>,
-    /// All LB ingress IPs with their ipMode (see [`ServicePort::load_balancer_vips`]).
+    /// All LB ingress IPs with their ipMode (see `ServicePort::load_balancer_vips`).
     pub load_balancer_ingress: Vec<LoadBalancerIngress>,
     pub load_balancer_source_ranges: Vec<IpNet>,
     /// externalTrafficPolicy=Local on an externally accessible service.

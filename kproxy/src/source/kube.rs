@@ -5,7 +5,7 @@
 //! with kube-runtime's [`watcher()`] and turned into [`Event`]s.
 //!
 //! Each kind runs its own list+watch loop. kube-runtime reports a (re-)list as
-//! `Init, InitApply…, InitDone`; [`Relist`] buffers that sequence and emits it as ONE
+//! `Init, InitApply…, InitDone`; `Relist` buffers that sequence and emits it as ONE
 //! [`Delta::Replace`], so the tracker swaps the whole state at once — after the initial list
 //! and after every re-list (410 Gone, a watch that cannot be resumed). Watch events become
 //! [`Delta::Apply`] / [`Delta::Delete`]. Errors are logged and retried (none is fatal) by

@@ -8,7 +8,7 @@
 //! order, recursively, with extensions `.yaml`, `.yml` or `.json`.
 //!
 //! Changes are seen through inotify (the `notify` crate) with a short debounce, plus a poll
-//! every [`POLL_INTERVAL`] as a fallback for file systems without inotify; a re-read whose
+//! every `POLL_INTERVAL` as a fallback for file systems without inotify; a re-read whose
 //! content is unchanged sends nothing.
 
 use std::collections::hash_map::DefaultHasher;

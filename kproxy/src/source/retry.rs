@@ -1,7 +1,7 @@
 //! Retry policy of the kube source's list+watch loops (pure; the loop in
 //! [`super::kube`] does the sleeping).
 //!
-//! - A failure waits a capped, jittered exponential backoff: [`FIRST_DELAY`] doubling up to
+//! - A failure waits a capped, jittered exponential backoff: `FIRST_DELAY` doubling up to
 //!   [`MAX_DELAY`], each wait drawn from `[d/2, d]` so watchers of several kinds (and nodes)
 //!   do not retry in lockstep. The cap bounds how long a returning API server goes unnoticed.
 //! - A 410 Gone (the watch's resource version is no longer served, e.g. the API server came

@@ -56,7 +56,7 @@ pub enum Action {
     Replace(String),
 }
 
-/// What [`reconcile`] did, per pinned map found (maps not pinned yet are not listed).
+/// What `reconcile` did, per pinned map found (maps not pinned yet are not listed).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayoutReport {
     pub maps: Vec<(&'static str, Action)>,

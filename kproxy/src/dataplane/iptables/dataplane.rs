@@ -145,7 +145,7 @@ impl IptablesDataplane {
     /// Sets up one proxier per config (one per family): picks the backend, reads
     /// `nf_conntrack_tcp_be_liberal`, sets `route_localnet` when localhost NodePorts are in
     /// effect, checks `bridge-nf-call-iptables`, and starts the canary monitors (checking
-    /// every `sync_period`, at most [`MONITOR_INTERVAL_MAX`] apart).
+    /// every `sync_period`, at most `MONITOR_INTERVAL_MAX` apart).
     pub fn new(cfgs: impl IntoIterator<Item = IptablesConfig>) -> Result<Self, SetupError> {
         Self::with_telemetry(cfgs, None)
     }

@@ -1,6 +1,6 @@
 //! The real [`IptablesBackend`]: runs the iptables binaries of one family and one backend
 //! (nf_tables or legacy), optionally inside a network namespace (`nsenter --net=PATH`).
-//! Every command takes the xtables lock with `-w` (waits up to [`LOCK_WAIT_SECONDS`]); every
+//! Every command takes the xtables lock with `-w` (waits up to `LOCK_WAIT_SECONDS`); every
 //! restore is a `--noflush` one.
 
 use std::io::Write as _;
@@ -305,7 +305,7 @@ fn strs(args: &[String]) -> Vec<&str> {
 impl IptablesBackend for ExecIptables {
     /// `iptables-restore -w N --counters --noflush`. A [`RestoreMode::NoFlushBulk`] restore
     /// with the nf_tables backend gets a `-S` line after each `*table` line: see
-    /// [`with_table_listings`]. Its output (that listing) goes to /dev/null, not to a pipe: a
+    /// `with_table_listings`. Its output (that listing) goes to /dev/null, not to a pipe: a
     /// pipe nobody reads while the input is still being written could block both sides.
     fn restore(&mut self, input: &str, mode: RestoreMode) -> Result<(), IptablesError> {
         let prog = tool(self.family, self.flavor, "restore");

@@ -1,17 +1,17 @@
 //! The iptables proxier: upstream kube-proxy's iptables mode, rule for rule.
 //!
 //! - [`config`]: [`IptablesConfig`], the resolved per-family settings.
-//! - [`names`]: chain names (upstream's hashed `KUBE-SVC-…`/`KUBE-SEP-…`).
-//! - [`plan`](mod@plan): the pure planner, snapshot → filter + nat rules (structured by chain).
-//! - [`incremental`]: per-service-port plans cached between syncs (re-plans what changed).
+//! - `names`: chain names (upstream's hashed `KUBE-SVC-…`/`KUBE-SEP-…`).
+//! - `plan`: the pure planner, snapshot → filter + nat rules (structured by chain).
+//! - `incremental`: per-service-port plans cached between syncs (re-plans what changed).
 //! - [`render`](mod@render): iptables-restore text and upstream's canonical sort.
-//! - [`proxier`]: full/partial sync state machine over an [`kernel::IptablesBackend`].
-//! - [`written`]: what the kernel is known to hold (lets partial syncs skip unchanged chains).
+//! - `proxier`: full/partial sync state machine over an [`kernel::IptablesBackend`].
+//! - `written`: what the kernel is known to hold (lets partial syncs skip unchanged chains).
 //! - [`kernel`]: the kernel interface (`--noflush` restores only) and an in-memory fake of it.
 //! - [`exec`]: the real backend (iptables binaries, nft/legacy detection, `-w` lock, the bulk
 //!   form of a restore for iptables-nft).
-//! - [`dataplane`]: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
-//! - [`cleanup`]: removal of our and upstream kube-proxy's leftovers.
+//! - `dataplane`: [`IptablesDataplane`], the `Dataplane` (start-up checks, canary monitor).
+//! - `cleanup`: removal of our and upstream kube-proxy's leftovers.
 //!
 //! One proxier runs per IP family (like upstream's dual-stack meta-proxier).
 

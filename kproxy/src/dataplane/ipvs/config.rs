@@ -24,7 +24,7 @@ pub(crate) const KNOWN_SCHEDULERS: &[&str] = &[
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IpvsConfig {
     pub family: IpFamily,
-    /// `ipvs.scheduler` (empty = [`DEFAULT_SCHEDULER`]).
+    /// `ipvs.scheduler` (empty = `DEFAULT_SCHEDULER`).
     pub scheduler: String,
     /// The node addresses NodePorts are served on: `nodePortAddresses` resolved against the
     /// node's interfaces (upstream's default is every local address except the dummy's).
@@ -43,7 +43,7 @@ pub struct IpvsConfig {
     pub masquerade_bit: u8,
     /// `ipvs.excludeCIDRs`: virtual servers in these ranges are never removed by cleanup.
     pub exclude_cidrs: Vec<IpNet>,
-    /// The dummy interface name ([`DEFAULT_DUMMY_DEVICE`]).
+    /// The dummy interface name (`DEFAULT_DUMMY_DEVICE`).
     pub dummy_device: String,
     /// Program the iptables rules and ipsets around IPVS (masquerade, NodePort, firewall).
     /// Off only for setups that install their own; upstream always does.
@@ -51,7 +51,7 @@ pub struct IpvsConfig {
     /// The `iptables-restore` binary for this family (`iptables-restore` / `ip6tables-restore`,
     /// or the `-legacy`/`-nft` variant the host uses).
     pub iptables_restore: String,
-    /// Apply the sysctls upstream's IPVS mode sets (see [`super::sysctl`]).
+    /// Apply the sysctls upstream's IPVS mode sets (see `super::sysctl`).
     pub set_sysctls: bool,
 }
 

@@ -3,15 +3,15 @@
 //! iptables rules around them for masquerading, NodePorts and source-range firewalls.
 //!
 //! Layout (pure planner → thin applier, like every datapath):
-//! - [`config`]: [`IpvsConfig`], what this datapath needs from the resolved configuration.
-//! - [`plan`]: snapshot → [`plan::IpvsPlan`] (virtual services, real servers, bound addresses,
+//! - `config`: [`IpvsConfig`], what this datapath needs from the resolved configuration.
+//! - `plan`: snapshot → `plan::IpvsPlan` (virtual services, real servers, bound addresses,
 //!   ipsets, iptables rules); [`render`] prints it.
-//! - [`genl`]: the IPVS generic-netlink family, hand-written over [`crate::kernel::netlink`]
-//!   (no maintained crate covers it); [`rtnl`]: the dummy link and its addresses through the
+//! - [`genl`]: the IPVS generic-netlink family, hand-written over `crate::kernel::netlink`
+//!   (no maintained crate covers it); `rtnl`: the dummy link and its addresses through the
 //!   `rtnetlink` crates. No external tools for IPVS itself.
-//! - [`netfilter`]: `ipset restore` / `iptables-restore` application.
-//! - [`sysctl`]: the sysctls upstream's IPVS mode sets.
-//! - [`dataplane`]: [`IpvsDataplane`], the applier. Each sync diffs the plan against what the
+//! - `netfilter`: `ipset restore` / `iptables-restore` application.
+//! - `sysctl`: the sysctls upstream's IPVS mode sets.
+//! - `dataplane`: [`IpvsDataplane`], the applier. Each sync diffs the plan against what the
 //!   kernel holds (upstream's syncService / syncEndpoint / cleanLegacyService): only differences are
 //!   written, so a restarted kproxy (a new instance) reconciles without disturbing live
 //!   virtual services. Removed TCP endpoints drain gracefully: their weight drops to 0, and

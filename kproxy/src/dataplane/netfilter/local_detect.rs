@@ -5,12 +5,12 @@
 //! A [`LocalDetector`] is one rule: source address in a CIDR, arrival on a bridge interface,
 //! or arrival on an interface whose name starts with a prefix — or nothing ([`LocalDetector::None`],
 //! upstream's no-op detector, "not implemented"). Datapaths render it:
-//! - iptables: [`LocalDetector::if_local`] / [`LocalDetector::if_not_local`] give upstream's
+//! - iptables: `LocalDetector::if_local` / `LocalDetector::if_not_local` give upstream's
 //!   exact match arguments (`-s 10.0.0.0/8`, `! -s …`, `-i cbr0`, `-i veth+`);
-//! - nftables-style text: [`LocalDetector::if_local_nft`] / [`LocalDetector::if_not_local_nft`];
+//! - nftables-style text: `LocalDetector::if_local_nft` / `LocalDetector::if_not_local_nft`;
 //! - eBPF and tests: [`LocalDetector::is_local`] evaluates it for one packet.
 //!
-//! [`detectors`] picks one detector per IP family from `--detect-local-mode`:
+//! `detectors` picks one detector per IP family from `--detect-local-mode`:
 //! - `ClusterCIDR` (the default): the first `--cluster-cidr` of each family; a family without
 //!   one gets no detector;
 //! - `NodeCIDR`: the first of the Node's `spec.podCIDRs` of each family. As upstream, the
@@ -28,7 +28,7 @@ use ipnet::IpNet;
 use crate::model::IpFamily;
 
 /// `detectLocalMode` and its parameters: how the user chose to recognise pod traffic.
-/// [`detectors`] turns it into one [`LocalDetector`] per family.
+/// `detectors` turns it into one [`LocalDetector`] per family.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
 pub enum DetectLocal {
     /// Source in the cluster CIDRs (of the packet's family) is local; a family without a

@@ -62,7 +62,7 @@ impl NftablesConfig {
         }
     }
 
-    /// The nft table family keyword (`ip` / `ip6`), same as [`Self::ip_x`].
+    /// The nft table family keyword (`ip` / `ip6`), same as `Self::ip_x`.
     pub fn table_family(&self) -> &'static str {
         self.ip_x()
     }

@@ -29,7 +29,7 @@ use super::localhost::LocalhostNodePorts;
 use super::proxier::NftablesProxier;
 
 /// How often a full sync is forced: upstream's `proxyutil.FullSyncPeriod` (one hour, the
-/// iptables mode's [`crate::dataplane::iptables::config::FULL_SYNC_PERIOD`] too). The mode's
+/// iptables mode's `crate::dataplane::iptables::config::FULL_SYNC_PERIOD` too). The mode's
 /// `syncPeriod` (30 s) only paces the syncs, which are partial: a full sync at 10k services
 /// costs seconds of kernel time (see the module docs of [`super`]).
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);

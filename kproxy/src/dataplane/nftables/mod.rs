@@ -1,17 +1,17 @@
 //! The nftables proxier: upstream kube-proxy's nftables mode (pkg/proxy/nftables), object for
-//! object. Everything but [`kernel`] and [`dataplane`] is pure:
+//! object. Everything but [`kernel`] and `dataplane` is pure:
 //!
-//! - [`config`]: [`NftablesConfig`], the resolved per-family settings.
+//! - `config`: [`NftablesConfig`], the resolved per-family settings.
 //! - [`names`]: upstream's hashed chain and set names.
 //! - [`transaction`]: objects, transactions as `nft -f` text (and parsed back), the canonical
 //!   sort upstream compares dumps with.
-//! - [`setup`]: the static part of the table (base chains, maps, dispatch rules).
-//! - [`service`]: one service port's elements and chains.
-//! - [`elements`]: element reconciliation (upstream `nftElementStorage`).
+//! - `setup`: the static part of the table (base chains, maps, dispatch rules).
+//! - `service`: one service port's elements and chains.
+//! - `elements`: element reconciliation (upstream `nftElementStorage`).
 //! - [`proxier`]: the full/partial sync state machine with stale-chain handling.
-//! - [`fake`]: an in-memory table applying transactions (like knftables' `Fake`).
-//! - [`dataplane`]: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
-//! - [`localhost`]: NodePorts on 127.0.0.1 through a userspace proxy (feature gate
+//! - `fake`: an in-memory table applying transactions (like knftables' `Fake`).
+//! - `dataplane`: [`NftablesDataplane`], the mode's `Dataplane` (one proxier per family).
+//! - `localhost`: NodePorts on 127.0.0.1 through a userspace proxy (feature gate
 //!   `KubeProxyNFTablesLocalhostNodePorts`).
 //! - [`kernel`]: the kernel backend (`nft -f -` transactions; chains, sets, elements and
 //!   rule counts read through netlink, [`crate::kernel::nftables`]).
@@ -47,7 +47,7 @@
 //!   of the transaction, once per `numgen … vmap` rule. One transaction of n services
 //!   therefore costs O(n²): 45% of the kernel time at 4k services, ≈ 30 s of kernel time
 //!   at 10k × 5 (the 129 s once measured for anonymous maps is this walk). A full sync is
-//!   therefore committed in parts of ≈ [`proxier::FULL_SYNC_BATCH_OPERATIONS`] operations,
+//!   therefore committed in parts of ≈ `proxier::FULL_SYNC_BATCH_OPERATIONS` operations,
 //!   cut between service ports ([`proxier::split_points`], which also says why no part
 //!   leaves a service half-programmed); partial syncs stay one transaction.
 //! - **Per anonymous set, over the whole table.** Allocating its name (`__map%d`:
@@ -80,8 +80,8 @@
 //!   service port on every sync (hashed chain names, every element ensured again) and only
 //!   skips writing the unchanged ones' chains: ≈ 250 ms of CPU per sync at 10k services.
 //!   kproxy keeps what each service port holds in the table (its chains, affinity sets and
-//!   element keys, [`service::PortRecord`]) and counts the holders of each element key
-//!   ([`elements::ElementStorage::release`]), so a partial sync plans the ports of the
+//!   element keys, `service::PortRecord`) and counts the holders of each element key
+//!   (`elements::ElementStorage::release`), so a partial sync plans the ports of the
 //!   services in the model's `ChangedSet` alone and finds their stale chains, sets and
 //!   elements from what they held before: the same operations, for work proportional to
 //!   the change. (Where two service ports claim one map key with different values — the

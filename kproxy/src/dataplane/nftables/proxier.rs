@@ -1,7 +1,7 @@
 //! The nftables proxier's sync state machine (upstream `syncProxyRules`), pure over a
 //! [`NftBackend`]: full syncs rewrite the static part of the table and every service, partial
 //! syncs plan only the services in the model's [`ChangedSet`] (what every other service port
-//! holds is kept from the sync that last planned it, [`PortRecord`]); map and set elements
+//! holds is kept from the sync that last planned it, `PortRecord`); map and set elements
 //! are reconciled one by one; chains no longer used are flushed and deleted once stale for
 //! more than a second (the clock is a parameter), at the start of a later sync's transaction.
 

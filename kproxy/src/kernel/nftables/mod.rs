@@ -6,7 +6,7 @@
 //! `List`): listing through `nft -j list` took 40 s at 44k services (kubernetes#139513).
 //! Writing stays with `nft -f -` (as upstream's knftables).
 //!
-//! [`wire`] is the pure part (requests, answer parsing, element text), unit-tested on
+//! `wire` is the pure part (requests, answer parsing, element text), unit-tested on
 //! captured bytes; [`NftNetlink`] is the socket. A dump the kernel marks interrupted
 //! (`NLM_F_DUMP_INTR`: the ruleset changed while it ran) is repeated.
 

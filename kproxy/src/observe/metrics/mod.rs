@@ -1,10 +1,10 @@
 //! Prometheus metrics: upstream kube-proxy's `kubeproxy_*` metrics (same names, types, labels
 //! and buckets as the v1.36 metrics reference) plus kproxy's own `kproxy_*` ones, in one
-//! [`prometheus_client`] registry served by [`server`] on `/metrics`.
+//! [`prometheus_client`] registry served by `server` on `/metrics`.
 //!
 //! # Who sets what
 //! - Generic sync metrics (every mode) are set by [`SyncMetrics`], a
-//!   [`crate::sync::SyncObserver`] the agent attaches to the sync loop: sync duration, last
+//!   `crate::sync::SyncObserver` the agent attaches to the sync loop: sync duration, last
 //!   (queued) timestamps, service/endpoint changes pending and total, no-local-endpoints,
 //!   `kproxy_sync_errors_total{mode}`, `kproxy_programmed_{services,endpoints}`.
 //! - `kubeproxy_proxy_{healthz,livez}_total` are counted by the health server.
@@ -17,12 +17,12 @@
 //!
 //! # Differences from upstream, on purpose
 //! - None in the exposition format: like upstream, `/metrics` serves Prometheus' text format
-//!   0.0.4 unless the client asks for OpenMetrics ([`text`]). In OpenMetrics a counter's
+//!   0.0.4 unless the client asks for OpenMetrics (`text`). In OpenMetrics a counter's
 //!   `# TYPE` line names the family without `_total` (`# TYPE kubeproxy_proxy_healthz counter`)
 //!   while its samples keep the `_total` name upstream uses (`kubeproxy_proxy_healthz_total`).
 //! - One kproxy sync programs both IP families, so per-family sync metrics
 //!   (`ip_family="IPv4"|"IPv6"`) are recorded for every family the agent handles
-//!   ([`Metrics::families`]) with the same value.
+//!   (`Metrics::families`) with the same value.
 //! - `kubeproxy_network_programming_duration_seconds` is observed once per (service, family)
 //!   whose EndpointSlices carried an `endpoints.kubernetes.io/last-change-trigger-time`, after
 //!   the first successful sync that programmed the change (the earliest pending trigger time

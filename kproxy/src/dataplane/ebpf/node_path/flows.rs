@@ -22,7 +22,7 @@
 //! Entries of one flow are recognised by what the programs copy into all of them: service id,
 //! backend id, protocol and creation time. A flow's idle time is that of its most recently
 //! used entry, so a one-way UDP stream does not lose its reverse entries while it is alive.
-//! Planning ([`plan_purge`], [`plan_expiry`]) is pure; the map I/O is a dump and deletes.
+//! Planning (`plan_purge`, `plan_expiry`) is pure; the map I/O is a dump and deletes.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::mpsc::RecvTimeoutError;

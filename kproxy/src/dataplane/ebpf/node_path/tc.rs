@@ -242,7 +242,7 @@ impl TcPath {
     /// Replaces `KP_NODE_ADDR4` with `sources` (ifindex → SNAT source of that device); see
     /// [`crate::kernel::addresses::NodeAddresses::snat_v4`]. Then moves the XDP forwarding
     /// caches' generation, which may hold a node address per backend
-    /// ([`super::xdp::move_generation`]).
+    /// (`super::xdp::move_generation`).
     pub fn set_node_addresses(ebpf: &mut Ebpf, sources: &[(u32, Ipv4Addr)]) -> Result<(), TcError> {
         replace_node_addresses(ebpf, MAP_NODE_ADDR4, sources, |a| NodeAddr4 {
             addr: u32::from_ne_bytes(a.octets()),

@@ -20,10 +20,10 @@
 //! **Forwarding cache.** An established flow's FIB answer (egress device, MTU, MACs) and its
 //! rewritten source are cached in the flow's first-looked-up CT entry per direction
 //! (`kproxy_common::ct::FwdCache`), so its packets skip `bpf_fib_lookup` and a second CT
-//! lookup. The cache is valid under one generation (`KP_FWD_GEN`): [`FwdGen`] draws a random
+//! lookup. The cache is valid under one generation (`KP_FWD_GEN`): `FwdGen` draws a random
 //! one at the first attach and moves it on every rtnetlink announcement of a link, address,
 //! route, rule or neighbour change in the devices' namespace
-//! ([`crate::kernel::route_events`]), so a changed route or neighbour is seen by each flow's
+//! (`crate::kernel::route_events`), so a changed route or neighbour is seen by each flow's
 //! next packet (after the few milliseconds the notification takes). Without notifications,
 //! or once this is dropped, the generation is 0 and every packet looks its route up.
 //!
@@ -33,10 +33,10 @@
 //! node-address lookups under the same generation and checks. That lookup uses the client's
 //! address as source; one answer serves every client only while the namespace's routing
 //! ignores the source: the kernel's default policy rules only and no multipath or TOS-keyed
-//! routes ([`crate::kernel::routing_policy`]). [`FwdGen`] reads that on start and after every
+//! routes (`crate::kernel::routing_policy`). `FwdGen` reads that on start and after every
 //! announcement and allows the cache (`KP_FWD_GEN[FWD_GEN_PER_BACKEND]`) only then; otherwise
 //! every new flow looks its route up. Rewriting `KP_NODE_ADDR4`
-//! ([`super::TcPath::set_node_addresses`]) moves the generation ([`move_generation`]), since
+//! ([`super::TcPath::set_node_addresses`]) moves the generation (`move_generation`), since
 //! the address watcher polls and may write after the announcement already moved it.
 //!
 //! **Redirect choice.** Frames leave through `bpf_redirect(ifindex)` (or `XDP_TX` when the
@@ -48,7 +48,7 @@
 //! ingress or FIB egress device is not in it is passed to TC.
 //!
 //! **veth.** A device is enabled for the fast path when its driver is not `veth`
-//! ([`fast_path_by_default`]); the early drop works everywhere. Two kernel facts make a veth a
+//! (`fast_path_by_default`); the early drop works everywhere. Two kernel facts make a veth a
 //! poor fast-path device unless its surroundings are prepared: a frame sent into a veth by
 //! `XDP_TX` / `XDP_REDIRECT` is only received when the veth's *peer* runs an XDP program (or
 //! has GRO on) — otherwise it is dropped; and frames a veth receives from a local sender carry
@@ -122,7 +122,7 @@ impl XdpPath {
     /// Attaches to `device` (in the calling thread's network namespace) as `policy` says.
     /// Returns whether the program is attached there. The first attach turns the fast
     /// path's forwarding caches on and makes them follow that namespace's routing changes
-    /// ([`FwdGen`]).
+    /// (`FwdGen`).
     pub fn attach(
         &mut self,
         ebpf: &mut Ebpf,

@@ -2,7 +2,7 @@
 //!
 //! `build.rs` compiles `kproxy-ebpf` (Debian's rustc-web + bpf-linker, see README) and this
 //! module embeds the resulting ELF, completed for the running kernel at each load (the
-//! `sk_buff` checksum-state read, located once through the kernel's BTF, [`btf`]). [`load`] is
+//! `sk_buff` checksum-state read, located once through the kernel's BTF, `btf`). `load` is
 //! the only place it becomes an [`aya::Ebpf`] (maps created or reused from pins, programs not
 //! yet loaded). Names and value types come from [`kproxy_common`].
 
@@ -52,7 +52,7 @@ static SITE: OnceLock<Option<(i32, i16, i32)>> = OnceLock::new();
 /// Set by [`use_checksum_helpers_only`].
 static HELPERS_ONLY: AtomicBool = AtomicBool::new(false);
 
-/// Makes [`load`] take the helpers-only fallback of `kproxy_common::skb` even where the
+/// Makes `load` take the helpers-only fallback of `kproxy_common::skb` even where the
 /// kernel supports the read (how the TC path behaves on a kernel without it; for tests).
 /// Returns false if the object was already completed, i.e. it is too late.
 pub fn use_checksum_helpers_only() -> bool {
@@ -111,7 +111,7 @@ fn completed_words(object: &[u8], site: Option<(i32, i16, i32)>) -> (Vec<u64>, u
 /// it exists in the build tree only.
 pub(crate) const TOOLS_OBJECT_PATH: &str = env!("KPROXY_EBPF_TOOLS_OBJECT");
 
-/// Loads the bench and test tools' object ([`TOOLS_OBJECT_PATH`]) like [`load`] loads the
+/// Loads the bench and test tools' object (`TOOLS_OBJECT_PATH`) like `load` loads the
 /// agent's: completed for this kernel, maps created or reused from pins.
 pub fn load_tools(options: &LoadOptions<'_>) -> Result<Ebpf, BpfError> {
     let bytes = std::fs::read(TOOLS_OBJECT_PATH).map_err(|_| BpfError::NotBuilt)?;
@@ -190,7 +190,7 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// How [`load`] creates the object's maps.
+/// How `load` creates the object's maps.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions<'a> {
     /// The directory (on a bpffs) of the object's pinned maps: maps pinned there are reused,

@@ -3,16 +3,16 @@
 //! - [`plan`](mod@plan) (pure): [`Snapshot`] + [`ServiceMapsConfig`] → [`plan::MapsPlan`], the exact entries
 //!   of the service maps (`kproxy_common::service` documents the layout and who reads what);
 //!   [`render`] prints it (`kproxy render --proxy-mode ebpf`).
-//! - [`ids`]: stable backend and set ids across syncs and restarts.
+//! - `ids`: stable backend and set ids across syncs and restarts.
 //! - [`maglev`] (pure): the Maglev table of a set (`--bpf-lb-algorithm maglev`).
-//! - [`apply`]: diffs a plan against the maps and writes backends → slots → frontends →
+//! - `apply`: diffs a plan against the maps and writes backends → slots → frontends →
 //!   deletes stale, failing only the service port whose write failed.
-//! - [`filter`] (pure): the frontend filter's bits, kept in step with the frontends so the
+//! - `filter` (pure): the frontend filter's bits, kept in step with the frontends so the
 //!   node-device programs skip service-map lookups that would miss.
-//! - [`tables`]: one map as the applier sees it (kernel or in-memory).
+//! - `tables`: one map as the applier sees it (kernel or in-memory).
 //!
-//! [`ServiceMaps`] ties them together with the loaded object ([`loader`]: pins, the
-//! socket-LB links) and UDP socket destruction ([`super::socket_lb::sock_destroy`]). It is a
+//! [`ServiceMaps`] ties them together with the loaded object (`loader`: pins, the
+//! socket-LB links) and UDP socket destruction (`super::socket_lb::sock_destroy`). It is a
 //! [`Dataplane`] of its own (socket LB without the node path, as some tests run it); the mode's
 //! `Dataplane` is [`super::EbpfDataplane`], which adds the TC/XDP node path reading the same
 //! maps.
@@ -22,15 +22,15 @@
 //! A sync costs O(changed service ports), not O(all): with 10k service ports one endpoint
 //! change re-plans and writes one service port.
 //!
-//! - What is cached: the [`Planner`] keeps the current [`MapsPlan`] per service port (each
+//! - What is cached: the `Planner` keeps the current [`MapsPlan`] per service port (each
 //!   [`plan::ServicePlan`] remembers the `Arc`s of the snapshot parts it was made from), who
-//!   claims which frontend, and how many slots reference each backend; the [`Applier`] keeps
+//!   claims which frontend, and how many slots reference each backend; the `Applier` keeps
 //!   what it believes the agent-written maps hold (it is their only writer) and the plan each
 //!   service port has in them.
 //! - Which service ports are re-planned: the `changed` set when the snapshot is the tracker's
 //!   next one (`generation` = last synced + 1, so the set covers everything since); otherwise
 //!   (a caller building snapshots itself) those whose `Arc`s or values differ from what was
-//!   planned ([`Planner::changed_in`]); plus every service port whose last apply failed. A
+//!   planned (`Planner::changed_in`); plus every service port whose last apply failed. A
 //!   frontend that changes owner (two service ports want it; the first by name gets it)
 //!   re-plans every claimant.
 //! - Full syncs (every service port re-planned, every cached entry compared, stale entries
@@ -39,7 +39,7 @@
 //!   NodePort addresses or configuration, and at least once per `syncPeriod`
 //!   ([`ServiceMapsConfig::full_sync_period`]), as upstream's proxiers resync periodically. The maps
 //!   are also re-read before a full sync when the last read is older than
-//!   [`MAP_REREAD_PERIOD`].
+//!   `MAP_REREAD_PERIOD`.
 //! - Why readers never see a half-programmed service: an incremental apply writes the changed
 //!   service ports' entries in the same order as a full one (backends → slots, Maglev tables,
 //!   source ranges → frontends → stale entries), so a frontend only ever points at a complete

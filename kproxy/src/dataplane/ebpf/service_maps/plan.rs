@@ -32,10 +32,10 @@
 //! `BE_F_TERMINATING` flags are set when any referencing endpoint has them (order-independent,
 //! so an incremental plan equals a from-scratch one).
 //!
-//! [`Planner`] is incremental: it keeps the plan and re-plans only the service ports it is
-//! given ([`Planner::update`]), keeping reference counts of backends (an id is released when
+//! `Planner` is incremental: it keeps the plan and re-plans only the service ports it is
+//! given (`Planner::update`), keeping reference counts of backends (an id is released when
 //! nothing references it) and the claimants of every frontend (when an owner stops wanting a
-//! frontend, the next claimant gets it and is reported changed). [`plan`] is a from-scratch
+//! frontend, the next claimant gets it and is reported changed). `plan` is a from-scratch
 //! plan through the same code; the unit tests check that random sequences of incremental
 //! updates end in exactly the from-scratch plan.
 

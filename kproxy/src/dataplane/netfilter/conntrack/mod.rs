@@ -33,10 +33,10 @@
 //!
 //! # Parts
 //!
-//! - [`stale`]: the pure decision (when to clean, which entries are stale), upstream's
+//! - `stale`: the pure decision (when to clean, which entries are stale), upstream's
 //!   algorithm and the places kproxy knowingly differs.
 //! - [`netlink`]: ctnetlink dump and delete; encoding and decoding as pure functions.
-//! - [`entry`]: the entry type both share.
+//! - `entry`: the entry type both share.
 
 pub(crate) mod entry;
 pub mod netlink;

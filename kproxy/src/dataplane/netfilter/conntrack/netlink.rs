@@ -1,9 +1,9 @@
 //! ctnetlink (NETLINK_NETFILTER, subsystem NFNL_SUBSYS_CTNETLINK): dump the conntrack table of
 //! one IP family and delete entries, without the `conntrack` tool.
 //!
-//! The wire format is written as small pure functions ([`encode_dump_request`],
-//! [`encode_delete`], [`parse_messages`]) unit-tested without a kernel, on the shared netlink
-//! plumbing of [`crate::kernel::netlink`]; [`Socket`] is the thin I/O around them. Layout of every message: `nlmsghdr` (16 bytes, host byte order), then
+//! The wire format is written as small pure functions (`encode_dump_request`,
+//! `encode_delete`, `parse_messages`) unit-tested without a kernel, on the shared netlink
+//! plumbing of `crate::kernel::netlink`; [`Socket`] is the thin I/O around them. Layout of every message: `nlmsghdr` (16 bytes, host byte order), then
 //! `nfgenmsg` (family, version 0, resource id 0 big-endian), then netlink attributes (4-byte
 //! aligned, `u16 len, u16 type`), whose ctnetlink payloads are big-endian.
 //!
