@@ -267,13 +267,10 @@ fn delete_jumps(tools: &Tools, ipt: &str, restore: &str) {
 pub(crate) fn cleanup(tools: &Tools, family: IpFamily, restore: &str) -> Result<(), String> {
     let ipt = iptables_binary(restore);
     let mut errors = vec![];
-    delete_jumps(tools, &ipt, restore);
+    unhook(tools, restore);
     for (table, chains) in [("nat", NAT_CHAINS), ("filter", FILTER_CHAINS)] {
         if !table_present(restore, table) {
             continue;
-        }
-        for chain in chains.iter() {
-            let _ = tools.run(&ipt, &["-w", "-t", table, "-F", chain]);
         }
         for chain in chains.iter() {
             if let Err(e) = tools.run(&ipt, &["-w", "-t", table, "-X", chain])
