@@ -441,6 +441,14 @@ mod tests {
         }
     }
 
+    /// `(from, to)` of every forbidden edge in `files`.
+    fn bad_edges(files: &[(PathBuf, String)], table: &Allowed) -> Vec<(String, String)> {
+        violations(files, table)
+            .into_iter()
+            .map(|v| (v.from, v.to))
+            .collect()
+    }
+
     /// The ebpf mode's sub-modules (`dataplane::ebpf::<child>`) import each other without a
     /// loop.
     #[test]
@@ -475,10 +483,7 @@ mod tests {
                     .to_string(),
             ),
         ];
-        let bad: Vec<(String, String)> = violations(&files, &table)
-            .into_iter()
-            .map(|v| (v.from, v.to))
-            .collect();
+        let bad = bad_edges(&files, &table);
         assert_eq!(
             bad,
             vec![
@@ -538,10 +543,7 @@ mod tests {
                     .to_string(),
             ),
         ];
-        let bad: Vec<(String, String)> = violations(&files, &table)
-            .into_iter()
-            .map(|v| (v.from, v.to))
-            .collect();
+        let bad = bad_edges(&files, &table);
         assert_eq!(
             bad,
             vec![

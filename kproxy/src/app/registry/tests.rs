@@ -18,6 +18,16 @@ fn cfg(args: &[&str]) -> ProxyConfig {
     crate::cli::load(&inv, Some("n".into())).unwrap().config
 }
 
+/// A dual-stack cluster CIDR and `--masquerade-all`, plus `extra` flags.
+fn dual_stack_masquerading(extra: &[&str]) -> ProxyConfig {
+    let mut args = vec![
+        "--cluster-cidr=10.244.0.0/16,fd00:10::/64",
+        "--masquerade-all",
+    ];
+    args.extend_from_slice(extra);
+    cfg(&args)
+}
+
 #[test]
 fn every_mode_has_its_face_and_detection_tries_nftables_after_ebpf_and_before_ipvs() {
     for m in ProxyMode::ALL {
@@ -202,9 +212,7 @@ fn render_plan_prints_both_nftables_tables() {
 
 #[test]
 fn iptables_configs_follow_the_proxy_config() {
-    let c = cfg(&[
-        "--cluster-cidr=10.244.0.0/16,fd00:10::/64",
-        "--masquerade-all",
+    let c = dual_stack_masquerading(&[
         "--iptables-masquerade-bit=12",
         "--nodeport-addresses=192.0.2.0/24",
     ]);
@@ -252,10 +260,7 @@ fn ipvs_configs_follow_the_proxy_config() {
 
 #[test]
 fn nftables_configs_follow_the_nftables_section() {
-    let c = cfg(&[
-        "--cluster-cidr=10.244.0.0/16,fd00:10::/64",
-        "--masquerade-all",
-    ]);
+    let c = dual_stack_masquerading(&[]);
     let v = crate::dataplane::nftables::face::configs(&c, &[IpFamily::V4, IpFamily::V6], &[]);
     assert_eq!(v.len(), 2);
     assert_eq!(
