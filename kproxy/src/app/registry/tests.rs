@@ -8,6 +8,7 @@ use ipnet::IpNet;
 
 use super::*;
 use crate::config::ModeChoice;
+use crate::dataplane::netfilter::backend::Flavor;
 use crate::dataplane::netfilter::local_detect::LocalDetector;
 use crate::model::IpFamily;
 
@@ -16,6 +17,17 @@ fn cfg(args: &[&str]) -> ProxyConfig {
     v.extend_from_slice(args);
     let inv = crate::cli::parse(v.into_iter().map(std::ffi::OsString::from)).unwrap();
     crate::cli::load(&inv, Some("n".into())).unwrap().config
+}
+
+/// The IPv4 IPVS proxier's configuration with NodePorts on `ip`.
+fn ipvs_v4(
+    c: &ProxyConfig,
+    ip: IpAddr,
+    flavor: Flavor,
+    pod_cidrs: &[IpNet],
+) -> crate::dataplane::ipvs::IpvsConfig {
+    crate::dataplane::ipvs::face::configs(c, &[IpFamily::V4], |_| vec![ip], flavor, pod_cidrs)
+        .remove(0)
 }
 
 /// A dual-stack cluster CIDR and `--masquerade-all`, plus `extra` flags.
@@ -127,23 +139,11 @@ fn node_cidr_mode_detects_local_traffic_by_the_nodes_pod_cidrs() {
     let v = crate::dataplane::iptables::face::configs(&c, &[IpFamily::V4], &[]);
     assert_eq!(v[0].local_detector, LocalDetector::None);
     let ip: IpAddr = "192.0.2.1".parse().unwrap();
-    let v = crate::dataplane::ipvs::face::configs(
-        &c,
-        &[IpFamily::V4],
-        |_| vec![ip],
-        crate::dataplane::netfilter::backend::Flavor::Nft,
-        &pod_cidrs,
-    );
-    assert_eq!(v[0].cluster_cidr, Some(pod_cidrs[0]));
+    let v = ipvs_v4(&c, ip, Flavor::Nft, &pod_cidrs);
+    assert_eq!(v.cluster_cidr, Some(pod_cidrs[0]));
     let c = cfg(&["--cluster-cidr=10.0.0.0/8"]);
-    let v = crate::dataplane::ipvs::face::configs(
-        &c,
-        &[IpFamily::V4],
-        |_| vec![ip],
-        crate::dataplane::netfilter::backend::Flavor::Nft,
-        &pod_cidrs,
-    );
-    assert_eq!(v[0].cluster_cidr, Some("10.0.0.0/8".parse().unwrap()));
+    let v = ipvs_v4(&c, ip, Flavor::Nft, &pod_cidrs);
+    assert_eq!(v.cluster_cidr, Some("10.0.0.0/8".parse().unwrap()));
 }
 
 #[test]
@@ -242,20 +242,14 @@ fn ipvs_configs_follow_the_proxy_config() {
         "--ipvs-tcp-timeout=10s",
     ]);
     let ip: IpAddr = "192.0.2.1".parse().unwrap();
-    let v = crate::dataplane::ipvs::face::configs(
-        &c,
-        &[IpFamily::V4],
-        |_| vec![ip],
-        crate::dataplane::netfilter::backend::Flavor::Legacy,
-        &[],
-    );
-    assert_eq!(v[0].scheduler, "lc");
-    assert!(v[0].strict_arp);
-    assert_eq!(v[0].timeouts.tcp, 10);
-    assert_eq!(v[0].node_ips, vec![ip]);
-    assert_eq!(v[0].cluster_cidr, Some("10.244.0.0/16".parse().unwrap()));
-    assert_eq!(v[0].iptables_restore, "iptables-legacy-restore");
-    assert!(v[0].validate().is_ok());
+    let v = ipvs_v4(&c, ip, Flavor::Legacy, &[]);
+    assert_eq!(v.scheduler, "lc");
+    assert!(v.strict_arp);
+    assert_eq!(v.timeouts.tcp, 10);
+    assert_eq!(v.node_ips, vec![ip]);
+    assert_eq!(v.cluster_cidr, Some("10.244.0.0/16".parse().unwrap()));
+    assert_eq!(v.iptables_restore, "iptables-legacy-restore");
+    assert!(v.validate().is_ok());
 }
 
 #[test]
