@@ -1,6 +1,6 @@
 //! The eBPF TC service path: NodePort / ExternalIP / LoadBalancer traffic arriving from outside
 //! the node, handled by `kp_tc_in` / `kp_tc_eg` (IPv4, `kproxy-ebpf/src/tc.rs`) and
-//! `kp_tc_in6` / `kp_tc_eg6` (IPv6, `kproxy-ebpf/src/tc6.rs`), all four attached to each node
+//! `kp_tc_in6` / `kp_tc_eg6` (IPv6; one implementation for both, `kproxy-ebpf/src/tc.rs`), all four attached to each node
 //! device (each pair passes the other family on).
 //!
 //! IPv6 covers what IPv4 does — DNAT of NodePorts on the node's IPv6 addresses, ExternalIPs

@@ -112,7 +112,7 @@ pub fn load_object(map_pin_dir: &Path, config: &TcConfig) -> Result<Ebpf, TcErro
 }
 
 /// Every attachment on a device: program, direction, pin suffix. IPv4 and IPv6 are separate
-/// programs (see `kproxy-ebpf/src/tc6.rs` for why); each passes the other family on.
+/// programs (see `kproxy-ebpf/src/tc.rs` for why); each passes the other family on.
 pub const HOOKS: [(&str, TcAttachType, &str); 4] = [
     (PROG_TC_INGRESS, TcAttachType::Ingress, "in"),
     (PROG_TC_EGRESS, TcAttachType::Egress, "eg"),
