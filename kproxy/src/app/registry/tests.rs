@@ -25,7 +25,7 @@ fn ipvs_v4(
     ip: IpAddr,
     flavor: Flavor,
     pod_cidrs: &[IpNet],
-) -> crate::dataplane::ipvs::IpvsConfig {
+) -> crate::dataplane::ipvs::face::IpvsConfig {
     crate::dataplane::ipvs::face::configs(c, &[IpFamily::V4], |_| vec![ip], flavor, pod_cidrs)
         .remove(0)
 }

@@ -17,8 +17,9 @@ use crate::dataplane::per_family::PerFamily;
 use crate::dataplane::{Dataplane, ModeMetrics, ProxyMode};
 use crate::model::{IpFamily, Snapshot};
 
+pub use super::IpvsConfig;
+use super::IpvsDataplane;
 use super::config::DEFAULT_DUMMY_DEVICE;
-use super::{IpvsConfig, IpvsDataplane};
 
 /// The ipvs mode.
 pub(crate) struct Face;
